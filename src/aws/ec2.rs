@@ -1,0 +1,399 @@
+//! EC2: finding a cluster's Karpenter instances and launch templates, terminating them in batches,
+//! and the detached network interfaces and volumes that verification reports.
+
+use std::collections::BTreeMap;
+
+use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName, ResourceType, Tag, TagSpecification};
+
+use super::AwsError;
+use crate::karpenter;
+
+/// `TerminateInstances` takes at most this many ids per call (design §5).
+pub const TERMINATE_BATCH: usize = 500;
+/// `DescribeInstances` page size with filters.
+const DESCRIBE_PAGE: i32 = 1000;
+
+/// The lifecycle state of an instance, as EC2 reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InstanceState {
+    /// Launching.
+    Pending,
+    /// Running.
+    Running,
+    /// Stopping.
+    Stopping,
+    /// Stopped (still exists, still owns volumes and interfaces).
+    Stopped,
+    /// Terminating.
+    ShuttingDown,
+    /// Gone for good.
+    Terminated,
+}
+
+impl InstanceState {
+    fn from_sdk(s: Option<&InstanceStateName>) -> InstanceState {
+        match s {
+            Some(InstanceStateName::Pending) => InstanceState::Pending,
+            Some(InstanceStateName::Running) => InstanceState::Running,
+            Some(InstanceStateName::Stopping) => InstanceState::Stopping,
+            Some(InstanceStateName::Stopped) => InstanceState::Stopped,
+            Some(InstanceStateName::ShuttingDown) => InstanceState::ShuttingDown,
+            // An unknown or missing state is treated as live: claiming an instance is gone when
+            // it is not would be the one unforgivable mistake of this tool.
+            Some(InstanceStateName::Terminated) => InstanceState::Terminated,
+            _ => InstanceState::Running,
+        }
+    }
+
+    /// Every state but `terminated` still costs money or holds resources.
+    pub fn is_live(self) -> bool {
+        self != InstanceState::Terminated
+    }
+
+    /// The states Karpenter's own garbage collection treats as live (design §2.7).
+    pub const LIVE_FILTER: [&'static str; 5] = ["pending", "running", "stopping", "stopped", "shutting-down"];
+}
+
+/// What the tool needs to know of one instance.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct InstanceInfo {
+    /// `i-...`
+    pub id: String,
+    /// Lifecycle state.
+    pub state: InstanceState,
+    /// Availability zone.
+    pub zone: String,
+    /// All tags.
+    pub tags: BTreeMap<String, String>,
+}
+
+impl InstanceInfo {
+    fn from_sdk(i: &Instance) -> InstanceInfo {
+        InstanceInfo {
+            id: i.instance_id().unwrap_or_default().to_string(),
+            state: InstanceState::from_sdk(i.state().and_then(|s| s.name())),
+            zone: i.placement().and_then(|p| p.availability_zone()).unwrap_or_default().to_string(),
+            tags: i
+                .tags()
+                .iter()
+                .filter_map(|t| Some((t.key()?.to_string(), t.value().unwrap_or_default().to_string())))
+                .collect(),
+        }
+    }
+
+    /// The value of a tag.
+    pub fn tag(&self, key: &str) -> Option<&str> {
+        self.tags.get(key).map(String::as_str)
+    }
+}
+
+/// A launch template as verification reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LaunchTemplateInfo {
+    /// `lt-...`
+    pub id: String,
+    /// `karpenter.k8s.aws/<hash>`
+    pub name: String,
+    /// The EC2NodeClass it was made for, from its tag.
+    pub nodeclass: Option<String>,
+}
+
+/// A network interface or volume left behind, reported by verification.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DetachedResource {
+    /// `eni-...` or `vol-...`
+    pub id: String,
+    /// EC2's status string (`available` for detached).
+    pub status: String,
+}
+
+/// Which instances of a cluster to list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstanceScope {
+    /// Karpenter's own garbage-collection filter: tagged with `karpenter.sh/nodepool`,
+    /// `karpenter.k8s.aws/ec2nodeclass` and `eks:eks-cluster-name=<cluster>`, in a live state.
+    KarpenterLive,
+    /// Every instance tagged `eks:eks-cluster-name=<cluster>`, any state (identity evidence).
+    ClusterAny,
+}
+
+/// Outcome of a batched termination.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TerminateOutcome {
+    /// Ids EC2 accepted (now shutting-down or terminated).
+    pub accepted: Vec<String>,
+    /// Ids EC2 does not know (already gone long ago, or never launched): done.
+    pub not_found: Vec<String>,
+    /// Ids that failed for another reason, with the error.
+    pub failed: Vec<(String, String)>,
+}
+
+/// The EC2 client of one region.
+#[derive(Clone, Debug)]
+pub struct Ec2 {
+    client: aws_sdk_ec2::Client,
+    endpoint: String,
+}
+
+impl Ec2 {
+    pub(crate) fn new(client: aws_sdk_ec2::Client, endpoint: String) -> Ec2 {
+        Ec2 { client, endpoint }
+    }
+
+    fn err<E, R>(&self, op: &'static str, e: aws_sdk_ec2::error::SdkError<E, R>) -> AwsError
+    where
+        E: aws_sdk_ec2::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+        R: std::fmt::Debug,
+    {
+        AwsError::from_sdk("ec2", op, &self.endpoint, e)
+    }
+
+    /// Lists a cluster's instances, all pages.
+    pub async fn cluster_instances(&self, cluster: &str, scope: InstanceScope) -> Result<Vec<InstanceInfo>, AwsError> {
+        let mut filters = vec![tag_filter(karpenter::TAG_EKS_CLUSTER, cluster)];
+        if scope == InstanceScope::KarpenterLive {
+            filters.push(tag_key_filter(karpenter::TAG_NODEPOOL));
+            filters.push(tag_key_filter(karpenter::TAG_NODECLASS));
+            filters.push(
+                Filter::builder()
+                    .name("instance-state-name")
+                    .set_values(Some(InstanceState::LIVE_FILTER.iter().map(|s| s.to_string()).collect()))
+                    .build(),
+            );
+        }
+        self.describe(Some(filters), None).await
+    }
+
+    /// Looks up instances by id; ids EC2 no longer knows are simply absent from the result.
+    pub async fn instances_by_id(&self, ids: &[String]) -> Result<Vec<InstanceInfo>, AwsError> {
+        let mut out = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(TERMINATE_BATCH) {
+            // Filtering on instance-id instead of passing InstanceIds keeps one unknown id from
+            // failing the whole call with InvalidInstanceID.NotFound.
+            let f = Filter::builder().name("instance-id").set_values(Some(chunk.to_vec())).build();
+            out.extend(self.describe(Some(vec![f]), None).await?);
+        }
+        Ok(out)
+    }
+
+    async fn describe(
+        &self,
+        filters: Option<Vec<Filter>>,
+        ids: Option<Vec<String>>,
+    ) -> Result<Vec<InstanceInfo>, AwsError> {
+        let mut pages = self
+            .client
+            .describe_instances()
+            .set_filters(filters)
+            .set_instance_ids(ids)
+            .max_results(DESCRIBE_PAGE)
+            .into_paginator()
+            .send();
+        let mut out = Vec::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.err("DescribeInstances", e))?;
+            for r in page.reservations() {
+                out.extend(r.instances().iter().map(InstanceInfo::from_sdk));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Terminates instances in batches of at most 500. A batch that EC2 refuses as a whole (one
+    /// bad id fails the call, design §5) is retried one id at a time so the good ids still go.
+    pub async fn terminate(&self, ids: &[String]) -> Result<TerminateOutcome, AwsError> {
+        let mut outcome = TerminateOutcome::default();
+        for chunk in ids.chunks(TERMINATE_BATCH) {
+            match self.terminate_call(chunk).await {
+                Ok(accepted) => outcome.accepted.extend(accepted),
+                Err(e) if e.is_configuration() => return Err(e),
+                Err(_) => {
+                    for id in chunk {
+                        match self.terminate_call(std::slice::from_ref(id)).await {
+                            Ok(accepted) => outcome.accepted.extend(accepted),
+                            Err(e) if e.code().is_some_and(is_not_found) => outcome.not_found.push(id.clone()),
+                            Err(e) if e.is_configuration() => return Err(e),
+                            Err(e) => outcome.failed.push((id.clone(), e.to_string())),
+                        }
+                    }
+                }
+            }
+        }
+        Ok(outcome)
+    }
+
+    async fn terminate_call(&self, ids: &[String]) -> Result<Vec<String>, AwsError> {
+        let out = self
+            .client
+            .terminate_instances()
+            .set_instance_ids(Some(ids.to_vec()))
+            .send()
+            .await
+            .map_err(|e| self.err("TerminateInstances", e))?;
+        Ok(out.terminating_instances().iter().filter_map(|c| c.instance_id().map(str::to_string)).collect())
+    }
+
+    /// The cluster's Karpenter launch templates, under both tag schemes (1.1+ tags
+    /// `eks:eks-cluster-name`, 1.0.x tagged `karpenter.k8s.aws/cluster`).
+    pub async fn launch_templates(&self, cluster: &str) -> Result<Vec<LaunchTemplateInfo>, AwsError> {
+        let mut out: BTreeMap<String, LaunchTemplateInfo> = BTreeMap::new();
+        for key in [karpenter::TAG_EKS_CLUSTER, karpenter::TAG_LEGACY_CLUSTER] {
+            let mut pages =
+                self.client.describe_launch_templates().filters(tag_filter(key, cluster)).into_paginator().send();
+            while let Some(page) = pages.next().await {
+                let page = page.map_err(|e| self.err("DescribeLaunchTemplates", e))?;
+                for lt in page.launch_templates() {
+                    let name = lt.launch_template_name().unwrap_or_default();
+                    // The name prefix keeps templates the cluster's other tooling made (tagged
+                    // with the cluster too) out of our hands.
+                    if !name.starts_with(karpenter::LAUNCH_TEMPLATE_PREFIX) {
+                        continue;
+                    }
+                    let id = lt.launch_template_id().unwrap_or_default().to_string();
+                    let nodeclass = lt
+                        .tags()
+                        .iter()
+                        .find(|t| t.key() == Some(karpenter::TAG_NODECLASS))
+                        .and_then(|t| t.value().map(str::to_string));
+                    out.insert(id.clone(), LaunchTemplateInfo { id, name: name.to_string(), nodeclass });
+                }
+            }
+        }
+        Ok(out.into_values().collect())
+    }
+
+    /// Deletes a launch template; one already gone counts as deleted.
+    pub async fn delete_launch_template(&self, id: &str) -> Result<(), AwsError> {
+        match self.client.delete_launch_template().launch_template_id(id).send().await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = self.err("DeleteLaunchTemplate", e);
+                if e.code().is_some_and(is_not_found) { Ok(()) } else { Err(e) }
+            }
+        }
+    }
+
+    /// The cluster's network interfaces that are detached (`available`).
+    pub async fn detached_network_interfaces(&self, cluster: &str) -> Result<Vec<DetachedResource>, AwsError> {
+        let mut pages = self
+            .client
+            .describe_network_interfaces()
+            .filters(Filter::builder().name("status").values("available").build())
+            .filters(tag_key_filter(&karpenter::cluster_tag_key(cluster)))
+            .into_paginator()
+            .send();
+        let mut out = Vec::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.err("DescribeNetworkInterfaces", e))?;
+            for ni in page.network_interfaces() {
+                out.push(DetachedResource {
+                    id: ni.network_interface_id().unwrap_or_default().to_string(),
+                    status: ni.status().map(|s| s.as_str().to_string()).unwrap_or_default(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Deletes a detached network interface; one already gone counts as deleted.
+    pub async fn delete_network_interface(&self, id: &str) -> Result<(), AwsError> {
+        match self.client.delete_network_interface().network_interface_id(id).send().await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = self.err("DeleteNetworkInterface", e);
+                if e.code().is_some_and(is_not_found) { Ok(()) } else { Err(e) }
+            }
+        }
+    }
+
+    /// The cluster's detached (`available`) volumes. Reported, never deleted: they may hold data.
+    pub async fn detached_volumes(&self, cluster: &str) -> Result<Vec<DetachedResource>, AwsError> {
+        let mut pages = self
+            .client
+            .describe_volumes()
+            .filters(Filter::builder().name("status").values("available").build())
+            .filters(tag_key_filter(&karpenter::cluster_tag_key(cluster)))
+            .into_paginator()
+            .send();
+        let mut out = Vec::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.err("DescribeVolumes", e))?;
+            for v in page.volumes() {
+                out.push(DetachedResource {
+                    id: v.volume_id().unwrap_or_default().to_string(),
+                    status: v.state().map(|s| s.as_str().to_string()).unwrap_or_default(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Launches `count` instances carrying `tags` (used by the sandbox to play Karpenter and by
+    /// tests; the teardown itself never launches anything).
+    pub async fn launch_tagged(
+        &self,
+        image_id: &str,
+        instance_type: &str,
+        zone: Option<&str>,
+        count: i32,
+        tags: &BTreeMap<String, String>,
+    ) -> Result<Vec<InstanceInfo>, AwsError> {
+        let spec = TagSpecification::builder()
+            .resource_type(ResourceType::Instance)
+            .set_tags(Some(tags.iter().map(|(k, v)| Tag::builder().key(k).value(v).build()).collect()))
+            .build();
+        let mut req = self
+            .client
+            .run_instances()
+            .image_id(image_id)
+            .instance_type(instance_type.into())
+            .min_count(count)
+            .max_count(count)
+            .tag_specifications(spec);
+        if let Some(z) = zone {
+            req = req.placement(aws_sdk_ec2::types::Placement::builder().availability_zone(z).build());
+        }
+        let out = req.send().await.map_err(|e| self.err("RunInstances", e))?;
+        Ok(out.instances().iter().map(InstanceInfo::from_sdk).collect())
+    }
+
+    /// Creates a launch template with tags (sandbox only).
+    pub async fn create_launch_template(
+        &self,
+        name: &str,
+        image_id: &str,
+        tags: &BTreeMap<String, String>,
+    ) -> Result<String, AwsError> {
+        let spec = TagSpecification::builder()
+            .resource_type(ResourceType::LaunchTemplate)
+            .set_tags(Some(tags.iter().map(|(k, v)| Tag::builder().key(k).value(v).build()).collect()))
+            .build();
+        let out = self
+            .client
+            .create_launch_template()
+            .launch_template_name(name)
+            .launch_template_data(aws_sdk_ec2::types::RequestLaunchTemplateData::builder().image_id(image_id).build())
+            .tag_specifications(spec)
+            .send()
+            .await
+            .map_err(|e| self.err("CreateLaunchTemplate", e))?;
+        Ok(out.launch_template().and_then(|l| l.launch_template_id()).unwrap_or_default().to_string())
+    }
+}
+
+fn tag_filter(key: &str, value: &str) -> Filter {
+    Filter::builder().name(format!("tag:{key}")).values(value).build()
+}
+
+fn tag_key_filter(key: &str) -> Filter {
+    Filter::builder().name("tag-key").values(key).build()
+}
+
+/// EC2's codes for "this id does not exist (any more)".
+fn is_not_found(code: &str) -> bool {
+    code.starts_with("InvalidInstanceID")
+        || code.starts_with("InvalidLaunchTemplateId")
+        || code.starts_with("InvalidLaunchTemplateName")
+        || code == "InvalidNetworkInterfaceID.NotFound"
+}

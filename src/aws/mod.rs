@@ -1,0 +1,205 @@
+//! The AWS side: EC2 (instances, launch templates, network interfaces, volumes), IAM (instance
+//! profiles) and STS (account identity), through the real SDK.
+//!
+//! Endpoints come from the SDK's standard environment (`AWS_ENDPOINT_URL`, `AWS_ENDPOINT_URL_EC2`,
+//! ...), credentials from its default chain; LocalStack needs no special flags.
+
+pub mod ec2;
+pub mod iam;
+
+use aws_config::{BehaviorVersion, Region, retry::RetryConfig};
+use aws_credential_types::provider::ProvideCredentials;
+
+pub use ec2::{Ec2, InstanceInfo, InstanceState};
+pub use iam::{Iam, InstanceProfileInfo};
+
+/// Failures of the AWS side, with what the user can do about them.
+#[derive(Debug, thiserror::Error)]
+pub enum AwsError {
+    /// No credentials could be resolved from the default chain.
+    #[error(
+        "no AWS credentials found ({0}); set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, \
+         or run where an instance or pod role is available (for LocalStack any non-empty pair works, e.g. test/test)"
+    )]
+    NoCredentials(String),
+    /// The endpoint could not be reached at all.
+    #[error(
+        "cannot reach the AWS {service} endpoint {endpoint} during {operation}: {detail}; check the network, \
+         AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_{service_upper} and, for the sandbox, that LocalStack runs (localstack/up)"
+    )]
+    Unreachable {
+        /// `ec2`, `iam` or `sts`.
+        service: &'static str,
+        /// Upper-case service name for the endpoint variable.
+        service_upper: &'static str,
+        /// The endpoint the SDK used (or `the default endpoint`).
+        endpoint: String,
+        /// The API operation that failed.
+        operation: &'static str,
+        /// The transport error.
+        detail: String,
+    },
+    /// The call reached AWS and was refused or failed.
+    #[error("AWS {operation} failed: {code}: {message}")]
+    Api {
+        /// The API operation that failed.
+        operation: &'static str,
+        /// The AWS error code (e.g. `UnauthorizedOperation`).
+        code: String,
+        /// The AWS error message.
+        message: String,
+    },
+    /// The account reached is not the one the user named with `--account`.
+    #[error(
+        "the AWS credentials belong to account {actual}, not {expected}; use credentials for account {expected} or fix --account"
+    )]
+    WrongAccount {
+        /// The account the user asked for.
+        expected: String,
+        /// The account STS reports.
+        actual: String,
+    },
+}
+
+impl AwsError {
+    /// True when the failure is in the configuration (credentials, endpoint), not the operation.
+    pub fn is_configuration(&self) -> bool {
+        matches!(self, AwsError::NoCredentials(_) | AwsError::Unreachable { .. })
+    }
+
+    /// The AWS error code, when the call reached AWS.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            AwsError::Api { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn from_sdk<E, R>(
+        service: &'static str,
+        operation: &'static str,
+        endpoint: &str,
+        err: aws_sdk_ec2::error::SdkError<E, R>,
+    ) -> AwsError
+    where
+        E: aws_smithy_types::error::metadata::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+        R: std::fmt::Debug,
+    {
+        use aws_sdk_ec2::error::SdkError;
+        match err {
+            SdkError::DispatchFailure(d) => AwsError::Unreachable {
+                service,
+                service_upper: upper(service),
+                endpoint: endpoint.to_string(),
+                operation,
+                detail: format!("{:?}", d.as_connector_error()).chars().take(300).collect(),
+            },
+            SdkError::TimeoutError(_) => AwsError::Unreachable {
+                service,
+                service_upper: upper(service),
+                endpoint: endpoint.to_string(),
+                operation,
+                detail: "timed out".into(),
+            },
+            SdkError::ServiceError(s) => {
+                let e = s.err();
+                AwsError::Api {
+                    operation,
+                    code: e.code().unwrap_or("Unknown").to_string(),
+                    message: e.message().unwrap_or("").to_string(),
+                }
+            }
+            other => AwsError::Api {
+                operation,
+                code: "ClientError".into(),
+                message: aws_smithy_types::error::display::DisplayErrorContext(&other).to_string(),
+            },
+        }
+    }
+}
+
+fn upper(service: &'static str) -> &'static str {
+    match service {
+        "ec2" => "EC2",
+        "iam" => "IAM",
+        "sts" => "STS",
+        _ => "<SERVICE>",
+    }
+}
+
+/// The SDK clients of one region, sharing one configuration.
+#[derive(Clone, Debug)]
+pub struct AwsClients {
+    /// EC2 in the cluster's region.
+    pub ec2: Ec2,
+    /// IAM (global).
+    pub iam: Iam,
+    sts: aws_sdk_sts::Client,
+    sts_endpoint: String,
+    region: String,
+}
+
+impl AwsClients {
+    /// Loads the SDK configuration for `region` from the standard environment and proves that
+    /// credentials resolve, so a missing credential is reported before anything runs.
+    pub async fn connect(region: &str) -> Result<AwsClients, AwsError> {
+        let mut loader = aws_config::defaults(BehaviorVersion::latest()).region(Region::new(region.to_string()));
+        // EC2 throttles bulk teardown (RequestLimitExceeded); the SDK's standard mode retries that
+        // with backoff, and more attempts than its default 3 ride out a busy account. An explicit
+        // AWS_MAX_ATTEMPTS / AWS_RETRY_MODE from the user wins.
+        if std::env::var_os("AWS_MAX_ATTEMPTS").is_none() && std::env::var_os("AWS_RETRY_MODE").is_none() {
+            loader = loader.retry_config(RetryConfig::standard().with_max_attempts(8));
+        }
+        AwsClients::from_config(&loader.load().await).await
+    }
+
+    /// Builds the clients from a loaded SDK configuration (tests point one at LocalStack) and
+    /// proves that its credentials resolve.
+    pub async fn from_config(config: &aws_config::SdkConfig) -> Result<AwsClients, AwsError> {
+        let region = config.region().map(|r| r.to_string()).unwrap_or_default();
+        let provider = config
+            .credentials_provider()
+            .ok_or_else(|| AwsError::NoCredentials("no credentials provider configured".into()))?;
+        provider.provide_credentials().await.map_err(|e| {
+            AwsError::NoCredentials(aws_smithy_types::error::display::DisplayErrorContext(&e).to_string())
+        })?;
+        let endpoint = |svc: &str| {
+            std::env::var(format!("AWS_ENDPOINT_URL_{}", svc.to_uppercase()))
+                .ok()
+                .or_else(|| config.endpoint_url().map(str::to_string))
+                .unwrap_or_else(|| format!("the default {svc} endpoint of {region}"))
+        };
+        Ok(AwsClients {
+            ec2: Ec2::new(aws_sdk_ec2::Client::new(config), endpoint("ec2")),
+            iam: Iam::new(aws_sdk_iam::Client::new(config), endpoint("iam")),
+            sts: aws_sdk_sts::Client::new(config),
+            sts_endpoint: endpoint("sts"),
+            region,
+        })
+    }
+
+    /// The region the clients talk to.
+    pub fn region(&self) -> &str {
+        &self.region
+    }
+
+    /// The account the credentials belong to (STS GetCallerIdentity).
+    pub async fn account(&self) -> Result<String, AwsError> {
+        let out = self
+            .sts
+            .get_caller_identity()
+            .send()
+            .await
+            .map_err(|e| AwsError::from_sdk("sts", "GetCallerIdentity", &self.sts_endpoint, e))?;
+        Ok(out.account().unwrap_or_default().to_string())
+    }
+
+    /// Refuses when the credentials belong to another account than `expected`.
+    pub async fn check_account(&self, expected: &str) -> Result<(), AwsError> {
+        let actual = self.account().await?;
+        if actual != expected {
+            return Err(AwsError::WrongAccount { expected: expected.to_string(), actual });
+        }
+        Ok(())
+    }
+}

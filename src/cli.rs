@@ -1,0 +1,197 @@
+//! The command line, as clap parses it. Nothing here runs: [`crate::config`] turns these raw
+//! arguments into a validated configuration first.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::exit::EXIT_CODES_HELP;
+
+const ABOUT: &str = "Tears down the compute of a Karpenter-managed EKS cluster safely and in order, \
+and proves through the EC2 API that nothing it was responsible for is left running.";
+
+const EXAMPLES: &str = "\
+Examples:
+  # Show what a teardown would do (changes nothing):
+  karpenter-teardown run --cluster prod-eu --region eu-west-1
+  # Do it, with a JSON report for CI:
+  karpenter-teardown run --cluster prod-eu --region eu-west-1 --yes --report teardown.json
+  # Only prove through EC2 that nothing is left:
+  karpenter-teardown verify --cluster prod-eu --region eu-west-1
+  # The plan as a graph:
+  karpenter-teardown plan --format mermaid
+
+Every flag can also be set through the environment variable shown next to it
+(KARPENTER_TEARDOWN_*), which is how a Terraform destroy-time provisioner passes them.
+AWS endpoints and credentials come from the SDK's standard environment (AWS_PROFILE,
+AWS_ENDPOINT_URL, ...); the Kubernetes API from the standard kubeconfig rules (KUBECONFIG).";
+
+/// The whole command line.
+#[derive(Debug, Parser)]
+#[command(name = "karpenter-teardown", version, about = ABOUT, after_long_help = format!("{EXAMPLES}\n\n{EXIT_CODES_HELP}"), after_help = EXIT_CODES_HELP)]
+pub struct Cli {
+    /// Log line format when stderr is not a terminal (text or json).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "KARPENTER_TEARDOWN_LOG_FORMAT")]
+    pub log_format: LogFormat,
+
+    /// Log filter (tracing env-filter syntax, e.g. `info` or `karpenter_teardown=debug`).
+    #[arg(long, global = true, default_value = "info", env = "KARPENTER_TEARDOWN_LOG")]
+    pub log_level: String,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The structured-log format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event, no colours when not on a terminal.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Tear down the cluster's Karpenter compute (without --yes: show what would be done).
+    #[command(after_long_help = format!("{EXAMPLES}\n\n{EXIT_CODES_HELP}"))]
+    Run(RunArgs),
+    /// Show a teardown plan: its steps and their order, as text, Graphviz DOT or Mermaid.
+    Plan(PlanArgs),
+    /// Prove through EC2 (and IAM) that nothing of the cluster's Karpenter is left.
+    #[command(after_long_help = EXIT_CODES_HELP)]
+    Verify(VerifyArgs),
+    /// A simulated Karpenter cluster on this machine, for trying the tool and for tests.
+    #[command(subcommand)]
+    Sandbox(SandboxCommand),
+}
+
+/// Which cluster, in which region.
+#[derive(Debug, Args, Clone)]
+pub struct TargetArgs {
+    /// Name of the EKS cluster to tear down. Required: the tool refuses when the kubeconfig
+    /// reaches another cluster.
+    #[arg(long, env = "KARPENTER_TEARDOWN_CLUSTER")]
+    pub cluster: String,
+
+    /// AWS region of the cluster (falls back to AWS_REGION / AWS_DEFAULT_REGION).
+    #[arg(long, env = "KARPENTER_TEARDOWN_REGION")]
+    pub region: Option<String>,
+
+    /// AWS account id the credentials must belong to (checked through STS before any change).
+    #[arg(long, env = "KARPENTER_TEARDOWN_ACCOUNT")]
+    pub account: Option<String>,
+
+    /// Write a JSON report of the run to this file.
+    #[arg(long, env = "KARPENTER_TEARDOWN_REPORT", value_name = "FILE")]
+    pub report: Option<PathBuf>,
+
+    /// Also remove leftovers verification finds (instances without NodeClaim, launch templates,
+    /// instance profiles, detached network interfaces). Volumes are never deleted.
+    #[arg(long, env = "KARPENTER_TEARDOWN_RECLAIM")]
+    pub reclaim: bool,
+}
+
+/// `run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Cluster, region, report.
+    #[command(flatten)]
+    pub target: TargetArgs,
+
+    /// Plan file (default: the built-in default plan; `delegate` names the built-in delegate plan).
+    #[arg(long, env = "KARPENTER_TEARDOWN_PLAN", value_name = "FILE")]
+    pub plan: Option<String>,
+
+    /// Kubeconfig file (default: KUBECONFIG, then ~/.kube/config).
+    #[arg(long, env = "KARPENTER_TEARDOWN_KUBECONFIG", value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Kubeconfig context (default: the current context).
+    #[arg(long, env = "KARPENTER_TEARDOWN_CONTEXT")]
+    pub context: Option<String>,
+
+    /// Actually do it. Without --yes the tool shows the concrete plan and changes nothing.
+    #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
+    pub yes: bool,
+
+    /// How long one node may take to drain before --on-drain-deadline applies (e.g. 10m, 90s).
+    #[arg(long, env = "KARPENTER_TEARDOWN_DRAIN_DEADLINE", default_value = "10m", value_name = "DURATION")]
+    pub drain_deadline: String,
+
+    /// What to do with pods still there at the drain deadline: fail (exit 5 naming the blockers),
+    /// delete (delete them with their grace period, bypassing PodDisruptionBudgets), skip (go on).
+    #[arg(long, env = "KARPENTER_TEARDOWN_ON_DRAIN_DEADLINE", value_enum, default_value_t = DrainPolicyArg::Fail)]
+    pub on_drain_deadline: DrainPolicyArg,
+
+    /// Refuse (exit 3) when the run would act on more Karpenter nodes than this.
+    #[arg(long, env = "KARPENTER_TEARDOWN_MAX_NODES", value_name = "N")]
+    pub max_nodes: Option<u32>,
+}
+
+/// `--on-drain-deadline`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DrainPolicyArg {
+    /// Stop and exit 5, naming the pods and PodDisruptionBudgets that block.
+    Fail,
+    /// Delete the remaining pods with their grace period (bypasses PodDisruptionBudgets).
+    Delete,
+    /// Leave the pods and go on with the teardown.
+    Skip,
+}
+
+/// `plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Plan file (default: the built-in default plan; `delegate` names the built-in delegate plan).
+    #[arg(long, env = "KARPENTER_TEARDOWN_PLAN", value_name = "FILE")]
+    pub plan: Option<String>,
+
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
+    pub format: PlanFormat,
+}
+
+/// `plan --format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlanFormat {
+    /// Steps in order, with their dependencies and parameters.
+    Text,
+    /// Graphviz DOT (`| dot -Tsvg > plan.svg`).
+    Dot,
+    /// Mermaid flowchart (renders on code hosts).
+    Mermaid,
+}
+
+/// `verify`.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    /// Cluster, region, report.
+    #[command(flatten)]
+    pub target: TargetArgs,
+}
+
+/// `sandbox ...`.
+#[derive(Debug, Subcommand)]
+pub enum SandboxCommand {
+    /// Serve an empty sandbox Kubernetes API server until interrupted.
+    Serve(SandboxServeArgs),
+}
+
+/// `sandbox serve`.
+#[derive(Debug, Args)]
+pub struct SandboxServeArgs {
+    /// Port on 127.0.0.1 (0 picks a free one).
+    #[arg(long, default_value_t = 0, env = "KARPENTER_TEARDOWN_SANDBOX_PORT")]
+    pub port: u16,
+
+    /// Where to write a kubeconfig that points at the server.
+    #[arg(long, value_name = "FILE", env = "KARPENTER_TEARDOWN_SANDBOX_KUBECONFIG")]
+    pub kubeconfig_out: PathBuf,
+
+    /// Name of the cluster (and kubeconfig context).
+    #[arg(long, default_value = "sandbox", env = "KARPENTER_TEARDOWN_SANDBOX_CLUSTER")]
+    pub cluster: String,
+}

@@ -1,0 +1,238 @@
+//! The validated configuration: every flag checked and typed before anything runs, so bad input
+//! is reported (exit 2) without a single call to Kubernetes or AWS.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::cli::{DrainPolicyArg, RunArgs, TargetArgs};
+
+/// A flag or environment value that cannot be used, with the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The cluster name is not a valid EKS cluster name.
+    #[error(
+        "--cluster {0:?} is not a valid EKS cluster name (1-100 characters: letters, digits, '-' and '_', starting with a letter or digit)"
+    )]
+    BadCluster(String),
+    /// No region given and none in the environment.
+    #[error("no AWS region: pass --region (or set KARPENTER_TEARDOWN_REGION, AWS_REGION or AWS_DEFAULT_REGION)")]
+    NoRegion,
+    /// The region does not look like an AWS region.
+    #[error("--region {0:?} is not an AWS region name (like eu-west-1 or us-gov-west-1)")]
+    BadRegion(String),
+    /// The account id is not 12 digits.
+    #[error("--account {0:?} is not an AWS account id (12 digits)")]
+    BadAccount(String),
+    /// The duration does not parse.
+    #[error("--{flag} {value:?} is not a duration ({detail}); write it like 90s, 10m or 1h30m")]
+    BadDuration {
+        /// The flag.
+        flag: &'static str,
+        /// What was given.
+        value: String,
+        /// The parser's complaint.
+        detail: String,
+    },
+    /// A zero limit would refuse every run.
+    #[error("--max-nodes 0 would refuse every run; give a positive number or leave it out")]
+    ZeroMaxNodes,
+}
+
+/// What to do with pods still on a node when its drain deadline passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DrainPolicy {
+    /// Stop, exit 5, name the blockers.
+    Fail,
+    /// Delete the remaining pods with their grace period.
+    Delete,
+    /// Go on without draining them.
+    Skip,
+}
+
+impl From<DrainPolicyArg> for DrainPolicy {
+    fn from(a: DrainPolicyArg) -> Self {
+        match a {
+            DrainPolicyArg::Fail => DrainPolicy::Fail,
+            DrainPolicyArg::Delete => DrainPolicy::Delete,
+            DrainPolicyArg::Skip => DrainPolicy::Skip,
+        }
+    }
+}
+
+/// Which cluster, proven later against the evidence (design §7).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// EKS cluster name.
+    pub cluster: String,
+    /// AWS region.
+    pub region: String,
+    /// AWS account the credentials must belong to.
+    pub account: Option<String>,
+    /// Report file.
+    pub report: Option<PathBuf>,
+    /// Remove leftovers found by verification.
+    pub reclaim: bool,
+}
+
+/// Where the Kubernetes API is.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct KubeTarget {
+    /// Explicit kubeconfig file.
+    pub kubeconfig: Option<PathBuf>,
+    /// Explicit context.
+    pub context: Option<String>,
+}
+
+/// Whether writes are allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consent {
+    /// No `--yes`: show the plan, change nothing.
+    DryRun,
+    /// `--yes`: act.
+    Yes,
+}
+
+/// Which plan to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanSource {
+    /// A plan compiled into the binary (`default`, `delegate`).
+    Builtin(String),
+    /// A plan file.
+    File(PathBuf),
+}
+
+impl PlanSource {
+    /// `None` → the default plan; a built-in name → that plan; anything else → a file.
+    pub fn from_arg(arg: Option<&str>) -> PlanSource {
+        match arg {
+            None => PlanSource::Builtin("default".into()),
+            Some(name @ ("default" | "delegate")) => PlanSource::Builtin(name.into()),
+            Some(path) => PlanSource::File(PathBuf::from(path)),
+        }
+    }
+}
+
+/// The validated `run` configuration.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Cluster and region.
+    pub target: Target,
+    /// Kubernetes access.
+    pub kube: KubeTarget,
+    /// Plan.
+    pub plan: PlanSource,
+    /// Dry run or act.
+    pub consent: Consent,
+    /// Per-node drain deadline.
+    pub drain_deadline: Duration,
+    /// Policy at the drain deadline.
+    pub on_drain_deadline: DrainPolicy,
+    /// Blast-radius limit.
+    pub max_nodes: Option<u32>,
+}
+
+impl Target {
+    /// Validates cluster, region and account.
+    pub fn from_args(a: &TargetArgs) -> Result<Target, ConfigError> {
+        let region = match &a.region {
+            Some(r) => r.clone(),
+            None => std::env::var("AWS_REGION")
+                .or_else(|_| std::env::var("AWS_DEFAULT_REGION"))
+                .map_err(|_| ConfigError::NoRegion)?,
+        };
+        validate_cluster(&a.cluster)?;
+        validate_region(&region)?;
+        if let Some(acct) = &a.account {
+            if acct.len() != 12 || !acct.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(ConfigError::BadAccount(acct.clone()));
+            }
+        }
+        Ok(Target {
+            cluster: a.cluster.clone(),
+            region,
+            account: a.account.clone(),
+            report: a.report.clone(),
+            reclaim: a.reclaim,
+        })
+    }
+}
+
+impl RunConfig {
+    /// Validates every `run` flag.
+    pub fn from_args(a: &RunArgs) -> Result<RunConfig, ConfigError> {
+        let target = Target::from_args(&a.target)?;
+        let drain_deadline = parse_duration("drain-deadline", &a.drain_deadline)?;
+        if a.max_nodes == Some(0) {
+            return Err(ConfigError::ZeroMaxNodes);
+        }
+        Ok(RunConfig {
+            target,
+            kube: KubeTarget { kubeconfig: a.kubeconfig.clone(), context: a.context.clone() },
+            plan: PlanSource::from_arg(a.plan.as_deref()),
+            consent: if a.yes { Consent::Yes } else { Consent::DryRun },
+            drain_deadline,
+            on_drain_deadline: a.on_drain_deadline.into(),
+            max_nodes: a.max_nodes,
+        })
+    }
+}
+
+/// Parses a humantime duration (`90s`, `10m`, `1h30m`) for `flag`.
+pub fn parse_duration(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(value.trim()).map_err(|e| ConfigError::BadDuration {
+        flag,
+        value: value.to_string(),
+        detail: e.to_string(),
+    })
+}
+
+fn validate_cluster(name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 100
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if ok { Ok(()) } else { Err(ConfigError::BadCluster(name.to_string())) }
+}
+
+fn validate_region(region: &str) -> Result<(), ConfigError> {
+    // partition-prefixed names like us-gov-west-1 and cn-north-1 have 3 or 4 parts; the last is a number
+    let parts: Vec<&str> = region.split('-').collect();
+    let ok = (3..=4).contains(&parts.len())
+        && parts[..parts.len() - 1].iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_lowercase()))
+        && parts[parts.len() - 1].parse::<u8>().is_ok();
+    if ok { Ok(()) } else { Err(ConfigError::BadRegion(region.to_string())) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(cluster: &str, region: &str) -> TargetArgs {
+        TargetArgs { cluster: cluster.into(), region: Some(region.into()), account: None, report: None, reclaim: false }
+    }
+
+    #[test]
+    fn clusters_and_regions_are_checked() {
+        assert!(Target::from_args(&target("prod-eu_1", "eu-west-1")).is_ok());
+        assert!(Target::from_args(&target("prod", "us-gov-west-1")).is_ok());
+        assert!(matches!(Target::from_args(&target("-bad", "eu-west-1")), Err(ConfigError::BadCluster(_))));
+        assert!(matches!(Target::from_args(&target("a b", "eu-west-1")), Err(ConfigError::BadCluster(_))));
+        assert!(matches!(Target::from_args(&target("ok", "europe")), Err(ConfigError::BadRegion(_))));
+        assert!(matches!(Target::from_args(&target("ok", "EU-west-1")), Err(ConfigError::BadRegion(_))));
+    }
+
+    #[test]
+    fn durations_name_the_flag_and_the_fix() {
+        assert_eq!(parse_duration("drain-deadline", "1h30m").unwrap(), Duration::from_secs(5400));
+        let e = parse_duration("drain-deadline", "ten minutes").unwrap_err().to_string();
+        assert!(e.contains("--drain-deadline") && e.contains("10m"), "{e}");
+    }
+
+    #[test]
+    fn plan_names_pick_builtins_or_files() {
+        assert_eq!(PlanSource::from_arg(None), PlanSource::Builtin("default".into()));
+        assert_eq!(PlanSource::from_arg(Some("delegate")), PlanSource::Builtin("delegate".into()));
+        assert_eq!(PlanSource::from_arg(Some("plans/x.toml")), PlanSource::File("plans/x.toml".into()));
+    }
+}

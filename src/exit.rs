@@ -1,0 +1,115 @@
+//! The process exit codes: a fixed contract with Terraform, CI and scripts (see the README).
+
+use std::fmt;
+
+/// What a run ended with, in the order of precedence the design fixes (design §7).
+///
+/// `BadInput` and `Refused` are decided before any change is made; during a run `Interrupted`
+/// wins over `Blocked`, which wins over `Leftovers`, which wins over `Failure`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Exit {
+    /// 0: verification found nothing left.
+    Clean,
+    /// 1: something failed; the message and report say what.
+    Failure,
+    /// 2: bad input or configuration (plan, flags, kubeconfig, credentials, endpoints).
+    BadInput,
+    /// 3: refused by a safety guard (wrong cluster, blast radius); nothing was changed.
+    Refused,
+    /// 4: the run finished but leftovers remain (listed in the report).
+    Leftovers,
+    /// 5: blocked past a deadline under policy `fail` (the blockers are named).
+    Blocked,
+    /// 130: interrupted by Ctrl-C or SIGTERM.
+    Interrupted,
+}
+
+impl Exit {
+    /// The numeric process exit code.
+    pub fn code(self) -> u8 {
+        match self {
+            Exit::Clean => 0,
+            Exit::Failure => 1,
+            Exit::BadInput => 2,
+            Exit::Refused => 3,
+            Exit::Leftovers => 4,
+            Exit::Blocked => 5,
+            Exit::Interrupted => 130,
+        }
+    }
+
+    /// Combines two outcomes of one run, keeping the one that takes precedence.
+    pub fn worst(self, other: Exit) -> Exit {
+        if other.rank() > self.rank() { other } else { self }
+    }
+
+    fn rank(self) -> u8 {
+        match self {
+            Exit::Clean => 0,
+            Exit::Failure => 1,
+            Exit::Leftovers => 2,
+            Exit::Blocked => 3,
+            Exit::Interrupted => 4,
+            Exit::Refused => 5,
+            Exit::BadInput => 6,
+        }
+    }
+}
+
+impl fmt::Display for Exit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self {
+            Exit::Clean => "clean: nothing left",
+            Exit::Failure => "failure",
+            Exit::BadInput => "bad input or configuration",
+            Exit::Refused => "refused by a safety guard, nothing changed",
+            Exit::Leftovers => "finished, but leftovers remain",
+            Exit::Blocked => "blocked past a deadline under policy `fail`",
+            Exit::Interrupted => "interrupted",
+        };
+        write!(f, "{} ({what})", self.code())
+    }
+}
+
+/// The exit-code table as shown in `--help` and the README.
+pub const EXIT_CODES_HELP: &str = "\
+Exit codes:
+  0    clean: verification found nothing left
+  1    failure (see the message and the report)
+  2    bad input or configuration (plan, flags, kubeconfig, credentials, endpoints); nothing changed
+  3    refused by a safety guard (wrong cluster, too many nodes); nothing changed
+  4    finished, but leftovers remain (listed in the report; --reclaim removes them)
+  5    blocked past a deadline under --on-drain-deadline fail (the blockers are named)
+  130  interrupted (Ctrl-C or SIGTERM); run again to resume";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precedence_follows_the_design() {
+        assert_eq!(Exit::Clean.worst(Exit::Leftovers), Exit::Leftovers);
+        assert_eq!(Exit::Failure.worst(Exit::Leftovers), Exit::Leftovers);
+        assert_eq!(Exit::Leftovers.worst(Exit::Blocked), Exit::Blocked);
+        assert_eq!(Exit::Interrupted.worst(Exit::Blocked), Exit::Interrupted);
+        assert_eq!(Exit::Clean.worst(Exit::Clean), Exit::Clean);
+    }
+
+    #[test]
+    fn codes_are_the_documented_ones() {
+        let all = [
+            Exit::Clean,
+            Exit::Failure,
+            Exit::BadInput,
+            Exit::Refused,
+            Exit::Leftovers,
+            Exit::Blocked,
+            Exit::Interrupted,
+        ];
+        for e in all {
+            let line = format!("  {:<4} ", e.code());
+            assert!(EXIT_CODES_HELP.contains(&line), "{e} missing from the help table");
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! karpenter-teardown: tears down the compute of a Karpenter-managed EKS cluster safely and in
+//! order, and proves through the EC2 API that no instance it was responsible for is left running.
+//!
+//! The library holds everything; the binary (`src/main.rs`) only parses the command line, hands
+//! it to [`commands`] and turns the outcome into an exit code.
+#![forbid(unsafe_code)]
+
+pub mod aws;
+pub mod cli;
+pub mod commands;
+pub mod config;
+pub mod exit;
+pub mod karpenter;
+pub mod logging;
+pub mod plan;
+pub mod report;
+pub mod sandbox;
+pub mod verify;

@@ -1,0 +1,1 @@
+//! Teardown plans as data: parsing, validation and the dependency graph.

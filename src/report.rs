@@ -1,0 +1,203 @@
+//! The JSON report (`--report FILE`) and the short human summary printed at the end of a run.
+//! The schema is versioned; the README documents it field by field.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::SystemTime;
+
+use serde::Serialize;
+
+use crate::exit::Exit;
+use crate::verify::Leftovers;
+
+/// Version of the report schema; bumped on any incompatible change.
+pub const REPORT_VERSION: u32 = 1;
+
+/// How a run ended, as the report names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Outcome {
+    /// Nothing left.
+    Clean,
+    /// Leftovers remain.
+    Leftovers,
+    /// Something failed.
+    Failed,
+    /// A guard refused; nothing changed.
+    Refused,
+    /// Blocked past a deadline under policy `fail`.
+    Blocked,
+    /// No `--yes`: nothing changed.
+    DryRun,
+    /// Interrupted.
+    Interrupted,
+}
+
+impl Outcome {
+    /// The outcome an exit status stands for.
+    pub fn from_exit(exit: Exit) -> Outcome {
+        match exit {
+            Exit::Clean => Outcome::Clean,
+            Exit::Leftovers => Outcome::Leftovers,
+            Exit::Refused => Outcome::Refused,
+            Exit::Blocked => Outcome::Blocked,
+            Exit::Interrupted => Outcome::Interrupted,
+            Exit::Failure | Exit::BadInput => Outcome::Failed,
+        }
+    }
+}
+
+/// One step or per-object task of the plan, as it ran.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct StepRecord {
+    /// Step id from the plan.
+    pub step: String,
+    /// Action of the step.
+    pub action: String,
+    /// The object a per-object task acted on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub object: Option<String>,
+    /// RFC 3339 start time.
+    pub started: String,
+    /// RFC 3339 end time.
+    pub finished: String,
+    /// How many attempts it took (1 when nothing was retried).
+    pub attempts: u32,
+    /// `done`, `skipped`, `blocked`, `failed` or `interrupted`.
+    pub result: String,
+    /// What happened, in a sentence.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
+/// Something that kept the run from going on.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Blocker {
+    /// `pod`, `pdb`, `field-manager`, ...
+    pub kind: String,
+    /// `namespace/name` or name.
+    pub name: String,
+    /// Why it blocks.
+    pub reason: String,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Schema version ([`REPORT_VERSION`]).
+    pub version: u32,
+    /// The tool's version.
+    pub tool_version: String,
+    /// The command that produced it (`run`, `verify`).
+    pub command: String,
+    /// Cluster name.
+    pub cluster: String,
+    /// Region.
+    pub region: String,
+    /// Plan name (empty for `verify`).
+    pub plan: String,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// The process exit code.
+    pub exit_code: u8,
+    /// RFC 3339 start.
+    pub started: String,
+    /// RFC 3339 end.
+    pub finished: String,
+    /// Wall time in seconds.
+    pub wall_seconds: f64,
+    /// Steps and tasks.
+    pub steps: Vec<StepRecord>,
+    /// What blocked.
+    pub blockers: Vec<Blocker>,
+    /// What was left at the end (ids).
+    pub leftovers: Leftovers,
+    /// What was reclaimed (`--reclaim`), as ids and names.
+    pub reclaimed: Vec<String>,
+    /// API calls made, by `service:verb` (e.g. `kubernetes:patch`, `ec2:TerminateInstances`).
+    pub api_calls: BTreeMap<String, u64>,
+    /// The error, when the outcome is `failed` or `refused`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Report {
+    /// A report for a run that starts now.
+    pub fn start(command: &str, cluster: &str, region: &str, plan: &str) -> (Report, SystemTime) {
+        let now = SystemTime::now();
+        let stamp = rfc3339(now);
+        (
+            Report {
+                version: REPORT_VERSION,
+                tool_version: env!("CARGO_PKG_VERSION").to_string(),
+                command: command.to_string(),
+                cluster: cluster.to_string(),
+                region: region.to_string(),
+                plan: plan.to_string(),
+                outcome: Outcome::Failed,
+                exit_code: Exit::Failure.code(),
+                started: stamp.clone(),
+                finished: stamp,
+                wall_seconds: 0.0,
+                steps: Vec::new(),
+                blockers: Vec::new(),
+                leftovers: Leftovers::default(),
+                reclaimed: Vec::new(),
+                api_calls: BTreeMap::new(),
+                error: None,
+            },
+            now,
+        )
+    }
+
+    /// Closes the report with the run's exit status (a dry run keeps `dry-run`).
+    pub fn finish(&mut self, started: SystemTime, exit: Exit, dry_run: bool) {
+        let now = SystemTime::now();
+        self.finished = rfc3339(now);
+        self.wall_seconds = now.duration_since(started).map(|d| d.as_secs_f64()).unwrap_or_default();
+        self.exit_code = exit.code();
+        self.outcome = if dry_run && matches!(exit, Exit::Clean | Exit::Leftovers) {
+            Outcome::DryRun
+        } else {
+            Outcome::from_exit(exit)
+        };
+    }
+
+    /// Writes the report as pretty JSON.
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(path, json + "\n")
+    }
+
+    /// The short human summary for the end of every run.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "{} {} on cluster {} ({}): {} in {:.1}s, exit {}",
+            self.command,
+            if self.plan.is_empty() { String::new() } else { format!("[plan {}]", self.plan) },
+            self.cluster,
+            self.region,
+            serde_json::to_value(self.outcome).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            self.wall_seconds,
+            self.exit_code
+        );
+        for b in &self.blockers {
+            s.push_str(&format!("\n  blocked by {} {}: {}", b.kind, b.name, b.reason));
+        }
+        for line in self.leftovers.describe() {
+            s.push_str(&format!("\n  left: {line}"));
+        }
+        for r in &self.reclaimed {
+            s.push_str(&format!("\n  reclaimed: {r}"));
+        }
+        if let Some(e) = &self.error {
+            s.push_str(&format!("\n  error: {e}"));
+        }
+        s
+    }
+}
+
+/// RFC 3339 UTC with milliseconds.
+pub fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
