@@ -108,10 +108,10 @@ async fn verify_target(target: &Target, report: &mut Report) -> Result<Exit, Com
 /// turns a clean run into a failure, since CI would otherwise read nothing.
 fn finish_report(target: &Target, report: &Report, exit: Exit) -> Exit {
     println!("{}", report.summary());
-    if let Some(path) = &target.report {
-        if let Err(source) = report.write(path) {
-            return exit.worst(fail(&CommandError::Report { path: path.display().to_string(), source }));
-        }
+    if let Some(path) = &target.report
+        && let Err(source) = report.write(path)
+    {
+        return exit.worst(fail(&CommandError::Report { path: path.display().to_string(), source }));
     }
     exit
 }

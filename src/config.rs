@@ -143,10 +143,10 @@ impl Target {
         };
         validate_cluster(&a.cluster)?;
         validate_region(&region)?;
-        if let Some(acct) = &a.account {
-            if acct.len() != 12 || !acct.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(ConfigError::BadAccount(acct.clone()));
-            }
+        if let Some(acct) = &a.account
+            && (acct.len() != 12 || !acct.bytes().all(|b| b.is_ascii_digit()))
+        {
+            return Err(ConfigError::BadAccount(acct.clone()));
         }
         Ok(Target {
             cluster: a.cluster.clone(),
