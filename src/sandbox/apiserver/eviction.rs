@@ -1,0 +1,231 @@
+//! The Eviction subresource and PodDisruptionBudget arithmetic, as the real disruption
+//! controller and eviction REST handler compute them.
+
+use std::collections::BTreeSet;
+
+use serde_json::{Map, Value, json};
+
+use super::http::Shared;
+use super::select::LabelSelector;
+use super::status::ApiError;
+use super::store::{DeleteOptions, GroupResource, Inner, ObjectKey, Propagation, now_rfc3339};
+
+pub(crate) fn pods_gr() -> GroupResource {
+    GroupResource::new("", "pods")
+}
+
+pub(crate) fn pdb_gr() -> GroupResource {
+    GroupResource::new("policy", "poddisruptionbudgets")
+}
+
+/// Running, Ready and not terminating.
+pub fn pod_healthy(p: &Value) -> bool {
+    p["metadata"]["deletionTimestamp"].is_null()
+        && p["status"]["phase"] == "Running"
+        && p["status"]["conditions"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+}
+
+/// `5` or `"50%"` of `total`, rounded up like the real server.
+fn scaled(v: &Value, total: i64) -> Option<i64> {
+    if let Some(n) = v.as_i64() {
+        return Some(n);
+    }
+    let s = v.as_str()?;
+    if let Some(p) = s.strip_suffix('%') {
+        let pct: i64 = p.parse().ok()?;
+        return Some((pct * total + 99) / 100);
+    }
+    s.parse().ok()
+}
+
+/// The replica count of the pod's controller (a Deployment's for pods of its ReplicaSets).
+fn controller_scale(inner: &Inner, pod: &Value, seen: &mut BTreeSet<String>) -> i64 {
+    let Some(owner) =
+        pod["metadata"]["ownerReferences"].as_array().and_then(|a| a.iter().find(|r| r["controller"] == true))
+    else {
+        // A bare pod counts for itself.
+        return 1;
+    };
+    let kind = owner["kind"].as_str().unwrap_or_default();
+    let name = owner["name"].as_str().unwrap_or_default();
+    let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+    let find = |res: &str| inner.find(&GroupResource::new("apps", res), ns, name).cloned();
+    let ctrl = match kind {
+        "ReplicaSet" => find("replicasets").map(|rs| {
+            let dep = rs["metadata"]["ownerReferences"]
+                .as_array()
+                .and_then(|a| a.iter().find(|r| r["controller"] == true && r["kind"] == "Deployment"))
+                .and_then(|d| d["name"].as_str())
+                .and_then(|d| inner.find(&GroupResource::new("apps", "deployments"), ns, d).cloned());
+            dep.unwrap_or(rs)
+        }),
+        "StatefulSet" => find("statefulsets"),
+        "Deployment" => find("deployments"),
+        _ => None,
+    };
+    let Some(ctrl) = ctrl else {
+        return 1;
+    };
+    let uid = ctrl["metadata"]["uid"].as_str().unwrap_or_default().to_string();
+    if !seen.insert(uid) {
+        return 0;
+    }
+    ctrl["spec"]["replicas"].as_i64().unwrap_or(1)
+}
+
+/// Recomputes a PDB's status from the pods it selects.
+pub(crate) fn pdb_status(inner: &Inner, pdb: &Value) -> Value {
+    let ns = pdb["metadata"]["namespace"].as_str().unwrap_or_default();
+    let sel = LabelSelector::from_object(&pdb["spec"]["selector"]);
+    let pods: Vec<&Value> = match &sel {
+        None => Vec::new(),
+        Some(sel) => inner.iter_ns(&pods_gr(), Some(ns)).filter(|p| sel.matches(p)).map(|p| &**p).collect(),
+    };
+    let mut disrupted: Map<String, Value> = pdb["status"]["disruptedPods"].as_object().cloned().unwrap_or_default();
+    disrupted.retain(|name, _| {
+        pods.iter().any(|p| {
+            p["metadata"]["name"].as_str() == Some(name.as_str()) && p["metadata"]["deletionTimestamp"].is_null()
+        })
+    });
+    let healthy = pods
+        .iter()
+        .filter(|p| pod_healthy(p))
+        .filter(|p| !disrupted.contains_key(p["metadata"]["name"].as_str().unwrap_or_default()))
+        .count() as i64;
+    let spec = &pdb["spec"];
+    let (expected, desired) = if !spec["maxUnavailable"].is_null() {
+        let mut seen = BTreeSet::new();
+        let expected: i64 = pods.iter().map(|p| controller_scale(inner, p, &mut seen)).sum();
+        let max_un = scaled(&spec["maxUnavailable"], expected).unwrap_or(0);
+        (expected, (expected - max_un).max(0))
+    } else if let Some(n) = spec["minAvailable"].as_i64() {
+        (pods.len() as i64, n)
+    } else if !spec["minAvailable"].is_null() {
+        let mut seen = BTreeSet::new();
+        let expected: i64 = pods.iter().map(|p| controller_scale(inner, p, &mut seen)).sum();
+        (expected, scaled(&spec["minAvailable"], expected).unwrap_or(0))
+    } else {
+        (pods.len() as i64, pods.len() as i64)
+    };
+    let allowed = (healthy - desired).max(0);
+    let generation = pdb["metadata"]["generation"].as_i64().unwrap_or(1);
+    let now = now_rfc3339();
+    let prev_cond = pdb["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "DisruptionAllowed").cloned());
+    let cond_status = if allowed > 0 { "True" } else { "False" };
+    let ltt = prev_cond
+        .as_ref()
+        .filter(|c| c["status"] == cond_status)
+        .and_then(|c| c["lastTransitionTime"].as_str().map(str::to_string))
+        .unwrap_or(now);
+    let mut st = json!({
+        "observedGeneration": generation,
+        "currentHealthy": healthy,
+        "desiredHealthy": desired,
+        "disruptionsAllowed": allowed,
+        "expectedPods": expected,
+        "conditions": [{
+            "type": "DisruptionAllowed", "status": cond_status,
+            "reason": if allowed > 0 { "SufficientPods" } else { "InsufficientPods" },
+            "message": "", "observedGeneration": generation, "lastTransitionTime": ltt,
+        }],
+    });
+    if !disrupted.is_empty() {
+        st["disruptedPods"] = Value::Object(disrupted);
+    }
+    st
+}
+
+/// Writes a PDB's recomputed status if it changed.
+pub(crate) fn refresh_pdb(inner: &mut Inner, ns: &str, name: &str) {
+    let Some(pdb) = inner.find(&pdb_gr(), ns, name).cloned() else {
+        return;
+    };
+    let st = pdb_status(inner, &pdb);
+    if pdb["status"] == st {
+        return;
+    }
+    let mut o = (*pdb).clone();
+    o["status"] = st;
+    let key = ObjectKey { gr: pdb_gr(), namespace: ns.into(), name: name.into() };
+    inner.put(&key, o, "controller-manager", "status");
+}
+
+/// POST pods/NAME/eviction.
+pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> Result<Value, ApiError> {
+    if let Some(n) = eviction["metadata"]["name"].as_str()
+        && n != name
+    {
+        return Err(ApiError::bad_request(format!(
+            "name in URL does not match name in Eviction object: {name} vs {n}"
+        )));
+    }
+    let dopts_json = eviction.get("deleteOptions").cloned().unwrap_or(json!({}));
+    let mut dopts = DeleteOptions::from_json(&dopts_json)?;
+    if dopts_json["propagationPolicy"].is_null() {
+        dopts.propagation = Propagation::Background;
+    }
+    shared.store.with(|inner| {
+        let pod = inner
+            .find(&pods_gr(), ns, name)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found("", "pods", name))?;
+        if let Some(uid) = &dopts.precondition_uid
+            && pod["metadata"]["uid"].as_str() != Some(uid.as_str())
+        {
+            return Err(ApiError::conflict("", "pods", name, &format!(
+                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                pod["metadata"]["uid"].as_str().unwrap_or_default())));
+        }
+        let phase = pod["status"]["phase"].as_str().unwrap_or_default();
+        let ignore_pdb = !pod["metadata"]["deletionTimestamp"].is_null()
+            || matches!(phase, "Succeeded" | "Failed" | "Pending");
+        if !ignore_pdb {
+            let pdbs: Vec<Value> = inner
+                .iter_ns(&pdb_gr(), Some(ns))
+                .filter(|p| LabelSelector::from_object(&p["spec"]["selector"]).is_some_and(|s| s.matches(&pod)))
+                .map(|p| (**p).clone())
+                .collect();
+            if pdbs.len() > 1 {
+                return Err(ApiError::internal(
+                    "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.",
+                ));
+            }
+            if let Some(pdb) = pdbs.first() {
+                let pdb_name = pdb["metadata"]["name"].as_str().unwrap_or_default().to_string();
+                let mut st = pdb_status(inner, pdb);
+                let current = st["currentHealthy"].as_i64().unwrap_or(0);
+                let desired = st["desiredHealthy"].as_i64().unwrap_or(0);
+                let blocked = || {
+                    let mut e = ApiError::too_many_requests(
+                        "Cannot evict pod as it would violate the pod's disruption budget.",
+                    );
+                    e.details = Some(json!({"causes": [{"reason": "DisruptionBudget",
+                        "message": format!("The disruption budget {pdb_name} needs {desired} healthy pods and has {current} currently")}]}));
+                    e
+                };
+                if pod_healthy(&pod) {
+                    if st["disruptionsAllowed"].as_i64().unwrap_or(0) <= 0 {
+                        return Err(blocked());
+                    }
+                    st["disruptionsAllowed"] = json!(st["disruptionsAllowed"].as_i64().unwrap_or(1) - 1);
+                    st["disruptedPods"][name] = json!(now_rfc3339());
+                    let mut o = pdb.clone();
+                    o["status"] = st;
+                    let key = ObjectKey { gr: pdb_gr(), namespace: ns.into(), name: pdb_name.clone() };
+                    inner.put(&key, o, "kube-apiserver", "status");
+                } else {
+                    let always = pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow";
+                    if !always && current < desired {
+                        return Err(blocked());
+                    }
+                }
+            }
+        }
+        inner.delete(&pods_gr(), ns, name, &dopts)?;
+        Ok(json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}))
+    })
+}

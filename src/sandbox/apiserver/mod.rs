@@ -1,0 +1,188 @@
+//! An in-memory Kubernetes API server over HTTP/1.1 on loopback, generic over kinds, with the
+//! semantics our tool depends on (design §4) and what kubectl needs (design §5).
+
+mod discovery;
+mod eviction;
+mod faults;
+mod http;
+mod kinds;
+mod openapi;
+mod patch;
+mod scale;
+mod select;
+mod status;
+mod store;
+mod table;
+mod watch;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+pub use discovery::GIT_VERSION;
+pub use eviction::pod_healthy;
+pub use faults::{ErrorRule, FaultConfig, RequestStats};
+pub use kinds::{PrinterColumn, Registry, ResourceInfo, ScalePaths};
+pub use patch::PatchType;
+pub use select::{FieldSelector, LabelSelector};
+pub use status::ApiError;
+pub use store::{
+    DeleteOptions, EventType, GroupResource, ListOptions, ObjectKey, ObjectList, Propagation, Store, StoreEvent,
+    WriteOptions, now_rfc3339,
+};
+
+pub(crate) use eviction::{pdb_gr, pods_gr, refresh_pdb};
+
+use super::SandboxError;
+
+/// How to run the server.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// TCP port on 127.0.0.1; 0 picks a free one.
+    pub port: u16,
+    /// Multiplies grace periods and controller delays; 1.0 is real time, 0.01 for tests.
+    pub time_scale: f64,
+    /// Faults to inject from the start.
+    pub faults: FaultConfig,
+    /// Events kept for watch resumption; a watch from an older resourceVersion gets 410.
+    pub watch_history: usize,
+    /// Run the simulated control plane (scheduler, kubelet, workload controllers).
+    pub control_plane: bool,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            port: 0,
+            time_scale: 1.0,
+            faults: FaultConfig::default(),
+            watch_history: 100_000,
+            control_plane: true,
+        }
+    }
+}
+
+/// A running sandbox API server. Dropping it without [`ApiServer::shutdown`] aborts its tasks.
+pub struct ApiServer {
+    shared: Arc<http::Shared>,
+    tasks: JoinSet<()>,
+    port: u16,
+}
+
+impl std::fmt::Debug for ApiServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiServer").field("port", &self.port).finish()
+    }
+}
+
+impl ApiServer {
+    /// Binds 127.0.0.1:`port` and starts serving, plus the control plane when enabled.
+    pub async fn start(opts: ServerOptions) -> Result<ApiServer, SandboxError> {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", opts.port))
+            .await
+            .map_err(|source| SandboxError::Bind { port: opts.port, source })?;
+        let port = listener.local_addr().map_err(|source| SandboxError::Bind { port: opts.port, source })?.port();
+        let url = format!("http://127.0.0.1:{port}");
+        let seed = opts.faults.seed;
+        let shared = Arc::new(http::Shared {
+            store: Store::new(opts.watch_history, seed ^ 0x5eed),
+            stats: RequestStats::default(),
+            faults: Mutex::new(faults::Faults::new(opts.faults.clone())),
+            cancel: CancellationToken::new(),
+            time_scale: opts.time_scale,
+            url,
+        });
+        let router = axum::Router::new().fallback(http::handle).with_state(shared.clone());
+        let mut tasks = JoinSet::new();
+        let cancel = shared.cancel.clone();
+        tasks.spawn(async move {
+            let served =
+                axum::serve(listener, router).with_graceful_shutdown(async move { cancel.cancelled().await }).await;
+            if let Err(e) = served {
+                tracing::warn!(error = %e, "sandbox API server stopped");
+            }
+        });
+        if opts.control_plane {
+            let store = shared.store.clone();
+            let cancel = shared.cancel.clone();
+            let scale = opts.time_scale;
+            tasks.spawn(async move {
+                super::controlplane::run(store, scale, cancel).await;
+            });
+        }
+        Ok(ApiServer { shared, tasks, port })
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        self.shared.url.clone()
+    }
+
+    /// Writes a kubeconfig whose cluster, user and current context are named `cluster_name`.
+    pub fn write_kubeconfig(&self, path: &Path, cluster_name: &str) -> Result<(), SandboxError> {
+        let doc = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": cluster_name, "cluster": {"server": self.url()}}],
+            "users": [{"name": cluster_name, "user": {"token": "sandbox"}}],
+            "contexts": [{"name": cluster_name, "context": {"cluster": cluster_name, "user": cluster_name, "namespace": "default"}}],
+            "current-context": cluster_name,
+            "preferences": {},
+        });
+        let text = serde_yaml::to_string(&doc)
+            .map_err(|e| SandboxError::Kubeconfig { path: path.to_path_buf(), reason: e.to_string() })?;
+        std::fs::write(path, text)
+            .map_err(|e| SandboxError::Kubeconfig { path: path.to_path_buf(), reason: e.to_string() })
+    }
+
+    /// A kube client configuration for this server, with kube's built-in retries off (design
+    /// §5: they hide 429s from PodDisruptionBudgets).
+    pub fn kube_config(&self) -> kube::Config {
+        // The URL is built from 127.0.0.1 and a port, so it always parses.
+        let uri: ::http::Uri = self.url().parse().unwrap_or_default();
+        let mut cfg = kube::Config::new(uri);
+        cfg.default_retry = false;
+        cfg.connect_timeout = Some(Duration::from_secs(5));
+        cfg.read_timeout = Some(Duration::from_secs(300));
+        cfg
+    }
+
+    /// Direct access to the object store.
+    pub fn store(&self) -> Store {
+        self.shared.store.clone()
+    }
+
+    /// Request counts by (verb, resource). Subresource writes count as `pods/status`,
+    /// `deployments/scale`; evictions as (`evict`, `pods`).
+    pub fn requests(&self) -> RequestStats {
+        self.shared.stats.clone()
+    }
+
+    /// Replaces the injected faults.
+    pub fn set_faults(&self, f: FaultConfig) {
+        let mut cur = self.shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        *cur = faults::Faults::new(f);
+    }
+
+    /// Stops serving (open watches end), stops the control plane, waits briefly and aborts
+    /// whatever is left.
+    pub async fn shutdown(mut self) {
+        self.shared.cancel.cancel();
+        let drained =
+            tokio::time::timeout(Duration::from_secs(2), async { while self.tasks.join_next().await.is_some() {} })
+                .await;
+        if drained.is_err() {
+            self.tasks.shutdown().await;
+        }
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.shared.cancel.cancel();
+        self.tasks.abort_all();
+    }
+}

@@ -1,0 +1,1482 @@
+//! The object store: JSON objects keyed by (group, resource, namespace, name), one global
+//! resourceVersion, finalizers, graceful deletion, garbage collection and a change stream.
+//! The HTTP layer and the simulated controllers both act through [`Store`].
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::ops::Bound;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use serde_json::{Value, json};
+use tokio::sync::broadcast;
+
+use super::kinds::{Registry, ResourceInfo};
+use super::patch::{self, PatchType, WriteRecord};
+use super::select::{FieldSelector, LabelSelector};
+use super::status::ApiError;
+
+/// A version-independent resource: `("", "pods")`, `("karpenter.sh", "nodeclaims")`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GroupResource {
+    /// API group (`""` for core).
+    pub group: String,
+    /// Plural resource name.
+    pub resource: String,
+}
+
+impl GroupResource {
+    /// Builds a group-resource.
+    pub fn new(group: &str, resource: &str) -> Self {
+        GroupResource { group: group.into(), resource: resource.into() }
+    }
+}
+
+/// The full address of one object; `namespace` is empty for cluster-scoped objects.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    /// Its resource.
+    pub gr: GroupResource,
+    /// Namespace, `""` for cluster-scoped.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+}
+
+/// Kind of a change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    /// Created.
+    Added,
+    /// Changed.
+    Modified,
+    /// Removed.
+    Deleted,
+}
+
+impl EventType {
+    /// The watch event type string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Added => "ADDED",
+            EventType::Modified => "MODIFIED",
+            EventType::Deleted => "DELETED",
+        }
+    }
+}
+
+/// One change of the store, in resourceVersion order.
+#[derive(Debug, Clone)]
+pub struct StoreEvent {
+    /// The resourceVersion this change produced.
+    pub rv: u64,
+    /// Added, modified, deleted.
+    pub event_type: EventType,
+    /// Which object.
+    pub key: ObjectKey,
+    /// The object after the change (for deletions: its last state with the deletion's rv).
+    pub object: Arc<Value>,
+    /// The object before the change, if any.
+    pub old: Option<Arc<Value>>,
+}
+
+/// Options of a write.
+#[derive(Debug, Clone, Default)]
+pub struct WriteOptions {
+    /// Field manager recorded in managedFields (required for apply).
+    pub field_manager: String,
+    /// Server-side apply `force`.
+    pub force: bool,
+    /// The apiVersion the client used (recorded in managedFields); storage version if empty.
+    pub api_version: String,
+}
+
+impl WriteOptions {
+    /// Options with a field manager.
+    pub fn manager(m: &str) -> Self {
+        WriteOptions { field_manager: m.into(), ..Default::default() }
+    }
+}
+
+/// Propagation policy of a delete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Propagation {
+    /// Dependents are deleted by the garbage collector after the owner is gone.
+    #[default]
+    Background,
+    /// The owner stays (finalizer `foregroundDeletion`) until blocking dependents are gone.
+    Foreground,
+    /// Dependents lose their owner references.
+    Orphan,
+}
+
+/// Options of a delete (`DeleteOptions`).
+#[derive(Debug, Clone, Default)]
+pub struct DeleteOptions {
+    /// `gracePeriodSeconds`; `None` uses the object's default.
+    pub grace_period_seconds: Option<i64>,
+    /// `propagationPolicy`.
+    pub propagation: Propagation,
+    /// `preconditions.uid`.
+    pub precondition_uid: Option<String>,
+    /// `preconditions.resourceVersion`.
+    pub precondition_rv: Option<String>,
+}
+
+impl DeleteOptions {
+    /// Parses a `DeleteOptions` body (or query-derived JSON).
+    pub fn from_json(v: &Value) -> Result<Self, ApiError> {
+        let propagation = match v["propagationPolicy"].as_str() {
+            None => {
+                if v["orphanDependents"] == true {
+                    Propagation::Orphan
+                } else {
+                    Propagation::Background
+                }
+            }
+            Some("Background") => Propagation::Background,
+            Some("Foreground") => Propagation::Foreground,
+            Some("Orphan") => Propagation::Orphan,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "DeleteOptions.meta.k8s.io \"\" is invalid: propagationPolicy: Unsupported value: \"{other}\": supported values: \"Foreground\", \"Background\", \"Orphan\""
+                )));
+            }
+        };
+        Ok(DeleteOptions {
+            grace_period_seconds: v["gracePeriodSeconds"].as_i64(),
+            propagation,
+            precondition_uid: v["preconditions"]["uid"].as_str().map(str::to_string),
+            precondition_rv: v["preconditions"]["resourceVersion"].as_str().map(str::to_string),
+        })
+    }
+}
+
+/// Options of a list.
+#[derive(Debug, Clone, Default)]
+pub struct ListOptions {
+    /// Label selector.
+    pub labels: Option<LabelSelector>,
+    /// Field selector.
+    pub fields: Option<FieldSelector>,
+    /// Page size.
+    pub limit: Option<usize>,
+    /// Continue token of the previous page.
+    pub continue_token: Option<String>,
+}
+
+/// A page of a list.
+#[derive(Debug, Clone)]
+pub struct ObjectList {
+    /// The objects, in key order.
+    pub items: Vec<Arc<Value>>,
+    /// The list's resourceVersion.
+    pub resource_version: u64,
+    /// Token for the next page.
+    pub continue_token: Option<String>,
+    /// Objects after this page (when paging).
+    pub remaining: Option<usize>,
+}
+
+type Bucket = BTreeMap<(String, String), Arc<Value>>;
+
+/// Work the garbage collector and the finalizer logic still have to do.
+enum Work {
+    /// An object was removed: its dependents and its deleting owners need a look.
+    Removed { uid: String, owners: Vec<String>, key: ObjectKey },
+    /// An object is being deleted and carries a finalizer the server itself processes.
+    Deleting(ObjectKey),
+}
+
+pub(crate) struct Inner {
+    pub(crate) rv: u64,
+    pub(crate) registry: Registry,
+    objects: HashMap<GroupResource, Bucket>,
+    uids: HashMap<String, ObjectKey>,
+    dependents: HashMap<String, BTreeSet<ObjectKey>>,
+    history: VecDeque<Arc<StoreEvent>>,
+    history_cap: usize,
+    history_floor: u64,
+    tx: broadcast::Sender<Arc<StoreEvent>>,
+    rng: u64,
+    work: VecDeque<Work>,
+}
+
+/// A cheap, cloneable handle on the object store.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Store")
+    }
+}
+
+/// RFC 3339 time, second precision, as Kubernetes renders `metav1.Time`.
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+}
+
+/// RFC 3339 time `secs` seconds from now.
+pub fn rfc3339_in(secs: i64) -> String {
+    let t = if secs >= 0 {
+        SystemTime::now() + Duration::from_secs(secs.unsigned_abs())
+    } else {
+        SystemTime::now() - Duration::from_secs(secs.unsigned_abs())
+    };
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+pub(crate) fn xorshift(state: &mut u64) -> u64 {
+    let mut x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    x
+}
+
+pub(crate) fn str_list(v: &Value) -> Vec<String> {
+    v.as_array().into_iter().flatten().filter_map(|s| s.as_str().map(str::to_string)).collect()
+}
+
+fn finalizers(obj: &Value) -> Vec<String> {
+    str_list(&obj["metadata"]["finalizers"])
+}
+
+fn set_finalizers(obj: &mut Value, f: &[String]) {
+    if f.is_empty() {
+        if let Some(m) = obj["metadata"].as_object_mut() {
+            m.remove("finalizers");
+        }
+    } else {
+        obj["metadata"]["finalizers"] = json!(f);
+    }
+}
+
+fn owner_uids(obj: &Value) -> Vec<String> {
+    obj["metadata"]["ownerReferences"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["uid"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// The object without metadata and status: a change here bumps `generation`.
+fn spec_part(v: &Value) -> Value {
+    let mut c = v.clone();
+    if let Some(m) = c.as_object_mut() {
+        m.remove("metadata");
+        m.remove("status");
+        m.remove("apiVersion");
+        m.remove("kind");
+    }
+    c
+}
+
+const FOREGROUND: &str = "foregroundDeletion";
+const ORPHAN: &str = "orphan";
+const CRD_CLEANUP: &str = "customresourcecleanup.apiextensions.k8s.io";
+
+fn crd_gr() -> GroupResource {
+    GroupResource::new("apiextensions.k8s.io", "customresourcedefinitions")
+}
+
+fn ns_gr() -> GroupResource {
+    GroupResource::new("", "namespaces")
+}
+
+impl Store {
+    /// An empty store with the default namespaces; `watch_history` events are kept for watch
+    /// resumption (older resourceVersions answer 410).
+    pub fn new(watch_history: usize, seed: u64) -> Store {
+        let (tx, _) = broadcast::channel(16_384);
+        let inner = Inner {
+            rv: 1,
+            registry: Registry::new(),
+            objects: HashMap::new(),
+            uids: HashMap::new(),
+            dependents: HashMap::new(),
+            history: VecDeque::new(),
+            history_cap: watch_history.max(1),
+            history_floor: 0,
+            tx,
+            rng: seed | 1,
+            work: VecDeque::new(),
+        };
+        let store = Store { inner: Arc::new(Mutex::new(inner)) };
+        for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
+            // Cannot fail: the store is empty and the namespace objects are valid.
+            let _ = store.create(
+                &ns_gr(),
+                "",
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+                &WriteOptions::manager("kube-apiserver"),
+            );
+        }
+        store
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain data behind; keep serving it.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A snapshot of the served resources.
+    pub fn registry(&self) -> Registry {
+        self.lock().registry.clone()
+    }
+
+    /// The current (latest) resourceVersion.
+    pub fn resource_version(&self) -> u64 {
+        self.lock().rv
+    }
+
+    /// A receiver of every change from now on. A receiver that falls behind by more than the
+    /// channel's capacity gets `Lagged` and must re-list.
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<StoreEvent>> {
+        self.lock().tx.subscribe()
+    }
+
+    /// Reads one object.
+    pub fn get(&self, gr: &GroupResource, ns: &str, name: &str) -> Result<Value, ApiError> {
+        let inner = self.lock();
+        inner.info(gr)?;
+        inner
+            .find(gr, ns, name)
+            .map(|v| (**v).clone())
+            .ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))
+    }
+
+    /// Lists objects of a resource; `ns = None` lists across namespaces.
+    pub fn list(&self, gr: &GroupResource, ns: Option<&str>, opts: &ListOptions) -> Result<ObjectList, ApiError> {
+        self.lock().list(gr, ns, opts)
+    }
+
+    /// Creates an object (generateName, uid, creationTimestamp, generation are set here).
+    pub fn create(&self, gr: &GroupResource, ns: &str, obj: Value, opts: &WriteOptions) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let out = inner.create(gr, ns, obj, opts)?;
+        inner.run_work();
+        Ok(out)
+    }
+
+    /// Replaces an object (`subresource` `""` or `"status"`).
+    pub fn update(
+        &self,
+        gr: &GroupResource,
+        ns: &str,
+        name: &str,
+        obj: Value,
+        subresource: &str,
+        opts: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let out = inner.update(gr, ns, name, obj, subresource, opts, "Update")?;
+        inner.run_work();
+        Ok(out)
+    }
+
+    /// Patches an object (`subresource` `""` or `"status"`). Apply patches create the object if
+    /// it does not exist.
+    #[allow(clippy::too_many_arguments)]
+    pub fn patch(
+        &self,
+        gr: &GroupResource,
+        ns: &str,
+        name: &str,
+        ty: PatchType,
+        patch_body: &Value,
+        subresource: &str,
+        opts: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let out = inner.patch(gr, ns, name, ty, patch_body, subresource, opts)?;
+        inner.run_work();
+        Ok(out)
+    }
+
+    /// Deletes an object. Returns the object (still present when finalizers or a grace period
+    /// keep it) and whether it is gone.
+    pub fn delete(
+        &self,
+        gr: &GroupResource,
+        ns: &str,
+        name: &str,
+        opts: &DeleteOptions,
+    ) -> Result<(Value, bool), ApiError> {
+        let mut inner = self.lock();
+        let out = inner.delete(gr, ns, name, opts)?;
+        inner.run_work();
+        Ok(out)
+    }
+
+    /// Events after `rv` for a resource (`None`: synthetic ADDED events of the current state),
+    /// plus a receiver for what follows and the current resourceVersion, taken atomically.
+    /// Err(410) when `rv` is too old.
+    #[allow(clippy::type_complexity)]
+    pub fn watch_from(
+        &self,
+        gr: &GroupResource,
+        rv: Option<u64>,
+    ) -> Result<(Vec<Arc<StoreEvent>>, broadcast::Receiver<Arc<StoreEvent>>, u64), ApiError> {
+        let inner = self.lock();
+        inner.info(gr)?;
+        let rx = inner.tx.subscribe();
+        let backlog = match rv {
+            None => inner
+                .objects
+                .get(gr)
+                .into_iter()
+                .flat_map(|b| b.iter())
+                .map(|((ns, name), obj)| {
+                    Arc::new(StoreEvent {
+                        rv: inner.rv,
+                        event_type: EventType::Added,
+                        key: ObjectKey { gr: gr.clone(), namespace: ns.clone(), name: name.clone() },
+                        object: obj.clone(),
+                        old: None,
+                    })
+                })
+                .collect(),
+            Some(rv) => {
+                if rv < inner.history_floor {
+                    return Err(ApiError::expired(format!(
+                        "too old resource version: {rv} ({})",
+                        inner.history_floor + 1
+                    )));
+                }
+                inner.history.iter().filter(|e| e.rv > rv && e.key.gr == *gr).cloned().collect()
+            }
+        };
+        Ok((backlog, rx, inner.rv))
+    }
+
+    /// Runs `f` with exclusive access to the store's internals (eviction, binding, scale).
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        let mut inner = self.lock();
+        let r = f(&mut inner);
+        inner.run_work();
+        r
+    }
+}
+
+impl Inner {
+    pub(crate) fn info(&self, gr: &GroupResource) -> Result<&ResourceInfo, ApiError> {
+        self.registry
+            .get(&gr.group, &gr.resource)
+            .ok_or_else(|| ApiError::no_route(&format!("{}/{}", gr.group, gr.resource)))
+    }
+
+    pub(crate) fn find(&self, gr: &GroupResource, ns: &str, name: &str) -> Option<&Arc<Value>> {
+        self.objects.get(gr).and_then(|b| b.get(&(ns.to_string(), name.to_string())))
+    }
+
+    /// All objects of a resource in a namespace (or everywhere with `None`).
+    pub(crate) fn iter_ns<'a>(
+        &'a self,
+        gr: &GroupResource,
+        ns: Option<&'a str>,
+    ) -> impl Iterator<Item = &'a Arc<Value>> + 'a {
+        let bucket = self.objects.get(gr);
+        let start = ns.unwrap_or_default().to_string();
+        bucket
+            .into_iter()
+            .flat_map(move |b| b.range((start.clone(), String::new())..))
+            .take_while(move |((n, _), _)| ns.is_none_or(|ns| n == ns))
+            .map(|(_, v)| v)
+    }
+
+    fn random_suffix(&mut self, n: usize) -> String {
+        const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+        (0..n)
+            .map(|_| {
+                let i = (xorshift(&mut self.rng) % ALPHABET.len() as u64) as usize;
+                ALPHABET[i] as char
+            })
+            .collect()
+    }
+
+    fn new_uid(&mut self) -> String {
+        let a = xorshift(&mut self.rng);
+        let b = xorshift(&mut self.rng);
+        format!(
+            "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+            a >> 32,
+            (a >> 16) & 0xffff,
+            a & 0xfff,
+            b >> 52,
+            b & 0xffff_ffff_ffff
+        )
+    }
+
+    fn emit(&mut self, event_type: EventType, key: ObjectKey, object: Arc<Value>, old: Option<Arc<Value>>) {
+        let ev = Arc::new(StoreEvent { rv: self.rv, event_type, key, object, old });
+        self.history.push_back(ev.clone());
+        while self.history.len() > self.history_cap {
+            if let Some(e) = self.history.pop_front() {
+                self.history_floor = e.rv;
+            }
+        }
+        // No receiver is fine: nobody watches.
+        let _ = self.tx.send(ev);
+    }
+
+    /// Stores `obj` under a new resourceVersion and emits the event.
+    fn commit(&mut self, key: ObjectKey, mut obj: Value, old: Option<Arc<Value>>) -> Value {
+        self.rv += 1;
+        obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        if let Some(o) = &old {
+            for uid in owner_uids(o) {
+                if let Some(set) = self.dependents.get_mut(&uid) {
+                    set.remove(&key);
+                }
+            }
+        }
+        for uid in owner_uids(&obj) {
+            self.dependents.entry(uid).or_default().insert(key.clone());
+        }
+        if let Some(uid) = obj["metadata"]["uid"].as_str() {
+            self.uids.insert(uid.to_string(), key.clone());
+        }
+        let arc = Arc::new(obj.clone());
+        self.objects.entry(key.gr.clone()).or_default().insert((key.namespace.clone(), key.name.clone()), arc.clone());
+        let ty = if old.is_some() { EventType::Modified } else { EventType::Added };
+        self.emit(ty, key, arc, old);
+        obj
+    }
+
+    /// Removes an object for good.
+    fn remove(&mut self, key: &ObjectKey) -> Option<Value> {
+        let old = self.objects.get_mut(&key.gr)?.remove(&(key.namespace.clone(), key.name.clone()))?;
+        self.rv += 1;
+        let mut last = (*old).clone();
+        last["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        let uid = last["metadata"]["uid"].as_str().unwrap_or_default().to_string();
+        self.uids.remove(&uid);
+        let owners = owner_uids(&last);
+        for o in &owners {
+            if let Some(set) = self.dependents.get_mut(o) {
+                set.remove(key);
+                if set.is_empty() {
+                    self.dependents.remove(o);
+                }
+            }
+        }
+        self.emit(EventType::Deleted, key.clone(), Arc::new(last.clone()), Some(old));
+        self.work.push_back(Work::Removed { uid, owners, key: key.clone() });
+        if key.gr == crd_gr() {
+            let group = last["spec"]["group"].as_str().unwrap_or_default().to_string();
+            let plural = last["spec"]["names"]["plural"].as_str().unwrap_or_default().to_string();
+            self.registry.unregister(&group, &plural);
+            self.objects.remove(&GroupResource::new(&group, &plural));
+        }
+        Some(last)
+    }
+
+    pub(crate) fn list(
+        &self,
+        gr: &GroupResource,
+        ns: Option<&str>,
+        opts: &ListOptions,
+    ) -> Result<ObjectList, ApiError> {
+        self.info(gr)?;
+        let mut list_rv = self.rv;
+        let mut start: Bound<(String, String)> = Bound::Included((ns.unwrap_or_default().to_string(), String::new()));
+        if let Some(tok) = &opts.continue_token {
+            let (rv, kns, kname) = decode_continue(tok)?;
+            if rv < self.history_floor {
+                return Err(ApiError::expired(
+                    "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter, or use the continue token in this response to retrieve the remainder of the results. Continuing with the provided token results in an inconsistent list - objects that were created, modified, or deleted between the time the first chunk was returned and now may show up in the list.",
+                ));
+            }
+            list_rv = rv;
+            start = Bound::Excluded((kns, kname));
+        }
+        let mut items = Vec::new();
+        let mut next = None;
+        let mut remaining = 0usize;
+        if let Some(bucket) = self.objects.get(gr) {
+            for ((kns, kname), obj) in bucket.range((start, Bound::Unbounded)) {
+                if ns.is_some_and(|n| n != kns) {
+                    break;
+                }
+                if !opts.labels.as_ref().is_none_or(|l| l.matches(obj))
+                    || !opts.fields.as_ref().is_none_or(|f| f.matches(obj))
+                {
+                    continue;
+                }
+                if opts.limit.is_some_and(|l| l > 0 && items.len() >= l) {
+                    if next.is_none() {
+                        let last: &Arc<Value> = items.last().unwrap_or(obj);
+                        next = Some(encode_continue(
+                            list_rv,
+                            last["metadata"]["namespace"].as_str().unwrap_or_default(),
+                            last["metadata"]["name"].as_str().unwrap_or_default(),
+                        ));
+                    }
+                    remaining += 1;
+                    continue;
+                }
+                let _ = kname;
+                items.push(obj.clone());
+            }
+        }
+        Ok(ObjectList {
+            items,
+            resource_version: list_rv,
+            remaining: next.as_ref().map(|_| remaining),
+            continue_token: next,
+        })
+    }
+
+    pub(crate) fn create(
+        &mut self,
+        gr: &GroupResource,
+        ns: &str,
+        mut obj: Value,
+        opts: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        let info = self.info(gr)?.clone();
+        if !obj.is_object() {
+            return Err(ApiError::bad_request("the request body must be a JSON object"));
+        }
+        check_kind(&info, &obj)?;
+        let ns = if info.namespaced { ns } else { "" };
+        if info.namespaced {
+            if ns.is_empty() {
+                return Err(ApiError::bad_request("the namespace of the object is required"));
+            }
+            check_body_namespace(&obj, ns)?;
+            match self.find(&ns_gr(), "", ns) {
+                None => return Err(ApiError::not_found("", "namespaces", ns)),
+                Some(n) if !n["metadata"]["deletionTimestamp"].is_null() => {
+                    return Err(ApiError::forbidden(
+                        &gr.group,
+                        &gr.resource,
+                        obj["metadata"]["name"].as_str().unwrap_or_default(),
+                        &format!("unable to create new content in namespace {ns} because it is being terminated"),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        if !obj["metadata"].is_object() {
+            obj["metadata"] = json!({});
+        }
+        let mut name = obj["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        if name.is_empty() {
+            let prefix = obj["metadata"]["generateName"].as_str().unwrap_or_default().to_string();
+            if prefix.is_empty() {
+                return Err(ApiError::invalid(
+                    &info.group,
+                    &info.kind,
+                    "",
+                    "metadata.name",
+                    "FieldValueRequired",
+                    "Required value: name or generateName is required",
+                ));
+            }
+            name = format!("{prefix}{}", self.random_suffix(5));
+        }
+        validate_name(&info, &name)?;
+        if self.find(gr, ns, &name).is_some() {
+            return Err(ApiError::already_exists(&gr.group, &gr.resource, &name));
+        }
+        let version = if opts.api_version.is_empty() {
+            info.api_version(&info.storage_version)
+        } else {
+            opts.api_version.clone()
+        };
+        obj["apiVersion"] = json!(version);
+        obj["kind"] = json!(info.kind);
+        let meta = &mut obj["metadata"];
+        meta["name"] = json!(name);
+        if info.namespaced {
+            meta["namespace"] = json!(ns);
+        } else if let Some(m) = meta.as_object_mut() {
+            m.remove("namespace");
+        }
+        let uid = self.new_uid();
+        let meta = &mut obj["metadata"];
+        meta["uid"] = json!(uid);
+        meta["creationTimestamp"] = json!(now_rfc3339());
+        meta["generation"] = json!(1);
+        if let Some(m) = meta.as_object_mut() {
+            for k in ["deletionTimestamp", "deletionGracePeriodSeconds", "managedFields", "resourceVersion", "selfLink"]
+            {
+                m.remove(k);
+            }
+        }
+        prepare_create(&info, &mut obj);
+        if *gr == crd_gr() {
+            let registered = self.registry.register_crd(&obj)?;
+            let mut f = finalizers(&obj);
+            if !f.iter().any(|x| x == CRD_CLEANUP) {
+                f.push(CRD_CLEANUP.into());
+            }
+            set_finalizers(&mut obj, &f);
+            obj["status"] = crd_status(&obj, &registered);
+        }
+        let now = now_rfc3339();
+        patch::record_managed_fields(
+            None,
+            &mut obj,
+            &WriteRecord {
+                manager: &opts.field_manager,
+                operation: "Update",
+                subresource: "",
+                api_version: &version,
+                time: &now,
+                applied: None,
+            },
+        );
+        let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name };
+        Ok(self.commit(key, obj, None))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn update(
+        &mut self,
+        gr: &GroupResource,
+        ns: &str,
+        name: &str,
+        mut obj: Value,
+        subresource: &str,
+        opts: &WriteOptions,
+        operation: &str,
+    ) -> Result<Value, ApiError> {
+        let info = self.info(gr)?.clone();
+        let ns = if info.namespaced { ns } else { "" };
+        if !obj.is_object() {
+            return Err(ApiError::bad_request("the request body must be a JSON object"));
+        }
+        check_kind(&info, &obj)?;
+        let body_name = obj["metadata"]["name"].as_str().unwrap_or_default();
+        if !body_name.is_empty() && body_name != name {
+            return Err(ApiError::bad_request("the name of the object does not match the name on the URL"));
+        }
+        if info.namespaced {
+            check_body_namespace(&obj, ns)?;
+        }
+        let old = self.find(gr, ns, name).cloned().ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
+        if let Some(rv) = obj["metadata"]["resourceVersion"].as_str()
+            && !rv.is_empty()
+            && old["metadata"]["resourceVersion"].as_str() != Some(rv)
+        {
+            return Err(ApiError::stale(&gr.group, &gr.resource, name));
+        }
+        // Server-owned metadata always comes from the stored object.
+        for k in
+            ["uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation", "selfLink"]
+        {
+            match old["metadata"].get(k) {
+                Some(v) => obj["metadata"][k] = v.clone(),
+                None => {
+                    if let Some(m) = obj["metadata"].as_object_mut() {
+                        m.remove(k);
+                    }
+                }
+            }
+        }
+        if !old["metadata"]["managedFields"].is_null() {
+            obj["metadata"]["managedFields"] = old["metadata"]["managedFields"].clone();
+        } else if let Some(m) = obj["metadata"].as_object_mut() {
+            m.remove("managedFields");
+        }
+        obj["metadata"]["name"] = json!(name);
+        if info.namespaced {
+            obj["metadata"]["namespace"] = json!(ns);
+        }
+        obj["apiVersion"] =
+            if opts.api_version.is_empty() { old["apiVersion"].clone() } else { json!(opts.api_version) };
+        obj["kind"] = json!(info.kind);
+        match subresource {
+            "status" => {
+                if !info.status {
+                    return Err(ApiError::no_route(&format!("{}/status", gr.resource)));
+                }
+                let status = obj.get("status").cloned();
+                obj = (*old).clone();
+                obj["metadata"]["managedFields"] = old["metadata"]["managedFields"].clone();
+                match status {
+                    Some(s) => obj["status"] = s,
+                    None => {
+                        if let Some(m) = obj.as_object_mut() {
+                            m.remove("status");
+                        }
+                    }
+                }
+            }
+            "" => {
+                if info.status {
+                    match old.get("status") {
+                        Some(s) => obj["status"] = s.clone(),
+                        None => {
+                            if let Some(m) = obj.as_object_mut() {
+                                m.remove("status");
+                            }
+                        }
+                    }
+                }
+                if spec_part(&obj) != spec_part(&old) {
+                    let g = old["metadata"]["generation"].as_i64().unwrap_or(1);
+                    obj["metadata"]["generation"] = json!(g + 1);
+                }
+            }
+            other => return Err(ApiError::no_route(&format!("{}/{other}", gr.resource))),
+        }
+        // Finalizers cannot be added once deletion started.
+        if !old["metadata"]["deletionTimestamp"].is_null() {
+            let before = finalizers(&old);
+            let added: Vec<String> = finalizers(&obj).into_iter().filter(|f| !before.contains(f)).collect();
+            if !added.is_empty() {
+                return Err(ApiError::invalid(
+                    &info.group,
+                    &info.kind,
+                    name,
+                    "metadata.finalizers",
+                    "FieldValueForbidden",
+                    &format!(
+                        "Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers []string{{{}}}",
+                        added.iter().map(|f| format!("\"{f}\"")).collect::<Vec<_>>().join(", ")
+                    ),
+                ));
+            }
+        }
+        if *gr == crd_gr() {
+            let registered = self.registry.register_crd(&obj)?;
+            let mut st = crd_status(&obj, &registered);
+            if let Some(c) = old["status"]["storedVersions"].as_array() {
+                st["storedVersions"] = json!(c);
+            }
+            obj["status"] = st;
+        }
+        if obj == *old {
+            // A no-op write does not bump the resourceVersion, like the real server.
+            return Ok(obj);
+        }
+        let now = now_rfc3339();
+        let api_version = obj["apiVersion"].as_str().unwrap_or_default().to_string();
+        patch::record_managed_fields(
+            Some(&old),
+            &mut obj,
+            &WriteRecord {
+                manager: &opts.field_manager,
+                operation,
+                subresource,
+                api_version: &api_version,
+                time: &now,
+                applied: None,
+            },
+        );
+        if obj == *old {
+            return Ok(obj);
+        }
+        let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name: name.to_string() };
+        let deleting = !obj["metadata"]["deletionTimestamp"].is_null();
+        let out = self.commit(key.clone(), obj, Some(old));
+        if deleting {
+            return Ok(self.after_deleting_write(&key).unwrap_or(out));
+        }
+        Ok(out)
+    }
+
+    /// After a write to an object under deletion: remove it when no finalizer and no grace
+    /// period is left, or queue server-side finalizer work.
+    fn after_deleting_write(&mut self, key: &ObjectKey) -> Option<Value> {
+        let obj = self.find(&key.gr, &key.namespace, &key.name)?.clone();
+        let fins = finalizers(&obj);
+        let grace = obj["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
+        if fins.is_empty() && grace == 0 {
+            return self.remove(key);
+        }
+        if fins.iter().any(|f| f == FOREGROUND || f == ORPHAN || f == CRD_CLEANUP) || (key.gr == ns_gr()) {
+            self.work.push_back(Work::Deleting(key.clone()));
+        }
+        None
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn patch(
+        &mut self,
+        gr: &GroupResource,
+        ns: &str,
+        name: &str,
+        ty: PatchType,
+        body: &Value,
+        subresource: &str,
+        opts: &WriteOptions,
+    ) -> Result<Value, ApiError> {
+        let info = self.info(gr)?.clone();
+        let ns = if info.namespaced { ns } else { "" };
+        if ty == PatchType::Strategic && !info.builtin {
+            return Err(ApiError::unsupported_media_type("application/strategic-merge-patch+json"));
+        }
+        let current = self.find(gr, ns, name).cloned();
+        if ty == PatchType::Apply {
+            if opts.field_manager.is_empty() {
+                return Err(ApiError::invalid(
+                    "meta.k8s.io",
+                    "PatchOptions",
+                    "",
+                    "fieldManager",
+                    "FieldValueRequired",
+                    "Required value: is required for apply patch",
+                ));
+            }
+            let Some(live) = current else {
+                if !subresource.is_empty() {
+                    return Err(ApiError::not_found(&gr.group, &gr.resource, name));
+                }
+                let mut obj = body.clone();
+                obj["metadata"]["name"] = json!(name);
+                let mut created = self.create(gr, ns, obj, opts)?;
+                // Re-record as an Apply so the manager owns what it applied.
+                let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name: name.to_string() };
+                let mut paths = Vec::new();
+                patch::leaves(body, &mut Vec::new(), &mut paths);
+                if let Some(m) = created["metadata"].as_object_mut() {
+                    m.remove("managedFields");
+                }
+                let now = now_rfc3339();
+                let api_version = created["apiVersion"].as_str().unwrap_or_default().to_string();
+                patch::record_managed_fields(
+                    None,
+                    &mut created,
+                    &WriteRecord {
+                        manager: &opts.field_manager,
+                        operation: "Apply",
+                        subresource: "",
+                        api_version: &api_version,
+                        time: &now,
+                        applied: Some(paths),
+                    },
+                );
+                if let Some(slot) =
+                    self.objects.get_mut(gr).and_then(|b| b.get_mut(&(key.namespace.clone(), key.name.clone())))
+                {
+                    *slot = Arc::new(created.clone());
+                }
+                return Ok(created);
+            };
+            check_kind(&info, body)?;
+            let (merged, applied) = patch::apply_merge(&live, body, &opts.field_manager);
+            if !opts.force {
+                let mut conflicts = Vec::new();
+                for p in &applied {
+                    let mut a = &live as &Value;
+                    let mut b = body;
+                    for seg in p {
+                        a = &a[seg.as_str()];
+                        b = &b[seg.as_str()];
+                    }
+                    if a != b && !a.is_null() {
+                        for o in patch::owners_of(&live, p, &opts.field_manager) {
+                            conflicts.push(format!("conflict with \"{o}\": .{}", p.join(".")));
+                        }
+                    }
+                }
+                if !conflicts.is_empty() {
+                    let mut e = ApiError::conflict(&gr.group, &gr.resource, name, "");
+                    e.message = format!(
+                        "Apply failed with {} conflict{}: {}",
+                        conflicts.len(),
+                        if conflicts.len() == 1 { "" } else { "s" },
+                        conflicts.join(", ")
+                    );
+                    return Err(e);
+                }
+            }
+            let mut merged = merged;
+            if let Some(m) = merged["metadata"].as_object_mut() {
+                m.remove("resourceVersion");
+            }
+            if let Some(rv) = body["metadata"]["resourceVersion"].as_str() {
+                merged["metadata"]["resourceVersion"] = json!(rv);
+            }
+            let out = self.update(gr, ns, name, merged, subresource, opts, "Apply")?;
+            // Apply replaces the manager's field set with what it applied.
+            let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name: name.to_string() };
+            if let Some(slot) =
+                self.objects.get_mut(gr).and_then(|b| b.get_mut(&(key.namespace.clone(), key.name.clone())))
+            {
+                let mut fixed = (**slot).clone();
+                let now = now_rfc3339();
+                let api_version = fixed["apiVersion"].as_str().unwrap_or_default().to_string();
+                patch::record_managed_fields(
+                    Some(&out),
+                    &mut fixed,
+                    &WriteRecord {
+                        manager: &opts.field_manager,
+                        operation: "Apply",
+                        subresource,
+                        api_version: &api_version,
+                        time: &now,
+                        applied: Some(applied),
+                    },
+                );
+                *slot = Arc::new(fixed.clone());
+                return Ok(fixed);
+            }
+            return Ok(out);
+        }
+        let current = current.ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
+        let mut patched = patch::apply_patch(ty, &current, body)?;
+        if ty != PatchType::Json
+            && body["metadata"]["resourceVersion"].is_null()
+            && let Some(m) = patched["metadata"].as_object_mut()
+        {
+            // Without an rv in the patch there is no precondition.
+            m.remove("resourceVersion");
+        }
+        if ty == PatchType::Json
+            && patched["metadata"]["resourceVersion"] == current["metadata"]["resourceVersion"]
+            && let Some(m) = patched["metadata"].as_object_mut()
+        {
+            m.remove("resourceVersion");
+        }
+        self.update(gr, ns, name, patched, subresource, opts, "Update")
+    }
+
+    pub(crate) fn delete(
+        &mut self,
+        gr: &GroupResource,
+        ns: &str,
+        name: &str,
+        opts: &DeleteOptions,
+    ) -> Result<(Value, bool), ApiError> {
+        let info = self.info(gr)?.clone();
+        let ns = if info.namespaced { ns } else { "" };
+        let obj = self.find(gr, ns, name).cloned().ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
+        if let Some(uid) = &opts.precondition_uid
+            && obj["metadata"]["uid"].as_str() != Some(uid.as_str())
+        {
+            return Err(ApiError::conflict(
+                &gr.group,
+                &gr.resource,
+                name,
+                &format!(
+                    "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                    obj["metadata"]["uid"].as_str().unwrap_or_default()
+                ),
+            ));
+        }
+        if let Some(rv) = &opts.precondition_rv
+            && obj["metadata"]["resourceVersion"].as_str() != Some(rv.as_str())
+        {
+            return Err(ApiError::conflict(
+                &gr.group,
+                &gr.resource,
+                name,
+                &format!(
+                    "Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}",
+                    obj["metadata"]["resourceVersion"].as_str().unwrap_or_default()
+                ),
+            ));
+        }
+        let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name: name.to_string() };
+        let is_pod = gr.group.is_empty() && gr.resource == "pods";
+        let mut grace = 0i64;
+        if is_pod {
+            grace = opts
+                .grace_period_seconds
+                .unwrap_or_else(|| obj["spec"]["terminationGracePeriodSeconds"].as_i64().unwrap_or(30));
+            let phase = obj["status"]["phase"].as_str().unwrap_or_default();
+            if obj["spec"]["nodeName"].as_str().unwrap_or_default().is_empty()
+                || phase == "Succeeded"
+                || phase == "Failed"
+            {
+                grace = 0;
+            }
+            grace = grace.max(0);
+        }
+        let mut fins = finalizers(&obj);
+        let deleting = !obj["metadata"]["deletionTimestamp"].is_null();
+        let policy_fin = match opts.propagation {
+            Propagation::Foreground => Some(FOREGROUND),
+            Propagation::Orphan => Some(ORPHAN),
+            Propagation::Background => None,
+        };
+        if let Some(f) = policy_fin
+            && !fins.iter().any(|x| x == f)
+            && (!fins.is_empty()
+                || grace > 0
+                || self.dependents.contains_key(obj["metadata"]["uid"].as_str().unwrap_or_default())
+                || f == FOREGROUND)
+        {
+            fins.push(f.to_string());
+        }
+        if *gr == ns_gr() && !deleting {
+            let mut o = (*obj).clone();
+            o["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
+            o["metadata"]["deletionGracePeriodSeconds"] = json!(0);
+            o["status"]["phase"] = json!("Terminating");
+            let out = self.commit(key.clone(), o, Some(obj));
+            self.work.push_back(Work::Deleting(key));
+            return Ok((out, false));
+        }
+        if deleting {
+            let mut o = (*obj).clone();
+            let cur_grace = obj["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
+            let mut changed = false;
+            if is_pod && grace < cur_grace {
+                o["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
+                o["metadata"]["deletionTimestamp"] = json!(rfc3339_in(grace));
+                changed = true;
+            }
+            if fins != finalizers(&obj) {
+                set_finalizers(&mut o, &fins);
+                changed = true;
+            }
+            if !changed {
+                return Ok(((*obj).clone(), false));
+            }
+            self.commit(key.clone(), o.clone(), Some(obj));
+            return Ok(match self.after_deleting_write(&key) {
+                Some(gone) => (gone, true),
+                None => (self.find(gr, ns, name).map(|v| (**v).clone()).unwrap_or(o), false),
+            });
+        }
+        if fins.is_empty() && grace == 0 {
+            let gone = self.remove(&key).unwrap_or_else(|| (*obj).clone());
+            return Ok((gone, true));
+        }
+        let mut o = (*obj).clone();
+        o["metadata"]["deletionTimestamp"] = json!(rfc3339_in(grace));
+        o["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
+        set_finalizers(&mut o, &fins);
+        if spec_part(&o) == spec_part(&obj) {
+            let g = o["metadata"]["generation"].as_i64().unwrap_or(1);
+            o["metadata"]["generation"] = json!(g + 1);
+        }
+        let out = self.commit(key.clone(), o, Some(obj));
+        if fins.iter().any(|f| f == FOREGROUND || f == ORPHAN || f == CRD_CLEANUP) {
+            self.work.push_back(Work::Deleting(key));
+        }
+        Ok((out, false))
+    }
+
+    /// Drops one finalizer the server processes itself.
+    fn drop_finalizer(&mut self, key: &ObjectKey, fin: &str) {
+        let Some(obj) = self.find(&key.gr, &key.namespace, &key.name).cloned() else {
+            return;
+        };
+        let mut f = finalizers(&obj);
+        f.retain(|x| x != fin);
+        let mut o = (*obj).clone();
+        set_finalizers(&mut o, &f);
+        self.commit(key.clone(), o, Some(obj));
+        self.after_deleting_write(key);
+    }
+
+    /// Background deletion of a dependent or a namespace's content.
+    fn delete_quietly(&mut self, key: &ObjectKey, propagation: Propagation) {
+        let already =
+            self.find(&key.gr, &key.namespace, &key.name).is_none_or(|o| !o["metadata"]["deletionTimestamp"].is_null());
+        if already {
+            return;
+        }
+        let opts = DeleteOptions { propagation, ..Default::default() };
+        // The object exists (checked above); a failure would only be a vanished object.
+        let _ = self.delete(&key.gr, &key.namespace, &key.name, &opts);
+    }
+
+    /// Processes garbage collection and server-side finalizers until nothing is left to do.
+    pub(crate) fn run_work(&mut self) {
+        let mut guard = 0usize;
+        while let Some(w) = self.work.pop_front() {
+            guard += 1;
+            if guard > 1_000_000 {
+                self.work.clear();
+                break;
+            }
+            match w {
+                Work::Removed { uid, owners, key } => {
+                    // Dependents whose owners are all gone are deleted; others lose the ref.
+                    let deps: Vec<ObjectKey> =
+                        self.dependents.get(&uid).map(|s| s.iter().cloned().collect()).unwrap_or_default();
+                    for d in deps {
+                        let Some(dep) = self.find(&d.gr, &d.namespace, &d.name).cloned() else {
+                            continue;
+                        };
+                        let alive = owner_uids(&dep).iter().any(|u| self.uids.contains_key(u));
+                        if alive {
+                            let mut o = (*dep).clone();
+                            if let Some(refs) = o["metadata"]["ownerReferences"].as_array_mut() {
+                                refs.retain(|r| r["uid"].as_str() != Some(uid.as_str()));
+                            }
+                            self.commit(d, o, Some(dep));
+                        } else {
+                            self.delete_quietly(&d, Propagation::Background);
+                        }
+                    }
+                    self.dependents.remove(&uid);
+                    for o in owners {
+                        if let Some(ok) = self.uids.get(&o).cloned() {
+                            self.work.push_back(Work::Deleting(ok));
+                        }
+                    }
+                    // Content of a terminating namespace, custom resources of a deleting CRD.
+                    if !key.namespace.is_empty() {
+                        let nk = ObjectKey { gr: ns_gr(), namespace: String::new(), name: key.namespace.clone() };
+                        if self
+                            .find(&nk.gr, "", &nk.name)
+                            .is_some_and(|n| !n["metadata"]["deletionTimestamp"].is_null())
+                        {
+                            self.work.push_back(Work::Deleting(nk));
+                        }
+                    }
+                    if !key.gr.group.is_empty()
+                        && self.registry.get(&key.gr.group, &key.gr.resource).is_some_and(|r| !r.builtin)
+                    {
+                        let ck = ObjectKey {
+                            gr: crd_gr(),
+                            namespace: String::new(),
+                            name: format!("{}.{}", key.gr.resource, key.gr.group),
+                        };
+                        if self
+                            .find(&ck.gr, "", &ck.name)
+                            .is_some_and(|c| !c["metadata"]["deletionTimestamp"].is_null())
+                        {
+                            self.work.push_back(Work::Deleting(ck));
+                        }
+                    }
+                }
+                Work::Deleting(key) => self.process_deleting(&key),
+            }
+        }
+    }
+
+    fn process_deleting(&mut self, key: &ObjectKey) {
+        let Some(obj) = self.find(&key.gr, &key.namespace, &key.name).cloned() else {
+            return;
+        };
+        if obj["metadata"]["deletionTimestamp"].is_null() {
+            return;
+        }
+        let fins = finalizers(&obj);
+        let uid = obj["metadata"]["uid"].as_str().unwrap_or_default().to_string();
+        if key.gr == ns_gr() {
+            let mut left = 0usize;
+            let namespaced: Vec<GroupResource> = self
+                .registry
+                .all()
+                .iter()
+                .filter(|r| r.namespaced)
+                .map(|r| GroupResource::new(&r.group, &r.resource))
+                .collect();
+            for gr in namespaced {
+                let names: Vec<String> = self
+                    .iter_ns(&gr, Some(&key.name))
+                    .map(|o| o["metadata"]["name"].as_str().unwrap_or_default().to_string())
+                    .collect();
+                left += names.len();
+                for n in names {
+                    let k = ObjectKey { gr: gr.clone(), namespace: key.name.clone(), name: n };
+                    self.delete_quietly(&k, Propagation::Background);
+                }
+            }
+            if left == 0 && fins.is_empty() {
+                self.remove(key);
+            }
+            return;
+        }
+        if fins.iter().any(|f| f == ORPHAN) {
+            let deps: Vec<ObjectKey> =
+                self.dependents.get(&uid).map(|s| s.iter().cloned().collect()).unwrap_or_default();
+            for d in deps {
+                if let Some(dep) = self.find(&d.gr, &d.namespace, &d.name).cloned() {
+                    let mut o = (*dep).clone();
+                    if let Some(refs) = o["metadata"]["ownerReferences"].as_array_mut() {
+                        refs.retain(|r| r["uid"].as_str() != Some(uid.as_str()));
+                        if refs.is_empty()
+                            && let Some(m) = o["metadata"].as_object_mut()
+                        {
+                            m.remove("ownerReferences");
+                        }
+                    }
+                    self.commit(d, o, Some(dep));
+                }
+            }
+            self.dependents.remove(&uid);
+            self.drop_finalizer(key, ORPHAN);
+            return;
+        }
+        if fins.iter().any(|f| f == FOREGROUND) {
+            let deps: Vec<ObjectKey> =
+                self.dependents.get(&uid).map(|s| s.iter().cloned().collect()).unwrap_or_default();
+            let mut blocking = 0;
+            for d in deps {
+                let Some(dep) = self.find(&d.gr, &d.namespace, &d.name).cloned() else {
+                    continue;
+                };
+                let blocks = dep["metadata"]["ownerReferences"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|r| r["uid"].as_str() == Some(uid.as_str()) && r["blockOwnerDeletion"] == true);
+                self.delete_quietly(&d, Propagation::Foreground);
+                if blocks && self.find(&d.gr, &d.namespace, &d.name).is_some() {
+                    blocking += 1;
+                }
+            }
+            if blocking == 0 {
+                self.drop_finalizer(key, FOREGROUND);
+            }
+            return;
+        }
+        if key.gr == crd_gr() && fins.iter().any(|f| f == CRD_CLEANUP) {
+            let group = obj["spec"]["group"].as_str().unwrap_or_default().to_string();
+            let plural = obj["spec"]["names"]["plural"].as_str().unwrap_or_default().to_string();
+            let gr = GroupResource::new(&group, &plural);
+            let keys: Vec<ObjectKey> = self
+                .iter_ns(&gr, None)
+                .map(|o| ObjectKey {
+                    gr: gr.clone(),
+                    namespace: o["metadata"]["namespace"].as_str().unwrap_or_default().into(),
+                    name: o["metadata"]["name"].as_str().unwrap_or_default().into(),
+                })
+                .collect();
+            for k in &keys {
+                self.delete_quietly(k, Propagation::Background);
+            }
+            if self.iter_ns(&gr, None).next().is_none() {
+                self.drop_finalizer(key, CRD_CLEANUP);
+            }
+        }
+    }
+
+    /// Direct write of a new state without the HTTP semantics (used by eviction, binding and
+    /// scale, which have checked what they need).
+    pub(crate) fn put(&mut self, key: &ObjectKey, mut obj: Value, manager: &str, subresource: &str) -> Value {
+        let old = self.find(&key.gr, &key.namespace, &key.name).cloned();
+        let now = now_rfc3339();
+        let api_version = obj["apiVersion"].as_str().unwrap_or_default().to_string();
+        patch::record_managed_fields(
+            old.as_deref(),
+            &mut obj,
+            &WriteRecord {
+                manager,
+                operation: "Update",
+                subresource,
+                api_version: &api_version,
+                time: &now,
+                applied: None,
+            },
+        );
+        self.commit(key.clone(), obj, old)
+    }
+}
+
+fn check_kind(info: &ResourceInfo, obj: &Value) -> Result<(), ApiError> {
+    if let Some(k) = obj["kind"].as_str()
+        && !k.is_empty()
+        && k != info.kind
+    {
+        return Err(ApiError::bad_request(format!(
+            "the kind in the body ({k}) does not match the kind of the resource ({})",
+            info.kind
+        )));
+    }
+    Ok(())
+}
+
+fn check_body_namespace(obj: &Value, ns: &str) -> Result<(), ApiError> {
+    if let Some(n) = obj["metadata"]["namespace"].as_str()
+        && !n.is_empty()
+        && n != ns
+    {
+        return Err(ApiError::bad_request(
+            "the namespace of the provided object does not match the namespace sent on the request",
+        ));
+    }
+    Ok(())
+}
+
+fn validate_name(info: &ResourceInfo, name: &str) -> Result<(), ApiError> {
+    let ok = name.len() <= 253
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            &info.group,
+            &info.kind,
+            name,
+            "metadata.name",
+            "FieldValueInvalid",
+            &format!(
+                "Invalid value: \"{name}\": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
+            ),
+        ))
+    }
+}
+
+/// What the real strategies' PrepareForCreate do to status.
+fn prepare_create(info: &ResourceInfo, obj: &mut Value) {
+    if !info.status {
+        return;
+    }
+    match (info.group.as_str(), info.resource.as_str()) {
+        // kubelets register nodes with their status.
+        ("", "nodes") => {}
+        ("", "pods") => {
+            obj["status"] = json!({"phase": "Pending", "qosClass": "BestEffort"});
+        }
+        ("", "namespaces") => {
+            obj["status"] = json!({"phase": "Active"});
+            if obj["spec"]["finalizers"].is_null() {
+                obj["spec"]["finalizers"] = json!(["kubernetes"]);
+            }
+        }
+        _ => {
+            if let Some(m) = obj.as_object_mut() {
+                m.remove("status");
+            }
+        }
+    }
+}
+
+fn crd_status(crd: &Value, info: &ResourceInfo) -> Value {
+    let now = now_rfc3339();
+    let names = crd["spec"]["names"].clone();
+    json!({
+        "acceptedNames": names,
+        "conditions": [
+            {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts", "message": "no conflicts found", "lastTransitionTime": now},
+            {"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "message": "the initial names have been accepted", "lastTransitionTime": now},
+        ],
+        "storedVersions": [info.storage_version],
+    })
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn encode_continue(rv: u64, ns: &str, name: &str) -> String {
+    hex(&format!("{rv}\u{1}{ns}\u{1}{name}"))
+}
+
+fn decode_continue(tok: &str) -> Result<(u64, String, String), ApiError> {
+    let bad = || {
+        ApiError::bad_request(
+            "continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)",
+        )
+    };
+    if !tok.len().is_multiple_of(2) || !tok.is_ascii() {
+        return Err(bad());
+    }
+    let bytes: Result<Vec<u8>, _> = (0..tok.len()).step_by(2).map(|i| u8::from_str_radix(&tok[i..i + 2], 16)).collect();
+    let s = String::from_utf8(bytes.map_err(|_| bad())?).map_err(|_| bad())?;
+    let mut parts = s.splitn(3, '\u{1}');
+    let rv = parts.next().and_then(|r| r.parse().ok()).ok_or_else(bad)?;
+    let ns = parts.next().ok_or_else(bad)?.to_string();
+    let name = parts.next().ok_or_else(bad)?.to_string();
+    Ok((rv, ns, name))
+}

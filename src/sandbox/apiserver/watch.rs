@@ -1,0 +1,149 @@
+//! Watches: newline-delimited JSON events from a resourceVersion, with bookmarks, timeouts,
+//! selectors, 410 for a too old resourceVersion and optional injected disconnects.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{StatusCode, header};
+use axum::response::Response;
+use serde_json::{Value, json};
+use tokio::sync::broadcast::error::RecvError;
+
+use super::http::{Query, Shared, Target, as_version, error_response, list_options};
+use super::kinds::ResourceInfo;
+use super::store::{EventType, ListOptions, StoreEvent};
+use super::table;
+
+fn line(ty: &str, object: &Value) -> Bytes {
+    let mut v = serde_json::to_vec(&json!({"type": ty, "object": object})).unwrap_or_default();
+    v.push(b'\n');
+    Bytes::from(v)
+}
+
+struct Filter {
+    namespace: Option<String>,
+    opts: ListOptions,
+}
+
+impl Filter {
+    fn matches(&self, ev_ns: &str, obj: &Value) -> bool {
+        self.namespace.as_deref().is_none_or(|n| n == ev_ns)
+            && self.opts.labels.as_ref().is_none_or(|l| l.matches(obj))
+            && self.opts.fields.as_ref().is_none_or(|f| f.matches(obj))
+    }
+
+    /// The watch event type a client of this filter sees for a store event, if any: objects
+    /// entering the selection are ADDED, leaving it DELETED.
+    fn translate(&self, ev: &StoreEvent) -> Option<&'static str> {
+        let now = self.matches(&ev.key.namespace, &ev.object);
+        let before = ev.old.as_ref().is_some_and(|o| self.matches(&ev.key.namespace, o));
+        match ev.event_type {
+            EventType::Added => now.then_some("ADDED"),
+            EventType::Deleted => before.then_some("DELETED"),
+            EventType::Modified => match (before, now) {
+                (true, true) => Some("MODIFIED"),
+                (false, true) => Some("ADDED"),
+                (true, false) => Some("DELETED"),
+                (false, false) => None,
+            },
+        }
+    }
+}
+
+/// Serves a watch request.
+pub(crate) fn serve(
+    shared: Arc<Shared>,
+    t: Target,
+    info: ResourceInfo,
+    q: Query,
+    table_out: bool,
+    drop_after: Option<Duration>,
+) -> Response {
+    let opts = match list_options(&info, &q) {
+        Ok(o) => o,
+        Err(e) => return error_response(&e),
+    };
+    let filter = Filter { namespace: t.namespace.clone(), opts };
+    let rv = q.get("resourceVersion").filter(|r| !r.is_empty() && *r != "0").map(|r| r.parse::<u64>());
+    let rv = match rv {
+        Some(Ok(n)) => Some(n),
+        Some(Err(_)) => {
+            return error_response(&super::status::ApiError::bad_request(
+                "resourceVersion: Invalid value: must be a number",
+            ));
+        }
+        None => None,
+    };
+    let send_initial = q.get("sendInitialEvents").is_some_and(|v| v == "true");
+    let bookmarks = q.get("allowWatchBookmarks").is_some_and(|v| v == "true");
+    let timeout = q.get("timeoutSeconds").and_then(|s| s.parse::<u64>().ok()).map(Duration::from_secs);
+    let gr = t.gr();
+    let av = t.api_version();
+    let subscribed = shared.store.watch_from(&gr, if send_initial { None } else { rv });
+    let bookmark_every = Duration::from_secs_f64((60.0 * shared.time_scale).clamp(0.1, 60.0));
+    let cancel = shared.cancel.clone();
+    let kind = info.kind.clone();
+    let render = move |obj: &Value| -> Value {
+        let o = as_version(obj.clone(), &av);
+        if table_out { table::table(&info, &[o], 0, &Query::new(), true) } else { o }
+    };
+    let stream = async_stream::stream! {
+        let (backlog, mut rx, start_rv) = match subscribed {
+            Ok(s) => s,
+            Err(e) => {
+                // Like the real server: 200, then one ERROR event carrying the 410 Status.
+                yield Ok::<Bytes, Infallible>(line("ERROR", &e.to_status()));
+                return;
+            }
+        };
+        let mut last_rv = start_rv;
+        for ev in &backlog {
+            let ty = if rv.is_none() || send_initial {
+                filter.matches(&ev.key.namespace, &ev.object).then_some("ADDED")
+            } else {
+                filter.translate(ev)
+            };
+            if let Some(ty) = ty {
+                yield Ok(line(ty, &render(&ev.object)));
+            }
+        }
+        if send_initial {
+            yield Ok(line("BOOKMARK", &json!({"kind": kind, "apiVersion": t.api_version(),
+                "metadata": {"resourceVersion": last_rv.to_string(),
+                "annotations": {"k8s.io/initial-events-end": "true"}}})));
+        }
+        let deadline = tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(3600)).min(drop_after.unwrap_or(Duration::MAX)));
+        tokio::pin!(deadline);
+        let mut tick = tokio::time::interval(bookmark_every);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = &mut deadline => break,
+                _ = tick.tick(), if bookmarks => {
+                    yield Ok(line("BOOKMARK", &json!({"kind": kind, "apiVersion": t.api_version(),
+                        "metadata": {"resourceVersion": last_rv.to_string()}})));
+                }
+                r = rx.recv() => match r {
+                    Ok(ev) => {
+                        last_rv = last_rv.max(ev.rv);
+                        if ev.key.gr != gr {
+                            continue;
+                        }
+                        if let Some(ty) = filter.translate(&ev) {
+                            yield Ok(line(ty, &render(&ev.object)));
+                        }
+                    }
+                    // A watcher that fell behind is cut; the client resumes from its last rv.
+                    Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => break,
+                },
+            }
+        }
+    };
+    let mut r = Response::new(Body::from_stream(stream));
+    *r.status_mut() = StatusCode::OK;
+    r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    r
+}

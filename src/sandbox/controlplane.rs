@@ -1,0 +1,803 @@
+//! A small simulated control plane running inside the sandbox server: scheduler, kubelet
+//! (pods start and terminate), ReplicaSet, Deployment, StatefulSet and DaemonSet controllers,
+//! the disruption controller (PDB status) and pod GC for deleted nodes.
+//!
+//! One task reacts to the store's change stream plus timers; it never polls in a loop.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::broadcast::error::TryRecvError;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::apiserver::{
+    DeleteOptions, EventType, GroupResource, LabelSelector, ListOptions, PatchType, Store, StoreEvent, WriteOptions,
+    now_rfc3339, pdb_gr, pod_healthy, pods_gr, refresh_pdb,
+};
+
+fn apps(r: &str) -> GroupResource {
+    GroupResource::new("apps", r)
+}
+
+fn nodes_gr() -> GroupResource {
+    GroupResource::new("", "nodes")
+}
+
+type NsName = (String, String);
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    /// The kubelet reports the pod running.
+    Start(String, String, String),
+    /// The kubelet finished terminating the pod (grace period over).
+    Remove(String, String, String),
+}
+
+#[derive(Default)]
+struct Dirty {
+    schedule: bool,
+    all: bool,
+    rs: BTreeSet<NsName>,
+    deploy: BTreeSet<NsName>,
+    sts: BTreeSet<NsName>,
+    ds: BTreeSet<NsName>,
+    ds_all: bool,
+    pdb_ns: BTreeSet<String>,
+    gone_nodes: Vec<String>,
+}
+
+struct ControlPlane {
+    store: Store,
+    scale: f64,
+    timers: BTreeMap<(Instant, u64), Timer>,
+    seq: u64,
+    terminating: BTreeSet<String>,
+    starting: BTreeSet<String>,
+}
+
+fn s(v: &Value) -> String {
+    v.as_str().unwrap_or_default().to_string()
+}
+
+fn ns_name(o: &Value) -> NsName {
+    (s(&o["metadata"]["namespace"]), s(&o["metadata"]["name"]))
+}
+
+fn controller_of(o: &Value) -> Option<(String, String)> {
+    o["metadata"]["ownerReferences"]
+        .as_array()?
+        .iter()
+        .find(|r| r["controller"] == true)
+        .map(|r| (s(&r["kind"]), s(&r["name"])))
+}
+
+fn owned_by(o: &Value, uid: &str) -> bool {
+    o["metadata"]["ownerReferences"]
+        .as_array()
+        .is_some_and(|a| a.iter().any(|r| r["controller"] == true && r["uid"] == uid))
+}
+
+fn deleting(o: &Value) -> bool {
+    !o["metadata"]["deletionTimestamp"].is_null()
+}
+
+fn node_ready(n: &Value) -> bool {
+    n["status"]["conditions"]
+        .as_array()
+        .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+}
+
+fn tolerates(tolerations: &[Value], taint: &Value) -> bool {
+    tolerations.iter().any(|t| {
+        let key_ok = t["key"].is_null() && t["operator"] == "Exists" || t["key"] == taint["key"];
+        let effect_ok = t["effect"].is_null() || t["effect"] == "" || t["effect"] == taint["effect"];
+        let value_ok = t["operator"] == "Exists"
+            || t["value"].as_str().unwrap_or_default() == taint["value"].as_str().unwrap_or_default();
+        key_ok && effect_ok && value_ok
+    })
+}
+
+/// Whether a pod spec may run on a node: nodeSelector and NoSchedule/NoExecute taints.
+fn fits(spec: &Value, node: &Value) -> bool {
+    let tolerations = spec["tolerations"].as_array().cloned().unwrap_or_default();
+    let taints_ok = node["spec"]["taints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .all(|t| !(t["effect"] == "NoSchedule" || t["effect"] == "NoExecute") || tolerates(&tolerations, t));
+    let labels = &node["metadata"]["labels"];
+    let selector_ok = spec["nodeSelector"].as_object().is_none_or(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)));
+    taints_ok && selector_ok
+}
+
+fn capacity(node: &Value) -> usize {
+    let v = &node["status"]["allocatable"]["pods"];
+    v.as_u64().map(|n| n as usize).or_else(|| v.as_str().and_then(|s| s.parse().ok())).unwrap_or(110)
+}
+
+fn short_hash(v: &Value) -> String {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    v.to_string().hash(&mut h);
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    let mut x = h.finish();
+    (0..10)
+        .map(|_| {
+            let c = ALPHABET[(x % ALPHABET.len() as u64) as usize] as char;
+            x /= ALPHABET.len() as u64;
+            c
+        })
+        .collect()
+}
+
+fn owner_ref(kind: &str, o: &Value) -> Value {
+    json!({"apiVersion": "apps/v1", "kind": kind, "name": o["metadata"]["name"], "uid": o["metadata"]["uid"],
+        "controller": true, "blockOwnerDeletion": true})
+}
+
+const DS_TOLERATIONS: [(&str, &str); 6] = [
+    ("node.kubernetes.io/not-ready", "NoExecute"),
+    ("node.kubernetes.io/unreachable", "NoExecute"),
+    ("node.kubernetes.io/disk-pressure", "NoSchedule"),
+    ("node.kubernetes.io/memory-pressure", "NoSchedule"),
+    ("node.kubernetes.io/pid-pressure", "NoSchedule"),
+    ("node.kubernetes.io/unschedulable", "NoSchedule"),
+];
+
+/// Runs the control plane until `cancel` fires.
+pub async fn run(store: Store, time_scale: f64, cancel: CancellationToken) {
+    let mut cp = ControlPlane {
+        store: store.clone(),
+        scale: time_scale,
+        timers: BTreeMap::new(),
+        seq: 0,
+        terminating: BTreeSet::new(),
+        starting: BTreeSet::new(),
+    };
+    let mut rx = store.subscribe();
+    let mut dirty = Dirty { all: true, schedule: true, ds_all: true, ..Default::default() };
+    loop {
+        cp.reconcile(&mut dirty);
+        let next = cp.timers.keys().next().map(|(t, _)| *t);
+        let sleep = tokio::time::sleep_until(next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600)));
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = sleep, if next.is_some() => cp.fire_timers(&mut dirty),
+            r = rx.recv() => {
+                match r {
+                    Ok(ev) => cp.observe(&ev, &mut dirty),
+                    Err(_) => {
+                        // Fell behind the change stream: resynchronise everything.
+                        rx = store.subscribe();
+                        dirty.all = true;
+                    }
+                }
+                // Batch whatever else is already queued before reconciling.
+                for _ in 0..10_000 {
+                    match rx.try_recv() {
+                        Ok(ev) => cp.observe(&ev, &mut dirty),
+                        Err(TryRecvError::Empty) => break,
+                        Err(_) => {
+                            rx = store.subscribe();
+                            dirty.all = true;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl ControlPlane {
+    fn after(&mut self, secs: f64, t: Timer) {
+        let d = Duration::from_secs_f64((secs * self.scale).max(0.0));
+        self.seq += 1;
+        self.timers.insert((Instant::now() + d, self.seq), t);
+    }
+
+    fn observe(&mut self, ev: &StoreEvent, d: &mut Dirty) {
+        let o = &*ev.object;
+        let (ns, name) = (ev.key.namespace.clone(), ev.key.name.clone());
+        match (ev.key.gr.group.as_str(), ev.key.gr.resource.as_str()) {
+            ("", "pods") => {
+                self.observe_pod(ev, d);
+                d.pdb_ns.insert(ns.clone());
+                if let Some((kind, owner)) = controller_of(o) {
+                    match kind.as_str() {
+                        "ReplicaSet" => d.rs.insert((ns, owner)),
+                        "StatefulSet" => d.sts.insert((ns, owner)),
+                        "DaemonSet" => d.ds.insert((ns, owner)),
+                        _ => false,
+                    };
+                }
+            }
+            ("", "nodes") => {
+                d.schedule = true;
+                d.ds_all = true;
+                if ev.event_type == EventType::Deleted {
+                    d.gone_nodes.push(name);
+                } else if ev.old.as_ref().is_some_and(|old| !node_ready(old)) && node_ready(o) {
+                    d.all = true;
+                }
+            }
+            ("apps", "replicasets") => {
+                d.rs.insert((ns.clone(), name));
+                if let Some((kind, owner)) = controller_of(o)
+                    && kind == "Deployment"
+                {
+                    d.deploy.insert((ns.clone(), owner));
+                }
+                d.pdb_ns.insert(ns);
+            }
+            ("apps", "deployments") => {
+                d.deploy.insert((ns.clone(), name));
+                d.pdb_ns.insert(ns);
+            }
+            ("apps", "statefulsets") => {
+                d.sts.insert((ns.clone(), name));
+                d.pdb_ns.insert(ns);
+            }
+            ("apps", "daemonsets") => {
+                d.ds.insert((ns, name));
+            }
+            ("policy", "poddisruptionbudgets") if ev.event_type != EventType::Deleted => {
+                // Only spec changes need a recompute; our own status writes do not.
+                let spec_changed = ev.old.as_ref().is_none_or(|old| old["spec"] != o["spec"]);
+                if spec_changed {
+                    d.pdb_ns.insert(ns);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn observe_pod(&mut self, ev: &StoreEvent, d: &mut Dirty) {
+        let o = &*ev.object;
+        let uid = s(&o["metadata"]["uid"]);
+        let (ns, name) = ns_name(o);
+        if ev.event_type == EventType::Deleted {
+            self.terminating.remove(&uid);
+            self.starting.remove(&uid);
+            d.schedule = true;
+            return;
+        }
+        if deleting(o) {
+            if self.terminating.insert(uid.clone()) {
+                let grace = o["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
+                if grace > 0 {
+                    self.after(grace as f64, Timer::Remove(ns, name, uid));
+                }
+            }
+            return;
+        }
+        let node = s(&o["spec"]["nodeName"]);
+        if node.is_empty() {
+            d.schedule = true;
+        } else if o["status"]["phase"] == "Pending" && self.starting.insert(uid.clone()) {
+            self.after(0.5, Timer::Start(ns, name, uid));
+        }
+    }
+
+    fn fire_timers(&mut self, d: &mut Dirty) {
+        let now = Instant::now();
+        let due: Vec<(Instant, u64)> = self.timers.range(..=(now, u64::MAX)).map(|(k, _)| *k).collect();
+        for k in due {
+            let Some(t) = self.timers.remove(&k) else { continue };
+            match t {
+                Timer::Start(ns, name, uid) => {
+                    self.starting.remove(&uid);
+                    self.start_pod(&ns, &name, &uid, d);
+                }
+                Timer::Remove(ns, name, uid) => {
+                    let still =
+                        self.store.get(&pods_gr(), &ns, &name).is_ok_and(|p| p["metadata"]["uid"] == uid.as_str());
+                    if still {
+                        let opts = DeleteOptions { grace_period_seconds: Some(0), ..Default::default() };
+                        // Already gone or changed underneath: nothing left to terminate.
+                        let _ = self.store.delete(&pods_gr(), &ns, &name, &opts);
+                    }
+                }
+            }
+        }
+    }
+
+    fn start_pod(&mut self, ns: &str, name: &str, uid: &str, d: &mut Dirty) {
+        let Ok(p) = self.store.get(&pods_gr(), ns, name) else { return };
+        if p["metadata"]["uid"] != uid || deleting(&p) || p["status"]["phase"] != "Pending" {
+            return;
+        }
+        let node_name = s(&p["spec"]["nodeName"]);
+        let Ok(node) = self.store.get(&nodes_gr(), "", &node_name) else { return };
+        if !node_ready(&node) {
+            // Retried when the node turns Ready (the node event marks everything dirty).
+            return;
+        }
+        let now = now_rfc3339();
+        let host_ip = node["status"]["addresses"]
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["type"] == "InternalIP"))
+            .map(|x| s(&x["address"]))
+            .unwrap_or_else(|| "10.0.0.1".into());
+        let octet = |i: u64| (crate::sandbox::controlplane::hash_str(uid) >> i) % 250 + 2;
+        let pod_ip = format!("10.{}.{}.{}", octet(0) % 200, octet(8), octet(16));
+        let containers: Vec<Value> = p["spec"]["containers"].as_array().into_iter().flatten().map(|c| json!({
+            "name": c["name"], "image": c["image"], "ready": true, "started": true, "restartCount": 0,
+            "state": {"running": {"startedAt": now}}, "imageID": "", "containerID": format!("containerd://{uid}"),
+        })).collect();
+        let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
+        let status = json!({"status": {
+            "phase": "Running", "hostIP": host_ip, "podIP": pod_ip, "podIPs": [{"ip": pod_ip}], "startTime": now,
+            "qosClass": p["status"]["qosClass"].as_str().unwrap_or("BestEffort"),
+            "conditions": [cond("PodReadyToStartContainers"), cond("Initialized"), cond("Ready"), cond("ContainersReady"), cond("PodScheduled")],
+            "containerStatuses": containers,
+        }});
+        let _ = self.store.patch(
+            &pods_gr(),
+            ns,
+            name,
+            PatchType::Merge,
+            &status,
+            "status",
+            &WriteOptions::manager("kubelet"),
+        );
+        d.pdb_ns.insert(ns.to_string());
+    }
+
+    fn reconcile(&mut self, d: &mut Dirty) {
+        if d.all {
+            d.all = false;
+            d.schedule = true;
+            d.ds_all = true;
+            let lo = ListOptions::default();
+            for (gr, set) in [
+                ("replicasets", &mut d.rs),
+                ("deployments", &mut d.deploy),
+                ("statefulsets", &mut d.sts),
+                ("daemonsets", &mut d.ds),
+            ] {
+                if let Ok(l) = self.store.list(&apps(gr), None, &lo) {
+                    set.extend(l.items.iter().map(|o| ns_name(o)));
+                }
+            }
+            if let Ok(l) = self.store.list(&pods_gr(), None, &lo) {
+                let pods: Vec<Value> = l.items.iter().map(|p| (**p).clone()).collect();
+                for p in pods {
+                    d.pdb_ns.insert(s(&p["metadata"]["namespace"]));
+                    let uid = s(&p["metadata"]["uid"]);
+                    let (ns, name) = ns_name(&p);
+                    if deleting(&p) {
+                        if self.terminating.insert(uid.clone()) {
+                            let grace = p["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
+                            if grace > 0 {
+                                self.after(grace as f64, Timer::Remove(ns, name, uid));
+                            }
+                        }
+                    } else if !s(&p["spec"]["nodeName"]).is_empty()
+                        && p["status"]["phase"] == "Pending"
+                        && self.starting.insert(uid.clone())
+                    {
+                        self.after(0.0, Timer::Start(ns, name, uid));
+                    }
+                }
+            }
+        }
+        for node in std::mem::take(&mut d.gone_nodes) {
+            self.pod_gc(&node);
+        }
+        for k in std::mem::take(&mut d.deploy) {
+            self.deployment(&k);
+        }
+        for k in std::mem::take(&mut d.rs) {
+            self.replicaset(&k);
+        }
+        for k in std::mem::take(&mut d.sts) {
+            self.statefulset(&k);
+        }
+        if std::mem::take(&mut d.ds_all)
+            && let Ok(l) = self.store.list(&apps("daemonsets"), None, &ListOptions::default())
+        {
+            d.ds.extend(l.items.iter().map(|o| ns_name(o)));
+        }
+        for k in std::mem::take(&mut d.ds) {
+            self.daemonset(&k);
+        }
+        if std::mem::take(&mut d.schedule) {
+            self.schedule();
+        }
+        for ns in std::mem::take(&mut d.pdb_ns) {
+            let names: Vec<String> = self
+                .store
+                .list(&pdb_gr(), Some(&ns), &ListOptions::default())
+                .map(|l| l.items.iter().map(|p| s(&p["metadata"]["name"])).collect())
+                .unwrap_or_default();
+            for n in names {
+                self.store.with(|inner| refresh_pdb(inner, &ns, &n));
+            }
+        }
+    }
+
+    fn pods_in(&self, ns: &str) -> Vec<Value> {
+        self.store
+            .list(&pods_gr(), Some(ns), &ListOptions::default())
+            .map(|l| l.items.iter().map(|p| (**p).clone()).collect())
+            .unwrap_or_default()
+    }
+
+    fn pod_gc(&self, node: &str) {
+        let Ok(fs) = super::apiserver::FieldSelector::parse(&format!("spec.nodeName={node}"), &pod_info(&self.store))
+        else {
+            return;
+        };
+        let lo = ListOptions { fields: Some(fs), ..Default::default() };
+        let pods = self.store.list(&pods_gr(), None, &lo).map(|l| l.items).unwrap_or_default();
+        let opts = DeleteOptions { grace_period_seconds: Some(0), ..Default::default() };
+        for p in pods {
+            let (ns, name) = ns_name(&p);
+            let _ = self.store.delete(&pods_gr(), &ns, &name, &opts);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn create_pod(
+        &self,
+        ns: &str,
+        template: &Value,
+        name: Option<String>,
+        generate: &str,
+        owner: Value,
+        extra_labels: &[(&str, String)],
+        node: Option<&str>,
+        tolerations: &[Value],
+    ) {
+        let mut meta = template["metadata"].clone();
+        if !meta.is_object() {
+            meta = json!({});
+        }
+        for (k, v) in extra_labels {
+            meta["labels"][*k] = json!(v);
+        }
+        match name {
+            Some(n) => meta["name"] = json!(n),
+            None => meta["generateName"] = json!(generate),
+        }
+        meta["namespace"] = json!(ns);
+        meta["ownerReferences"] = json!([owner]);
+        let mut spec = template["spec"].clone();
+        if let Some(n) = node {
+            spec["nodeName"] = json!(n);
+        }
+        if !tolerations.is_empty() {
+            let mut t = spec["tolerations"].as_array().cloned().unwrap_or_default();
+            t.extend(tolerations.iter().cloned());
+            spec["tolerations"] = json!(t);
+        }
+        let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec});
+        if let Err(e) = self.store.create(&pods_gr(), ns, pod, &WriteOptions::manager("kube-controller-manager")) {
+            tracing::debug!(error = %e, "control plane could not create a pod");
+        }
+    }
+
+    fn delete_pod(&self, p: &Value) {
+        let (ns, name) = ns_name(p);
+        let _ = self.store.delete(&pods_gr(), &ns, &name, &DeleteOptions::default());
+    }
+
+    fn write_status(&self, gr: &GroupResource, obj: &Value, status: Value) {
+        let mut merged = obj["status"].clone();
+        if !merged.is_object() {
+            merged = json!({});
+        }
+        let mut changed = false;
+        for (k, v) in status.as_object().into_iter().flatten() {
+            if merged[k] != *v {
+                merged[k] = v.clone();
+                changed = true;
+            }
+        }
+        if changed {
+            let (ns, name) = ns_name(obj);
+            let _ = self.store.patch(
+                gr,
+                &ns,
+                &name,
+                PatchType::Merge,
+                &json!({"status": status}),
+                "status",
+                &WriteOptions::manager("kube-controller-manager"),
+            );
+        }
+    }
+
+    fn replicaset(&self, (ns, name): &NsName) {
+        let Ok(rs) = self.store.get(&apps("replicasets"), ns, name) else { return };
+        if deleting(&rs) {
+            return;
+        }
+        let uid = s(&rs["metadata"]["uid"]);
+        let want = rs["spec"]["replicas"].as_i64().unwrap_or(1).max(0) as usize;
+        let mut active: Vec<Value> =
+            self.pods_in(ns).into_iter().filter(|p| owned_by(p, &uid) && !deleting(p)).collect();
+        if active.len() < want {
+            for _ in active.len()..want {
+                self.create_pod(
+                    ns,
+                    &rs["spec"]["template"],
+                    None,
+                    &format!("{name}-"),
+                    owner_ref("ReplicaSet", &rs),
+                    &[],
+                    None,
+                    &[],
+                );
+            }
+        } else if active.len() > want {
+            // Unscheduled, then not ready, then newest go first.
+            active.sort_by_key(|p| {
+                (
+                    !s(&p["spec"]["nodeName"]).is_empty(),
+                    pod_healthy(p),
+                    std::cmp::Reverse(s(&p["metadata"]["creationTimestamp"])),
+                )
+            });
+            for p in active.drain(..active.len() - want).collect::<Vec<_>>() {
+                self.delete_pod(&p);
+            }
+        }
+        let ready = active.iter().filter(|p| pod_healthy(p)).count();
+        self.write_status(
+            &apps("replicasets"),
+            &rs,
+            json!({
+                "replicas": active.len().min(want.max(active.len())), "fullyLabeledReplicas": active.len(),
+                "readyReplicas": ready, "availableReplicas": ready, "observedGeneration": rs["metadata"]["generation"],
+            }),
+        );
+    }
+
+    fn deployment(&self, (ns, name): &NsName) {
+        let Ok(dep) = self.store.get(&apps("deployments"), ns, name) else { return };
+        if deleting(&dep) {
+            return;
+        }
+        let uid = s(&dep["metadata"]["uid"]);
+        let replicas = dep["spec"]["replicas"].as_i64().unwrap_or(1);
+        let hash = short_hash(&dep["spec"]["template"]);
+        let rs_name = format!("{name}-{hash}");
+        let all_rs: Vec<Value> = self
+            .store
+            .list(&apps("replicasets"), Some(ns), &ListOptions::default())
+            .map(|l| l.items.iter().map(|r| (**r).clone()).filter(|r| owned_by(r, &uid)).collect())
+            .unwrap_or_default();
+        let wm = WriteOptions::manager("kube-controller-manager");
+        match all_rs.iter().find(|r| r["metadata"]["name"] == rs_name.as_str()) {
+            None => {
+                let mut template = dep["spec"]["template"].clone();
+                template["metadata"]["labels"]["pod-template-hash"] = json!(hash);
+                let mut selector = dep["spec"]["selector"].clone();
+                selector["matchLabels"]["pod-template-hash"] = json!(hash);
+                let mut labels = dep["spec"]["template"]["metadata"]["labels"].clone();
+                labels["pod-template-hash"] = json!(hash);
+                let rs = json!({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                    "metadata": {"name": rs_name, "namespace": ns, "labels": labels, "ownerReferences": [owner_ref("Deployment", &dep)]},
+                    "spec": {"replicas": replicas, "selector": selector, "template": template}});
+                let _ = self.store.create(&apps("replicasets"), ns, rs, &wm);
+            }
+            Some(rs) if rs["spec"]["replicas"].as_i64() != Some(replicas) => {
+                let _ = self.store.patch(
+                    &apps("replicasets"),
+                    ns,
+                    &rs_name,
+                    PatchType::Merge,
+                    &json!({"spec": {"replicas": replicas}}),
+                    "",
+                    &wm,
+                );
+            }
+            Some(_) => {}
+        }
+        // Old ReplicaSets (an earlier template) scale to zero: a Recreate-style rollout.
+        for old in all_rs.iter().filter(|r| r["metadata"]["name"] != rs_name.as_str() && r["spec"]["replicas"] != 0) {
+            let _ = self.store.patch(
+                &apps("replicasets"),
+                ns,
+                &s(&old["metadata"]["name"]),
+                PatchType::Merge,
+                &json!({"spec": {"replicas": 0}}),
+                "",
+                &wm,
+            );
+        }
+        let sum = |k: &str| all_rs.iter().map(|r| r["status"][k].as_i64().unwrap_or(0)).sum::<i64>();
+        let updated = all_rs
+            .iter()
+            .find(|r| r["metadata"]["name"] == rs_name.as_str())
+            .map(|r| r["status"]["replicas"].as_i64().unwrap_or(0))
+            .unwrap_or(0);
+        let available = sum("availableReplicas");
+        let avail_cond = if available >= replicas { "True" } else { "False" };
+        let prev =
+            dep["status"]["conditions"].as_array().and_then(|c| c.iter().find(|c| c["type"] == "Available").cloned());
+        let conds = if prev.as_ref().is_some_and(|c| c["status"] == avail_cond) {
+            dep["status"]["conditions"].clone()
+        } else {
+            let now = now_rfc3339();
+            json!([{"type": "Available", "status": avail_cond, "reason": if avail_cond == "True" { "MinimumReplicasAvailable" } else { "MinimumReplicasUnavailable" },
+                "message": "", "lastUpdateTime": now, "lastTransitionTime": now}])
+        };
+        self.write_status(
+            &apps("deployments"),
+            &dep,
+            json!({
+                "replicas": sum("replicas"), "updatedReplicas": updated, "readyReplicas": sum("readyReplicas"),
+                "availableReplicas": available, "unavailableReplicas": (replicas - available).max(0),
+                "observedGeneration": dep["metadata"]["generation"], "conditions": conds,
+            }),
+        );
+    }
+
+    fn statefulset(&self, (ns, name): &NsName) {
+        let Ok(sts) = self.store.get(&apps("statefulsets"), ns, name) else { return };
+        if deleting(&sts) {
+            return;
+        }
+        let uid = s(&sts["metadata"]["uid"]);
+        let want = sts["spec"]["replicas"].as_i64().unwrap_or(1).max(0) as usize;
+        let pods: Vec<Value> = self.pods_in(ns).into_iter().filter(|p| owned_by(p, &uid)).collect();
+        let by_name: HashMap<String, &Value> = pods.iter().map(|p| (s(&p["metadata"]["name"]), p)).collect();
+        for i in 0..want {
+            let pn = format!("{name}-{i}");
+            if !by_name.contains_key(&pn) {
+                self.create_pod(
+                    ns,
+                    &sts["spec"]["template"],
+                    Some(pn.clone()),
+                    "",
+                    owner_ref("StatefulSet", &sts),
+                    &[
+                        ("statefulset.kubernetes.io/pod-name", pn.clone()),
+                        ("apps.kubernetes.io/pod-index", i.to_string()),
+                    ],
+                    None,
+                    &[],
+                );
+            }
+        }
+        for p in &pods {
+            let ord = s(&p["metadata"]["name"]).rsplit('-').next().and_then(|o| o.parse::<usize>().ok());
+            if ord.is_none_or(|o| o >= want) && !deleting(p) {
+                self.delete_pod(p);
+            }
+        }
+        let live: Vec<&Value> = pods.iter().filter(|p| !deleting(p)).collect();
+        let ready = live.iter().filter(|p| pod_healthy(p)).count();
+        self.write_status(&apps("statefulsets"), &sts, json!({
+            "replicas": live.len(), "readyReplicas": ready, "availableReplicas": ready,
+            "currentReplicas": live.len(), "updatedReplicas": live.len(), "observedGeneration": sts["metadata"]["generation"],
+        }));
+    }
+
+    fn daemonset(&self, (ns, name): &NsName) {
+        let Ok(ds) = self.store.get(&apps("daemonsets"), ns, name) else { return };
+        if deleting(&ds) {
+            return;
+        }
+        let uid = s(&ds["metadata"]["uid"]);
+        let tolerations: Vec<Value> =
+            DS_TOLERATIONS.iter().map(|(k, e)| json!({"key": k, "operator": "Exists", "effect": e})).collect();
+        let mut spec = ds["spec"]["template"]["spec"].clone();
+        let mut t = spec["tolerations"].as_array().cloned().unwrap_or_default();
+        t.extend(tolerations.iter().cloned());
+        spec["tolerations"] = json!(t);
+        let nodes: Vec<Value> = self
+            .store
+            .list(&nodes_gr(), None, &ListOptions::default())
+            .map(|l| l.items.iter().map(|n| (**n).clone()).collect())
+            .unwrap_or_default();
+        let eligible: BTreeSet<String> =
+            nodes.iter().filter(|n| !deleting(n) && fits(&spec, n)).map(|n| s(&n["metadata"]["name"])).collect();
+        let pods: Vec<Value> = self.pods_in(ns).into_iter().filter(|p| owned_by(p, &uid) && !deleting(p)).collect();
+        let mut covered = BTreeSet::new();
+        for p in &pods {
+            let node = s(&p["spec"]["nodeName"]);
+            if eligible.contains(&node) && covered.insert(node) {
+                continue;
+            }
+            self.delete_pod(p);
+        }
+        for n in eligible.difference(&covered) {
+            self.create_pod(
+                ns,
+                &ds["spec"]["template"],
+                None,
+                &format!("{name}-"),
+                owner_ref("DaemonSet", &ds),
+                &[],
+                Some(n),
+                &tolerations,
+            );
+        }
+        let ready = pods.iter().filter(|p| pod_healthy(p) && eligible.contains(&s(&p["spec"]["nodeName"]))).count();
+        self.write_status(
+            &apps("daemonsets"),
+            &ds,
+            json!({
+                "desiredNumberScheduled": eligible.len(), "currentNumberScheduled": covered.len(), "numberReady": ready,
+                "numberAvailable": ready, "updatedNumberScheduled": covered.len(), "numberMisscheduled": 0,
+                "observedGeneration": ds["metadata"]["generation"],
+            }),
+        );
+    }
+
+    fn schedule(&self) {
+        let all = self.store.list(&pods_gr(), None, &ListOptions::default()).map(|l| l.items).unwrap_or_default();
+        let mut load: HashMap<String, usize> = HashMap::new();
+        let mut pending = Vec::new();
+        for p in &all {
+            let node = s(&p["spec"]["nodeName"]);
+            let terminal = matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"));
+            if !node.is_empty() {
+                if !terminal {
+                    *load.entry(node).or_default() += 1;
+                }
+            } else if !deleting(p) && !terminal {
+                let sched = p["spec"]["schedulerName"].as_str().unwrap_or("default-scheduler");
+                if sched == "default-scheduler" {
+                    pending.push(p.clone());
+                }
+            }
+        }
+        if pending.is_empty() {
+            return;
+        }
+        let nodes: Vec<Value> = self
+            .store
+            .list(&nodes_gr(), None, &ListOptions::default())
+            .map(|l| l.items.iter().map(|n| (**n).clone()).collect())
+            .unwrap_or_default();
+        let usable: Vec<&Value> =
+            nodes.iter().filter(|n| node_ready(n) && n["spec"]["unschedulable"] != true && !deleting(n)).collect();
+        for p in pending {
+            // Least loaded fitting node first, like a spreading scheduler.
+            let best = usable
+                .iter()
+                .filter(|n| {
+                    let name = s(&n["metadata"]["name"]);
+                    fits(&p["spec"], n) && load.get(&name).copied().unwrap_or(0) < capacity(n)
+                })
+                .min_by_key(|n| {
+                    (load.get(&s(&n["metadata"]["name"])).copied().unwrap_or(0), s(&n["metadata"]["name"]))
+                });
+            let Some(node) = best else { continue };
+            let node_name = s(&node["metadata"]["name"]);
+            let (ns, name) = ns_name(&p);
+            let wm = WriteOptions::manager("default-scheduler");
+            let bound = self.store.patch(&pods_gr(), &ns, &name, PatchType::Merge,
+                &json!({"metadata": {"resourceVersion": p["metadata"]["resourceVersion"]}, "spec": {"nodeName": node_name}}), "", &wm);
+            if bound.is_ok() {
+                *load.entry(node_name).or_default() += 1;
+                let cond = json!({"status": {"conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339()}]}});
+                let _ = self.store.patch(&pods_gr(), &ns, &name, PatchType::Strategic, &cond, "status", &wm);
+            }
+        }
+    }
+}
+
+fn pod_info(store: &Store) -> super::apiserver::ResourceInfo {
+    // The pods resource is built in, so it is always registered.
+    store.registry().get("", "pods").cloned().unwrap_or_else(|| super::apiserver::Registry::new().all()[2].clone())
+}
+
+/// A stable hash of a string (pod IPs derived from uids).
+pub(crate) fn hash_str(v: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    v.hash(&mut h);
+    h.finish()
+}
+
+#[allow(dead_code)]
+fn selector_matches(sel: &Value, o: &Value) -> bool {
+    LabelSelector::from_object(sel).is_some_and(|s| s.matches(o))
+}

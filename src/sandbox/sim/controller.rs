@@ -1,0 +1,1059 @@
+//! A simulated Karpenter controller (design §3, §6): provisions NodeClaims for pending pods within
+//! NodePool limits, runs Karpenter's termination for deleted NodeClaims and Nodes (taint, evict
+//! through PDBs, terminate, then drop finalizers conflict-safely), finalizes EC2NodeClasses
+//! (launch templates and instance profiles), and garbage-collects orphan instances.
+//!
+//! Like the real controller it acts only while its Deployment has a ready replica: scale it to
+//! zero or delete it and every finalizer stays put, exactly the situation the teardown tool exists
+//! for. It sees the cluster through reflectors (watches), not polling; a periodic resync only
+//! paces retries (a 429 from a PDB, an instance still shutting down) and garbage collection.
+//!
+//! The client given to [`SimController::start`] should have kube's default retry off
+//! (`Config::default_retry = false`, as the sandbox server's `kube_config()` does): otherwise a PDB
+//! 429 stalls the whole controller inside the client instead of being retried on the next pass.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::{StreamExt, stream};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DynamicObject};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::utils::Backoff;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::naming::{self, KARPENTER_NAME, KARPENTER_NAMESPACE};
+use super::objects::{self, PoolRef};
+use super::ops::{self, EvictOutcome, FinalizerOutcome};
+use super::world::{NodeLaunch, ensure_class_resources, launch_karpenter_node};
+use super::{KarpenterVersion, SimError};
+use crate::aws::AwsClients;
+use crate::aws::ec2::InstanceScope;
+use crate::karpenter::{self, ProviderId};
+
+/// How the simulated controller runs.
+#[derive(Debug, Clone)]
+pub struct SimSettings {
+    /// The cluster it manages (its CLUSTER_NAME).
+    pub cluster: String,
+    /// Region (instance-profile paths, node labels).
+    pub region: String,
+    /// Zones it launches into, round-robin.
+    pub zones: Vec<String>,
+    /// The Karpenter release it imitates.
+    pub version: KarpenterVersion,
+    /// Multiplies every interval below; 1.0 is real time, tests use 0.05 or less.
+    pub time_scale: f64,
+    /// Workload pods a launched node has room for (allocatable pods is one more, for the
+    /// DaemonSet pod).
+    pub pods_per_node: u32,
+    /// How long a pod must stay unscheduled before it counts as needing capacity (scaled).
+    pub pending_grace: Duration,
+    /// Period of the orphan-instance garbage collection (scaled).
+    pub gc_interval: Duration,
+    /// Period of the resync that paces retries (scaled).
+    pub resync: Duration,
+    /// Bound on concurrent terminations and launches per pass.
+    pub concurrency: usize,
+    /// Namespace of the controller's Deployment.
+    pub namespace: String,
+    /// Name of the controller's Deployment.
+    pub deployment: String,
+}
+
+impl SimSettings {
+    /// Settings for `cluster` in `region` with the defaults (real time).
+    pub fn new(cluster: &str, region: &str) -> SimSettings {
+        SimSettings {
+            cluster: cluster.to_string(),
+            region: region.to_string(),
+            zones: ["a", "b", "c"].iter().map(|z| format!("{region}{z}")).collect(),
+            version: KarpenterVersion::default(),
+            time_scale: 1.0,
+            pods_per_node: 4,
+            pending_grace: Duration::from_secs(1),
+            gc_interval: Duration::from_secs(5),
+            resync: Duration::from_secs(1),
+            concurrency: 16,
+            namespace: KARPENTER_NAMESPACE.to_string(),
+            deployment: KARPENTER_NAME.to_string(),
+        }
+    }
+
+    fn scaled(&self, d: Duration) -> Duration {
+        let s = if self.time_scale.is_finite() && self.time_scale > 0.0 { self.time_scale } else { 1.0 };
+        d.mul_f64(s).max(Duration::from_millis(5))
+    }
+}
+
+/// Counters of what the controller did, for tests and benchmarks.
+#[derive(Debug, Default)]
+pub struct SimStats {
+    nodeclaims_launched: AtomicU64,
+    instances_terminated: AtomicU64,
+    pods_evicted: AtomicU64,
+    evictions_blocked: AtomicU64,
+    finalizers_removed: AtomicU64,
+    orphans_terminated: AtomicU64,
+    nodeclaims_collected: AtomicU64,
+    launch_templates_deleted: AtomicU64,
+    instance_profiles_deleted: AtomicU64,
+    passes: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// A copy of the counters at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimStatsSnapshot {
+    /// NodeClaims created for pending pods.
+    pub nodeclaims_launched: u64,
+    /// Instances the termination flow or garbage collection terminated.
+    pub instances_terminated: u64,
+    /// Evictions accepted (201).
+    pub pods_evicted: u64,
+    /// Evictions refused by a PDB (429).
+    pub evictions_blocked: u64,
+    /// `karpenter.sh/termination` and `karpenter.k8s.aws/termination` finalizers removed.
+    pub finalizers_removed: u64,
+    /// Orphan instances (no NodeClaim) terminated by garbage collection.
+    pub orphans_terminated: u64,
+    /// NodeClaims deleted because their instance was gone.
+    pub nodeclaims_collected: u64,
+    /// Launch templates deleted while finalizing EC2NodeClasses.
+    pub launch_templates_deleted: u64,
+    /// Instance profiles deleted while finalizing EC2NodeClasses.
+    pub instance_profiles_deleted: u64,
+    /// Reconcile passes made while active.
+    pub passes: u64,
+    /// API or AWS errors met (each retried on a later pass).
+    pub errors: u64,
+}
+
+impl SimStats {
+    fn snapshot(&self) -> SimStatsSnapshot {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SimStatsSnapshot {
+            nodeclaims_launched: g(&self.nodeclaims_launched),
+            instances_terminated: g(&self.instances_terminated),
+            pods_evicted: g(&self.pods_evicted),
+            evictions_blocked: g(&self.evictions_blocked),
+            finalizers_removed: g(&self.finalizers_removed),
+            orphans_terminated: g(&self.orphans_terminated),
+            nodeclaims_collected: g(&self.nodeclaims_collected),
+            launch_templates_deleted: g(&self.launch_templates_deleted),
+            instance_profiles_deleted: g(&self.instance_profiles_deleted),
+            passes: g(&self.passes),
+            errors: g(&self.errors),
+        }
+    }
+}
+
+fn bump(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// The running controller. Dropping it aborts its tasks; [`SimController::shutdown`] also waits
+/// for them to end.
+#[derive(Debug)]
+pub struct SimController {
+    tasks: JoinSet<()>,
+    cancel: CancellationToken,
+    stats: Arc<SimStats>,
+    active: watch::Receiver<bool>,
+}
+
+impl SimController {
+    /// Starts the watches and the reconcile loop. Returns at once; the loop waits for the
+    /// watches' first lists (and for the Karpenter CRDs to exist) before it acts.
+    pub fn start(client: Client, aws: AwsClients, settings: SimSettings) -> SimController {
+        let mut tasks = JoinSet::new();
+        let cancel = CancellationToken::new();
+        let notify = Arc::new(Notify::new());
+        let stats = Arc::new(SimStats::default());
+        let (active_tx, active) = watch::channel(false);
+        let max_backoff = settings.scaled(Duration::from_secs(2)).max(Duration::from_millis(50));
+
+        let pools_ar = objects::nodepool_resource();
+        let claims_ar = objects::nodeclaim_resource();
+        let classes_ar = objects::ec2nodeclass_resource();
+        let stores = Stores {
+            pools: spawn_reflector(
+                &mut tasks,
+                &cancel,
+                &notify,
+                Api::<DynamicObject>::all_with(client.clone(), &pools_ar),
+                pools_ar,
+                watcher::Config::default(),
+                max_backoff,
+            ),
+            claims: spawn_reflector(
+                &mut tasks,
+                &cancel,
+                &notify,
+                Api::<DynamicObject>::all_with(client.clone(), &claims_ar),
+                claims_ar,
+                watcher::Config::default(),
+                max_backoff,
+            ),
+            classes: spawn_reflector(
+                &mut tasks,
+                &cancel,
+                &notify,
+                Api::<DynamicObject>::all_with(client.clone(), &classes_ar),
+                classes_ar,
+                watcher::Config::default(),
+                max_backoff,
+            ),
+            nodes: spawn_reflector(
+                &mut tasks,
+                &cancel,
+                &notify,
+                Api::<Node>::all(client.clone()),
+                (),
+                watcher::Config::default(),
+                max_backoff,
+            ),
+            pods: spawn_reflector(
+                &mut tasks,
+                &cancel,
+                &notify,
+                Api::<Pod>::all(client.clone()),
+                (),
+                watcher::Config::default(),
+                max_backoff,
+            ),
+            deployment: spawn_reflector(
+                &mut tasks,
+                &cancel,
+                &notify,
+                Api::<Deployment>::namespaced(client.clone(), &settings.namespace),
+                (),
+                watcher::Config::default().fields(&format!("metadata.name={}", settings.deployment)),
+                max_backoff,
+            ),
+        };
+        let ctx = Ctx { client, aws, settings, stats: stats.clone(), stores };
+        let loop_cancel = cancel.clone();
+        tasks.spawn(async move { run(ctx, notify, loop_cancel, active_tx).await });
+        SimController { tasks, cancel, stats, active }
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> SimStatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    /// Whether the controller currently acts (its Deployment has a ready replica).
+    pub fn is_active(&self) -> bool {
+        *self.active.borrow()
+    }
+
+    /// Waits until the controller's activity is `active` (true: it saw its ready Deployment),
+    /// or `timeout` passes; returns whether it got there.
+    pub async fn wait_active(&mut self, active: bool, timeout: Duration) -> bool {
+        tokio::time::timeout(timeout, self.active.wait_for(|a| *a == active)).await.is_ok_and(|r| r.is_ok())
+    }
+
+    /// Stops every task and waits for them to end.
+    pub async fn shutdown(mut self) {
+        self.cancel.cancel();
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Exponential backoff for the watches, capped low so a CRD created after the controller started
+/// (or a server fault) is picked up within a scaled second or two, not kube's 30 s default.
+struct CappedBackoff {
+    next: Duration,
+    min: Duration,
+    max: Duration,
+}
+
+impl Iterator for CappedBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        Some(d)
+    }
+}
+
+impl Backoff for CappedBackoff {
+    fn reset(&mut self) {
+        self.next = self.min;
+    }
+}
+
+fn spawn_reflector<K>(
+    tasks: &mut JoinSet<()>,
+    cancel: &CancellationToken,
+    notify: &Arc<Notify>,
+    api: Api<K>,
+    dyntype: K::DynamicType,
+    config: watcher::Config,
+    max_backoff: Duration,
+) -> Store<K>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let writer = reflector::store::Writer::new(dyntype);
+    let reader = writer.as_reader();
+    let min = Duration::from_millis(10);
+    let backoff = CappedBackoff { next: min, min, max: max_backoff };
+    let stream = reflector::reflector(writer, watcher(api, config).backoff(backoff));
+    let notify = notify.clone();
+    let cancel = cancel.clone();
+    tasks.spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                ev = stream.next() => match ev {
+                    // errors are retried by the backoff; either way the loop has news
+                    Some(_) => notify.notify_one(),
+                    None => break,
+                },
+            }
+        }
+    });
+    reader
+}
+
+struct Stores {
+    pools: Store<DynamicObject>,
+    claims: Store<DynamicObject>,
+    classes: Store<DynamicObject>,
+    nodes: Store<Node>,
+    pods: Store<Pod>,
+    deployment: Store<Deployment>,
+}
+
+struct Ctx {
+    client: Client,
+    aws: AwsClients,
+    settings: SimSettings,
+    stats: Arc<SimStats>,
+    stores: Stores,
+}
+
+/// What the loop remembers between passes.
+#[derive(Default)]
+struct State {
+    /// When each unscheduled pod (by uid) was first seen unscheduled.
+    pending_since: HashMap<String, Instant>,
+    /// Nodes launched whose Node the reflector has not shown yet, with their free slots.
+    inflight: HashMap<String, u32>,
+    /// Instance ids launched by this controller (never orphans while their claim is young).
+    launched: HashSet<String>,
+    /// Orphan instances seen by the previous garbage collection.
+    orphan_suspects: HashSet<String>,
+    /// NodeClaims whose instance was missing at the previous garbage collection.
+    claim_suspects: HashSet<String>,
+    /// Classes (by uid) whose launch template and profile exist.
+    classes_ready: HashSet<String>,
+    last_gc: Option<Instant>,
+    zone_cursor: usize,
+}
+
+async fn run(ctx: Ctx, notify: Arc<Notify>, cancel: CancellationToken, active_tx: watch::Sender<bool>) {
+    let ready = async {
+        let s = &ctx.stores;
+        let _ = s.deployment.wait_until_ready().await;
+        let _ = s.nodes.wait_until_ready().await;
+        let _ = s.pods.wait_until_ready().await;
+        let _ = s.pools.wait_until_ready().await;
+        let _ = s.claims.wait_until_ready().await;
+        let _ = s.classes.wait_until_ready().await;
+    };
+    tokio::select! {
+        _ = cancel.cancelled() => return,
+        _ = ready => {},
+    }
+    let mut state = State::default();
+    let resync = ctx.settings.scaled(ctx.settings.resync);
+    loop {
+        let active = controller_ready(&ctx);
+        active_tx.send_replace(active);
+        if active {
+            bump(&ctx.stats.passes, 1);
+            reconcile(&ctx, &mut state).await;
+        } else {
+            // A stopped controller forgets its in-memory view like a restarted pod would.
+            state = State::default();
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = notify.notified() => {},
+            _ = tokio::time::sleep(resync) => {},
+        }
+    }
+}
+
+/// The real controller only runs while its pods do: a Deployment with replicas and a ready one.
+fn controller_ready(ctx: &Ctx) -> bool {
+    ctx.stores.deployment.state().iter().any(|d| {
+        d.name_any() == ctx.settings.deployment
+            && d.meta().deletion_timestamp.is_none()
+            && d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1) > 0
+            && d.status.as_ref().and_then(|s| s.ready_replicas).unwrap_or(0) > 0
+    })
+}
+
+async fn reconcile(ctx: &Ctx, state: &mut State) {
+    prepare_classes(ctx, state).await;
+    terminate(ctx).await;
+    finalize_classes(ctx).await;
+    provision(ctx, state).await;
+    let gc_due = state.last_gc.is_none_or(|t| t.elapsed() >= ctx.settings.scaled(ctx.settings.gc_interval));
+    if gc_due {
+        state.last_gc = Some(Instant::now());
+        collect_garbage(ctx, state).await;
+    }
+}
+
+fn is_deleting<K: Resource>(o: &K) -> bool {
+    o.meta().deletion_timestamp.is_some()
+}
+
+fn record_error(ctx: &Ctx, e: &SimError) {
+    bump(&ctx.stats.errors, 1);
+    tracing::debug!(error = %e, "simulated karpenter: will retry on a later pass");
+}
+
+// ---------------------------------------------------------------------------------------------
+// EC2NodeClasses
+
+/// New classes get their launch template and (for `spec.role`) instance profile, like Karpenter's
+/// class reconciler; the generator already did it for the classes it made.
+async fn prepare_classes(ctx: &Ctx, state: &mut State) {
+    let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::ec2nodeclass_resource());
+    for class in ctx.stores.classes.state() {
+        let Some(uid) = class.uid() else { continue };
+        if is_deleting(class.as_ref()) || state.classes_ready.contains(&uid) {
+            continue;
+        }
+        if class.data["status"]["instanceProfile"].as_str().is_some_and(|s| !s.is_empty()) {
+            state.classes_ready.insert(uid);
+            continue;
+        }
+        let s = &ctx.settings;
+        match ensure_class_resources(s.version, &s.region, &s.cluster, &api, &ctx.aws, &class, &uid).await {
+            Ok(_) => {
+                state.classes_ready.insert(uid);
+            }
+            Err(e) => record_error(ctx, &e),
+        }
+    }
+}
+
+/// Deleted classes: wait until no NodeClaim references them, then delete their launch templates
+/// and instance profile, then drop `karpenter.k8s.aws/termination`.
+async fn finalize_classes(ctx: &Ctx) {
+    let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::ec2nodeclass_resource());
+    for class in ctx.stores.classes.state() {
+        if !is_deleting(class.as_ref()) || !class.finalizers().iter().any(|f| f == karpenter::FINALIZER_NODECLASS) {
+            continue;
+        }
+        let name = class.name_any();
+        let referenced = ctx.stores.claims.state().iter().any(|c| objects::claim_class(c) == Some(name.as_str()));
+        if referenced {
+            continue;
+        }
+        if let Err(e) = finalize_class(ctx, &api, &class, &name).await {
+            record_error(ctx, &e);
+        }
+    }
+}
+
+async fn finalize_class(
+    ctx: &Ctx,
+    api: &Api<DynamicObject>,
+    class: &DynamicObject,
+    name: &str,
+) -> Result<(), SimError> {
+    let s = &ctx.settings;
+    let templates =
+        ctx.aws.ec2.launch_templates(&s.cluster).await.map_err(SimError::aws("listing launch templates"))?;
+    for lt in templates.iter().filter(|l| l.nodeclass.as_deref() == Some(name)) {
+        ctx.aws
+            .ec2
+            .delete_launch_template(&lt.id)
+            .await
+            .map_err(SimError::aws(format!("deleting launch template {}", lt.name)))?;
+        bump(&ctx.stats.launch_templates_deleted, 1);
+    }
+    if class.data["spec"]["role"].is_string()
+        && let Some(profile) = class.data["status"]["instanceProfile"].as_str().filter(|p| !p.is_empty())
+    {
+        let profiles = ctx
+            .aws
+            .iam
+            .cluster_instance_profiles(&s.region, &s.cluster)
+            .await
+            .map_err(SimError::aws("listing instance profiles"))?;
+        for p in profiles.iter().filter(|p| p.name == profile) {
+            ctx.aws
+                .iam
+                .delete_instance_profile(p)
+                .await
+                .map_err(SimError::aws(format!("deleting instance profile {}", p.name)))?;
+            bump(&ctx.stats.instance_profiles_deleted, 1);
+        }
+    }
+    match ops::remove_finalizer(api, name, karpenter::FINALIZER_NODECLASS).await {
+        Ok(FinalizerOutcome::Removed) => bump(&ctx.stats.finalizers_removed, 1),
+        Ok(_) => {}
+        Err(e) => return Err(SimError::kube(format!("removing the finalizer of EC2NodeClass {name}"))(e)),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Termination
+
+fn node_provider_id(node: &Node) -> Option<&str> {
+    node.spec.as_ref().and_then(|s| s.provider_id.as_deref()).filter(|p| !p.is_empty())
+}
+
+fn has_finalizer<K: Resource>(o: &K, f: &str) -> bool {
+    o.meta().finalizers.as_ref().is_some_and(|fs| fs.iter().any(|x| x == f))
+}
+
+/// One NodeClaim/Node pair to terminate.
+struct Job {
+    claim: Option<Arc<DynamicObject>>,
+    node: Option<Arc<Node>>,
+}
+
+async fn terminate(ctx: &Ctx) {
+    let claims = ctx.stores.claims.state();
+    let nodes = ctx.stores.nodes.state();
+    let node_by_name: HashMap<String, Arc<Node>> = nodes.iter().map(|n| (n.name_any(), n.clone())).collect();
+    let node_by_pid: HashMap<&str, Arc<Node>> =
+        nodes.iter().filter_map(|n| node_provider_id(n).map(|p| (p, n.clone()))).collect();
+    let claim_api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::nodeclaim_resource());
+
+    let mut jobs = Vec::new();
+    let mut covered: HashSet<String> = HashSet::new();
+    for claim in &claims {
+        if !is_deleting(claim.as_ref()) || !has_finalizer(claim.as_ref(), karpenter::FINALIZER_TERMINATION) {
+            continue;
+        }
+        let node = objects::claim_node_name(claim)
+            .and_then(|n| node_by_name.get(n).cloned())
+            .or_else(|| objects::claim_provider_id(claim).and_then(|p| node_by_pid.get(p).cloned()));
+        if let Some(n) = &node {
+            covered.insert(n.name_any());
+        }
+        jobs.push(Job { claim: Some(claim.clone()), node });
+    }
+    for node in &nodes {
+        let name = node.name_any();
+        if !is_deleting(node.as_ref())
+            || !has_finalizer(node.as_ref(), karpenter::FINALIZER_TERMINATION)
+            || covered.contains(&name)
+        {
+            continue;
+        }
+        // A deleted Node takes its NodeClaim with it (Karpenter v1); the claim's own termination
+        // then drains and terminates. A node whose claim is gone is terminated on its own.
+        let claim = claims.iter().find(|c| {
+            objects::claim_node_name(c) == Some(name.as_str())
+                || (node_provider_id(node).is_some() && objects::claim_provider_id(c) == node_provider_id(node))
+        });
+        match claim {
+            Some(c) => {
+                if let Err(e) = ops::delete_if_present(&claim_api, &c.name_any()).await {
+                    record_error(ctx, &SimError::kube(format!("deleting NodeClaim {}", c.name_any()))(e));
+                }
+            }
+            None => jobs.push(Job { claim: None, node: Some(node.clone()) }),
+        }
+    }
+    stream::iter(jobs)
+        .for_each_concurrent(ctx.settings.concurrency.max(1), |job| async move {
+            if let Err(e) = terminate_one(ctx, &job).await {
+                record_error(ctx, &e);
+            }
+        })
+        .await;
+}
+
+fn is_critical(pod: &Pod) -> bool {
+    let spec = pod.spec.as_ref();
+    matches!(
+        spec.and_then(|s| s.priority_class_name.as_deref()),
+        Some("system-cluster-critical" | "system-node-critical")
+    ) || spec.and_then(|s| s.priority).is_some_and(|p| p >= 2_000_000_000)
+}
+
+/// Pods Karpenter's drain leaves alone: DaemonSet and mirror pods, finished pods, and pods that
+/// tolerate the disrupted taint (they would just come back).
+fn is_drainable(pod: &Pod) -> bool {
+    let owned_by_ds = pod.owner_references().iter().any(|o| o.kind == "DaemonSet");
+    let mirror = pod.annotations().contains_key("kubernetes.io/config.mirror");
+    let finished = matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"));
+    let tolerates = pod.spec.as_ref().and_then(|s| s.tolerations.as_ref()).is_some_and(|ts| {
+        ts.iter().any(|t| {
+            let key_ok = match t.key.as_deref() {
+                None | Some("") => t.operator.as_deref() == Some("Exists"),
+                Some(k) => k == karpenter::TAINT_DISRUPTED,
+            };
+            key_ok && t.effect.as_deref().is_none_or(|e| e.is_empty() || e == "NoSchedule")
+        })
+    });
+    !(owned_by_ds || mirror || finished || tolerates)
+}
+
+/// Drains the node (non-critical pods first, critical ones after), and returns whether it is
+/// empty of drainable pods.
+async fn drain(ctx: &Ctx, node: &Node) -> Result<bool, SimError> {
+    let name = node.name_any();
+    if !ops::ensure_taint(&ctx.client, &name, karpenter::TAINT_DISRUPTED, "NoSchedule")
+        .await
+        .map_err(SimError::kube(format!("tainting Node {name}")))?
+    {
+        return Ok(false);
+    }
+    let pods: Vec<Arc<Pod>> = ctx
+        .stores
+        .pods
+        .state()
+        .into_iter()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(name.as_str()) && is_drainable(p))
+        .collect();
+    if pods.is_empty() {
+        return Ok(true);
+    }
+    let non_critical: Vec<&Arc<Pod>> = pods.iter().filter(|p| !is_critical(p)).collect();
+    let wave: Vec<&Arc<Pod>> = if non_critical.is_empty() { pods.iter().collect() } else { non_critical };
+    for pod in wave.into_iter().filter(|p| !is_deleting(p.as_ref())) {
+        let ns = pod.namespace().unwrap_or_default();
+        let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+        match ops::evict(&api, pod).await.map_err(SimError::kube(format!("evicting pod {ns}/{}", pod.name_any())))? {
+            EvictOutcome::Evicted => bump(&ctx.stats.pods_evicted, 1),
+            EvictOutcome::Blocked(_) => bump(&ctx.stats.evictions_blocked, 1),
+            EvictOutcome::Gone => {}
+        }
+    }
+    Ok(false)
+}
+
+/// Terminates the instance behind `provider_id`; true once EC2 reports it terminated or unknown.
+async fn terminate_instance(ctx: &Ctx, provider_id: &str) -> Result<bool, SimError> {
+    let Ok(pid) = ProviderId::parse(provider_id) else {
+        // Not an AWS instance: nothing of ours to terminate.
+        return Ok(true);
+    };
+    let ids = vec![pid.instance_id.clone()];
+    let live = |infos: &[crate::aws::InstanceInfo]| infos.iter().any(|i| i.state.is_live());
+    let found = ctx.aws.ec2.instances_by_id(&ids).await.map_err(SimError::aws("describing an instance"))?;
+    if !live(&found) {
+        return Ok(true);
+    }
+    let out = ctx.aws.ec2.terminate(&ids).await.map_err(SimError::aws(format!("terminating {}", pid.instance_id)))?;
+    bump(&ctx.stats.instances_terminated, out.accepted.len() as u64);
+    let after = ctx.aws.ec2.instances_by_id(&ids).await.map_err(SimError::aws("describing an instance"))?;
+    Ok(!live(&after))
+}
+
+async fn terminate_one(ctx: &Ctx, job: &Job) -> Result<(), SimError> {
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    if let Some(node) = &job.node {
+        let name = node.name_any();
+        if !is_deleting(node.as_ref()) {
+            ops::delete_if_present(&nodes, &name).await.map_err(SimError::kube(format!("deleting Node {name}")))?;
+        }
+        if !drain(ctx, node).await? {
+            return Ok(());
+        }
+    }
+    let provider_id = job
+        .claim
+        .as_deref()
+        .and_then(objects::claim_provider_id)
+        .or_else(|| job.node.as_deref().and_then(node_provider_id))
+        .map(str::to_string);
+    if let Some(pid) = provider_id
+        && !terminate_instance(ctx, &pid).await?
+    {
+        return Ok(());
+    }
+    if let Some(node) = &job.node {
+        let name = node.name_any();
+        match ops::remove_finalizer(&nodes, &name, karpenter::FINALIZER_TERMINATION)
+            .await
+            .map_err(SimError::kube(format!("removing the finalizer of Node {name}")))?
+        {
+            FinalizerOutcome::Removed => bump(&ctx.stats.finalizers_removed, 1),
+            FinalizerOutcome::Absent => {}
+            FinalizerOutcome::Conflict => return Ok(()),
+        }
+    }
+    if let Some(claim) = &job.claim {
+        let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::nodeclaim_resource());
+        let name = claim.name_any();
+        if ops::remove_finalizer(&api, &name, karpenter::FINALIZER_TERMINATION)
+            .await
+            .map_err(SimError::kube(format!("removing the finalizer of NodeClaim {name}")))?
+            == FinalizerOutcome::Removed
+        {
+            bump(&ctx.stats.finalizers_removed, 1);
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Provisioning
+
+/// A NodePool that may launch, with what its nodes look like to a scheduler.
+struct Candidate {
+    name: String,
+    uid: String,
+    class: String,
+    labels: BTreeMap<String, String>,
+    taints: Vec<serde_json::Value>,
+    /// Nodes its limits still allow (`None`: unlimited), less what this pass planned.
+    room: Option<u64>,
+    weight: i64,
+}
+
+fn pod_fits_labels(pod: &Pod, labels: &BTreeMap<String, String>, taints: &[serde_json::Value]) -> bool {
+    let spec = match pod.spec.as_ref() {
+        Some(s) => s,
+        None => return false,
+    };
+    let selector_ok = spec
+        .node_selector
+        .as_ref()
+        .is_none_or(|sel| sel.iter().all(|(k, v)| k == naming::LABEL_ZONE || labels.get(k) == Some(v)));
+    let tolerations = spec.tolerations.clone().unwrap_or_default();
+    let taints_ok = taints.iter().all(|t| {
+        let key = t["key"].as_str().unwrap_or_default();
+        let effect = t["effect"].as_str().unwrap_or_default();
+        effect == "PreferNoSchedule"
+            || tolerations.iter().any(|tol| {
+                let key_ok = match tol.key.as_deref() {
+                    None | Some("") => tol.operator.as_deref() == Some("Exists"),
+                    Some(k) => {
+                        k == key
+                            && (tol.operator.as_deref() == Some("Exists")
+                                || tol.value.as_deref().unwrap_or_default() == t["value"].as_str().unwrap_or_default())
+                    }
+                };
+                key_ok && tol.effect.as_deref().is_none_or(|e| e.is_empty() || e == effect)
+            })
+    });
+    selector_ok && taints_ok
+}
+
+fn candidates(ctx: &Ctx) -> Vec<Candidate> {
+    let classes = ctx.stores.classes.state();
+    let claims = ctx.stores.claims.state();
+    let mut out = Vec::new();
+    for pool in ctx.stores.pools.state() {
+        if is_deleting(pool.as_ref()) {
+            continue;
+        }
+        let (Some(uid), Some(class)) = (pool.uid(), objects::pool_class(&pool)) else { continue };
+        // A pool whose class is missing or being deleted launches nothing (Karpenter reports
+        // the NodePool not ready).
+        if !classes.iter().any(|c| c.name_any() == class && !is_deleting(c.as_ref())) {
+            continue;
+        }
+        let name = pool.name_any();
+        let existing = claims.iter().filter(|c| objects::claim_pool(c) == Some(name.as_str())).count() as u64;
+        let mut labels: BTreeMap<String, String> = pool.data["spec"]["template"]["metadata"]["labels"]
+            .as_object()
+            .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
+            .unwrap_or_default();
+        for (k, v) in [
+            (karpenter::LABEL_NODEPOOL, name.as_str()),
+            (karpenter::LABEL_NODECLASS, class),
+            (naming::LABEL_CAPACITY_TYPE, "on-demand"),
+            (naming::LABEL_INSTANCE_TYPE, naming::INSTANCE_TYPE),
+            (naming::LABEL_REGION, ctx.settings.region.as_str()),
+            ("kubernetes.io/arch", "amd64"),
+            ("kubernetes.io/os", "linux"),
+        ] {
+            labels.insert(k.to_string(), v.to_string());
+        }
+        out.push(Candidate {
+            name: name.clone(),
+            uid,
+            class: class.to_string(),
+            labels,
+            taints: pool.data["spec"]["template"]["spec"]["taints"].as_array().cloned().unwrap_or_default(),
+            room: objects::nodes_allowed_by_limits(&pool, existing),
+            weight: pool.data["spec"]["weight"].as_i64().unwrap_or(0),
+        });
+    }
+    out.sort_by(|a, b| b.weight.cmp(&a.weight).then_with(|| a.name.cmp(&b.name)));
+    out
+}
+
+fn node_schedulable(node: &Node) -> bool {
+    let spec = node.spec.as_ref();
+    !is_deleting(node)
+        && !spec.and_then(|s| s.unschedulable).unwrap_or(false)
+        && !spec
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|ts| ts.iter().any(|t| t.key == karpenter::TAINT_DISRUPTED))
+        && node.labels().contains_key(karpenter::LABEL_NODEPOOL)
+}
+
+async fn provision(ctx: &Ctx, state: &mut State) {
+    let grace = ctx.settings.scaled(ctx.settings.pending_grace);
+    let now = Instant::now();
+    let pods = ctx.stores.pods.state();
+    let mut seen = HashSet::new();
+    let mut pending: Vec<Arc<Pod>> = Vec::new();
+    for pod in &pods {
+        let unbound = pod.spec.as_ref().is_some_and(|s| s.node_name.is_none());
+        let phase_pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()).is_none_or(|p| p == "Pending");
+        let ds = pod.owner_references().iter().any(|o| o.kind == "DaemonSet");
+        let Some(uid) = pod.uid() else { continue };
+        if !unbound || !phase_pending || ds || is_deleting(pod.as_ref()) {
+            continue;
+        }
+        seen.insert(uid.clone());
+        let since = *state.pending_since.entry(uid).or_insert(now);
+        if now.duration_since(since) >= grace {
+            pending.push(pod.clone());
+        }
+    }
+    state.pending_since.retain(|uid, _| seen.contains(uid));
+
+    // Free slots on schedulable Karpenter nodes, and on nodes launched but not yet in the store.
+    let nodes = ctx.stores.nodes.state();
+    let known: HashSet<String> = nodes.iter().map(|n| n.name_any()).collect();
+    state.inflight.retain(|n, _| !known.contains(n));
+    let mut used: HashMap<String, u32> = HashMap::new();
+    for pod in &pods {
+        let finished = matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"));
+        if let Some(n) = pod.spec.as_ref().and_then(|s| s.node_name.clone())
+            && !finished
+        {
+            *used.entry(n).or_default() += 1;
+        }
+    }
+    let mut free: Vec<(BTreeMap<String, String>, Vec<serde_json::Value>, u32)> = Vec::new();
+    for node in nodes.iter().filter(|n| node_schedulable(n)) {
+        let alloc = node
+            .status
+            .as_ref()
+            .and_then(|s| s.allocatable.as_ref())
+            .and_then(|a| a.get("pods"))
+            .and_then(|q| q.0.parse::<u32>().ok())
+            .unwrap_or(0);
+        let slots = alloc.saturating_sub(used.get(&node.name_any()).copied().unwrap_or(0));
+        if slots > 0 {
+            let labels = node.labels().clone().into_iter().collect();
+            let taints = node
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .map(|ts| ts.iter().filter_map(|t| serde_json::to_value(t).ok()).collect())
+                .unwrap_or_default();
+            free.push((labels, taints, slots));
+        }
+    }
+    let mut inflight_slots: u32 = state.inflight.values().sum();
+
+    let mut cands = candidates(ctx);
+    // planned[i]: (pool index, free slots left on the planned node)
+    let mut planned: Vec<(usize, u32)> = Vec::new();
+    for pod in &pending {
+        if let Some(slot) = free.iter_mut().find(|(l, t, s)| *s > 0 && pod_fits_labels(pod, l, t)) {
+            slot.2 -= 1;
+            continue;
+        }
+        if inflight_slots > 0 {
+            inflight_slots -= 1;
+            continue;
+        }
+        if let Some(p) =
+            planned.iter_mut().find(|(i, s)| *s > 0 && pod_fits_labels(pod, &cands[*i].labels, &cands[*i].taints))
+        {
+            p.1 -= 1;
+            continue;
+        }
+        let Some(i) = cands.iter().position(|c| c.room != Some(0) && pod_fits_labels(pod, &c.labels, &c.taints)) else {
+            continue;
+        };
+        if let Some(r) = cands[i].room.as_mut() {
+            *r -= 1;
+        }
+        planned.push((i, ctx.settings.pods_per_node.saturating_sub(1)));
+    }
+    if planned.is_empty() {
+        return;
+    }
+    let zones = if ctx.settings.zones.is_empty() {
+        vec![format!("{}a", ctx.settings.region)]
+    } else {
+        ctx.settings.zones.clone()
+    };
+    let launches: Vec<(usize, String, String)> = planned
+        .iter()
+        .map(|(i, _)| {
+            state.zone_cursor = state.zone_cursor.wrapping_add(1);
+            let zone = zones[state.zone_cursor % zones.len()].clone();
+            let salt = naming::stable_hash(&[&naming::random_suffix(8)]) & 0x00ff_ffff;
+            (*i, zone, super::world::ip_node_name(&ctx.settings.region, salt, 0))
+        })
+        .collect();
+    let pods_alloc = ctx.settings.pods_per_node + 1;
+    let cands = &cands;
+    let results: Vec<(String, Result<super::world::GeneratedNode, SimError>)> = stream::iter(launches)
+        .map(|(i, zone, node_name)| async move {
+            let c = &cands[i];
+            let launch = NodeLaunch {
+                cluster: &ctx.settings.cluster,
+                region: &ctx.settings.region,
+                version: ctx.settings.version,
+                pool: PoolRef { name: &c.name, uid: &c.uid, class: &c.class },
+                zone: &zone,
+                node_name: &node_name,
+                pods: pods_alloc,
+            };
+            (node_name.clone(), launch_karpenter_node(&ctx.client, &ctx.aws, &launch).await)
+        })
+        .buffer_unordered(ctx.settings.concurrency.max(1))
+        .collect()
+        .await;
+    for (node_name, r) in results {
+        match r {
+            Ok(n) => {
+                bump(&ctx.stats.nodeclaims_launched, 1);
+                state.launched.insert(n.instance_id);
+                state.inflight.insert(node_name, ctx.settings.pods_per_node);
+            }
+            Err(e) => record_error(ctx, &e),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Garbage collection
+
+/// Instances with this cluster's Karpenter tags but no NodeClaim are terminated, and NodeClaims
+/// whose instance is gone are deleted — each only when seen twice in a row, so a launch or a
+/// registration in flight is never mistaken for an orphan.
+async fn collect_garbage(ctx: &Ctx, state: &mut State) {
+    let live = match ctx.aws.ec2.cluster_instances(&ctx.settings.cluster, InstanceScope::KarpenterLive).await {
+        Ok(l) => l,
+        Err(e) => return record_error(ctx, &SimError::aws("listing the cluster's instances")(e)),
+    };
+    let claims = ctx.stores.claims.state();
+    let claimed: HashSet<String> = claims
+        .iter()
+        .filter_map(|c| objects::claim_provider_id(c))
+        .filter_map(|p| ProviderId::parse(p).ok().map(|p| p.instance_id))
+        .collect();
+    let live_ids: HashSet<String> = live.iter().map(|i| i.id.clone()).collect();
+    let orphans: HashSet<String> =
+        live_ids.iter().filter(|id| !claimed.contains(*id) && !state.launched.contains(*id)).cloned().collect();
+    let confirmed: Vec<String> = orphans.intersection(&state.orphan_suspects).cloned().collect();
+    state.orphan_suspects = orphans;
+    if !confirmed.is_empty() {
+        match ctx.aws.ec2.terminate(&confirmed).await {
+            Ok(out) => {
+                bump(&ctx.stats.instances_terminated, out.accepted.len() as u64);
+                bump(&ctx.stats.orphans_terminated, out.accepted.len() as u64);
+            }
+            Err(e) => record_error(ctx, &SimError::aws("terminating orphan instances")(e)),
+        }
+    }
+    state.launched.retain(|id| live_ids.contains(id) && !claimed.contains(id));
+
+    let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::nodeclaim_resource());
+    let mut missing = HashSet::new();
+    for claim in claims.iter().filter(|c| !is_deleting(c.as_ref())) {
+        let Some(pid) = objects::claim_provider_id(claim).and_then(|p| ProviderId::parse(p).ok()) else { continue };
+        if !live_ids.contains(&pid.instance_id) {
+            missing.insert(claim.name_any());
+        }
+    }
+    for name in missing.intersection(&state.claim_suspects) {
+        match ops::delete_if_present(&api, name).await {
+            Ok(()) => bump(&ctx.stats.nodeclaims_collected, 1),
+            Err(e) => record_error(ctx, &SimError::kube(format!("deleting NodeClaim {name}"))(e)),
+        }
+    }
+    state.claim_suspects = missing;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(v: serde_json::Value) -> Pod {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn drain_leaves_daemonset_mirror_finished_and_tolerating_pods() {
+        let plain = pod(json!({"metadata": {"name": "a"}, "spec": {"containers": []}}));
+        assert!(is_drainable(&plain));
+        let ds = pod(json!({"metadata": {"name": "b", "ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "x", "uid": "u"}]}, "spec": {"containers": []}}));
+        assert!(!is_drainable(&ds));
+        let mirror = pod(json!({"metadata": {"name": "c", "annotations": {"kubernetes.io/config.mirror": "x"}},
+            "spec": {"containers": []}}));
+        assert!(!is_drainable(&mirror));
+        let done =
+            pod(json!({"metadata": {"name": "d"}, "spec": {"containers": []}, "status": {"phase": "Succeeded"}}));
+        assert!(!is_drainable(&done));
+        let tol = pod(json!({"metadata": {"name": "e"}, "spec": {"containers": [],
+            "tolerations": [{"operator": "Exists"}]}}));
+        assert!(!is_drainable(&tol));
+    }
+
+    #[test]
+    fn critical_pods_are_recognised() {
+        let c = pod(
+            json!({"metadata": {"name": "a"}, "spec": {"containers": [], "priorityClassName": "system-cluster-critical"}}),
+        );
+        assert!(is_critical(&c));
+        let n = pod(json!({"metadata": {"name": "b"}, "spec": {"containers": []}}));
+        assert!(!is_critical(&n));
+    }
+
+    #[test]
+    fn pods_fit_pools_by_selector_and_taints() {
+        let labels = BTreeMap::from([(naming::LABEL_CAPACITY_TYPE.to_string(), "on-demand".to_string())]);
+        let p = pod(json!({"metadata": {"name": "a"}, "spec": {"containers": [],
+            "nodeSelector": {naming::LABEL_CAPACITY_TYPE: "on-demand"}}}));
+        assert!(pod_fits_labels(&p, &labels, &[]));
+        let ng = pod(json!({"metadata": {"name": "b"}, "spec": {"containers": [],
+            "nodeSelector": {naming::LABEL_NODEGROUP: "x"}}}));
+        assert!(!pod_fits_labels(&ng, &labels, &[]));
+        let taint = json!({"key": "gpu", "value": "true", "effect": "NoSchedule"});
+        assert!(!pod_fits_labels(&p, &labels, std::slice::from_ref(&taint)));
+        let tol = pod(json!({"metadata": {"name": "c"}, "spec": {"containers": [],
+            "tolerations": [{"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]}}));
+        assert!(pod_fits_labels(&tol, &labels, &[taint]));
+    }
+
+    #[test]
+    fn settings_scale_intervals() {
+        let mut s = SimSettings::new("c", "us-west-2");
+        s.time_scale = 0.01;
+        assert_eq!(s.scaled(Duration::from_secs(1)), Duration::from_millis(10));
+        assert_eq!(s.zones[0], "us-west-2a");
+    }
+}

@@ -1,0 +1,200 @@
+//! Drives the machine's real `kubectl` against the sandbox API server (design §5).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
+use serde_json::json;
+use tokio::process::Command;
+
+const KUBECTL: &str = "/usr/bin/kubectl";
+
+fn shared_karpenter() -> Option<PathBuf> {
+    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/karpenter"));
+    if p.is_dir() {
+        return Some(p);
+    }
+    assert!(std::env::var_os("CI").is_none(), "CI is set but {} is missing", p.display());
+    eprintln!("SKIPPED: {} is missing (the Karpenter CRDs live there)", p.display());
+    None
+}
+
+struct Kubectl {
+    kubeconfig: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+struct Out {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+impl Kubectl {
+    fn new(server: &ApiServer) -> Kubectl {
+        assert!(
+            Path::new(KUBECTL).exists(),
+            "kubectl is missing at {KUBECTL}: these tests need the real kubectl binary"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        server.write_kubeconfig(&kubeconfig, "sandbox-test").unwrap();
+        Kubectl { kubeconfig, _dir: dir }
+    }
+
+    async fn run(&self, args: &[&str]) -> Out {
+        let mut cmd = Command::new(KUBECTL);
+        cmd.arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(args)
+            .env("HOME", self._dir.path())
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+            .await
+            .expect("kubectl hung")
+            .expect("kubectl failed to start");
+        Out {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    async fn ok(&self, args: &[&str]) -> String {
+        let o = self.run(args).await;
+        assert!(o.ok, "kubectl {args:?} failed:\nstdout: {}\nstderr: {}", o.stdout, o.stderr);
+        o.stdout
+    }
+
+    async fn apply_json(&self, v: serde_json::Value) -> String {
+        let path = self._dir.path().join(format!("obj-{}.json", rand_name()));
+        std::fs::write(&path, v.to_string()).unwrap();
+        self.ok(&["apply", "-f", path.to_str().unwrap()]).await
+    }
+}
+
+fn rand_name() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
+}
+
+async fn start() -> ApiServer {
+    ApiServer::start(ServerOptions { time_scale: 0.01, ..Default::default() }).await.unwrap()
+}
+
+fn node(name: &str) -> serde_json::Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"karpenter.sh/nodepool": "general-purpose"}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}], "allocatable": {"pods": "110"},
+            "addresses": [{"type": "InternalIP", "address": "10.1.2.3"}],
+            "nodeInfo": {"kubeletVersion": "v1.34.1", "osImage": "Amazon Linux 2023", "kernelVersion": "6.1", "containerRuntimeVersion": "containerd://1.7"}}})
+}
+
+fn deployment(name: &str, replicas: i64) -> serde_json::Value {
+    json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": {"containers": [{"name": "c", "image": "nginx"}],
+                "terminationGracePeriodSeconds": 1}}}})
+}
+
+async fn wait_for(k: &Kubectl, args: &[&str], needle: &str) {
+    for _ in 0..100 {
+        if k.run(args).await.stdout.contains(needle) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("kubectl {args:?} never showed {needle:?}");
+}
+
+#[tokio::test]
+async fn get_nodes_cordon_taint_and_scale() {
+    let s = start().await;
+    let k = Kubectl::new(&s);
+    k.apply_json(node("ip-10-1-2-3")).await;
+    let wide = k.ok(&["get", "nodes", "-o", "wide"]).await;
+    assert!(wide.contains("INTERNAL-IP") && wide.contains("10.1.2.3") && wide.contains("Ready"), "{wide}");
+    k.ok(&["cordon", "ip-10-1-2-3"]).await;
+    assert!(k.ok(&["get", "nodes"]).await.contains("SchedulingDisabled"));
+    k.ok(&["taint", "nodes", "ip-10-1-2-3", "karpenter.sh/disrupted=:NoSchedule"]).await;
+    let taints = k.ok(&["get", "node", "ip-10-1-2-3", "-o", "jsonpath={.spec.taints[*].key}"]).await;
+    assert!(taints.contains("karpenter.sh/disrupted"), "{taints}");
+    k.ok(&["taint", "nodes", "ip-10-1-2-3", "karpenter.sh/disrupted:NoSchedule-"]).await;
+    k.ok(&["uncordon", "ip-10-1-2-3"]).await;
+    k.apply_json(deployment("web", 1)).await;
+    k.ok(&["scale", "deployment", "web", "--replicas=3"]).await;
+    wait_for(&k, &["get", "deployment", "web"], "3/3").await;
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn apply_karpenter_crds_and_examples_then_delete_with_finalizer() {
+    let Some(shared) = shared_karpenter() else { return };
+    let s = start().await;
+    let k = Kubectl::new(&s);
+    k.ok(&["apply", "-f", shared.join("crds-v1.14.1").to_str().unwrap()]).await;
+    k.ok(&["apply", "-f", shared.join("examples/general-purpose.yaml").to_str().unwrap()]).await;
+    let pools = k.ok(&["get", "nodepools"]).await;
+    assert!(pools.contains("NODECLASS") && pools.contains("general-purpose"), "{pools}");
+    k.ok(&["get", "ec2nodeclasses"]).await;
+    k.apply_json(json!({"apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
+        "metadata": {"name": "nc-1", "finalizers": ["karpenter.sh/termination"]},
+        "spec": {"nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"}, "requirements": []}}))
+        .await;
+    k.ok(&["delete", "nodeclaim", "nc-1", "--wait=false"]).await;
+    let ts = k.ok(&["get", "nodeclaim", "nc-1", "-o", "jsonpath={.metadata.deletionTimestamp}"]).await;
+    assert!(!ts.trim().is_empty(), "deletionTimestamp set");
+    k.ok(&["patch", "nodeclaim", "nc-1", "--type=json", "-p", r#"[{"op":"remove","path":"/metadata/finalizers"}]"#])
+        .await;
+    let gone = k.run(&["get", "nodeclaim", "nc-1"]).await;
+    assert!(!gone.ok && gone.stderr.contains("NotFound"), "{}", gone.stderr);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn drain_succeeds_and_reports_a_blocking_budget() {
+    let s = start().await;
+    let k = Kubectl::new(&s);
+    k.apply_json(node("n1")).await;
+    k.apply_json(deployment("web", 2)).await;
+    wait_for(&k, &["get", "deployment", "web"], "2/2").await;
+    let out = k.ok(&["drain", "n1", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=20s"]).await;
+    assert!(out.contains("drained"), "{out}");
+    // A budget allowing no disruption: drain reports it and gives up at its timeout.
+    k.apply_json(node("n2")).await;
+    k.apply_json(deployment("db", 1)).await;
+    wait_for(&k, &["get", "deployment", "db"], "1/1").await;
+    k.apply_json(json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "db", "namespace": "default"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "db"}}}}))
+        .await;
+    wait_for(&k, &["get", "pdb", "db"], "0").await;
+    let blocked = k.run(&["drain", "n2", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=5s"]).await;
+    assert!(!blocked.ok, "drain must give up");
+    let all = format!("{}{}", blocked.stdout, blocked.stderr);
+    assert!(all.contains("disruption budget"), "{all}");
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn get_watch_prints_events() {
+    let s = start().await;
+    let k = Kubectl::new(&s);
+    let mut cmd = Command::new(KUBECTL);
+    cmd.arg("--kubeconfig")
+        .arg(&k.kubeconfig)
+        .args(["get", "configmaps", "-w", "--request-timeout=3s"])
+        .env("HOME", k._dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let child = cmd.spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    k.apply_json(
+        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "watched", "namespace": "default"}}),
+    )
+    .await;
+    let out = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output()).await.unwrap().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("watched"), "stdout: {text}\nstderr: {}", String::from_utf8_lossy(&out.stderr));
+    s.shutdown().await;
+}

@@ -1,0 +1,676 @@
+//! The sandbox API server through `kube::Client` over HTTP: one test per semantic the teardown
+//! tool depends on (design §4).
+
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use karpenter_teardown::sandbox::ApiServer;
+use karpenter_teardown::sandbox::apiserver::{
+    ErrorRule, FaultConfig, GroupResource, ListOptions, ServerOptions, WriteOptions,
+};
+use karpenter_teardown::sandbox::karpenter_crds::karpenter_crds;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
+    WatchEvent, WatchParams,
+};
+use kube::{Client, Error};
+use serde_json::{Value, json};
+
+async fn server(control_plane: bool) -> (ApiServer, Client) {
+    let opts = ServerOptions { time_scale: 0.01, control_plane, ..Default::default() };
+    let s = ApiServer::start(opts).await.unwrap();
+    let c = Client::try_from(s.kube_config()).unwrap();
+    (s, c)
+}
+
+fn code(e: Error) -> (u16, String, Value) {
+    match e {
+        Error::Api(s) => {
+            let v = serde_json::to_value(&s).unwrap();
+            (s.code, s.reason.clone(), v)
+        }
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+fn node(name: &str) -> Node {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}], "allocatable": {"pods": "110"},
+            "addresses": [{"type": "InternalIP", "address": "10.0.0.9"}], "nodeInfo": {"kubeletVersion": "v1.34.1"}}
+    }))
+    .unwrap()
+}
+
+fn cm(name: &str, owners: Value) -> ConfigMap {
+    serde_json::from_value(json!({"metadata": {"name": name, "ownerReferences": owners}, "data": {"k": "v"}})).unwrap()
+}
+
+fn pod(name: &str, node: Option<&str>, labels: Value) -> Pod {
+    let mut p = json!({"metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}], "terminationGracePeriodSeconds": 30}});
+    if let Some(n) = node {
+        p["spec"]["nodeName"] = json!(n);
+    }
+    serde_json::from_value(p).unwrap()
+}
+
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..200 {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+async fn install_crds(c: &Client, webhook: bool) {
+    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
+    for crd in karpenter_crds(webhook) {
+        crds.create(&PostParams::default(), &serde_json::from_value(crd).unwrap()).await.unwrap();
+    }
+}
+
+fn nodeclaims(c: &Client) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("karpenter.sh", "v1", "NodeClaim"), "nodeclaims");
+    Api::all_with(c.clone(), &ar)
+}
+
+fn dynamic(v: Value) -> DynamicObject {
+    serde_json::from_value(v).unwrap()
+}
+
+#[tokio::test]
+async fn writes_bump_resource_version_and_stale_writes_conflict() {
+    let (s, c) = server(false).await;
+    let nodes: Api<Node> = Api::all(c.clone());
+    let n = nodes.create(&PostParams::default(), &node("n1")).await.unwrap();
+    let rv1 = n.metadata.resource_version.clone().unwrap();
+    assert!(n.metadata.uid.is_some() && n.metadata.creation_timestamp.is_some());
+    assert_eq!(n.metadata.generation, Some(1));
+    let patched = nodes
+        .patch("n1", &PatchParams::default(), &Patch::Merge(json!({"spec": {"unschedulable": true}})))
+        .await
+        .unwrap();
+    let rv2 = patched.metadata.resource_version.clone().unwrap();
+    assert!(rv2.parse::<u64>().unwrap() > rv1.parse::<u64>().unwrap());
+    assert_eq!(patched.metadata.generation, Some(2));
+    // A stale PUT and a stale merge patch both conflict.
+    let (c1, r1, _) = code(nodes.replace("n1", &PostParams::default(), &n).await.unwrap_err());
+    assert_eq!((c1, r1.as_str()), (409, "Conflict"));
+    let stale = json!({"metadata": {"resourceVersion": rv1}, "spec": {"unschedulable": false}});
+    let (c2, _, _) = code(nodes.patch("n1", &PatchParams::default(), &Patch::Merge(stale)).await.unwrap_err());
+    assert_eq!(c2, 409);
+    // Errors carry the real reasons.
+    let (c3, r3, st) = code(nodes.get("missing").await.unwrap_err());
+    assert_eq!((c3, r3.as_str()), (404, "NotFound"));
+    assert_eq!(st["message"], "nodes \"missing\" not found");
+    let (c4, r4, _) = code(nodes.create(&PostParams::default(), &node("n1")).await.unwrap_err());
+    assert_eq!((c4, r4.as_str()), (409, "AlreadyExists"));
+    // generateName.
+    let cms: Api<ConfigMap> = Api::namespaced(c.clone(), "default");
+    let g: ConfigMap = serde_json::from_value(json!({"metadata": {"generateName": "gen-"}})).unwrap();
+    let made = cms.create(&PostParams::default(), &g).await.unwrap();
+    assert!(made.metadata.name.unwrap().starts_with("gen-"));
+    // Namespaced create in a missing namespace.
+    let other: Api<ConfigMap> = Api::namespaced(c.clone(), "nope");
+    let (c5, _, _) = code(other.create(&PostParams::default(), &cm("x", json!([]))).await.unwrap_err());
+    assert_eq!(c5, 404);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn json_patch_test_failure_is_422_and_changes_nothing() {
+    let (s, c) = server(false).await;
+    let nodes: Api<Node> = Api::all(c.clone());
+    nodes.create(&PostParams::default(), &node("n1")).await.unwrap();
+    let before = nodes.get("n1").await.unwrap();
+    let p: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "add", "path": "/metadata/labels/x", "value": "y"},
+        {"op": "test", "path": "/metadata/resourceVersion", "value": "1"}
+    ]))
+    .unwrap();
+    let (code_, reason, _) = code(nodes.patch("n1", &PatchParams::default(), &Patch::<()>::Json(p)).await.unwrap_err());
+    assert_eq!((code_, reason.as_str()), (422, "Invalid"));
+    let after = nodes.get("n1").await.unwrap();
+    assert_eq!(before.metadata.resource_version, after.metadata.resource_version);
+    assert!(!after.metadata.labels.unwrap().contains_key("x"));
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn strategic_merge_lists_and_custom_resources_refuse_it() {
+    let (s, c) = server(false).await;
+    let nodes: Api<Node> = Api::all(c.clone());
+    nodes.create(&PostParams::default(), &node("n1")).await.unwrap();
+    let first =
+        json!({"metadata": {"finalizers": ["a/x"]}, "spec": {"taints": [{"key": "t1", "effect": "NoSchedule"}]}});
+    nodes.patch("n1", &PatchParams::default(), &Patch::Strategic(first)).await.unwrap();
+    let second =
+        json!({"metadata": {"finalizers": ["b/y"]}, "spec": {"taints": [{"key": "t2", "effect": "NoSchedule"}]}});
+    let n = nodes.patch("n1", &PatchParams::default(), &Patch::Strategic(second)).await.unwrap();
+    assert_eq!(n.metadata.finalizers.unwrap(), vec!["a/x".to_string(), "b/y".to_string()]);
+    let taints = n.spec.unwrap().taints.unwrap();
+    assert_eq!(taints.len(), 1, "taints are atomic");
+    assert_eq!(taints[0].key, "t2");
+    install_crds(&c, false).await;
+    let ncs = nodeclaims(&c);
+    ncs.create(
+        &PostParams::default(),
+        &dynamic(json!({"apiVersion": "karpenter.sh/v1", "kind": "NodeClaim", "metadata": {"name": "nc"}, "spec": {}})),
+    )
+    .await
+    .unwrap();
+    let (code_, reason, _) = code(
+        ncs.patch("nc", &PatchParams::default(), &Patch::Strategic(json!({"metadata": {"labels": {"a": "b"}}})))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((code_, reason.as_str()), (415, "UnsupportedMediaType"));
+    ncs.patch("nc", &PatchParams::default(), &Patch::Merge(json!({"metadata": {"labels": {"a": "b"}}}))).await.unwrap();
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn server_side_apply_and_managed_fields_name_the_last_writer() {
+    let (s, c) = server(false).await;
+    let nodes: Api<Node> = Api::all(c.clone());
+    let applied = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1", "labels": {"a": "1"}}});
+    let n = nodes.patch("n1", &PatchParams::apply("tool"), &Patch::Apply(applied)).await.unwrap();
+    let mf = n.metadata.managed_fields.unwrap();
+    assert!(mf.iter().any(|m| m.manager.as_deref() == Some("tool") && m.operation.as_deref() == Some("Apply")));
+    let cordon = PatchParams { field_manager: Some("drainer".into()), ..Default::default() };
+    nodes.patch("n1", &cordon, &Patch::Merge(json!({"spec": {"unschedulable": true}}))).await.unwrap();
+    let revert = PatchParams { field_manager: Some("k3s-reverter".into()), ..Default::default() };
+    let n = nodes.patch("n1", &revert, &Patch::Merge(json!({"spec": {"unschedulable": false}}))).await.unwrap();
+    let owner: Vec<String> = n
+        .metadata
+        .managed_fields
+        .unwrap()
+        .iter()
+        .filter(|m| m.fields_v1.as_ref().is_some_and(|f| f.0["f:spec"].get("f:unschedulable").is_some()))
+        .map(|m| m.manager.clone().unwrap())
+        .collect();
+    assert_eq!(owner, vec!["k3s-reverter".to_string()]);
+    // A conflicting apply by another manager without force is refused.
+    let other =
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}, "spec": {"unschedulable": true}});
+    let (code_, _, _) =
+        code(nodes.patch("n1", &PatchParams::apply("other"), &Patch::Apply(other.clone())).await.unwrap_err());
+    assert_eq!(code_, 409);
+    nodes.patch("n1", &PatchParams::apply("other").force(), &Patch::Apply(other)).await.unwrap();
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn finalizers_hold_deletion_and_cannot_be_added_during_it() {
+    let (s, c) = server(false).await;
+    install_crds(&c, false).await;
+    let ncs = nodeclaims(&c);
+    ncs.create(
+        &PostParams::default(),
+        &dynamic(json!({"apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
+        "metadata": {"name": "nc", "finalizers": ["karpenter.sh/termination"]}, "spec": {}})),
+    )
+    .await
+    .unwrap();
+    let del = ncs.delete("nc", &DeleteParams::default()).await.unwrap();
+    let kept = del.left().expect("object kept while finalizers remain");
+    assert!(kept.metadata.deletion_timestamp.is_some());
+    let add = json!({"metadata": {"finalizers": ["karpenter.sh/termination", "other/new"]}});
+    let (code_, reason, _) = code(ncs.patch("nc", &PatchParams::default(), &Patch::Merge(add)).await.unwrap_err());
+    assert_eq!((code_, reason.as_str()), (422, "Invalid"));
+    let p: json_patch::Patch =
+        serde_json::from_value(json!([{"op": "remove", "path": "/metadata/finalizers/0"}])).unwrap();
+    ncs.patch("nc", &PatchParams::default(), &Patch::<()>::Json(p)).await.unwrap();
+    let (code_, _, _) = code(ncs.get("nc").await.unwrap_err());
+    assert_eq!(code_, 404);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn owner_references_drive_garbage_collection() {
+    let (s, c) = server(false).await;
+    let cms: Api<ConfigMap> = Api::namespaced(c.clone(), "default");
+    let owner_ref = |o: &ConfigMap, block: bool| json!([{"apiVersion": "v1", "kind": "ConfigMap", "name": o.metadata.name, "uid": o.metadata.uid, "blockOwnerDeletion": block}]);
+    // Background.
+    let o = cms.create(&PostParams::default(), &cm("owner", json!([]))).await.unwrap();
+    cms.create(&PostParams::default(), &cm("dep", owner_ref(&o, false))).await.unwrap();
+    cms.delete("owner", &DeleteParams::background()).await.unwrap();
+    assert!(cms.get_opt("dep").await.unwrap().is_none());
+    // Foreground: the owner waits for a blocking dependent that has a finalizer.
+    let o = cms.create(&PostParams::default(), &cm("owner2", json!([]))).await.unwrap();
+    let mut d = cm("dep2", owner_ref(&o, true));
+    d.metadata.finalizers = Some(vec!["test/hold".into()]);
+    cms.create(&PostParams::default(), &d).await.unwrap();
+    cms.delete("owner2", &DeleteParams::foreground()).await.unwrap();
+    let held = cms.get("owner2").await.unwrap();
+    assert!(held.metadata.finalizers.unwrap().contains(&"foregroundDeletion".to_string()));
+    cms.patch("dep2", &PatchParams::default(), &Patch::Merge(json!({"metadata": {"finalizers": null}}))).await.unwrap();
+    assert!(cms.get_opt("dep2").await.unwrap().is_none());
+    assert!(cms.get_opt("owner2").await.unwrap().is_none());
+    // Orphan.
+    let o = cms.create(&PostParams::default(), &cm("owner3", json!([]))).await.unwrap();
+    cms.create(&PostParams::default(), &cm("dep3", owner_ref(&o, false))).await.unwrap();
+    cms.delete("owner3", &DeleteParams::orphan()).await.unwrap();
+    let orphan = cms.get("dep3").await.unwrap();
+    assert!(orphan.metadata.owner_references.unwrap_or_default().is_empty());
+    assert!(cms.get_opt("owner3").await.unwrap().is_none());
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn pods_are_removed_after_their_scaled_grace_period() {
+    let (s, c) = server(true).await;
+    Api::<Node>::all(c.clone()).create(&PostParams::default(), &node("n1")).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    pods.create(&PostParams::default(), &pod("p", Some("n1"), json!({}))).await.unwrap();
+    eventually("pod running", || async {
+        pods.get("p").await.unwrap().status.unwrap().phase.as_deref() == Some("Running")
+    })
+    .await;
+    let del = pods.delete("p", &DeleteParams::default()).await.unwrap();
+    let p = del.left().unwrap();
+    assert!(p.metadata.deletion_timestamp.is_some());
+    assert_eq!(p.metadata.deletion_grace_period_seconds, Some(30));
+    // 30 s x 0.01 = 0.3 s.
+    eventually("pod gone", || async { pods.get_opt("p").await.unwrap().is_none() }).await;
+    s.shutdown().await;
+}
+
+async fn running_pods(c: &Client, names: &[&str], labels: Value) {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    for n in names {
+        pods.create(&PostParams::default(), &pod(n, Some("n1"), labels.clone())).await.unwrap();
+    }
+    for n in names {
+        eventually("pod running", || async {
+            pods.get(n).await.unwrap().status.unwrap().phase.as_deref() == Some("Running")
+        })
+        .await;
+    }
+}
+
+fn eviction(name: &str, uid: Option<&str>) -> Value {
+    let mut e =
+        json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": "default"}});
+    if let Some(u) = uid {
+        e["deleteOptions"] = json!({"preconditions": {"uid": u}});
+    }
+    e
+}
+
+async fn evict(raw: &Api<DynamicObject>, n: &str, u: Option<&str>) -> Result<Value, Error> {
+    raw.create_subresource::<Value, Value>("eviction", n, &PostParams::default(), &eviction(n, u)).await
+}
+
+#[tokio::test]
+async fn eviction_respects_pod_disruption_budgets() {
+    let (s, c) = server(true).await;
+    Api::<Node>::all(c.clone()).create(&PostParams::default(), &node("n1")).await.unwrap();
+    running_pods(&c, &["a", "b"], json!({"app": "web"})).await;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(c.clone(), "default");
+    pdbs.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": "web"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}}}))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    eventually("pdb status", || async {
+        pdbs.get("web").await.unwrap().status.is_some_and(|s| s.disruptions_allowed == 1 && s.current_healthy == 2)
+    })
+    .await;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    let raw: Api<DynamicObject> = Api::namespaced_with(c.clone(), "default", &ApiResource::erase::<Pod>(&()));
+    // Missing pod: 404. UID precondition mismatch: 409.
+    assert_eq!(code(evict(&raw, "missing", None).await.unwrap_err()).0, 404);
+    assert_eq!(code(evict(&raw, "a", Some("wrong-uid")).await.unwrap_err()).0, 409);
+    // First eviction allowed (201 + Status Success), second blocked by the budget.
+    let uid = pods.get("a").await.unwrap().metadata.uid.unwrap();
+    let ok = evict(&raw, "a", Some(&uid)).await.unwrap();
+    assert_eq!(ok["status"], "Success");
+    assert!(pods.get("a").await.unwrap().metadata.deletion_timestamp.is_some());
+    let (code_, reason, st) = code(evict(&raw, "b", None).await.unwrap_err());
+    assert_eq!((code_, reason.as_str()), (429, "TooManyRequests"));
+    assert_eq!(st["details"]["causes"][0]["reason"], "DisruptionBudget");
+    assert!(st["details"]["causes"][0]["message"].as_str().unwrap().contains("web"));
+    assert_eq!(s.requests().count("evict", "pods"), 4);
+    // Two budgets over one pod: 500 like the real server.
+    pdbs.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": "web2"},
+        "spec": {"maxUnavailable": "50%", "selector": {"matchLabels": {"app": "web"}}}}))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(code(evict(&raw, "b", None).await.unwrap_err()).0, 500);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn lists_filter_by_labels_and_fields_and_page() {
+    let (s, c) = server(false).await;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    for i in 0..7 {
+        let node = if i % 2 == 0 { Some("n1") } else { None };
+        pods.create(
+            &PostParams::default(),
+            &pod(&format!("p{i}"), node, json!({"app": if i < 3 { "a" } else { "b" }, "i": i.to_string()})),
+        )
+        .await
+        .unwrap();
+    }
+    let names =
+        |l: kube::core::ObjectList<Pod>| l.items.into_iter().map(|p| p.metadata.name.unwrap()).collect::<Vec<_>>();
+    assert_eq!(names(pods.list(&ListParams::default().labels("app=a")).await.unwrap()), ["p0", "p1", "p2"]);
+    assert_eq!(
+        names(pods.list(&ListParams::default().labels("app in (a,b),i notin (0,1,2,3)")).await.unwrap()),
+        ["p4", "p5", "p6"]
+    );
+    assert_eq!(names(pods.list(&ListParams::default().labels("app!=a,!missing")).await.unwrap()).len(), 4);
+    assert_eq!(
+        names(pods.list(&ListParams::default().fields("spec.nodeName=n1")).await.unwrap()),
+        ["p0", "p2", "p4", "p6"]
+    );
+    assert_eq!(names(pods.list(&ListParams::default().fields("spec.nodeName=")).await.unwrap()), ["p1", "p3", "p5"]);
+    let (code_, reason, st) = code(pods.list(&ListParams::default().fields("spec.bogus=1")).await.unwrap_err());
+    assert_eq!((code_, reason.as_str()), (400, "BadRequest"));
+    assert!(st["message"].as_str().unwrap().contains("field label not supported"));
+    // Paging.
+    let mut lp = ListParams::default().limit(3);
+    let mut seen = Vec::new();
+    loop {
+        let page = pods.list(&lp).await.unwrap();
+        assert!(page.metadata.resource_version.is_some());
+        let next = page.metadata.continue_.clone();
+        seen.extend(names(page));
+        match next {
+            Some(t) if !t.is_empty() => lp = lp.continue_token(&t),
+            _ => break,
+        }
+    }
+    assert_eq!(seen.len(), 7);
+    // Cluster-wide list of a namespaced kind.
+    let all: Api<Pod> = Api::all(c.clone());
+    assert_eq!(all.list(&ListParams::default()).await.unwrap().items.len(), 7);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn watcher_over_paged_list_sees_added_modified_deleted() {
+    use kube::runtime::watcher;
+    let (s, c) = server(false).await;
+    let cms: Api<ConfigMap> = Api::namespaced(c.clone(), "default");
+    for i in 0..5 {
+        cms.create(&PostParams::default(), &cm(&format!("c{i}"), json!([]))).await.unwrap();
+    }
+    let cfg = watcher::Config::default().page_size(2).any_semantic();
+    let cfg = watcher::Config { list_semantic: kube::runtime::watcher::ListSemantic::MostRecent, ..cfg };
+    let mut stream = watcher(cms.clone(), cfg).boxed();
+    let mut initial = 0;
+    loop {
+        match stream.try_next().await.unwrap().unwrap() {
+            watcher::Event::InitApply(_) => initial += 1,
+            watcher::Event::InitDone => break,
+            _ => {}
+        }
+    }
+    assert_eq!(initial, 5);
+    cms.create(&PostParams::default(), &cm("new", json!([]))).await.unwrap();
+    cms.patch("c1", &PatchParams::default(), &Patch::Merge(json!({"data": {"k": "changed"}}))).await.unwrap();
+    cms.delete("c2", &DeleteParams::default()).await.unwrap();
+    let mut applied = Vec::new();
+    let mut deleted = Vec::new();
+    while deleted.is_empty() {
+        match tokio::time::timeout(Duration::from_secs(5), stream.try_next()).await.unwrap().unwrap().unwrap() {
+            watcher::Event::Apply(o) => applied.push(o.metadata.name.unwrap()),
+            watcher::Event::Delete(o) => deleted.push(o.metadata.name.unwrap()),
+            _ => {}
+        }
+    }
+    assert_eq!(applied, ["new", "c1"]);
+    assert_eq!(deleted, ["c2"]);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn watch_from_too_old_version_is_gone_and_bookmarks_flow() {
+    let opts = ServerOptions { time_scale: 0.001, watch_history: 3, control_plane: false, ..Default::default() };
+    let s = ApiServer::start(opts).await.unwrap();
+    let c = Client::try_from(s.kube_config()).unwrap();
+    let cms: Api<ConfigMap> = Api::namespaced(c.clone(), "default");
+    for i in 0..6 {
+        cms.create(&PostParams::default(), &cm(&format!("c{i}"), json!([]))).await.unwrap();
+    }
+    let mut old = cms.watch(&WatchParams::default().timeout(5), "2").await.unwrap().boxed();
+    match old.try_next().await.unwrap().unwrap() {
+        WatchEvent::Error(e) => assert_eq!(e.code, 410),
+        other => panic!("expected 410, got {other:?}"),
+    }
+    let rv = cms.list(&ListParams::default()).await.unwrap().metadata.resource_version.unwrap();
+    let mut w = cms.watch(&WatchParams::default().timeout(2).labels("keep=yes"), &rv).await.unwrap().boxed();
+    cms.create(&PostParams::default(), &cm("ignored", json!([]))).await.unwrap();
+    let mut kept = cm("kept", json!([]));
+    kept.metadata.labels = Some([("keep".to_string(), "yes".to_string())].into());
+    cms.create(&PostParams::default(), &kept).await.unwrap();
+    let mut saw_added = false;
+    let mut saw_bookmark = false;
+    while let Some(ev) = w.try_next().await.unwrap() {
+        match ev {
+            WatchEvent::Added(o) => {
+                assert_eq!(o.metadata.name.as_deref(), Some("kept"));
+                saw_added = true;
+            }
+            WatchEvent::Bookmark(_) => saw_bookmark = true,
+            other => panic!("unexpected {other:?}"),
+        }
+        if saw_added && saw_bookmark {
+            break;
+        }
+    }
+    assert!(saw_added && saw_bookmark);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn discovery_finds_builtins_subresources_and_custom_resources() {
+    let (s, c) = server(false).await;
+    install_crds(&c, true).await;
+    let d = kube::Discovery::new(c.clone()).run().await.unwrap();
+    let (ar, caps) = d.resolve_gvk(&GroupVersionKind::gvk("karpenter.sh", "v1", "NodePool")).unwrap();
+    assert_eq!(ar.plural, "nodepools");
+    assert_eq!(caps.scope, kube::discovery::Scope::Cluster);
+    let core: Value = c.request(http::Request::get("/api/v1").body(vec![]).unwrap()).await.unwrap();
+    let ev = core["resources"].as_array().unwrap().iter().find(|r| r["name"] == "pods/eviction").unwrap();
+    assert_eq!(
+        (ev["group"].as_str(), ev["version"].as_str(), ev["kind"].as_str()),
+        (Some("policy"), Some("v1"), Some("Eviction"))
+    );
+    assert!(core["resources"].as_array().unwrap().iter().any(|r| r["name"] == "nodes" && r["shortNames"][0] == "no"));
+    let apps: Value = c.request(http::Request::get("/apis/apps/v1").body(vec![]).unwrap()).await.unwrap();
+    let sc = apps["resources"].as_array().unwrap().iter().find(|r| r["name"] == "deployments/scale").unwrap();
+    assert_eq!(sc["group"], "autoscaling");
+    let v = c.apiserver_version().await.unwrap();
+    assert!(v.git_version.starts_with("v1.34"));
+    // The 1.0.x conversion stanza is stored as given.
+    let crd = Api::<CustomResourceDefinition>::all(c.clone()).get("nodeclaims.karpenter.sh").await.unwrap();
+    assert_eq!(crd.spec.conversion.unwrap().strategy, "Webhook");
+    // Deleting the CRD removes its objects and unregisters the kind.
+    let ncs = nodeclaims(&c);
+    ncs.create(
+        &PostParams::default(),
+        &dynamic(json!({"apiVersion": "karpenter.sh/v1", "kind": "NodeClaim", "metadata": {"name": "x"}, "spec": {}})),
+    )
+    .await
+    .unwrap();
+    Api::<CustomResourceDefinition>::all(c.clone())
+        .delete("nodeclaims.karpenter.sh", &DeleteParams::default())
+        .await
+        .unwrap();
+    assert_eq!(code(ncs.list(&ListParams::default()).await.unwrap_err()).0, 404);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn status_subresource_is_separate() {
+    let (s, c) = server(false).await;
+    install_crds(&c, false).await;
+    let ncs = nodeclaims(&c);
+    let created = ncs
+        .create(
+            &PostParams::default(),
+            &dynamic(json!({"apiVersion": "karpenter.sh/v1", "kind": "NodeClaim", "metadata": {"name": "nc"},
+            "spec": {"a": 1}, "status": {"providerID": "ignored"}})),
+        )
+        .await
+        .unwrap();
+    assert!(created.data.get("status").is_none(), "status dropped on create");
+    ncs.patch(
+        "nc",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"providerID": "nope"}, "spec": {"a": 2}})),
+    )
+    .await
+    .unwrap();
+    let o = ncs.get("nc").await.unwrap();
+    assert!(o.data.get("status").is_none() && o.data["spec"]["a"] == 2);
+    ncs.patch_status(
+        "nc",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"providerID": "aws:///z/i-1"}, "spec": {"a": 3}})),
+    )
+    .await
+    .unwrap();
+    let o = ncs.get("nc").await.unwrap();
+    assert_eq!(o.data["status"]["providerID"], "aws:///z/i-1");
+    assert_eq!(o.data["spec"]["a"], 2);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn scale_subresource_and_control_plane_workloads() {
+    let (s, c) = server(true).await;
+    Api::<Node>::all(c.clone()).create(&PostParams::default(), &node("n1")).await.unwrap();
+    let deps: Api<Deployment> = Api::namespaced(c.clone(), "default");
+    deps.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": "web"},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+            "template": {"metadata": {"labels": {"app": "web"}}, "spec": {"containers": [{"name": "c", "image": "nginx"}]}}}})).unwrap())
+        .await
+        .unwrap();
+    eventually("deployment ready", || async {
+        deps.get("web").await.unwrap().status.and_then(|s| s.ready_replicas) == Some(2)
+    })
+    .await;
+    let sc = deps.get_scale("web").await.unwrap();
+    assert_eq!(sc.spec.unwrap().replicas, Some(2));
+    deps.patch_scale("web", &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 3}}))).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    eventually("three pods running", || async {
+        pods.list(&ListParams::default().labels("app=web"))
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+            .count()
+            == 3
+    })
+    .await;
+    // Deleting the node removes its pods (pod GC); the ReplicaSet recreates them as Pending.
+    Api::<Node>::all(c.clone()).delete("n1", &DeleteParams::default()).await.unwrap();
+    eventually("pods pending", || async {
+        let l = pods.list(&ListParams::default().labels("app=web")).await.unwrap().items;
+        l.len() == 3 && l.iter().all(|p| p.spec.as_ref().unwrap().node_name.is_none())
+    })
+    .await;
+    assert!(s.requests().count("patch", "deployments/scale") == 1);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn injected_faults_and_request_accounting() {
+    let (s, c) = server(false).await;
+    let nodes: Api<Node> = Api::all(c.clone());
+    nodes.list(&ListParams::default()).await.unwrap();
+    s.set_faults(FaultConfig {
+        errors: vec![ErrorRule { verb: Some("list".into()), resource: Some("nodes".into()), code: 503, rate: 1.0 }],
+        seed: 7,
+        ..Default::default()
+    });
+    assert_eq!(code(nodes.list(&ListParams::default()).await.unwrap_err()).0, 503);
+    nodes.create(&PostParams::default(), &node("n1")).await.unwrap();
+    s.set_faults(FaultConfig::default());
+    nodes.list(&ListParams::default()).await.unwrap();
+    assert_eq!(s.requests().count("list", "nodes"), 3);
+    assert_eq!(s.requests().count("create", "nodes"), 1);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn holds_a_thousand_nodes_and_twenty_thousand_pods() {
+    let (s, c) = server(false).await;
+    let store = s.store();
+    let wo = WriteOptions::manager("bulk");
+    let start = std::time::Instant::now();
+    for i in 0..1000 {
+        store
+            .create(&GroupResource::new("", "nodes"), "", json!({"metadata": {"name": format!("n{i}")}}), &wo)
+            .unwrap();
+    }
+    for i in 0..20_000 {
+        store
+            .create(&GroupResource::new("", "pods"), "default",
+                json!({"metadata": {"name": format!("p{i:05}")}, "spec": {"nodeName": format!("n{}", i % 1000), "containers": [{"name": "c"}]}}), &wo)
+            .unwrap();
+    }
+    let created = start.elapsed();
+    let pods: Api<Pod> = Api::all(c.clone());
+    let t = std::time::Instant::now();
+    let mut lp = ListParams::default().limit(500);
+    let mut n = 0;
+    loop {
+        let page = pods.list(&lp).await.unwrap();
+        n += page.items.len();
+        match page.metadata.continue_ {
+            Some(tok) if !tok.is_empty() => lp = lp.continue_token(&tok),
+            _ => break,
+        }
+    }
+    assert_eq!(n, 20_000);
+    let on_node = pods.list(&ListParams::default().fields("spec.nodeName=n7")).await.unwrap();
+    assert_eq!(on_node.items.len(), 20);
+    let listed = t.elapsed();
+    assert!(listed < Duration::from_secs(20), "paged list took {listed:?} (create {created:?})");
+    assert_eq!(store.list(&GroupResource::new("", "nodes"), None, &ListOptions::default()).unwrap().items.len(), 1000);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn injected_watch_drops_and_latency() {
+    let (s, c) = server(false).await;
+    s.set_faults(FaultConfig {
+        latency: Duration::from_millis(30),
+        drop_watches_every: Some(Duration::from_millis(200)),
+        ..Default::default()
+    });
+    let cms: Api<ConfigMap> = Api::namespaced(c.clone(), "default");
+    let t = std::time::Instant::now();
+    let mut w = cms.watch(&WatchParams::default().timeout(30), "0").await.unwrap().boxed();
+    let ended =
+        tokio::time::timeout(Duration::from_secs(5), async { while w.try_next().await.unwrap().is_some() {} }).await;
+    assert!(ended.is_ok(), "the watch was not cut");
+    assert!(t.elapsed() >= Duration::from_millis(200));
+    s.shutdown().await;
+}
