@@ -118,13 +118,15 @@ pub struct RunArgs {
     pub yes: bool,
 
     /// How long one node may take to drain before --on-drain-deadline applies (e.g. 10m, 90s).
-    #[arg(long, env = "KARPENTER_TEARDOWN_DRAIN_DEADLINE", default_value = "10m", value_name = "DURATION")]
-    pub drain_deadline: String,
+    /// Overrides the plan's drain deadline (10m in the built-in plans).
+    #[arg(long, env = "KARPENTER_TEARDOWN_DRAIN_DEADLINE", value_name = "DURATION")]
+    pub drain_deadline: Option<String>,
 
     /// What to do with pods still there at the drain deadline: fail (exit 5 naming the blockers),
     /// delete (delete them with their grace period, bypassing PodDisruptionBudgets), skip (go on).
-    #[arg(long, env = "KARPENTER_TEARDOWN_ON_DRAIN_DEADLINE", value_enum, default_value_t = DrainPolicyArg::Fail)]
-    pub on_drain_deadline: DrainPolicyArg,
+    /// Overrides the plan's policy (fail in the built-in plans).
+    #[arg(long, env = "KARPENTER_TEARDOWN_ON_DRAIN_DEADLINE", value_enum)]
+    pub on_drain_deadline: Option<DrainPolicyArg>,
 
     /// Refuse (exit 3) when the run would act on more Karpenter nodes than this.
     #[arg(long, env = "KARPENTER_TEARDOWN_MAX_NODES", value_name = "N")]

@@ -3,10 +3,18 @@
 
 use std::time::Duration;
 
+use std::io::{BufRead, IsTerminal, Write};
+
+use tokio_util::sync::CancellationToken;
+
 use crate::aws::{AwsClients, AwsError};
-use crate::cli::{Cli, Command, VerifyArgs};
-use crate::config::{ConfigError, RunConfig, Target};
+use crate::cli::{Cli, Command, PlanArgs, PlanFormat, RunArgs, SandboxCommand, VerifyArgs};
+use crate::config::{ConfigError, Consent, PlanSource, RunConfig, Target};
+use crate::engine::context::DrainOverrides;
+use crate::engine::{self, RunSettings};
 use crate::exit::Exit;
+use crate::k8s::{Kube, KubeError};
+use crate::plan::{Plan, PlanError, RenderFormat};
 use crate::report::Report;
 use crate::verify;
 
@@ -19,6 +27,15 @@ pub enum CommandError {
     /// The AWS side failed.
     #[error(transparent)]
     Aws(#[from] AwsError),
+    /// The plan is not valid.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The kubeconfig or the API server is not usable.
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+    /// The sandbox could not start.
+    #[error(transparent)]
+    Sandbox(#[from] crate::sandbox::SandboxError),
     /// The report could not be written.
     #[error("cannot write the report to {path}: {source}; check that the directory exists and is writable")]
     Report {
@@ -33,10 +50,12 @@ impl CommandError {
     /// The exit code this error stands for.
     pub fn exit(&self) -> Exit {
         match self {
-            CommandError::Config(_) => Exit::BadInput,
+            CommandError::Config(_) | CommandError::Plan(_) => Exit::BadInput,
+            CommandError::Kube(e) if e.is_configuration() => Exit::BadInput,
+            CommandError::Kube(_) => Exit::Failure,
             CommandError::Aws(e) if e.is_configuration() => Exit::BadInput,
             CommandError::Aws(AwsError::WrongAccount { .. }) => Exit::Refused,
-            CommandError::Aws(_) | CommandError::Report { .. } => Exit::Failure,
+            CommandError::Aws(_) | CommandError::Report { .. } | CommandError::Sandbox(_) => Exit::Failure,
         }
     }
 }
@@ -45,17 +64,9 @@ impl CommandError {
 pub async fn execute(cli: Cli) -> Exit {
     match cli.command {
         Command::Verify(args) => verify_command(&args).await,
-        Command::Run(args) => match RunConfig::from_args(&args) {
-            Ok(_) => {
-                eprintln!("error: the teardown engine is not in this build yet; only `verify` works");
-                Exit::Failure
-            }
-            Err(e) => fail(&e.into()),
-        },
-        Command::Plan(_) | Command::Sandbox(_) => {
-            eprintln!("error: this command is not in this build yet");
-            Exit::Failure
-        }
+        Command::Run(args) => run_command(&args).await,
+        Command::Plan(args) => plan_command(&args),
+        Command::Sandbox(cmd) => sandbox_command(cmd).await,
     }
 }
 
@@ -114,4 +125,151 @@ fn finish_report(target: &Target, report: &Report, exit: Exit) -> Exit {
         return exit.worst(fail(&CommandError::Report { path: path.display().to_string(), source }));
     }
     exit
+}
+
+fn load_plan(source: &PlanSource) -> Result<Plan, PlanError> {
+    match source {
+        PlanSource::Builtin(name) => Plan::builtin(name),
+        PlanSource::File(path) => Plan::load(path),
+    }
+}
+
+fn plan_command(args: &PlanArgs) -> Exit {
+    let plan = match load_plan(&PlanSource::from_arg(args.plan.as_deref())) {
+        Ok(p) => p,
+        Err(e) => return fail(&e.into()),
+    };
+    let format = match args.format {
+        PlanFormat::Text => RenderFormat::Text,
+        PlanFormat::Dot => RenderFormat::Dot,
+        PlanFormat::Mermaid => RenderFormat::Mermaid,
+    };
+    print!("{}", plan.render(format));
+    Exit::Clean
+}
+
+/// Cancels `token` on Ctrl-C or SIGTERM; the returned task is aborted when the run ends.
+fn watch_signals(token: CancellationToken) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let term = std::future::pending::<()>();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term => {}
+        }
+        tracing::warn!("interrupted: no new work starts; in-flight writes finish; run again to resume");
+        token.cancel();
+    })
+}
+
+async fn run_command(args: &RunArgs) -> Exit {
+    let config = match RunConfig::from_args(args) {
+        Ok(c) => c,
+        Err(e) => return fail(&e.into()),
+    };
+    let plan = match load_plan(&config.plan) {
+        Ok(p) => p,
+        Err(e) => return fail(&e.into()),
+    };
+    let target = &config.target;
+    let (mut report, started) = Report::start("run", &target.cluster, &target.region, plan.name());
+    let mut dry_run = config.consent == Consent::DryRun;
+    let result = async {
+        let kube = Kube::connect(&config.kube).await?;
+        let aws = AwsClients::connect(&target.region).await?;
+        let settings = RunSettings {
+            cluster: target.cluster.clone(),
+            region: target.region.clone(),
+            account: target.account.clone(),
+            plan: plan.clone(),
+            dry_run,
+            drain: DrainOverrides { deadline: config.drain_deadline, policy: config.on_drain_deadline },
+            max_nodes: config.max_nodes,
+            reclaim: target.reclaim,
+        };
+        let cancel = CancellationToken::new();
+        let signals = watch_signals(cancel.clone());
+        let mut result = engine::run(kube.clone(), aws.clone(), settings.clone(), cancel.clone()).await;
+        if dry_run && result.error.is_none() {
+            println!("{}", result.plan_text);
+            if confirm_on_terminal(&target.cluster) {
+                dry_run = false;
+                result = engine::run(kube.clone(), aws, RunSettings { dry_run: false, ..settings }, cancel).await;
+            } else {
+                println!("Dry run: nothing was changed. Run again with --yes to do it.");
+            }
+        }
+        signals.abort();
+        report.api_calls = kube.calls.snapshot();
+        Ok::<_, CommandError>(result)
+    }
+    .await;
+    let exit = match result {
+        Ok(r) => {
+            if let Some(e) = &r.error {
+                eprintln!("error: {e}");
+            }
+            report.steps = r.steps;
+            report.blockers = r.blockers;
+            report.leftovers = r.leftovers;
+            report.reclaimed = r.reclaimed;
+            report.error = r.error;
+            r.exit
+        }
+        Err(e) => {
+            report.error = Some(e.to_string());
+            fail(&e)
+        }
+    };
+    report.finish(started, exit, dry_run);
+    finish_report(target, &report, exit)
+}
+
+/// On a terminal without `--yes`, asks for the cluster name to be typed; never prompts without
+/// a terminal (Terraform, CI), where the dry run is the answer.
+fn confirm_on_terminal(cluster: &str) -> bool {
+    if !std::io::stdin().is_terminal() || !std::io::stdout().is_terminal() {
+        return false;
+    }
+    print!("Type the cluster name ({cluster}) to tear it down, anything else to stop: ");
+    let _ = std::io::stdout().flush();
+    let mut line = String::new();
+    if std::io::stdin().lock().read_line(&mut line).is_err() {
+        return false;
+    }
+    line.trim() == cluster
+}
+
+async fn sandbox_command(cmd: SandboxCommand) -> Exit {
+    match cmd {
+        SandboxCommand::Serve(args) => {
+            let opts = crate::sandbox::ServerOptions { port: args.port, ..Default::default() };
+            let server = match crate::sandbox::ApiServer::start(opts).await {
+                Ok(s) => s,
+                Err(e) => return fail(&e.into()),
+            };
+            if let Err(e) = server.write_kubeconfig(&args.kubeconfig_out, &args.cluster) {
+                server.shutdown().await;
+                return fail(&e.into());
+            }
+            println!("{}", server.url());
+            println!("kubeconfig: {} (context {})", args.kubeconfig_out.display(), args.cluster);
+            let _ = std::io::stdout().flush();
+            let stop = CancellationToken::new();
+            let signals = watch_signals(stop.clone());
+            stop.cancelled().await;
+            signals.abort();
+            server.shutdown().await;
+            Exit::Clean
+        }
+    }
 }

@@ -124,10 +124,10 @@ pub struct RunConfig {
     pub plan: PlanSource,
     /// Dry run or act.
     pub consent: Consent,
-    /// Per-node drain deadline.
-    pub drain_deadline: Duration,
-    /// Policy at the drain deadline.
-    pub on_drain_deadline: DrainPolicy,
+    /// Per-node drain deadline (overrides the plan's).
+    pub drain_deadline: Option<Duration>,
+    /// Policy at the drain deadline (overrides the plan's).
+    pub on_drain_deadline: Option<DrainPolicy>,
     /// Blast-radius limit.
     pub max_nodes: Option<u32>,
 }
@@ -162,7 +162,7 @@ impl RunConfig {
     /// Validates every `run` flag.
     pub fn from_args(a: &RunArgs) -> Result<RunConfig, ConfigError> {
         let target = Target::from_args(&a.target)?;
-        let drain_deadline = parse_duration("drain-deadline", &a.drain_deadline)?;
+        let drain_deadline = a.drain_deadline.as_deref().map(|d| parse_duration("drain-deadline", d)).transpose()?;
         if a.max_nodes == Some(0) {
             return Err(ConfigError::ZeroMaxNodes);
         }
@@ -172,7 +172,7 @@ impl RunConfig {
             plan: PlanSource::from_arg(a.plan.as_deref()),
             consent: if a.yes { Consent::Yes } else { Consent::DryRun },
             drain_deadline,
-            on_drain_deadline: a.on_drain_deadline.into(),
+            on_drain_deadline: a.on_drain_deadline.map(Into::into),
             max_nodes: a.max_nodes,
         })
     }

@@ -20,6 +20,8 @@ pub struct Leftovers {
     /// Detached volumes tagged for the cluster: reported, never deleted (they may hold data),
     /// and not counted against a clean result.
     pub volumes: Vec<DetachedResource>,
+    /// Karpenter objects still in the cluster (`NodeClaim/x`, `Node/y`, ...); filled by `run`.
+    pub objects: Vec<String>,
 }
 
 impl Leftovers {
@@ -29,6 +31,7 @@ impl Leftovers {
             && self.launch_templates.is_empty()
             && self.instance_profiles.is_empty()
             && self.network_interfaces.is_empty()
+            && self.objects.is_empty()
     }
 
     /// One line per kind with the ids, for the human summary.
@@ -43,6 +46,7 @@ impl Leftovers {
         line("launch template(s)", self.launch_templates.iter().map(|l| l.name.as_str()).collect());
         line("instance profile(s)", self.instance_profiles.iter().map(|p| p.name.as_str()).collect());
         line("detached network interface(s)", self.network_interfaces.iter().map(|n| n.id.as_str()).collect());
+        line("Kubernetes object(s)", self.objects.iter().map(String::as_str).collect());
         line("detached volume(s) (reported only, never deleted)", self.volumes.iter().map(|v| v.id.as_str()).collect());
         out
     }
@@ -57,7 +61,7 @@ pub async fn collect(aws: &AwsClients, cluster: &str) -> Result<Leftovers, AwsEr
         aws.ec2.detached_network_interfaces(cluster),
         aws.ec2.detached_volumes(cluster),
     )?;
-    Ok(Leftovers { instances, launch_templates, instance_profiles, network_interfaces, volumes })
+    Ok(Leftovers { instances, launch_templates, instance_profiles, network_interfaces, volumes, objects: Vec::new() })
 }
 
 /// Verifies: two reads `settle` apart must both be clean, to catch a launch that was in flight

@@ -1,0 +1,676 @@
+//! The actions: small, idempotent functions of the live state (observe, act, wait for the
+//! condition). Each treats "already gone" as "done", so a re-run finishes what a killed run began.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, ListParams, Patch};
+use kube::core::DynamicObject;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::context::Ctx;
+use super::inventory::{Inventory, find_controller, list_dynamic};
+use crate::config::DrainPolicy;
+use crate::k8s::nodes::cordon_and_taint;
+use crate::k8s::objects::{delete_if_present, last_manager_in, patch_params, remove_finalizer};
+use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict};
+use crate::k8s::{self, KubeError, status_code};
+use crate::karpenter::{self, ProviderId};
+use crate::plan::{OnDeadline, Params};
+use crate::verify;
+
+/// How a task ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskOutcome {
+    /// Done; what was done.
+    Done(String),
+    /// Nothing to do, or skipped by policy.
+    Skipped(String),
+    /// Blocked past its deadline under policy `fail`.
+    Blocked(String),
+    /// Verification found leftovers.
+    Leftovers(String),
+    /// Failed.
+    Failed(String),
+    /// Stopped by Ctrl-C / SIGTERM.
+    Interrupted,
+}
+
+impl TaskOutcome {
+    /// The report's `result` word.
+    pub fn word(&self) -> &'static str {
+        match self {
+            TaskOutcome::Done(_) => "done",
+            TaskOutcome::Skipped(_) => "skipped",
+            TaskOutcome::Blocked(_) => "blocked",
+            TaskOutcome::Leftovers(_) => "leftovers",
+            TaskOutcome::Failed(_) => "failed",
+            TaskOutcome::Interrupted => "interrupted",
+        }
+    }
+
+    /// The detail sentence.
+    pub fn detail(&self) -> &str {
+        match self {
+            TaskOutcome::Done(d)
+            | TaskOutcome::Skipped(d)
+            | TaskOutcome::Blocked(d)
+            | TaskOutcome::Leftovers(d)
+            | TaskOutcome::Failed(d) => d,
+            TaskOutcome::Interrupted => "interrupted",
+        }
+    }
+
+    /// Whether dependents may run after this.
+    pub fn lets_dependents_run(&self) -> bool {
+        matches!(self, TaskOutcome::Done(_) | TaskOutcome::Skipped(_) | TaskOutcome::Leftovers(_))
+    }
+}
+
+impl From<KubeError> for TaskOutcome {
+    fn from(e: KubeError) -> Self {
+        TaskOutcome::Failed(e.to_string())
+    }
+}
+
+/// Annotation on a fenced NodePool holding its original limits and budgets.
+pub const FENCE_ANNOTATION: &str = "karpenter-teardown.io/original-limits-and-budgets";
+
+/// Sleeps, returning false if the run was cancelled meanwhile.
+async fn pause(ctx: &Ctx, d: Duration) -> bool {
+    tokio::select! {
+        _ = ctx.cancel.cancelled() => false,
+        _ = tokio::time::sleep(d) => true,
+    }
+}
+
+// ---------------------------------------------------------------- fence
+
+/// NodePool limits to zero and disruption budgets to zero nodes, originals kept in an
+/// annotation; a NodePool already fenced is left alone.
+pub async fn fence(ctx: &Ctx) -> TaskOutcome {
+    let ar = k8s::nodepool_resource();
+    let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
+    let pools = match list_dynamic(&ctx.kube.client, &ar).await {
+        Ok(p) => p,
+        Err(e) => return e.into(),
+    };
+    let mut fenced = 0;
+    for pool in pools {
+        let name = pool.metadata.name.clone().unwrap_or_default();
+        for attempt in 0..8 {
+            let current = match if attempt == 0 { Ok(Some(pool.clone())) } else { api.get_opt(&name).await } {
+                Ok(Some(p)) => p,
+                Ok(None) => break,
+                Err(e) => return KubeError::api(format!("read NodePool {name}"), e).into(),
+            };
+            if current.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(FENCE_ANNOTATION)) {
+                break;
+            }
+            let limits = current.data.pointer("/spec/limits").cloned().unwrap_or(Value::Null);
+            let budgets = current.data.pointer("/spec/disruption/budgets").cloned().unwrap_or(Value::Null);
+            let mut zero: serde_json::Map<String, Value> = serde_json::Map::new();
+            if let Some(m) = limits.as_object() {
+                for k in m.keys() {
+                    zero.insert(k.clone(), json!("0"));
+                }
+            }
+            zero.insert("cpu".into(), json!("0"));
+            let original = json!({"limits": limits, "budgets": budgets}).to_string();
+            let patch = json!({
+                "metadata": {
+                    "resourceVersion": current.metadata.resource_version,
+                    "annotations": {FENCE_ANNOTATION: original},
+                },
+                "spec": {"limits": zero, "disruption": {"budgets": [{"nodes": "0"}]}},
+            });
+            match api.patch(&name, &patch_params(), &Patch::Merge(&patch)).await {
+                Ok(_) => {
+                    fenced += 1;
+                    break;
+                }
+                Err(e) if status_code(&e) == Some(404) => break,
+                Err(e) if status_code(&e) == Some(409) => continue,
+                Err(e) => return KubeError::api(format!("fence NodePool {name}"), e).into(),
+            }
+        }
+    }
+    TaskOutcome::Done(format!("{fenced} NodePool(s) fenced"))
+}
+
+// ---------------------------------------------------------------- drain
+
+/// Cordons and taints the machine's node, evicts its pods in Karpenter's order respecting
+/// PodDisruptionBudgets, waits for them by watch, and applies the deadline policy.
+pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
+    let Some(node) = node_of(ctx, machine).await else {
+        return TaskOutcome::Skipped("no node".into());
+    };
+    let deadline = ctx.drain.deadline.or(params.deadline).unwrap_or(Duration::from_secs(600));
+    let policy = ctx.drain.policy.unwrap_or(match params.on_deadline {
+        OnDeadline::Delete => DrainPolicy::Delete,
+        OnDeadline::Skip | OnDeadline::Continue => DrainPolicy::Skip,
+        OnDeadline::Fail => DrainPolicy::Fail,
+    });
+    let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
+    match cordon_and_taint(&nodes, &node, false).await {
+        Ok(o) if o.gone => return TaskOutcome::Done("node already gone".into()),
+        Ok(_) => {}
+        Err(e) => return e.into(),
+    }
+    ctx.pods.synced().await;
+    let mut changes = ctx.pods.subscribe();
+    let started = Instant::now();
+    let mut next_try: HashMap<String, Instant> = HashMap::new();
+    let mut blocked: BTreeMap<String, (PodRef, String)> = BTreeMap::new();
+    let mut evicted = 0usize;
+    let mut last_cordon_check = Instant::now();
+    let mut deleting = false;
+    loop {
+        if ctx.cancel.is_cancelled() {
+            return TaskOutcome::Interrupted;
+        }
+        let left = ctx.pods.pods_on(&node);
+        if left.is_empty() {
+            return TaskOutcome::Done(format!("{evicted} pod(s) evicted"));
+        }
+        let now = Instant::now();
+        if now >= started + deadline && !deleting {
+            match policy {
+                DrainPolicy::Fail => {
+                    let names = describe_blockers(ctx, &left, &blocked).await;
+                    return TaskOutcome::Blocked(format!(
+                        "{} pod(s) still on node {node} after {}: {names}",
+                        left.len(),
+                        humantime::format_duration(deadline)
+                    ));
+                }
+                DrainPolicy::Skip => {
+                    return TaskOutcome::Skipped(format!(
+                        "drain deadline passed with {} pod(s) on node {node}; skipped by policy",
+                        left.len()
+                    ));
+                }
+                DrainPolicy::Delete => {
+                    deleting = true;
+                    for p in &left {
+                        if let Err(e) = delete_pod(&ctx.kube.client, p).await {
+                            return e.into();
+                        }
+                    }
+                    tracing::warn!(node = %node, pods = left.len(), "drain deadline passed: deleting the remaining pods (policy delete)");
+                }
+            }
+        }
+        // Karpenter's order: non-critical pods first, critical ones once those are gone
+        let non_critical: Vec<&PodRef> = left.iter().filter(|p| !p.critical).collect();
+        let wave: Vec<&PodRef> = if non_critical.is_empty() { left.iter().collect() } else { non_critical };
+        for p in wave {
+            if p.terminating || deleting || next_try.get(&p.uid).is_some_and(|t| *t > now) {
+                continue;
+            }
+            match evict(&ctx.kube.client, p).await {
+                Ok(EvictionOutcome::Evicted) => {
+                    evicted += 1;
+                    blocked.remove(&p.uid);
+                    next_try.insert(p.uid.clone(), now + Duration::from_secs(10));
+                }
+                Ok(EvictionOutcome::Gone) => {
+                    next_try.insert(p.uid.clone(), now + Duration::from_secs(10));
+                }
+                Ok(EvictionOutcome::Blocked(msg)) => {
+                    blocked.insert(p.uid.clone(), (p.clone(), msg));
+                    next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
+                }
+                Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {
+                    next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
+                }
+                Err(e) => return e.into(),
+            }
+        }
+        // something may undo the cordon meanwhile (design §1.6): look again now and then
+        if last_cordon_check.elapsed() >= Duration::from_secs(3) {
+            last_cordon_check = Instant::now();
+            match cordon_and_taint(&nodes, &node, true).await {
+                Ok(o) if o.gone => return TaskOutcome::Done("node went away during the drain".into()),
+                Ok(o) => {
+                    if let Some(who) = o.reverted_by {
+                        tracing::warn!(node = %node, field_manager = %who, "the cordon was reverted; re-asserted it");
+                        ctx.note(
+                            "field-manager",
+                            &who,
+                            format!("uncordoned node {node} during the drain; re-asserted"),
+                        );
+                    }
+                }
+                Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {}
+                Err(e) => return e.into(),
+            }
+        }
+        tokio::select! {
+            _ = ctx.cancel.cancelled() => return TaskOutcome::Interrupted,
+            _ = changes.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(1000)) => {}
+        }
+    }
+}
+
+async fn node_of(ctx: &Ctx, machine: &str) -> Option<String> {
+    if let Some(n) = machine.strip_prefix("node/") {
+        return Some(n.to_string());
+    }
+    let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
+    match api.get_opt(machine).await {
+        Ok(Some(c)) => c.data.pointer("/status/nodeName").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+/// Names the pods that block and the PodDisruptionBudgets that select them, and records them.
+async fn describe_blockers(ctx: &Ctx, left: &[PodRef], blocked: &BTreeMap<String, (PodRef, String)>) -> String {
+    let mut parts = Vec::new();
+    for p in left {
+        let why = blocked.get(&p.uid).map(|(_, m)| m.clone()).unwrap_or_else(|| "still terminating".into());
+        let pdbs = matching_pdbs(ctx, p).await;
+        for (pdb, allowed) in &pdbs {
+            ctx.note("pdb", pdb, format!("allows {allowed} disruption(s); blocks pod {}", p.key()));
+        }
+        ctx.note("pod", &p.key(), why.clone());
+        let pdb_names: Vec<&str> = pdbs.iter().map(|(n, _)| n.as_str()).collect();
+        parts.push(if pdb_names.is_empty() { p.key() } else { format!("{} (PDB {})", p.key(), pdb_names.join(", ")) });
+    }
+    parts.join(", ")
+}
+
+async fn matching_pdbs(ctx: &Ctx, p: &PodRef) -> Vec<(String, i32)> {
+    let pods: Api<Pod> = Api::namespaced(ctx.kube.client.clone(), &p.namespace);
+    let labels = match pods.get_opt(&p.name).await {
+        Ok(Some(pod)) => pod.metadata.labels.unwrap_or_default(),
+        _ => return Vec::new(),
+    };
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(ctx.kube.client.clone(), &p.namespace);
+    let Ok(list) = pdbs.list(&ListParams::default()).await else { return Vec::new() };
+    list.items
+        .into_iter()
+        .filter(|pdb| {
+            let sel = pdb.spec.as_ref().and_then(|s| s.selector.as_ref());
+            sel.is_some_and(|s| {
+                s.match_labels.as_ref().is_none_or(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)))
+                    && s.match_expressions.as_ref().is_none_or(|es| {
+                        es.iter().all(|e| {
+                            let v = labels.get(&e.key);
+                            let vals = e.values.clone().unwrap_or_default();
+                            match e.operator.as_str() {
+                                "In" => v.is_some_and(|v| vals.contains(v)),
+                                "NotIn" => v.is_none_or(|v| !vals.contains(v)),
+                                "Exists" => v.is_some(),
+                                "DoesNotExist" => v.is_none(),
+                                _ => false,
+                            }
+                        })
+                    })
+            })
+        })
+        .map(|pdb| {
+            let allowed = pdb.status.as_ref().map(|s| s.disruptions_allowed).unwrap_or(0);
+            (format!("{}/{}", p.namespace, pdb.metadata.name.unwrap_or_default()), allowed)
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- remove controller
+
+/// Makes Karpenter 1.0.x CRDs independent of the conversion webhook (served by the controller
+/// about to go away), scales the controller to zero, waits for its pods to go, and scales it
+/// down again (naming who) if something scaled it back meanwhile.
+pub async fn remove_controller(ctx: &Ctx, params: &Params) -> TaskOutcome {
+    let mut detail = Vec::new();
+    match drop_conversion_webhooks(ctx).await {
+        Ok(0) => {}
+        Ok(n) => detail.push(format!("conversion webhook removed from {n} Karpenter CRD(s)")),
+        Err(e) => return e.into(),
+    }
+    let controller = match find_controller(&ctx.kube.client).await {
+        Ok(Some(c)) => c,
+        Ok(None) => {
+            detail.push("no Karpenter controller Deployment found (already removed)".into());
+            return TaskOutcome::Done(detail.join("; "));
+        }
+        Err(e) => return e.into(),
+    };
+    let deployments: Api<Deployment> = Api::namespaced(ctx.kube.client.clone(), &controller.namespace);
+    let pods: Api<Pod> = Api::namespaced(ctx.kube.client.clone(), &controller.namespace);
+    let deadline = Instant::now() + params.deadline.unwrap_or(Duration::from_secs(300));
+    let mut scaled_once = false;
+    loop {
+        let dep = match deployments.get_opt(&controller.name).await {
+            Ok(Some(d)) => d,
+            Ok(None) => {
+                detail.push(format!("Deployment {}/{} is gone", controller.namespace, controller.name));
+                return TaskOutcome::Done(detail.join("; "));
+            }
+            Err(e) => return KubeError::api("read the Karpenter Deployment", e).into(),
+        };
+        let replicas = dep.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+        if replicas > 0 {
+            if scaled_once {
+                let managed = serde_json::to_value(&dep.metadata.managed_fields).unwrap_or(Value::Null);
+                let who = last_manager_in(&managed, &["spec", "replicas"]).unwrap_or_else(|| "unknown".into());
+                tracing::warn!(field_manager = %who, replicas, "the Karpenter controller was scaled back up; scaling it down again");
+                ctx.note(
+                    "field-manager",
+                    &who,
+                    format!("scaled {}/{} back to {replicas}", controller.namespace, controller.name),
+                );
+            }
+            let patch = json!({"spec": {"replicas": 0}});
+            if let Err(e) = deployments.patch_scale(&controller.name, &patch_params(), &Patch::Merge(&patch)).await
+                && status_code(&e) != Some(404)
+            {
+                return KubeError::api("scale the Karpenter controller to zero", e).into();
+            }
+            scaled_once = true;
+            detail.push(format!("scaled {}/{} from {replicas} to 0", controller.namespace, controller.name));
+        }
+        let selector = dep
+            .spec
+            .as_ref()
+            .and_then(|s| s.selector.match_labels.as_ref())
+            .map(|m| m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","))
+            .unwrap_or_else(|| "app.kubernetes.io/name=karpenter".into());
+        let running = match pods.list(&ListParams::default().labels(&selector)).await {
+            Ok(l) => l.items.len(),
+            Err(e) => return KubeError::api("list the Karpenter controller's pods", e).into(),
+        };
+        if running == 0 && replicas == 0 {
+            return TaskOutcome::Done(detail.join("; "));
+        }
+        if Instant::now() >= deadline {
+            return TaskOutcome::Failed(format!(
+                "the Karpenter controller still has {running} pod(s) after {}",
+                humantime::format_duration(params.deadline.unwrap_or_default())
+            ));
+        }
+        if !pause(ctx, Duration::from_millis(500)).await {
+            return TaskOutcome::Interrupted;
+        }
+    }
+}
+
+/// Karpenter 1.0.x CRDs route conversion through the controller's webhook; with the controller
+/// gone any request needing conversion fails and the objects become unreachable. Only v1 is
+/// stored and used from here on, so conversion `None` is safe (Karpenter 1.1 does the same).
+async fn drop_conversion_webhooks(ctx: &Ctx) -> Result<usize, KubeError> {
+    let crds: Api<CustomResourceDefinition> = Api::all(ctx.kube.client.clone());
+    let mut changed = 0;
+    for name in ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"] {
+        let crd = match crds.get_opt(name).await {
+            Ok(Some(c)) => c,
+            Ok(None) => continue,
+            Err(e) => return Err(KubeError::api(format!("read CRD {name}"), e)),
+        };
+        let webhook = crd.spec.conversion.as_ref().is_some_and(|c| c.strategy == "Webhook");
+        if !webhook {
+            continue;
+        }
+        let patch: json_patch::Patch = serde_json::from_value(json!([
+            {"op": "test", "path": "/metadata/resourceVersion", "value": crd.metadata.resource_version},
+            {"op": "replace", "path": "/spec/conversion", "value": {"strategy": "None"}},
+        ]))
+        .map_err(|e| KubeError::api("build the CRD patch", kube::Error::SerdeError(e)))?;
+        match crds.patch(name, &patch_params(), &Patch::<()>::Json(patch)).await {
+            Ok(_) => changed += 1,
+            // changed meanwhile: the next run (or the verify step) sees the new state
+            Err(e) if matches!(status_code(&e), Some(404 | 409 | 422)) => {}
+            Err(e) => return Err(KubeError::api(format!("remove the conversion webhook of CRD {name}"), e)),
+        }
+    }
+    Ok(changed)
+}
+
+// ---------------------------------------------------------------- finalizers
+
+/// Does what `karpenter.sh/termination` guards for one machine: terminate its instance, confirm
+/// `terminated` through EC2, then delete the Node and NodeClaim and remove exactly that
+/// finalizer from each. Never strips a finalizer before the instance is gone.
+pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
+    let claims: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
+    let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
+    let (claim_name, mut node_name) = match machine.strip_prefix("node/") {
+        Some(n) => (None, Some(n.to_string())),
+        None => (Some(machine.to_string()), None),
+    };
+    let mut provider: Option<ProviderId> = None;
+    if let Some(c) = &claim_name {
+        match claims.get_opt(c).await {
+            Ok(Some(obj)) => {
+                provider = obj
+                    .data
+                    .pointer("/status/providerID")
+                    .and_then(Value::as_str)
+                    .and_then(|p| ProviderId::parse(p).ok());
+                node_name = node_name
+                    .or_else(|| obj.data.pointer("/status/nodeName").and_then(Value::as_str).map(str::to_string));
+            }
+            Ok(None) => {}
+            Err(e) => return KubeError::api(format!("read NodeClaim {c}"), e).into(),
+        }
+    }
+    if let Some(n) = &node_name {
+        match nodes.get_opt(n).await {
+            Ok(Some(node)) => {
+                if provider.is_none() {
+                    provider = node
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.provider_id.as_deref())
+                        .and_then(|p| ProviderId::parse(p).ok());
+                }
+            }
+            Ok(None) => node_name = None,
+            Err(e) => return KubeError::api(format!("read Node {n}"), e).into(),
+        }
+    }
+    let mut what = Vec::new();
+    if let Some(p) = &provider {
+        if let Err(e) = ctx.ec2.terminate(&p.instance_id).await {
+            return TaskOutcome::Failed(format!("terminate instance {}: {e}", p.instance_id));
+        }
+        let limit = params.deadline.unwrap_or(Duration::from_secs(600));
+        tokio::select! {
+            _ = ctx.cancel.cancelled() => return TaskOutcome::Interrupted,
+            r = tokio::time::timeout(limit, ctx.ec2.wait_terminated(&p.instance_id)) => match r {
+                Ok(Ok(())) => what.push(format!("instance {} terminated", p.instance_id)),
+                Ok(Err(e)) => return TaskOutcome::Failed(format!("confirm termination of {}: {e}", p.instance_id)),
+                Err(_) => return TaskOutcome::Failed(format!("instance {} not terminated after {}", p.instance_id, humantime::format_duration(limit))),
+            },
+        }
+    } else {
+        what.push("no instance (never launched)".into());
+    }
+    // The instance is gone: now, and only now, the objects may go.
+    if let Some(n) = &node_name {
+        if let Err(e) = delete_if_present(&nodes, n).await {
+            return e.into();
+        }
+        if let Err(e) = remove_finalizer(&nodes, n, karpenter::FINALIZER_TERMINATION).await {
+            return e.into();
+        }
+        what.push(format!("Node {n} released"));
+    }
+    if let Some(c) = &claim_name {
+        if let Err(e) = delete_if_present(&claims, c).await {
+            return e.into();
+        }
+        if let Err(e) = remove_finalizer(&claims, c, karpenter::FINALIZER_TERMINATION).await {
+            return e.into();
+        }
+        what.push(format!("NodeClaim {c} released"));
+    }
+    TaskOutcome::Done(what.join("; "))
+}
+
+// ---------------------------------------------------------------- pools, classes, waits
+
+/// Deletes one NodePool, or all of them.
+pub async fn delete_nodepools(ctx: &Ctx, object: Option<&str>) -> TaskOutcome {
+    let ar = k8s::nodepool_resource();
+    let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
+    let names = match object {
+        Some(o) => vec![o.to_string()],
+        None => match list_dynamic(&ctx.kube.client, &ar).await {
+            Ok(l) => l.into_iter().filter_map(|o| o.metadata.name).collect(),
+            Err(e) => return e.into(),
+        },
+    };
+    let mut deleted = 0;
+    for n in &names {
+        match delete_if_present(&api, n).await {
+            Ok(true) => deleted += 1,
+            Ok(false) => {}
+            Err(e) => return e.into(),
+        }
+    }
+    TaskOutcome::Done(format!("{deleted} NodePool(s) deleted"))
+}
+
+/// Waits until no NodeClaim is left (Karpenter doing the work), up to the deadline; then
+/// either fails or lets the later steps do what is left.
+pub async fn wait_nodeclaims_gone(ctx: &Ctx, params: &Params) -> TaskOutcome {
+    let limit = params.deadline.unwrap_or(Duration::from_secs(900));
+    let start = Instant::now();
+    loop {
+        let left = match list_dynamic(&ctx.kube.client, &k8s::nodeclaim_resource()).await {
+            Ok(l) => l.len(),
+            Err(e) => return e.into(),
+        };
+        if left == 0 {
+            return TaskOutcome::Done(format!(
+                "Karpenter removed every NodeClaim in {:.1}s",
+                start.elapsed().as_secs_f64()
+            ));
+        }
+        if start.elapsed() >= limit {
+            let msg = format!("{left} NodeClaim(s) left after {}", humantime::format_duration(limit));
+            return match params.on_deadline {
+                OnDeadline::Fail => TaskOutcome::Blocked(msg),
+                _ => TaskOutcome::Done(format!("{msg}; the next steps take over")),
+            };
+        }
+        if !pause(ctx, Duration::from_secs(1)).await {
+            return TaskOutcome::Interrupted;
+        }
+    }
+}
+
+/// Deletes one EC2NodeClass (or all): waits until no NodeClaim references it, deletes its
+/// launch templates and instance profiles, then removes `karpenter.k8s.aws/termination`.
+pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params) -> TaskOutcome {
+    let ar = k8s::nodeclass_resource();
+    let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
+    let classes = match list_dynamic(&ctx.kube.client, &ar).await {
+        Ok(l) => {
+            l.into_iter().filter(|c| object.is_none_or(|o| c.metadata.name.as_deref() == Some(o))).collect::<Vec<_>>()
+        }
+        Err(e) => return e.into(),
+    };
+    let limit = params.deadline.unwrap_or(Duration::from_secs(300));
+    let mut done = Vec::new();
+    for class in classes {
+        let name = class.metadata.name.clone().unwrap_or_default();
+        let start = Instant::now();
+        loop {
+            let inv = match Inventory::read(&ctx.kube.client).await {
+                Ok(i) => i,
+                Err(e) => return e.into(),
+            };
+            let users = inv
+                .machines
+                .values()
+                .filter(|m| m.nodeclaim.is_some() && m.nodeclass.as_deref() == Some(&name))
+                .count();
+            if users == 0 {
+                break;
+            }
+            if start.elapsed() >= limit {
+                return TaskOutcome::Failed(format!("EC2NodeClass {name} is still used by {users} NodeClaim(s)"));
+            }
+            if !pause(ctx, Duration::from_secs(1)).await {
+                return TaskOutcome::Interrupted;
+            }
+        }
+        if let Err(e) = delete_if_present(&api, &name).await {
+            return e.into();
+        }
+        let uid = class.metadata.uid.clone().unwrap_or_default();
+        let status_profile = class.data.pointer("/status/instanceProfile").and_then(Value::as_str).map(str::to_string);
+        let lts = match ctx.aws.ec2.launch_templates(&ctx.cluster).await {
+            Ok(l) => l,
+            Err(e) => return TaskOutcome::Failed(e.to_string()),
+        };
+        let mut removed = 0;
+        for lt in lts.iter().filter(|l| l.nodeclass.as_deref() == Some(&name)) {
+            if let Err(e) = ctx.aws.ec2.delete_launch_template(&lt.id).await {
+                return TaskOutcome::Failed(e.to_string());
+            }
+            removed += 1;
+        }
+        let profiles = match ctx.aws.iam.cluster_instance_profiles(&ctx.region, &ctx.cluster).await {
+            Ok(p) => p,
+            Err(e) => return TaskOutcome::Failed(e.to_string()),
+        };
+        for p in profiles
+            .iter()
+            .filter(|p| (!uid.is_empty() && p.path.contains(&uid)) || status_profile.as_deref() == Some(&p.name))
+        {
+            if let Err(e) = ctx.aws.iam.delete_instance_profile(p).await {
+                return TaskOutcome::Failed(e.to_string());
+            }
+            removed += 1;
+        }
+        if let Err(e) = remove_finalizer(&api, &name, karpenter::FINALIZER_NODECLASS).await {
+            return e.into();
+        }
+        done.push(format!("{name} ({removed} launch template(s)/instance profile(s))"));
+    }
+    TaskOutcome::Done(format!("EC2NodeClass(es) deleted: {}", done.join(", ")))
+}
+
+// ---------------------------------------------------------------- verify
+
+/// Proves through EC2 (two reads `settle` apart) and the API that nothing is left; reclaims the
+/// AWS leftovers when asked and verifies again.
+pub async fn verify_step(ctx: &Ctx, params: &Params) -> TaskOutcome {
+    let mut left = match verify::verify(&ctx.aws, &ctx.cluster, params.settle).await {
+        Ok(l) => l,
+        Err(e) => return TaskOutcome::Failed(e.to_string()),
+    };
+    if !left.is_clean() && ctx.reclaim {
+        ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).extend(left.describe());
+        match verify::reclaim(&ctx.aws, &left).await {
+            Ok(failures) => {
+                for f in failures {
+                    ctx.note("reclaim", &f, "could not be reclaimed");
+                }
+            }
+            Err(e) => return TaskOutcome::Failed(e.to_string()),
+        }
+        left = match verify::verify(&ctx.aws, &ctx.cluster, params.settle).await {
+            Ok(l) => l,
+            Err(e) => return TaskOutcome::Failed(e.to_string()),
+        };
+    }
+    match Inventory::read(&ctx.kube.client).await {
+        Ok(inv) => left.objects = inv.object_names(),
+        Err(e) => return e.into(),
+    }
+    let clean = left.is_clean();
+    let lines = left.describe();
+    *ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()) = Some(left);
+    if clean { TaskOutcome::Done("nothing left".into()) } else { TaskOutcome::Leftovers(lines.join("; ")) }
+}

@@ -1,0 +1,65 @@
+//! What every task can reach: the clients, the shared pod index and EC2 batcher, the run's
+//! settings and a sink for what it observed.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::batcher::Ec2Batcher;
+use super::podindex::PodIndex;
+use crate::aws::AwsClients;
+use crate::config::DrainPolicy;
+use crate::k8s::Kube;
+use crate::report::Blocker;
+
+/// Overrides of the plan's drain params from the command line.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DrainOverrides {
+    /// `--drain-deadline`.
+    pub deadline: Option<Duration>,
+    /// `--on-drain-deadline`.
+    pub policy: Option<DrainPolicy>,
+}
+
+/// Shared state of one run.
+pub struct Ctx {
+    /// Kubernetes.
+    pub kube: Kube,
+    /// AWS.
+    pub aws: AwsClients,
+    /// Cluster name.
+    pub cluster: String,
+    /// Region.
+    pub region: String,
+    /// Pods by node, from one watch.
+    pub pods: PodIndex,
+    /// Batched EC2 terminations and state polls.
+    pub ec2: Ec2Batcher,
+    /// CLI overrides for drain steps.
+    pub drain: DrainOverrides,
+    /// `--reclaim`.
+    pub reclaim: bool,
+    /// Set on Ctrl-C / SIGTERM: stop starting work, finish or abandon in-flight work safely.
+    pub cancel: CancellationToken,
+    /// Things that blocked or fought the run, for the report.
+    pub notes: Mutex<Vec<Blocker>>,
+    /// The leftovers verification found, for the report.
+    pub leftovers: Mutex<Option<crate::verify::Leftovers>>,
+    /// What `--reclaim` removed.
+    pub reclaimed: Mutex<Vec<String>>,
+}
+
+impl Ctx {
+    /// Records a blocker or an actor that fought the run.
+    pub fn note(&self, kind: &str, name: &str, reason: impl Into<String>) {
+        let b = Blocker { kind: kind.into(), name: name.into(), reason: reason.into() };
+        let mut notes = self.notes.lock().unwrap_or_else(|p| p.into_inner());
+        if !notes.contains(&b) {
+            notes.push(b);
+        }
+    }
+}
+
+/// A shared context.
+pub type SharedCtx = Arc<Ctx>;

@@ -1,0 +1,221 @@
+//! The live inventory: what of Karpenter the cluster and EC2 hold right now. Every action is a
+//! function of this state, which is what makes a re-run after a crash finish the job.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, ListParams};
+use kube::core::DynamicObject;
+
+use crate::k8s::{self, KubeError};
+use crate::karpenter::{self, ProviderId};
+use crate::plan::ObjectSets;
+
+/// A Karpenter machine: a NodeClaim and the Node it registered, either of which may be gone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Machine {
+    /// The machine's name: the NodeClaim's, or `node/<name>` for a Node whose NodeClaim is gone.
+    pub name: String,
+    /// The NodeClaim, if it still exists.
+    pub nodeclaim: Option<String>,
+    /// The Node, if it still exists.
+    pub node: Option<String>,
+    /// The instance behind it, from `status.providerID` or the Node's `spec.providerID`.
+    pub provider_id: Option<ProviderId>,
+    /// The NodePool it belongs to.
+    pub nodepool: Option<String>,
+    /// The EC2NodeClass it was launched from.
+    pub nodeclass: Option<String>,
+}
+
+/// The Karpenter controller Deployment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Controller {
+    /// Namespace (usually kube-system).
+    pub namespace: String,
+    /// Deployment name (usually karpenter).
+    pub name: String,
+    /// Desired replicas.
+    pub replicas: i32,
+    /// The cluster name it is configured for (env CLUSTER_NAME), identity evidence.
+    pub cluster_name: Option<String>,
+}
+
+/// Everything of Karpenter in the cluster.
+#[derive(Debug, Clone, Default)]
+pub struct Inventory {
+    /// Machines by name.
+    pub machines: BTreeMap<String, Machine>,
+    /// NodePool names.
+    pub nodepools: Vec<String>,
+    /// EC2NodeClass names.
+    pub nodeclasses: Vec<String>,
+    /// The controller, when found.
+    pub controller: Option<Controller>,
+}
+
+impl Inventory {
+    /// Reads the inventory through the API (three Karpenter lists, one node list by label, one
+    /// deployment list by label). A Karpenter CRD that is not installed reads as empty.
+    pub async fn read(client: &kube::Client) -> Result<Inventory, KubeError> {
+        let claims = list_dynamic(client, &k8s::nodeclaim_resource()).await?;
+        let pools = list_dynamic(client, &k8s::nodepool_resource()).await?;
+        let classes = list_dynamic(client, &k8s::nodeclass_resource()).await?;
+        let nodes: Api<Node> = Api::all(client.clone());
+        let nodes = nodes
+            .list(&ListParams::default().labels(karpenter::LABEL_NODEPOOL))
+            .await
+            .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
+
+        let mut machines = BTreeMap::new();
+        let mut by_node: BTreeMap<String, String> = BTreeMap::new();
+        for c in &claims {
+            let name = c.metadata.name.clone().unwrap_or_default();
+            let status = c.data.get("status");
+            let node = status.and_then(|s| s.get("nodeName")).and_then(|v| v.as_str()).map(str::to_string);
+            let provider_id = status
+                .and_then(|s| s.get("providerID"))
+                .and_then(|v| v.as_str())
+                .and_then(|p| ProviderId::parse(p).ok());
+            let labels = c.metadata.labels.clone().unwrap_or_default();
+            let nodeclass = c
+                .data
+                .pointer("/spec/nodeClassRef/name")
+                .and_then(|v| v.as_str())
+                .map(str::to_string)
+                .or_else(|| labels.get(karpenter::LABEL_NODECLASS).cloned());
+            if let Some(n) = &node {
+                by_node.insert(n.clone(), name.clone());
+            }
+            machines.insert(
+                name.clone(),
+                Machine {
+                    name: name.clone(),
+                    nodeclaim: Some(name),
+                    node: None,
+                    provider_id,
+                    nodepool: labels.get(karpenter::LABEL_NODEPOOL).cloned(),
+                    nodeclass,
+                },
+            );
+        }
+        for n in nodes {
+            let node_name = n.metadata.name.clone().unwrap_or_default();
+            let pid = n.spec.as_ref().and_then(|s| s.provider_id.as_deref()).and_then(|p| ProviderId::parse(p).ok());
+            // a Node belongs to the NodeClaim that names it, or whose instance it runs on
+            let claim = by_node.get(&node_name).cloned().or_else(|| {
+                machines.values().find(|m| m.provider_id.is_some() && m.provider_id == pid).map(|m| m.name.clone())
+            });
+            match claim.and_then(|c| machines.get_mut(&c)) {
+                Some(m) => {
+                    m.node = Some(node_name);
+                    if m.provider_id.is_none() {
+                        m.provider_id = pid;
+                    }
+                }
+                None => {
+                    let labels = n.metadata.labels.clone().unwrap_or_default();
+                    let name = format!("node/{node_name}");
+                    machines.insert(
+                        name.clone(),
+                        Machine {
+                            name,
+                            nodeclaim: None,
+                            node: Some(node_name),
+                            provider_id: pid,
+                            nodepool: labels.get(karpenter::LABEL_NODEPOOL).cloned(),
+                            nodeclass: labels.get(karpenter::LABEL_NODECLASS).cloned(),
+                        },
+                    );
+                }
+            }
+        }
+        Ok(Inventory {
+            machines,
+            nodepools: names(&pools),
+            nodeclasses: names(&classes),
+            controller: find_controller(client).await?,
+        })
+    }
+
+    /// The object sets a plan expands over.
+    pub fn object_sets(&self) -> ObjectSets {
+        ObjectSets {
+            machines: self.machines.keys().cloned().collect(),
+            nodepools: self.nodepools.clone(),
+            nodeclasses: self.nodeclasses.clone(),
+        }
+    }
+
+    /// True when nothing of Karpenter is left in the cluster.
+    pub fn is_empty(&self) -> bool {
+        self.machines.is_empty() && self.nodepools.is_empty() && self.nodeclasses.is_empty()
+    }
+
+    /// The cluster objects still present, as `Kind/name`, for the report.
+    pub fn object_names(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for m in self.machines.values() {
+            if let Some(c) = &m.nodeclaim {
+                out.push(format!("NodeClaim/{c}"));
+            }
+            if let Some(n) = &m.node {
+                out.push(format!("Node/{n}"));
+            }
+        }
+        out.extend(self.nodepools.iter().map(|p| format!("NodePool/{p}")));
+        out.extend(self.nodeclasses.iter().map(|c| format!("EC2NodeClass/{c}")));
+        out
+    }
+}
+
+fn names(objs: &[DynamicObject]) -> Vec<String> {
+    objs.iter().filter_map(|o| o.metadata.name.clone()).collect()
+}
+
+/// Lists a Karpenter kind; a kind the server does not know (CRD not installed, or already
+/// removed) is an empty list, not an error.
+pub async fn list_dynamic(
+    client: &kube::Client,
+    ar: &kube::core::ApiResource,
+) -> Result<Vec<DynamicObject>, KubeError> {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), ar);
+    match api.list(&ListParams::default()).await {
+        Ok(l) => Ok(l.items),
+        Err(e) if k8s::status_code(&e) == Some(404) => Ok(Vec::new()),
+        Err(e) => Err(KubeError::api(format!("list {}", ar.plural), e)),
+    }
+}
+
+/// Finds the Karpenter controller: Deployments labelled `app.kubernetes.io/name=karpenter`,
+/// preferring `kube-system`.
+pub async fn find_controller(client: &kube::Client) -> Result<Option<Controller>, KubeError> {
+    let api: Api<Deployment> = Api::all(client.clone());
+    let list = api
+        .list(&ListParams::default().labels("app.kubernetes.io/name=karpenter"))
+        .await
+        .map_err(|e| KubeError::api("list the Karpenter controller Deployment", e))?;
+    let mut found: Vec<Controller> = list
+        .items
+        .iter()
+        .map(|d| {
+            let env = d
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref())
+                .and_then(|p| p.containers.first())
+                .and_then(|c| c.env.as_ref());
+            let cluster_name =
+                env.and_then(|e| e.iter().find(|v| v.name == "CLUSTER_NAME")).and_then(|v| v.value.clone());
+            Controller {
+                namespace: d.metadata.namespace.clone().unwrap_or_default(),
+                name: d.metadata.name.clone().unwrap_or_default(),
+                replicas: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+                cluster_name,
+            }
+        })
+        .collect();
+    found.sort_by_key(|c| (c.namespace != "kube-system", c.name != "karpenter"));
+    Ok(found.into_iter().next())
+}

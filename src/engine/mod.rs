@@ -1,0 +1,333 @@
+//! The engine: reads the live inventory, proves identity, expands the plan into a task graph
+//! (petgraph) and runs ready tasks concurrently, bounded per step, until the graph is done, a
+//! task blocks or fails, or the user interrupts. Every task runs in a span naming its object;
+//! what it did becomes a record of the report.
+
+pub mod actions;
+pub mod batcher;
+pub mod context;
+pub mod inventory;
+pub mod podindex;
+pub mod preflight;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use self::actions::TaskOutcome;
+use self::context::{Ctx, DrainOverrides};
+use self::inventory::Inventory;
+use crate::aws::AwsClients;
+use crate::exit::Exit;
+use crate::k8s::Kube;
+use crate::plan::{Action, Plan, ReadyTracker, TaskGraph, TaskId, TaskNode};
+use crate::report::{Blocker, StepRecord, rfc3339};
+use crate::verify::Leftovers;
+
+/// What a run needs beyond the clients.
+#[derive(Debug, Clone)]
+pub struct RunSettings {
+    /// Cluster name.
+    pub cluster: String,
+    /// Region.
+    pub region: String,
+    /// `--account`.
+    pub account: Option<String>,
+    /// The plan.
+    pub plan: Plan,
+    /// Dry run (no `--yes`).
+    pub dry_run: bool,
+    /// Drain overrides from the command line.
+    pub drain: DrainOverrides,
+    /// `--max-nodes`.
+    pub max_nodes: Option<u32>,
+    /// `--reclaim`.
+    pub reclaim: bool,
+}
+
+/// What a run produced, for the report and the exit code.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    /// The exit status.
+    pub exit: Exit,
+    /// Every task that ran.
+    pub steps: Vec<StepRecord>,
+    /// What blocked or fought the run.
+    pub blockers: Vec<Blocker>,
+    /// What verification found.
+    pub leftovers: Leftovers,
+    /// What `--reclaim` removed.
+    pub reclaimed: Vec<String>,
+    /// The error or refusal, if any.
+    pub error: Option<String>,
+    /// The concrete plan, for a dry run (and the log of a real one).
+    pub plan_text: String,
+}
+
+impl RunResult {
+    fn early(exit: Exit, error: String, plan_text: String) -> RunResult {
+        RunResult {
+            exit,
+            steps: Vec::new(),
+            blockers: Vec::new(),
+            leftovers: Leftovers::default(),
+            reclaimed: Vec::new(),
+            error: Some(error),
+            plan_text,
+        }
+    }
+}
+
+/// Runs a teardown. Errors before the first write come back as `BadInput` or `Refused` with
+/// nothing changed; `cancel` is the Ctrl-C / SIGTERM signal.
+pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: CancellationToken) -> RunResult {
+    if let Err(e) = kube.check_reachable().await {
+        let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
+        return RunResult::early(exit, e.to_string(), String::new());
+    }
+    let inv = match Inventory::read(&kube.client).await {
+        Ok(i) => i,
+        Err(e) => return RunResult::early(Exit::Failure, e.to_string(), String::new()),
+    };
+    let evidence =
+        match preflight::identity(&kube, &aws, &settings.cluster, &settings.region, settings.account.as_deref(), &inv)
+            .await
+        {
+            Ok(ev) => ev,
+            Err(e) => {
+                let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
+                return RunResult::early(exit, e.to_string(), String::new());
+            }
+        };
+    for f in &evidence.facts {
+        tracing::info!(evidence = %f, "identity");
+    }
+    if !evidence.contradictions.is_empty() {
+        return RunResult::early(
+            Exit::Refused,
+            format!(
+                "refusing: the kubeconfig does not reach cluster {} in {}: {}. Nothing was changed; check --cluster, --region, --context and KUBECONFIG",
+                settings.cluster,
+                settings.region,
+                evidence.contradictions.join("; ")
+            ),
+            String::new(),
+        );
+    }
+    let nodes = inv.machines.values().filter(|m| m.node.is_some()).count();
+    if let Some(max) = settings.max_nodes
+        && nodes > max as usize
+    {
+        return RunResult::early(
+            Exit::Refused,
+            format!(
+                "refusing: this run would act on {nodes} Karpenter nodes, more than --max-nodes {max}. Nothing was changed; raise --max-nodes if this is the right cluster"
+            ),
+            String::new(),
+        );
+    }
+    let graph = settings.plan.expand(&inv.object_sets());
+    let plan_text = describe_plan(&graph, &inv, &evidence);
+    if settings.dry_run {
+        return RunResult {
+            exit: Exit::Clean,
+            steps: Vec::new(),
+            blockers: Vec::new(),
+            leftovers: Leftovers::default(),
+            reclaimed: Vec::new(),
+            error: None,
+            plan_text,
+        };
+    }
+    tracing::info!(tasks = graph.task_count(), machines = inv.machines.len(), "starting the teardown");
+
+    let mut background = JoinSet::new();
+    let (pods, pod_watch) = podindex::PodIndex::start(kube.client.clone());
+    background.spawn(pod_watch.instrument(tracing::info_span!("pod-watch")));
+    let (ec2, batcher) = batcher::Ec2Batcher::start(aws.ec2.clone());
+    background.spawn(batcher.instrument(tracing::info_span!("ec2-batcher")));
+    let ctx = Arc::new(Ctx {
+        kube,
+        aws,
+        cluster: settings.cluster.clone(),
+        region: settings.region.clone(),
+        pods,
+        ec2,
+        drain: settings.drain,
+        reclaim: settings.reclaim,
+        cancel,
+        notes: Mutex::new(Vec::new()),
+        leftovers: Mutex::new(None),
+        reclaimed: Mutex::new(Vec::new()),
+    });
+    let (exit, steps) = execute(&graph, ctx.clone()).await;
+    background.shutdown().await;
+    let blockers = ctx.notes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let leftovers = ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+    let reclaimed = ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let error = steps.iter().find(|s| s.result == "failed").map(|s| format!("{}: {}", label(s), s.detail));
+    RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text }
+}
+
+fn label(s: &StepRecord) -> String {
+    match &s.object {
+        Some(o) => format!("{}[{o}]", s.step),
+        None => s.step.clone(),
+    }
+}
+
+/// Runs the graph; returns the exit status and the records.
+async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
+    let mut tracker = ReadyTracker::new(graph);
+    let mut ready: VecDeque<TaskId> = tracker.start(graph).into();
+    let mut limits: HashMap<String, Arc<Semaphore>> = HashMap::new();
+    let mut running: JoinSet<(TaskId, StepRecord, TaskOutcome)> = JoinSet::new();
+    let mut records = Vec::new();
+    let mut exit = Exit::Clean;
+    loop {
+        while let Some(id) = ready.pop_front() {
+            if ctx.cancel.is_cancelled() {
+                break;
+            }
+            let node = graph[id].clone();
+            let limit = limits
+                .entry(node.step.clone())
+                .or_insert_with(|| Arc::new(Semaphore::new(node.params.concurrency.get())))
+                .clone();
+            let ctx = ctx.clone();
+            let span = tracing::info_span!("task", step = %node.step, object = node.object.as_deref().unwrap_or(""));
+            running.spawn(
+                async move {
+                    // closed only if the semaphore is dropped, which happens after every task ends
+                    let _permit = limit.acquire_owned().await;
+                    let started = SystemTime::now();
+                    tracing::debug!("started");
+                    let outcome = run_task(&ctx, &node).await;
+                    match &outcome {
+                        TaskOutcome::Failed(d) => tracing::error!(result = outcome.word(), detail = %d, "task ended"),
+                        TaskOutcome::Blocked(d) | TaskOutcome::Leftovers(d) => {
+                            tracing::warn!(result = outcome.word(), detail = %d, "task ended")
+                        }
+                        _ => tracing::info!(result = outcome.word(), detail = outcome.detail(), "task ended"),
+                    }
+                    let record = StepRecord {
+                        step: node.step.clone(),
+                        action: node.action.name().to_string(),
+                        object: node.object.clone(),
+                        started: rfc3339(started),
+                        finished: rfc3339(SystemTime::now()),
+                        attempts: 1,
+                        result: outcome.word().to_string(),
+                        detail: outcome.detail().to_string(),
+                    };
+                    (id, record, outcome)
+                }
+                .instrument(span),
+            );
+        }
+        let Some(joined) = running.join_next().await else { break };
+        let (id, record, outcome) = match joined {
+            Ok(r) => r,
+            Err(e) => {
+                exit = exit.worst(Exit::Failure);
+                tracing::error!(error = %e, "a task panicked or was aborted");
+                continue;
+            }
+        };
+        records.push(record);
+        exit = exit.worst(match &outcome {
+            TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => Exit::Clean,
+            TaskOutcome::Leftovers(_) => Exit::Leftovers,
+            TaskOutcome::Blocked(_) => Exit::Blocked,
+            TaskOutcome::Failed(_) => Exit::Failure,
+            TaskOutcome::Interrupted => Exit::Interrupted,
+        });
+        if outcome.lets_dependents_run() {
+            ready.extend(tracker.complete(graph, id));
+        } else {
+            let held: Vec<String> = graph
+                .descendants(id)
+                .into_iter()
+                .filter_map(|d| graph.get(d))
+                .filter(|n| !n.barrier)
+                .map(TaskNode::label)
+                .collect();
+            if !held.is_empty() {
+                tracing::warn!(task = %graph[id].label(), held_up = held.len(), "dependents will not run");
+            }
+        }
+    }
+    if ctx.cancel.is_cancelled() {
+        exit = exit.worst(Exit::Interrupted);
+    }
+    (exit, records)
+}
+
+async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
+    let object = node.object.as_deref();
+    match node.action {
+        // the preflight ran before the graph was expanded: identity and inventory decide what
+        // the graph is, so there is nothing left for its task to do but to mark the point
+        Action::Preflight => TaskOutcome::Done("identity proven and inventory taken before expansion".into()),
+        Action::Fence => actions::fence(ctx).await,
+        Action::Drain => match object {
+            Some(m) => actions::drain(ctx, m, &node.params).await,
+            None => TaskOutcome::Skipped("no machine".into()),
+        },
+        Action::RemoveController => actions::remove_controller(ctx, &node.params).await,
+        Action::DischargeFinalizers => match object {
+            Some(m) => actions::discharge_finalizers(ctx, m, &node.params).await,
+            None => TaskOutcome::Skipped("no machine".into()),
+        },
+        Action::DeleteNodepools => actions::delete_nodepools(ctx, object).await,
+        Action::WaitNodeclaimsGone => actions::wait_nodeclaims_gone(ctx, &node.params).await,
+        Action::DeleteNodeclasses => actions::delete_nodeclasses(ctx, object, &node.params).await,
+        Action::Verify => actions::verify_step(ctx, &node.params).await,
+    }
+}
+
+/// The concrete plan for this cluster: steps with their task counts and the objects they act on.
+fn describe_plan(graph: &TaskGraph, inv: &Inventory, evidence: &preflight::Evidence) -> String {
+    let mut by_step: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for (_, t) in graph.tasks() {
+        if let Some(o) = &t.object {
+            by_step.entry(t.step.as_str()).or_default().push(o.clone());
+        }
+    }
+    let mut out = String::new();
+    out.push_str(&format!(
+        "Inventory: {} machine(s) ({} with a node), {} NodePool(s), {} EC2NodeClass(es), controller: {}\n",
+        inv.machines.len(),
+        inv.machines.values().filter(|m| m.node.is_some()).count(),
+        inv.nodepools.len(),
+        inv.nodeclasses.len(),
+        inv.controller
+            .as_ref()
+            .map(|c| format!("{}/{} ({} replica(s))", c.namespace, c.name, c.replicas))
+            .unwrap_or_else(|| "none".into())
+    ));
+    for f in &evidence.facts {
+        out.push_str(&format!("Identity: {f}\n"));
+    }
+    out.push_str(&format!("Plan {}:\n", graph.plan_name()));
+    for s in graph.summary().steps {
+        let objects = by_step.get(s.step.as_str()).map(|v| {
+            let shown: Vec<&str> = v.iter().take(10).map(String::as_str).collect();
+            let more = v.len().saturating_sub(10);
+            if more > 0 { format!(": {} and {more} more", shown.join(", ")) } else { format!(": {}", shown.join(", ")) }
+        });
+        out.push_str(&format!(
+            "  {:<22} {:<22} {} task(s){}\n",
+            s.step,
+            s.action.name(),
+            s.tasks,
+            objects.unwrap_or_default()
+        ));
+    }
+    out
+}

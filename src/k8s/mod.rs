@@ -1,0 +1,171 @@
+//! The Kubernetes side: a client built from the standard kubeconfig rules (with kube's silent
+//! retries off, design §5), request accounting, and the conflict-safe writes the teardown makes.
+
+pub mod calls;
+pub mod nodes;
+pub mod objects;
+pub mod pods;
+
+use std::path::PathBuf;
+
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::core::{ApiResource, GroupVersionKind};
+
+use crate::config::KubeTarget;
+use crate::karpenter;
+pub use calls::ApiCalls;
+
+/// Failures of the Kubernetes side, with what the user can do about them.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    /// The kubeconfig could not be read or has no usable context.
+    #[error(
+        "cannot use the kubeconfig {path}: {detail}; pass --kubeconfig FILE (and --context NAME) or set KUBECONFIG"
+    )]
+    Kubeconfig {
+        /// Which file (or `KUBECONFIG`/default).
+        path: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The API server could not be reached.
+    #[error(
+        "cannot reach the Kubernetes API server {server}: {detail}; check the kubeconfig's server address, the network, and that the cluster is up"
+    )]
+    Unreachable {
+        /// The server URL.
+        server: String,
+        /// The transport error.
+        detail: String,
+    },
+    /// The server refused or failed a request.
+    #[error("Kubernetes {action} failed: {source}")]
+    Api {
+        /// What the tool was doing.
+        action: String,
+        /// The client error.
+        source: kube::Error,
+    },
+}
+
+impl KubeError {
+    /// True for failures of configuration or reachability (exit 2), not of an operation.
+    pub fn is_configuration(&self) -> bool {
+        matches!(self, KubeError::Kubeconfig { .. } | KubeError::Unreachable { .. })
+    }
+
+    /// Wraps a client error from `action`.
+    pub fn api(action: impl Into<String>, source: kube::Error) -> KubeError {
+        KubeError::Api { action: action.into(), source }
+    }
+}
+
+/// The HTTP status of an API error response, if the error is one.
+pub fn status_code(e: &kube::Error) -> Option<u16> {
+    match e {
+        kube::Error::Api(s) => Some(s.code),
+        _ => None,
+    }
+}
+
+/// True for errors worth retrying: throttling, server errors, lost connections.
+pub fn is_transient(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(s) => matches!(s.code, 429 | 500 | 502 | 503 | 504),
+        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
+        _ => false,
+    }
+}
+
+/// A connected client with what the preflight needs to know of where it points.
+#[derive(Clone)]
+pub struct Kube {
+    /// The client (request accounting included).
+    pub client: kube::Client,
+    /// The kubeconfig context in use (its name is identity evidence when it is an EKS ARN).
+    pub context: Option<String>,
+    /// The API server URL.
+    pub server: String,
+    /// Requests made, by verb.
+    pub calls: ApiCalls,
+}
+
+impl Kube {
+    /// Builds a client from the kubeconfig rules: `--kubeconfig`, else `KUBECONFIG`, else
+    /// `~/.kube/config`; `--context`, else the current context.
+    pub async fn connect(target: &KubeTarget) -> Result<Kube, KubeError> {
+        let path_label = target
+            .kubeconfig
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| std::env::var("KUBECONFIG").unwrap_or_else(|_| "~/.kube/config".into()));
+        let bad = |detail: String| KubeError::Kubeconfig { path: path_label.clone(), detail };
+        let kubeconfig = match &target.kubeconfig {
+            Some(p) => Kubeconfig::read_from(p),
+            None => Kubeconfig::read(),
+        }
+        .map_err(|e| bad(e.to_string()))?;
+        let context = target.context.clone().or_else(|| kubeconfig.current_context.clone());
+        if let Some(name) = &context
+            && !kubeconfig.contexts.iter().any(|c| &c.name == name)
+        {
+            let known: Vec<&str> = kubeconfig.contexts.iter().map(|c| c.name.as_str()).collect();
+            return Err(bad(format!("no context named {name:?} (it has: {})", known.join(", "))));
+        }
+        let options = KubeConfigOptions { context: context.clone(), cluster: None, user: None };
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &options).await.map_err(|e| bad(e.to_string()))?;
+        Self::from_config(config, context)
+    }
+
+    /// Builds a client from a ready configuration (tests, the sandbox).
+    pub fn from_config(mut config: kube::Config, context: Option<String>) -> Result<Kube, KubeError> {
+        // kube retries 429/503/504 on its own by default, which turns a PodDisruptionBudget block
+        // into a silent multi-minute stall (design §5); the engine retries what it chooses to.
+        config.default_retry = false;
+        let server = config.cluster_url.to_string();
+        let calls = ApiCalls::default();
+        let client = kube::client::ClientBuilder::try_from(config)
+            .map_err(|e| KubeError::Kubeconfig { path: "kubeconfig".into(), detail: e.to_string() })?
+            .with_layer(&calls.layer())
+            .build();
+        Ok(Kube { client, context, server, calls })
+    }
+
+    /// Proves the server answers (`/version`), so an unreachable endpoint is reported as such.
+    pub async fn check_reachable(&self) -> Result<(), KubeError> {
+        self.client.apiserver_version().await.map(|_| ()).map_err(|e| match e {
+            kube::Error::Api(_) => KubeError::api("GET /version", e),
+            other => KubeError::Unreachable { server: self.server.clone(), detail: other.to_string() },
+        })
+    }
+}
+
+/// `NodePool` (karpenter.sh/v1, cluster-scoped).
+pub fn nodepool_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(karpenter::KARPENTER_GROUP, karpenter::VERSION, "NodePool"),
+        "nodepools",
+    )
+}
+
+/// `NodeClaim` (karpenter.sh/v1, cluster-scoped).
+pub fn nodeclaim_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(karpenter::KARPENTER_GROUP, karpenter::VERSION, "NodeClaim"),
+        "nodeclaims",
+    )
+}
+
+/// `EC2NodeClass` (karpenter.k8s.aws/v1, cluster-scoped).
+pub fn nodeclass_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(karpenter::AWS_GROUP, karpenter::VERSION, "EC2NodeClass"),
+        "ec2nodeclasses",
+    )
+}
+
+/// The kubeconfig path a user passed, for messages.
+pub fn describe_kubeconfig(path: &Option<PathBuf>) -> String {
+    path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the default kubeconfig".into())
+}

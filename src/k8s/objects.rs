@@ -1,0 +1,126 @@
+//! Conflict-safe writes on any object: removing exactly one finalizer, deleting with "already
+//! gone" as success, and reading which field manager last wrote a field.
+
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::core::DynamicObject;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::{KubeError, status_code};
+
+/// The field manager the tool writes as, so others can see in `managedFields` who did what.
+pub const FIELD_MANAGER: &str = "karpenter-teardown";
+
+/// Patch parameters naming our field manager.
+pub fn patch_params() -> PatchParams {
+    PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() }
+}
+
+/// What removing a finalizer found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinalizerRemoval {
+    /// It was there and is gone now.
+    Removed,
+    /// It was not there (or the object is gone): nothing to do.
+    Absent,
+}
+
+/// Removes exactly `finalizer` from the object, with a JSON patch whose `test` pins the list
+/// entry it removes, so a concurrent change to the list is never overwritten (422 → re-read and
+/// try again). An object that is gone counts as done.
+pub async fn remove_finalizer<K>(api: &Api<K>, name: &str, finalizer: &str) -> Result<FinalizerRemoval, KubeError>
+where
+    K: kube::Resource + Clone + DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    for _ in 0..8 {
+        let obj = match api.get_opt(name).await {
+            Ok(Some(o)) => o,
+            Ok(None) => return Ok(FinalizerRemoval::Absent),
+            Err(e) => return Err(KubeError::api(format!("read {name}"), e)),
+        };
+        let finalizers = obj.meta().finalizers.clone().unwrap_or_default();
+        let Some(idx) = finalizers.iter().position(|f| f == finalizer) else {
+            return Ok(FinalizerRemoval::Absent);
+        };
+        let patch = json_patch::Patch(
+            serde_json::from_value(json!([
+                {"op": "test", "path": format!("/metadata/finalizers/{idx}"), "value": finalizer},
+                {"op": "remove", "path": format!("/metadata/finalizers/{idx}")},
+            ]))
+            .map_err(|e| KubeError::api(format!("build the finalizer patch for {name}"), kube::Error::SerdeError(e)))?,
+        );
+        match api.patch(name, &patch_params(), &Patch::<()>::Json(patch)).await {
+            Ok(_) => return Ok(FinalizerRemoval::Removed),
+            Err(e) if status_code(&e) == Some(404) => return Ok(FinalizerRemoval::Absent),
+            // the list changed under us: read it again
+            Err(e) if matches!(status_code(&e), Some(409 | 422)) => continue,
+            Err(e) => return Err(KubeError::api(format!("remove finalizer {finalizer} from {name}"), e)),
+        }
+    }
+    Err(KubeError::api(
+        format!("remove finalizer {finalizer} from {name}"),
+        kube::Error::Service("the finalizer list kept changing under every attempt".into()),
+    ))
+}
+
+/// Deletes an object; one already gone counts as deleted. Returns whether it existed.
+pub async fn delete_if_present<K>(api: &Api<K>, name: &str) -> Result<bool, KubeError>
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(true),
+        Err(e) if status_code(&e) == Some(404) => Ok(false),
+        Err(e) => Err(KubeError::api(format!("delete {name}"), e)),
+    }
+}
+
+/// The field manager that last wrote `path` (e.g. `["spec", "unschedulable"]`), from the
+/// object's `managedFields` (the entry with the latest time wins).
+pub fn last_manager_of(obj: &DynamicObject, path: &[&str]) -> Option<String> {
+    let meta = serde_json::to_value(&obj.metadata).ok()?;
+    last_manager_in(meta.get("managedFields")?, path)
+}
+
+/// [`last_manager_of`] over a raw `managedFields` array.
+pub fn last_manager_in(managed: &Value, path: &[&str]) -> Option<String> {
+    let mut best: Option<(String, String)> = None;
+    for entry in managed.as_array()? {
+        let mut node = entry.get("fieldsV1")?;
+        let mut found = true;
+        for seg in path {
+            match node.get(format!("f:{seg}")) {
+                Some(n) => node = n,
+                None => {
+                    found = false;
+                    break;
+                }
+            }
+        }
+        if !found {
+            continue;
+        }
+        let time = entry.get("time").and_then(Value::as_str).unwrap_or("").to_string();
+        let manager = entry.get("manager").and_then(Value::as_str).unwrap_or("unknown").to_string();
+        if best.as_ref().is_none_or(|(t, _)| time >= *t) {
+            best = Some((time, manager));
+        }
+    }
+    best.map(|(_, m)| m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_writer_of_a_field_is_named() {
+        let managed = json!([
+            {"manager": "kubectl", "time": "2026-01-01T00:00:00Z", "fieldsV1": {"f:spec": {"f:unschedulable": {}}}},
+            {"manager": "k3s-reverter", "time": "2026-01-01T00:01:00Z", "fieldsV1": {"f:spec": {"f:unschedulable": {}}}},
+            {"manager": "kubelet", "time": "2026-01-01T00:02:00Z", "fieldsV1": {"f:status": {}}},
+        ]);
+        assert_eq!(last_manager_in(&managed, &["spec", "unschedulable"]).as_deref(), Some("k3s-reverter"));
+        assert_eq!(last_manager_in(&managed, &["spec", "taints"]), None);
+    }
+}
