@@ -180,6 +180,49 @@ pub struct VerifyArgs {
 pub enum SandboxCommand {
     /// Serve an empty sandbox Kubernetes API server until interrupted.
     Serve(SandboxServeArgs),
+    /// Serve a generated Karpenter cluster (with a simulated controller and instances in
+    /// LocalStack) until interrupted.
+    Up(SandboxUpArgs),
+    /// Generate a cluster, tear it down with the default plan through the kubeconfig like any
+    /// user, print the report and what is left in LocalStack; exits with the teardown's code.
+    Demo(SandboxUpArgs),
+}
+
+/// `sandbox up` / `sandbox demo`.
+#[derive(Debug, Args)]
+pub struct SandboxUpArgs {
+    /// Cluster name (instance tags, kubeconfig context).
+    #[arg(long, default_value = "sandbox", env = "KARPENTER_TEARDOWN_SANDBOX_CLUSTER")]
+    pub cluster: String,
+    /// Karpenter nodes to generate.
+    #[arg(long, default_value_t = 20)]
+    pub nodes: usize,
+    /// Workload pods per node (plus one DaemonSet pod each).
+    #[arg(long, default_value_t = 4)]
+    pub pods_per_node: usize,
+    /// Karpenter release to imitate.
+    #[arg(long, value_enum, default_value_t = KarpenterVersionArg::V1_14)]
+    pub karpenter: KarpenterVersionArg,
+    /// Port on 127.0.0.1 (0 picks a free one).
+    #[arg(long, default_value_t = 0, env = "KARPENTER_TEARDOWN_SANDBOX_PORT")]
+    pub port: u16,
+    /// Where to write the kubeconfig (demo: a temporary file when not given).
+    #[arg(long, value_name = "FILE", env = "KARPENTER_TEARDOWN_SANDBOX_KUBECONFIG")]
+    pub kubeconfig_out: Option<PathBuf>,
+    /// Multiplies pod grace periods and controller delays (1.0 = real time).
+    #[arg(long, default_value_t = 0.05)]
+    pub time_scale: f64,
+}
+
+/// `--karpenter`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KarpenterVersionArg {
+    /// Karpenter 1.14 (anything since 1.7).
+    #[value(name = "1.14")]
+    V1_14,
+    /// Karpenter 1.0.x (conversion webhook, older tags and instance-profile names).
+    #[value(name = "1.0")]
+    V1_0,
 }
 
 /// `sandbox serve`.

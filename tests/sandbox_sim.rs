@@ -60,6 +60,9 @@ fn settings(world: &World) -> SimSettings {
         version: world.version,
         time_scale: 0.02,
         pods_per_node: 2,
+        // 1 s at this time scale: a LocalStack DescribeInstances with tag filters is slow, and
+        // back-to-back garbage collections of parallel tests would starve their other calls.
+        gc_interval: Duration::from_secs(50),
         ..SimSettings::new(&world.cluster, REGION)
     }
 }
@@ -75,7 +78,7 @@ where
             return;
         }
         assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -98,6 +101,29 @@ fn pools(c: &Client) -> Api<DynamicObject> {
 
 fn classes(c: &Client) -> Api<DynamicObject> {
     Api::all_with(c.clone(), &objects::ec2nodeclass_resource())
+}
+
+/// Leaves LocalStack as the test found it: LocalStack keeps every instance it ever launched, and
+/// its tag filters slow down with each one, so tests terminate what they made.
+async fn cleanup(b: Bed, world: &World, extra: &[String]) {
+    let mut ids = world.karpenter_instance_ids();
+    ids.extend(world.managed_instance_ids());
+    ids.extend(world.decoy_instances.iter().cloned());
+    ids.extend(extra.iter().cloned());
+    // and whatever the simulated controller launched
+    for c in claims(&b.client).list(&ListParams::default()).await.unwrap() {
+        if let Some(pid) = objects::claim_provider_id(&c).and_then(|p| karpenter::ProviderId::parse(p).ok()) {
+            ids.push(pid.instance_id);
+        }
+    }
+    b.aws.ec2.terminate(&ids).await.unwrap();
+    for lt in b.aws.ec2.launch_templates(&world.cluster).await.unwrap() {
+        b.aws.ec2.delete_launch_template(&lt.id).await.unwrap();
+    }
+    for p in b.aws.iam.cluster_instance_profiles(REGION, &world.cluster).await.unwrap() {
+        b.aws.iam.delete_instance_profile(&p).await.unwrap();
+    }
+    b.server.shutdown().await;
 }
 
 async fn scale_controller(c: &Client, replicas: i32) {
@@ -185,7 +211,7 @@ async fn generated_world_carries_exactly_the_karpenter_tags() {
     assert!(per_node.keys().all(|n| karpenter_nodes.contains(&n)), "{per_node:?}");
     assert_eq!(per_node.values().sum::<usize>(), 3);
 
-    b.server.shutdown().await;
+    cleanup(b, &world, &[]).await;
 }
 
 #[tokio::test]
@@ -214,7 +240,7 @@ async fn karpenter_1_0_worlds_use_the_old_tags_paths_and_crds() {
     assert!(profiles[0].name.starts_with(&format!("{}_", world.cluster)));
     let node = Api::<Node>::all(b.client.clone()).get(&world.nodes[0].node).await.unwrap();
     assert!(!node.labels().contains_key(karpenter::LABEL_NODECLASS), "1.0 nodes lack the class label");
-    b.server.shutdown().await;
+    cleanup(b, &world, &[]).await;
 }
 
 #[tokio::test]
@@ -237,8 +263,11 @@ async fn deleted_nodepools_cascade_and_deleted_classes_release_their_aws_resourc
             .unwrap()
             .items
             .len();
+        if c != 0 || n != 0 {
+            return false;
+        }
         let s = states(&b.aws, &ids).await;
-        c == 0 && n == 0 && ids.iter().all(|id| s.get(id).is_none_or(|st| !st.is_live()))
+        ids.iter().all(|id| s.get(id).is_none_or(|st| !st.is_live()))
     })
     .await;
     let stats = ctl.stats();
@@ -264,7 +293,7 @@ async fn deleted_nodepools_cascade_and_deleted_classes_release_their_aws_resourc
         assert!(nodes.get_opt(&m.node).await.unwrap().is_some());
     }
     ctl.shutdown().await;
-    b.server.shutdown().await;
+    cleanup(b, &world, &[]).await;
 }
 
 #[tokio::test]
@@ -300,7 +329,7 @@ async fn a_controller_scaled_to_zero_leaves_finalizers_and_instances_until_it_re
         "the other node is untouched"
     );
     ctl.shutdown().await;
-    b.server.shutdown().await;
+    cleanup(b, &world, &[]).await;
 }
 
 #[tokio::test]
@@ -364,7 +393,7 @@ async fn pending_pods_get_capacity_up_to_the_nodepool_limit_and_no_further() {
     }
 
     ctl.shutdown().await;
-    b.server.shutdown().await;
+    cleanup(b, &world, &[]).await;
 }
 
 #[tokio::test]
@@ -379,16 +408,18 @@ async fn garbage_collection_terminates_orphans_of_this_cluster_only() {
         b.aws.ec2.launch_tagged(naming::IMAGE_ID, naming::INSTANCE_TYPE, Some("us-west-2a"), 1, &tags).await.unwrap();
     let orphan = vec![orphan[0].id.clone()];
 
-    let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let gc = SimSettings { gc_interval: Duration::from_secs(5), ..settings(&world) };
+    let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), gc);
     assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
-    eventually("the orphan terminated", Duration::from_secs(20), || async { !all_running(&b.aws, &orphan).await })
+    eventually("the orphan terminated", Duration::from_secs(20), || async { ctl.stats().orphans_terminated >= 1 })
         .await;
     assert_eq!(ctl.stats().orphans_terminated, 1);
+    assert!(!all_running(&b.aws, &orphan).await);
     assert!(all_running(&b.aws, &world.decoy_instances).await, "decoys of another cluster are never collected");
     assert!(all_running(&b.aws, &world.karpenter_instance_ids()).await, "claimed instances are never collected");
     assert!(all_running(&b.aws, &world.managed_instance_ids()).await);
     ctl.shutdown().await;
-    b.server.shutdown().await;
+    cleanup(b, &world, &orphan).await;
 }
 
 #[tokio::test]
@@ -427,7 +458,7 @@ async fn a_strict_pdb_blocks_the_drain_until_it_is_relaxed() {
     .await;
     assert!(ctl.stats().pods_evicted >= 1);
     ctl.shutdown().await;
-    b.server.shutdown().await;
+    cleanup(b, &world, &[]).await;
 }
 
 #[tokio::test]
@@ -446,5 +477,36 @@ async fn deleting_a_node_takes_its_nodeclaim_and_instance_with_it() {
     .await;
     assert!(all_running(&b.aws, std::slice::from_ref(&world.nodes[0].instance_id)).await);
     ctl.shutdown().await;
-    b.server.shutdown().await;
+    cleanup(b, &world, &[]).await;
+}
+
+#[tokio::test]
+async fn an_applied_nodeclass_gets_its_finalizer_launch_template_and_instance_profile() {
+    let b = bed().await;
+    let spec = WorldSpec { nodes: 0, pods_per_node: 0, node_pools: 1, node_classes: 1, ..small_spec("sim-apply") };
+    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
+    // as `kubectl apply` would create it: no finalizer, no status
+    let class: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "karpenter.k8s.aws/v1", "kind": "EC2NodeClass", "metadata": {"name": "applied"},
+        "spec": {"role": "KarpenterNodeRole-applied", "amiSelectorTerms": [{"alias": "al2023@latest"}]}}))
+    .unwrap();
+    let created = classes(&b.client).create(&PostParams::default(), &class).await.unwrap();
+    let uid = created.uid().unwrap();
+    eventually("the class reconciled", Duration::from_secs(20), || async {
+        let c = classes(&b.client).get("applied").await.unwrap();
+        c.finalizers().iter().any(|f| f == karpenter::FINALIZER_NODECLASS)
+            && c.data["status"]["instanceProfile"].as_str().is_some_and(|p| !p.is_empty())
+    })
+    .await;
+    let c = classes(&b.client).get("applied").await.unwrap();
+    let profile = c.data["status"]["instanceProfile"].as_str().unwrap().to_string();
+    let profiles = b.aws.iam.cluster_instance_profiles(REGION, &world.cluster).await.unwrap();
+    let p = profiles.iter().find(|p| p.name == profile).unwrap();
+    assert_eq!(p.path, format!("/karpenter/{REGION}/{}/{uid}/", world.cluster));
+    let lts = b.aws.ec2.launch_templates(&world.cluster).await.unwrap();
+    assert!(lts.iter().any(|l| l.nodeclass.as_deref() == Some("applied")));
+    ctl.shutdown().await;
+    cleanup(b, &world, &[]).await;
 }

@@ -240,9 +240,21 @@ impl SimController {
                 max_backoff,
             ),
         };
-        let ctx = Ctx { client, aws, settings, stats: stats.clone(), stores };
+        let ctx = Arc::new(Ctx {
+            client,
+            aws,
+            settings,
+            stats: stats.clone(),
+            stores,
+            launched: std::sync::Mutex::new(HashSet::new()),
+            active: active_tx,
+            retry_eviction_at: std::sync::Mutex::new(HashMap::new()),
+        });
         let loop_cancel = cancel.clone();
-        tasks.spawn(async move { run(ctx, notify, loop_cancel, active_tx).await });
+        let loop_ctx = ctx.clone();
+        tasks.spawn(async move { run(loop_ctx, notify, loop_cancel).await });
+        let gc_cancel = cancel.clone();
+        tasks.spawn(async move { run_gc(ctx, gc_cancel).await });
         SimController { tasks, cancel, stats, active }
     }
 
@@ -262,11 +274,18 @@ impl SimController {
         tokio::time::timeout(timeout, self.active.wait_for(|a| *a == active)).await.is_ok_and(|r| r.is_ok())
     }
 
-    /// Stops every task and waits for them to end.
+    /// Stops every task and waits for them to end. A pass in progress may finish its writes
+    /// first (for up to ten seconds): aborting a launch between RunInstances and the NodeClaim's
+    /// status would leak an instance nobody knows about.
     pub async fn shutdown(mut self) {
         self.cancel.cancel();
-        self.tasks.abort_all();
-        while self.tasks.join_next().await.is_some() {}
+        let tasks = &mut self.tasks;
+        let finished =
+            tokio::time::timeout(Duration::from_secs(10), async { while tasks.join_next().await.is_some() {} }).await;
+        if finished.is_err() {
+            self.tasks.abort_all();
+            while self.tasks.join_next().await.is_some() {}
+        }
     }
 }
 
@@ -345,6 +364,20 @@ struct Ctx {
     settings: SimSettings,
     stats: Arc<SimStats>,
     stores: Stores,
+    /// Instance ids this controller launched and has not yet seen claimed: garbage collection
+    /// (its own task) must never take them for orphans.
+    launched: std::sync::Mutex<HashSet<String>>,
+    /// Whether the controller acts; garbage collection reads it too.
+    active: watch::Sender<bool>,
+    /// Pods (by uid) a PDB refused, and when to ask again: like Karpenter's eviction queue, a
+    /// refused eviction is retried after a delay, not on every watch event.
+    retry_eviction_at: std::sync::Mutex<HashMap<String, Instant>>,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding this lock cannot leave the set inconsistent (single inserts and
+    // retains), so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// What the loop remembers between passes.
@@ -354,19 +387,21 @@ struct State {
     pending_since: HashMap<String, Instant>,
     /// Nodes launched whose Node the reflector has not shown yet, with their free slots.
     inflight: HashMap<String, u32>,
-    /// Instance ids launched by this controller (never orphans while their claim is young).
-    launched: HashSet<String>,
-    /// Orphan instances seen by the previous garbage collection.
-    orphan_suspects: HashSet<String>,
-    /// NodeClaims whose instance was missing at the previous garbage collection.
-    claim_suspects: HashSet<String>,
     /// Classes (by uid) whose launch template and profile exist.
     classes_ready: HashSet<String>,
-    last_gc: Option<Instant>,
     zone_cursor: usize,
 }
 
-async fn run(ctx: Ctx, notify: Arc<Notify>, cancel: CancellationToken, active_tx: watch::Sender<bool>) {
+/// What garbage collection remembers between its rounds.
+#[derive(Default)]
+struct GcState {
+    /// Orphan instances seen by the previous round.
+    orphan_suspects: HashSet<String>,
+    /// NodeClaims whose instance was missing at the previous round.
+    claim_suspects: HashSet<String>,
+}
+
+async fn run(ctx: Arc<Ctx>, notify: Arc<Notify>, cancel: CancellationToken) {
     let ready = async {
         let s = &ctx.stores;
         let _ = s.deployment.wait_until_ready().await;
@@ -384,7 +419,7 @@ async fn run(ctx: Ctx, notify: Arc<Notify>, cancel: CancellationToken, active_tx
     let resync = ctx.settings.scaled(ctx.settings.resync);
     loop {
         let active = controller_ready(&ctx);
-        active_tx.send_replace(active);
+        ctx.active.send_replace(active);
         if active {
             bump(&ctx.stats.passes, 1);
             reconcile(&ctx, &mut state).await;
@@ -411,14 +446,40 @@ fn controller_ready(ctx: &Ctx) -> bool {
 }
 
 async fn reconcile(ctx: &Ctx, state: &mut State) {
+    let now = Instant::now();
+    // expired entries are meaningless (and pods that vanished would leave them forever)
+    lock(&ctx.retry_eviction_at).retain(|_, at| *at > now);
     prepare_classes(ctx, state).await;
     terminate(ctx).await;
     finalize_classes(ctx).await;
     provision(ctx, state).await;
-    let gc_due = state.last_gc.is_none_or(|t| t.elapsed() >= ctx.settings.scaled(ctx.settings.gc_interval));
-    if gc_due {
-        state.last_gc = Some(Instant::now());
-        collect_garbage(ctx, state).await;
+    report_pool_resources(ctx).await;
+}
+
+/// Keeps NodePool `status.resources` (what `kubectl get nodepools` shows, and what Karpenter
+/// counts against `spec.limits`) current; written only when it changed.
+async fn report_pool_resources(ctx: &Ctx) {
+    let claims = ctx.stores.claims.state();
+    let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::nodepool_resource());
+    for pool in ctx.stores.pools.state() {
+        if is_deleting(pool.as_ref()) {
+            continue;
+        }
+        let name = pool.name_any();
+        let n = claims.iter().filter(|c| objects::claim_pool(c) == Some(name.as_str())).count() as u64;
+        let want = serde_json::json!({
+            "cpu": (n * naming::CPU_PER_NODE).to_string(),
+            "memory": format!("{}Gi", n * naming::MEMORY_GIB_PER_NODE),
+            "nodes": n.to_string(),
+        });
+        if pool.data["status"]["resources"] == want {
+            continue;
+        }
+        if let Err(e) = ops::patch_status(&api, &name, serde_json::json!({"resources": want})).await
+            && !ops::is_not_found(&e)
+        {
+            record_error(ctx, &SimError::kube(format!("writing NodePool {name} status"))(e));
+        }
     }
 }
 
@@ -440,7 +501,14 @@ async fn prepare_classes(ctx: &Ctx, state: &mut State) {
     let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::ec2nodeclass_resource());
     for class in ctx.stores.classes.state() {
         let Some(uid) = class.uid() else { continue };
-        if is_deleting(class.as_ref()) || state.classes_ready.contains(&uid) {
+        if is_deleting(class.as_ref()) {
+            continue;
+        }
+        // Karpenter puts its finalizer on every class it reconciles (kubectl-applied ones too).
+        if let Err(e) = ops::add_finalizer(&api, class.as_ref(), karpenter::FINALIZER_NODECLASS).await {
+            record_error(ctx, &SimError::kube(format!("adding the finalizer of EC2NodeClass {}", class.name_any()))(e));
+        }
+        if state.classes_ready.contains(&uid) {
             continue;
         }
         if class.data["status"]["instanceProfile"].as_str().is_some_and(|s| !s.is_empty()) {
@@ -638,13 +706,24 @@ async fn drain(ctx: &Ctx, node: &Node) -> Result<bool, SimError> {
     }
     let non_critical: Vec<&Arc<Pod>> = pods.iter().filter(|p| !is_critical(p)).collect();
     let wave: Vec<&Arc<Pod>> = if non_critical.is_empty() { pods.iter().collect() } else { non_critical };
+    let now = Instant::now();
+    let retry_after = ctx.settings.scaled(ctx.settings.resync);
     for pod in wave.into_iter().filter(|p| !is_deleting(p.as_ref())) {
+        let uid = pod.uid().unwrap_or_default();
+        if lock(&ctx.retry_eviction_at).get(&uid).is_some_and(|at| *at > now) {
+            continue;
+        }
         let ns = pod.namespace().unwrap_or_default();
         let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
         match ops::evict(&api, pod).await.map_err(SimError::kube(format!("evicting pod {ns}/{}", pod.name_any())))? {
-            EvictOutcome::Evicted => bump(&ctx.stats.pods_evicted, 1),
-            EvictOutcome::Blocked(_) => bump(&ctx.stats.evictions_blocked, 1),
-            EvictOutcome::Gone => {}
+            EvictOutcome::Evicted | EvictOutcome::Gone => {
+                lock(&ctx.retry_eviction_at).remove(&uid);
+                bump(&ctx.stats.pods_evicted, 1);
+            }
+            EvictOutcome::Blocked(_) => {
+                lock(&ctx.retry_eviction_at).insert(uid, now + retry_after);
+                bump(&ctx.stats.evictions_blocked, 1);
+            }
         }
     }
     Ok(false)
@@ -938,7 +1017,7 @@ async fn provision(ctx: &Ctx, state: &mut State) {
         match r {
             Ok(n) => {
                 bump(&ctx.stats.nodeclaims_launched, 1);
-                state.launched.insert(n.instance_id);
+                lock(&ctx.launched).insert(n.instance_id);
                 state.inflight.insert(node_name, ctx.settings.pods_per_node);
             }
             Err(e) => record_error(ctx, &e),
@@ -949,10 +1028,28 @@ async fn provision(ctx: &Ctx, state: &mut State) {
 // ---------------------------------------------------------------------------------------------
 // Garbage collection
 
+/// Garbage collection runs in its own task: listing the cluster's instances can take a while
+/// (LocalStack filters slowly), and termination work must not wait behind it.
+async fn run_gc(ctx: Arc<Ctx>, cancel: CancellationToken) {
+    let mut state = GcState::default();
+    let interval = ctx.settings.scaled(ctx.settings.gc_interval);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {},
+        }
+        if *ctx.active.borrow() {
+            collect_garbage(&ctx, &mut state).await;
+        } else {
+            state = GcState::default();
+        }
+    }
+}
+
 /// Instances with this cluster's Karpenter tags but no NodeClaim are terminated, and NodeClaims
 /// whose instance is gone are deleted — each only when seen twice in a row, so a launch or a
 /// registration in flight is never mistaken for an orphan.
-async fn collect_garbage(ctx: &Ctx, state: &mut State) {
+async fn collect_garbage(ctx: &Ctx, state: &mut GcState) {
     let live = match ctx.aws.ec2.cluster_instances(&ctx.settings.cluster, InstanceScope::KarpenterLive).await {
         Ok(l) => l,
         Err(e) => return record_error(ctx, &SimError::aws("listing the cluster's instances")(e)),
@@ -964,8 +1061,9 @@ async fn collect_garbage(ctx: &Ctx, state: &mut State) {
         .filter_map(|p| ProviderId::parse(p).ok().map(|p| p.instance_id))
         .collect();
     let live_ids: HashSet<String> = live.iter().map(|i| i.id.clone()).collect();
+    let launched = lock(&ctx.launched).clone();
     let orphans: HashSet<String> =
-        live_ids.iter().filter(|id| !claimed.contains(*id) && !state.launched.contains(*id)).cloned().collect();
+        live_ids.iter().filter(|id| !claimed.contains(*id) && !launched.contains(*id)).cloned().collect();
     let confirmed: Vec<String> = orphans.intersection(&state.orphan_suspects).cloned().collect();
     state.orphan_suspects = orphans;
     if !confirmed.is_empty() {
@@ -977,7 +1075,7 @@ async fn collect_garbage(ctx: &Ctx, state: &mut State) {
             Err(e) => record_error(ctx, &SimError::aws("terminating orphan instances")(e)),
         }
     }
-    state.launched.retain(|id| live_ids.contains(id) && !claimed.contains(id));
+    lock(&ctx.launched).retain(|id| live_ids.contains(id) && !claimed.contains(id));
 
     let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::nodeclaim_resource());
     let mut missing = HashSet::new();

@@ -68,6 +68,34 @@ where
     }
 }
 
+/// Adds `finalizer` to an object that lacks it, guarded by the list it read (or the
+/// resourceVersion when there is none). Returns false on a conflict (retry later).
+pub async fn add_finalizer<K>(api: &Api<K>, obj: &K, finalizer: &str) -> Result<bool, kube::Error>
+where
+    K: Resource + Clone + DeserializeOwned + Debug,
+{
+    let current = obj.finalizers();
+    if current.iter().any(|f| f == finalizer) {
+        return Ok(true);
+    }
+    let ops = if obj.meta().finalizers.is_some() {
+        json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": current},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": finalizer},
+        ])
+    } else {
+        json!([
+            {"op": "test", "path": "/metadata/resourceVersion", "value": obj.resource_version()},
+            {"op": "add", "path": "/metadata/finalizers", "value": [finalizer]},
+        ])
+    };
+    match api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Json::<()>(json_patch(ops)?)).await {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(api_code(&e), Some(409 | 422)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Adds a taint unless the node has it, testing the exact taint list it read (fresh, as raw
 /// JSON, so no client-side type round trip can make the test spuriously fail) so a taint another
 /// controller added meanwhile is never lost. Returns false on a conflict (retry later); a node

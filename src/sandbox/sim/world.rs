@@ -381,31 +381,32 @@ pub(crate) async fn ensure_class_resources(
     let name = class.name_any();
     let role = class.data["spec"]["role"].as_str().map(str::to_string);
     let lt_name = naming::launch_template_name(cluster, &name, uid);
-    let existing = aws.ec2.launch_templates(cluster).await.map_err(SimError::aws("listing launch templates"))?;
-    let lt_id = match existing.iter().find(|l| l.name == lt_name) {
-        Some(l) => l.id.clone(),
-        None => aws
+    // Create first and look up only when it exists already (a re-run): listing is the slow call
+    // on LocalStack.
+    let tags = naming::launch_template_tags(version, cluster, &name);
+    let lt_id = match aws.ec2.create_launch_template(&lt_name, IMAGE_ID, &tags).await {
+        Ok(id) => id,
+        Err(e) if e.code().is_some_and(|c| c.contains("AlreadyExists")) => aws
             .ec2
-            .create_launch_template(&lt_name, IMAGE_ID, &naming::launch_template_tags(version, cluster, &name))
+            .launch_templates(cluster)
             .await
-            .map_err(SimError::aws(format!("creating launch template {lt_name}")))?,
+            .map_err(SimError::aws("listing launch templates"))?
+            .into_iter()
+            .find(|l| l.name == lt_name)
+            .map(|l| l.id)
+            .ok_or_else(|| SimError::aws(format!("creating launch template {lt_name}"))(e))?,
+        Err(e) => return Err(SimError::aws(format!("creating launch template {lt_name}"))(e)),
     };
     let (profile, profile_path) = match &role {
         Some(_) => {
             let (pname, path) = naming::instance_profile(version, region, cluster, uid);
-            let have = aws
-                .iam
-                .cluster_instance_profiles(region, cluster)
-                .await
-                .map_err(SimError::aws("listing instance profiles"))?;
-            if !have.iter().any(|p| p.name == pname) {
-                // The role itself is not created: the project's IAM layer has no CreateRole and
-                // LocalStack refuses AddRoleToInstanceProfile for an unknown role. The role name
-                // stays visible in spec.role; the profile is what a teardown must delete.
-                aws.iam
-                    .create_instance_profile(&pname, &path, None)
-                    .await
-                    .map_err(SimError::aws(format!("creating instance profile {pname}")))?;
+            // The role itself is not created: the project's IAM layer has no CreateRole and
+            // LocalStack refuses AddRoleToInstanceProfile for an unknown role. The role name
+            // stays visible in spec.role; the profile is what a teardown must delete.
+            match aws.iam.create_instance_profile(&pname, &path, None).await {
+                Ok(()) => {}
+                Err(e) if e.code() == Some("EntityAlreadyExists") => {}
+                Err(e) => return Err(SimError::aws(format!("creating instance profile {pname}"))(e)),
             }
             (pname, Some(path))
         }
@@ -727,13 +728,16 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
                         .await
                         .map_err(SimError::kube(format!("creating Deployment {}", w.name)))?;
                 }
-                // Mostly permissive budgets, like real clusters: one pod at a time, or all but one.
+                // Permissive budgets are ones a teardown can satisfy. Once the NodePools are fenced
+                // no capacity is left, evicted pods stay Pending and count as unhealthy, so a
+                // one-at-a-time budget (`maxUnavailable: 1`) blocks after its first eviction,
+                // exactly like the strict one: that is field report 4, covered by `strict_pdb`.
                 let budget = if w.strict_pdb {
                     json!({"minAvailable": w.replicas})
-                } else if w.kind == "StatefulSet" && w.replicas > 1 {
-                    json!({"minAvailable": w.replicas - 1})
+                } else if w.kind == "StatefulSet" {
+                    json!({"minAvailable": 0})
                 } else {
-                    json!({"maxUnavailable": 1})
+                    json!({"maxUnavailable": "100%"})
                 };
                 let mut pdb_spec = budget;
                 pdb_spec["selector"] = json!({"matchLabels": labels});
