@@ -285,16 +285,12 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
         crate::cli::KarpenterVersionArg::V1_14 => KarpenterVersion::V1_14,
         crate::cli::KarpenterVersionArg::V1_0 => KarpenterVersion::V1_0,
     };
-    if std::env::var_os("AWS_ENDPOINT_URL").is_none() && std::env::var_os("AWS_ENDPOINT_URL_EC2").is_none() {
-        eprintln!(
-            "error: the sandbox plays against LocalStack, but AWS_ENDPOINT_URL is not set; run \
-             `localstack/up` and set AWS_ENDPOINT_URL=http://127.0.0.1:4566 AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test"
-        );
-        return Exit::BadInput;
-    }
-    let aws = match AwsClients::connect(SANDBOX_REGION).await {
+    let aws = match crate::sandbox::localstack::clients(SANDBOX_REGION).await {
         Ok(a) => a,
-        Err(e) => return fail(&e.into()),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Exit::BadInput;
+        }
     };
     let opts = crate::sandbox::ServerOptions { port: args.port, time_scale: args.time_scale, ..Default::default() };
     let server = match crate::sandbox::ApiServer::start(opts).await {
@@ -380,6 +376,7 @@ async fn sandbox_demo(kubeconfig: &std::path::Path, world: &crate::sandbox::sim:
     let _ = std::io::stdout().flush();
     let status = tokio::process::Command::new(exe)
         .args(["run", "--cluster", &world.cluster, "--region", SANDBOX_REGION, "--yes", "--kubeconfig"])
+        .envs(crate::sandbox::localstack::child_env(SANDBOX_REGION))
         .arg(kubeconfig)
         .arg("--report")
         .arg(&report)

@@ -3,6 +3,7 @@
 pub mod apiserver;
 pub mod controlplane;
 pub mod karpenter_crds;
+pub mod localstack;
 pub mod sim;
 
 use std::path::PathBuf;

@@ -1,0 +1,54 @@
+//! The sandbox's AWS: always LocalStack, never a real account. The endpoint is
+//! `AWS_ENDPOINT_URL` when set (another LocalStack), else `localstack/up`'s 127.0.0.1:4566, with
+//! LocalStack's dummy credentials, so a sandbox command cannot reach real AWS by accident.
+
+use aws_config::{BehaviorVersion, Region};
+use aws_credential_types::Credentials;
+
+use crate::aws::AwsClients;
+
+/// Where `localstack/up` serves LocalStack.
+pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:4566";
+
+/// LocalStack is not answering.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "LocalStack does not answer at {endpoint} ({detail}); start it with `localstack/up` (or point AWS_ENDPOINT_URL at yours)"
+)]
+pub struct LocalStackDown {
+    /// The endpoint tried.
+    pub endpoint: String,
+    /// What failed.
+    pub detail: String,
+}
+
+/// The LocalStack endpoint the sandbox uses.
+pub fn endpoint() -> String {
+    std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| DEFAULT_ENDPOINT.to_string())
+}
+
+/// The environment a child `karpenter-teardown` needs to reach the same LocalStack.
+pub fn child_env(region: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("AWS_ENDPOINT_URL", endpoint()),
+        ("AWS_ACCESS_KEY_ID", "test".into()),
+        ("AWS_SECRET_ACCESS_KEY", "test".into()),
+        ("AWS_REGION", region.to_string()),
+        ("AWS_EC2_METADATA_DISABLED", "true".into()),
+    ]
+}
+
+/// Clients for LocalStack in `region`, after proving it answers.
+pub async fn clients(region: &str) -> Result<AwsClients, LocalStackDown> {
+    let endpoint = endpoint();
+    let down = |detail: String| LocalStackDown { endpoint: endpoint.clone(), detail };
+    let config = aws_config::defaults(BehaviorVersion::latest())
+        .region(Region::new(region.to_string()))
+        .endpoint_url(&endpoint)
+        .credentials_provider(Credentials::new("test", "test", None, None, "sandbox"))
+        .load()
+        .await;
+    let aws = AwsClients::from_config(&config).await.map_err(|e| down(e.to_string()))?;
+    aws.account().await.map_err(|e| down(e.to_string()))?;
+    Ok(aws)
+}
