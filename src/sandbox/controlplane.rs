@@ -759,27 +759,48 @@ impl ControlPlane {
             .unwrap_or_default();
         let usable: Vec<&Value> =
             nodes.iter().filter(|n| node_ready(n) && n["spec"]["unschedulable"] != true && !deleting(n)).collect();
+        // Pods of one workload share nodeSelector and tolerations: work out their eligible nodes
+        // once per such signature, and keep them ordered by load, so a pass costs
+        // O(signatures × nodes + pods × log nodes) instead of O(pods × nodes) (20,000 pods on
+        // 1,000 nodes would otherwise never settle).
+        let caps: HashMap<String, usize> = usable.iter().map(|n| (s(&n["metadata"]["name"]), capacity(n))).collect();
+        let mut by_signature: HashMap<String, BTreeSet<(usize, String)>> = HashMap::new();
         for p in pending {
+            let signature = json!([p["spec"]["nodeSelector"], p["spec"]["tolerations"]]).to_string();
             // Least loaded fitting node first, like a spreading scheduler.
-            let best = usable
-                .iter()
-                .filter(|n| {
-                    let name = s(&n["metadata"]["name"]);
-                    fits(&p["spec"], n) && load.get(&name).copied().unwrap_or(0) < capacity(n)
+            let chosen = by_signature
+                .entry(signature.clone())
+                .or_insert_with(|| {
+                    usable
+                        .iter()
+                        .filter(|n| fits(&p["spec"], n))
+                        .map(|n| {
+                            let name = s(&n["metadata"]["name"]);
+                            (load.get(&name).copied().unwrap_or(0), name)
+                        })
+                        .filter(|(l, name)| *l < caps.get(name).copied().unwrap_or(0))
+                        .collect()
                 })
-                .min_by_key(|n| {
-                    (load.get(&s(&n["metadata"]["name"])).copied().unwrap_or(0), s(&n["metadata"]["name"]))
-                });
-            let Some(node) = best else { continue };
-            let node_name = s(&node["metadata"]["name"]);
+                .first()
+                .cloned();
+            let Some((node_load, node_name)) = chosen else { continue };
             let (ns, name) = ns_name(&p);
             let wm = WriteOptions::manager("default-scheduler");
             let bound = self.store.patch(&pods_gr(), &ns, &name, PatchType::Merge,
                 &json!({"metadata": {"resourceVersion": p["metadata"]["resourceVersion"]}, "spec": {"nodeName": node_name}}), "", &wm);
-            if bound.is_ok() {
-                *load.entry(node_name).or_default() += 1;
-                let cond = json!({"status": {"conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339()}]}});
-                let _ = self.store.patch(&pods_gr(), &ns, &name, PatchType::Strategic, &cond, "status", &wm);
+            if bound.is_err() {
+                continue;
+            }
+            *load.entry(node_name.clone()).or_default() += 1;
+            let cond = json!({"status": {"conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339()}]}});
+            let _ = self.store.patch(&pods_gr(), &ns, &name, PatchType::Strategic, &cond, "status", &wm);
+            // every signature that can use this node must see its new load
+            let new_load = node_load + 1;
+            let cap = caps.get(&node_name).copied().unwrap_or(0);
+            for set in by_signature.values_mut() {
+                if set.remove(&(node_load, node_name.clone())) && new_load < cap {
+                    set.insert((new_load, node_name.clone()));
+                }
             }
         }
     }
