@@ -66,6 +66,64 @@ pub enum Command {
     /// A simulated Karpenter cluster on this machine, for trying the tool and for tests.
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// Find Terraform state entries that point at cluster objects now gone (node taints, labels,
+    /// Karpenter manifests) and print the `terraform state rm` commands and `removed` blocks
+    /// that make Terraform forget them. Changes nothing.
+    #[command(name = "tf-prune", after_long_help = TF_PRUNE_HELP)]
+    TfPrune(TfPruneArgs),
+    /// Print a shell completion script (e.g. `karpenter-teardown completions bash > /etc/bash_completion.d/karpenter-teardown`).
+    Completions(CompletionsArgs),
+}
+
+const TF_PRUNE_HELP: &str = "\
+Examples:
+  terraform show -json > state.json
+  karpenter-teardown tf-prune --state state.json --kubeconfig ~/.kube/config
+  # after the cluster itself is gone, every entry points at nothing:
+  terraform show -json | karpenter-teardown tf-prune --state - --assume-gone
+
+Looked at: kubernetes_node_taint, kubernetes_labels / kubernetes_annotations of kind Node,
+kubernetes_manifest / kubectl_manifest of NodePool, NodeClaim, EC2NodeClass. An object counts as
+gone only when the API server answers 404; any other error stops the command.";
+
+/// `tf-prune`.
+#[derive(Debug, Args)]
+pub struct TfPruneArgs {
+    /// `terraform show -json` output: a file, or `-` for stdin.
+    #[arg(long, value_name = "FILE|-")]
+    pub state: String,
+
+    /// Take every referenced object as gone, without asking a cluster (the cluster is deleted).
+    /// The kubeconfig flags are then ignored.
+    #[arg(long)]
+    pub assume_gone: bool,
+
+    /// Kubeconfig file (default: KUBECONFIG, then ~/.kube/config).
+    #[arg(long, env = "KARPENTER_TEARDOWN_KUBECONFIG", value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Kubeconfig context (default: the current context).
+    #[arg(long, env = "KARPENTER_TEARDOWN_CONTEXT")]
+    pub context: Option<String>,
+}
+
+/// `completions`.
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: CompletionShell,
+}
+
+/// Shells `completions` writes for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CompletionShell {
+    /// bash
+    Bash,
+    /// zsh
+    Zsh,
+    /// fish
+    Fish,
 }
 
 /// Which cluster, in which region.

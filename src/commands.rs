@@ -8,7 +8,10 @@ use std::io::{BufRead, IsTerminal, Write};
 use tokio_util::sync::CancellationToken;
 
 use crate::aws::{AwsClients, AwsError};
-use crate::cli::{Cli, Command, PlanArgs, PlanFormat, RunArgs, SandboxCommand, VerifyArgs};
+use crate::cli::{
+    Cli, Command, CompletionShell, CompletionsArgs, PlanArgs, PlanFormat, RunArgs, SandboxCommand, TfPruneArgs,
+    VerifyArgs,
+};
 use crate::config::{ConfigError, Consent, PlanSource, RunConfig, Target};
 use crate::engine::context::DrainOverrides;
 use crate::engine::{self, RunSettings};
@@ -36,6 +39,9 @@ pub enum CommandError {
     /// The sandbox could not start.
     #[error(transparent)]
     Sandbox(#[from] crate::sandbox::SandboxError),
+    /// `tf-prune` could not read the state or ask the cluster.
+    #[error(transparent)]
+    TfPrune(#[from] crate::tfprune::TfPruneError),
     /// The report could not be written.
     #[error("cannot write the report to {path}: {source}; check that the directory exists and is writable")]
     Report {
@@ -51,6 +57,9 @@ impl CommandError {
     pub fn exit(&self) -> Exit {
         match self {
             CommandError::Config(_) | CommandError::Plan(_) => Exit::BadInput,
+            CommandError::TfPrune(crate::tfprune::TfPruneError::Kube(e)) if e.is_configuration() => Exit::BadInput,
+            CommandError::TfPrune(crate::tfprune::TfPruneError::Kube(_)) => Exit::Failure,
+            CommandError::TfPrune(_) => Exit::BadInput,
             CommandError::Kube(e) if e.is_configuration() => Exit::BadInput,
             CommandError::Kube(_) => Exit::Failure,
             CommandError::Aws(e) if e.is_configuration() => Exit::BadInput,
@@ -63,6 +72,8 @@ impl CommandError {
 /// Runs the parsed command line and returns the exit status.
 pub async fn execute(cli: Cli) -> Exit {
     match cli.command {
+        Command::TfPrune(args) => tf_prune_command(&args).await,
+        Command::Completions(args) => completions_command(&args),
         Command::Verify(args) => verify_command(&args).await,
         Command::Run(args) => run_command(&args).await,
         Command::Plan(args) => plan_command(&args),
@@ -98,17 +109,23 @@ async fn verify_command(args: &VerifyArgs) -> Exit {
 
 async fn verify_target(target: &Target, report: &mut Report) -> Result<Exit, CommandError> {
     let aws = AwsClients::connect(&target.region).await?;
+    let result = verify_with(target, report, &aws).await;
+    report.api_calls.extend(aws.calls.snapshot());
+    result
+}
+
+async fn verify_with(target: &Target, report: &mut Report, aws: &AwsClients) -> Result<Exit, CommandError> {
     if let Some(account) = &target.account {
         aws.check_account(account).await?;
     }
-    let mut left = verify::verify(&aws, &target.cluster, VERIFY_SETTLE).await?;
+    let mut left = verify::verify(aws, &target.cluster, VERIFY_SETTLE).await?;
     if !left.is_clean() && target.reclaim {
         report.reclaimed = left.describe();
-        let failures = verify::reclaim(&aws, &left).await?;
+        let failures = verify::reclaim(aws, &left).await?;
         for f in failures {
             tracing::warn!(failure = %f, "could not reclaim");
         }
-        left = verify::verify(&aws, &target.cluster, VERIFY_SETTLE).await?;
+        left = verify::verify(aws, &target.cluster, VERIFY_SETTLE).await?;
     }
     let clean = left.is_clean();
     report.leftovers = left;
@@ -118,6 +135,7 @@ async fn verify_target(target: &Target, report: &mut Report) -> Result<Exit, Com
 /// Writes the report file (if asked) and prints the summary; a report that cannot be written
 /// turns a clean run into a failure, since CI would otherwise read nothing.
 fn finish_report(target: &Target, report: &Report, exit: Exit) -> Exit {
+    crate::progress::finish();
     println!("{}", report.summary());
     if let Some(path) = &target.report
         && let Err(source) = report.write(path)
@@ -132,6 +150,62 @@ fn load_plan(source: &PlanSource) -> Result<Plan, PlanError> {
         PlanSource::Builtin(name) => Plan::builtin(name),
         PlanSource::File(path) => Plan::load(path),
     }
+}
+
+/// `completions`: the script for the shell on stdout.
+fn completions_command(args: &CompletionsArgs) -> Exit {
+    use clap::CommandFactory;
+    let shell = match args.shell {
+        CompletionShell::Bash => clap_complete::Shell::Bash,
+        CompletionShell::Zsh => clap_complete::Shell::Zsh,
+        CompletionShell::Fish => clap_complete::Shell::Fish,
+    };
+    let mut cmd = Cli::command();
+    clap_complete::generate(shell, &mut cmd, "karpenter-teardown", &mut std::io::stdout());
+    Exit::Clean
+}
+
+/// `tf-prune`: prints the advice on stdout; exit 0 whether or not there is something to prune.
+async fn tf_prune_command(args: &TfPruneArgs) -> Exit {
+    match tf_prune(args).await {
+        Ok(text) => {
+            print!("{text}");
+            Exit::Clean
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+async fn tf_prune(args: &TfPruneArgs) -> Result<String, CommandError> {
+    use crate::tfprune::{self, TfPruneError};
+    let (source_name, text) = if args.state == "-" {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .map_err(|e| TfPruneError::Read { source_name: "stdin".into(), detail: e.to_string() })?;
+        ("stdin".to_string(), text)
+    } else {
+        let text = std::fs::read_to_string(&args.state)
+            .map_err(|e| TfPruneError::Read { source_name: args.state.clone(), detail: e.to_string() })?;
+        (args.state.clone(), text)
+    };
+    let refs = tfprune::find_refs(&text, &source_name)?;
+    if args.assume_gone {
+        return Ok(tfprune::render(&refs, &refs, "assumed gone: --assume-gone, no cluster asked"));
+    }
+    if refs.is_empty() {
+        return Ok(tfprune::render(&[], &refs, "no cluster asked"));
+    }
+    let kube = Kube::connect(&crate::config::KubeTarget {
+        kubeconfig: args.kubeconfig.clone(),
+        context: args.context.clone(),
+    })
+    .await?;
+    kube.check_reachable().await?;
+    let exists = tfprune::exists_in_cluster(&kube.client, &refs).await?;
+    let gone: Vec<_> = refs.iter().filter(|r| exists.get(&(r.kind, r.name.clone())) == Some(&false)).cloned().collect();
+    let against =
+        format!("checked against context {} at {}", kube.context.as_deref().unwrap_or("(current)"), kube.server);
+    Ok(tfprune::render(&gone, &refs, &against))
 }
 
 fn plan_command(args: &PlanArgs) -> Exit {
@@ -198,6 +272,8 @@ async fn run_command(args: &RunArgs) -> Exit {
         };
         let cancel = CancellationToken::new();
         let signals = watch_signals(cancel.clone());
+        // the report counts every call, Kubernetes and AWS, however the run ends
+        let calls = (kube.calls.clone(), aws.calls.clone());
         let mut result = engine::run(kube.clone(), aws.clone(), settings.clone(), cancel.clone()).await;
         if dry_run && result.error.is_none() {
             println!("{}", result.plan_text);
@@ -209,13 +285,15 @@ async fn run_command(args: &RunArgs) -> Exit {
             }
         }
         signals.abort();
-        report.api_calls = kube.calls.snapshot();
+        report.api_calls = calls.0.snapshot();
+        report.api_calls.extend(calls.1.snapshot());
         Ok::<_, CommandError>(result)
     }
     .await;
     let exit = match result {
         Ok(r) => {
             if let Some(e) = &r.error {
+                crate::progress::finish();
                 eprintln!("error: {e}");
             }
             report.steps = r.steps;

@@ -15,6 +15,8 @@ pub mod k8s;
 pub mod karpenter;
 pub mod logging;
 pub mod plan;
+pub mod progress;
 pub mod report;
 pub mod sandbox;
+pub mod tfprune;
 pub mod verify;

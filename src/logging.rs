@@ -1,27 +1,86 @@
 //! Structured logs: human text on a terminal, plain text or JSON lines without one, never
-//! colour codes when stderr is not a terminal (CI logs, Terraform output).
+//! colour or cursor codes when stderr is not a terminal (CI logs, Terraform output). On a
+//! terminal with text logs, the live progress view ([`crate::progress`]) is drawn below the log
+//! lines; the lines are written with the view suspended so the two never mix.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 
-use tracing_subscriber::EnvFilter;
+use tracing::Level;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::prelude::*;
+use tracing_subscriber::{EnvFilter, Registry};
 
 use crate::cli::LogFormat;
+use crate::progress::Progress;
 
 /// Installs the global subscriber writing to stderr. A bad filter falls back to `info` with a
 /// warning instead of failing the run.
 pub fn init(format: LogFormat, filter: &str) {
+    let tty = std::io::stderr().is_terminal();
+    init_with(format, filter, tty && format == LogFormat::Text);
+}
+
+/// [`init`] with the progress view chosen by the caller.
+pub fn init_with(format: LogFormat, filter: &str, progress: bool) {
     let (filter, bad) = match EnvFilter::try_new(filter) {
         Ok(f) => (f, None),
         Err(e) => (EnvFilter::new("info"), Some(format!("ignoring --log-level {filter:?}: {e}"))),
     };
     let tty = std::io::stderr().is_terminal();
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
-    // try_init: a second initialisation (tests calling into the CLI twice) is harmless.
-    let _ = match format {
-        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).with_span_list(false).try_init(),
-        LogFormat::Text => builder.with_ansi(tty).try_init(),
+    let view = progress.then(Progress::stderr);
+    let writer = LogWriter { view: view.clone() };
+    // the view reads the engine's own events, debug included ("started"), whatever the log level
+    let view_layer =
+        view.clone().map(|v| v.with_filter(Targets::new().with_target("karpenter_teardown", Level::DEBUG)));
+    let fmt = tracing_subscriber::fmt::layer().with_writer(writer).with_target(false);
+    let fmt_layer = match format {
+        LogFormat::Json => {
+            fmt.json().flatten_event(true).with_current_span(true).with_span_list(false).with_filter(filter).boxed()
+        }
+        LogFormat::Text => fmt.with_ansi(tty).with_filter(filter).boxed(),
     };
+    // try_init: a second initialisation (tests calling into the CLI twice) is harmless
+    let installed = Registry::default().with(fmt_layer).with(view_layer).try_init().is_ok();
+    if installed && let Some(v) = &view {
+        v.install();
+    }
     if let Some(msg) = bad {
         tracing::warn!("{msg}");
+    }
+}
+
+/// Writes log lines to stderr, with the progress view (if any) suspended meanwhile.
+#[derive(Clone)]
+struct LogWriter {
+    view: Option<Progress>,
+}
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match &self.view {
+            Some(v) => v.suspend(|| std::io::stderr().write(buf)),
+            None => std::io::stderr().write(buf),
+        }
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        // one suspension per line, not per partial write
+        match &self.view {
+            Some(v) => v.suspend(|| std::io::stderr().write_all(buf)),
+            None => std::io::stderr().write_all(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+impl<'a> MakeWriter<'a> for LogWriter {
+    type Writer = LogWriter;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
     }
 }

@@ -1,5 +1,6 @@
 //! The JSON report (`--report FILE`) and the short human summary printed at the end of a run.
-//! The schema is versioned; the README documents it field by field.
+//! The schema is versioned; `deploy/report.schema.json` (JSON Schema 2020-12) describes version 1
+//! field by field, and a test validates a real run's report against it.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -63,7 +64,7 @@ pub struct StepRecord {
     pub finished: String,
     /// How many attempts it took (1 when nothing was retried).
     pub attempts: u32,
-    /// `done`, `skipped`, `blocked`, `failed` or `interrupted`.
+    /// `done`, `skipped`, `blocked`, `leftovers`, `failed` or `interrupted`.
     pub result: String,
     /// What happened, in a sentence.
     #[serde(skip_serializing_if = "String::is_empty")]
@@ -114,7 +115,8 @@ pub struct Report {
     pub leftovers: Leftovers,
     /// What was reclaimed (`--reclaim`), as ids and names.
     pub reclaimed: Vec<String>,
-    /// API calls made, by `service:verb` (e.g. `kubernetes:patch`, `ec2:TerminateInstances`).
+    /// API calls made, by `service:verb` (e.g. `kubernetes:patch`, `ec2:TerminateInstances`); AWS
+    /// keys are the IAM actions the calls need.
     pub api_calls: BTreeMap<String, u64>,
     /// The error, when the outcome is `failed` or `refused`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -172,15 +174,39 @@ impl Report {
     /// The short human summary for the end of every run.
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "{} {} on cluster {} ({}): {} in {:.1}s, exit {}",
+            "{}{} on cluster {} ({}): {} in {:.1}s, exit {}",
             self.command,
-            if self.plan.is_empty() { String::new() } else { format!("[plan {}]", self.plan) },
+            if self.plan.is_empty() { String::new() } else { format!(" [plan {}]", self.plan) },
             self.cluster,
             self.region,
             serde_json::to_value(self.outcome).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
             self.wall_seconds,
             self.exit_code
         );
+        if !self.steps.is_empty() {
+            let mut results: BTreeMap<&str, usize> = BTreeMap::new();
+            for st in &self.steps {
+                *results.entry(st.result.as_str()).or_default() += 1;
+            }
+            let parts: Vec<String> = results.iter().map(|(r, n)| format!("{n} {r}")).collect();
+            s.push_str(&format!("\n  tasks: {}", parts.join(", ")));
+            let retried: u32 = self.steps.iter().map(|st| st.attempts.saturating_sub(1)).sum();
+            if retried > 0 {
+                s.push_str(&format!("\n  retries: {retried} (transient API errors; see steps[].attempts)"));
+            }
+        }
+        if !self.api_calls.is_empty() {
+            let mut by_service: BTreeMap<&str, u64> = BTreeMap::new();
+            for (k, n) in &self.api_calls {
+                *by_service.entry(k.split(':').next().unwrap_or(k)).or_default() += n;
+            }
+            let parts: Vec<String> = by_service.iter().map(|(svc, n)| format!("{svc} {n}")).collect();
+            s.push_str(&format!("\n  api calls: {}", parts.join(", ")));
+        }
+        for st in self.steps.iter().filter(|st| matches!(st.result.as_str(), "blocked" | "failed")) {
+            let what = st.object.as_ref().map(|o| format!("{}[{o}]", st.step)).unwrap_or_else(|| st.step.clone());
+            s.push_str(&format!("\n  {} {what}: {}", st.result, st.detail));
+        }
         for b in &self.blockers {
             s.push_str(&format!("\n  blocked by {} {}: {}", b.kind, b.name, b.reason));
         }

@@ -4,12 +4,14 @@
 //! Endpoints come from the SDK's standard environment (`AWS_ENDPOINT_URL`, `AWS_ENDPOINT_URL_EC2`,
 //! ...), credentials from its default chain; LocalStack needs no special flags.
 
+pub mod calls;
 pub mod ec2;
 pub mod iam;
 
 use aws_config::{BehaviorVersion, Region, retry::RetryConfig};
 use aws_credential_types::provider::ProvideCredentials;
 
+pub use calls::AwsCalls;
 pub use ec2::{Ec2, InstanceInfo, InstanceState};
 pub use iam::{Iam, InstanceProfileInfo};
 
@@ -134,6 +136,8 @@ pub struct AwsClients {
     pub ec2: Ec2,
     /// IAM (global).
     pub iam: Iam,
+    /// Every request the three clients sent, by `service:Operation`.
+    pub calls: AwsCalls,
     sts: aws_sdk_sts::Client,
     sts_endpoint: String,
     region: String,
@@ -169,11 +173,18 @@ impl AwsClients {
                 .or_else(|| config.endpoint_url().map(str::to_string))
                 .unwrap_or_else(|| format!("the default {svc} endpoint of {region}"))
         };
+        // one counter shared by the three clients, so the report names every AWS call the run
+        // made and the least-privilege test can compare them with deploy/iam-policy.json
+        let calls = AwsCalls::default();
+        let ec2 = aws_sdk_ec2::config::Builder::from(config).interceptor(calls.clone()).build();
+        let iam = aws_sdk_iam::config::Builder::from(config).interceptor(calls.clone()).build();
+        let sts = aws_sdk_sts::config::Builder::from(config).interceptor(calls.clone()).build();
         Ok(AwsClients {
-            ec2: Ec2::new(aws_sdk_ec2::Client::new(config), endpoint("ec2")),
-            iam: Iam::new(aws_sdk_iam::Client::new(config), endpoint("iam")),
-            sts: aws_sdk_sts::Client::new(config),
+            ec2: Ec2::new(aws_sdk_ec2::Client::from_conf(ec2), endpoint("ec2")),
+            iam: Iam::new(aws_sdk_iam::Client::from_conf(iam), endpoint("iam")),
+            sts: aws_sdk_sts::Client::from_conf(sts),
             sts_endpoint: endpoint("sts"),
+            calls,
             region,
         })
     }
