@@ -1,6 +1,8 @@
 //! Test-bed helpers shared by the integration tests: LocalStack clients and unique names.
 #![allow(dead_code)]
 
+pub mod e2e;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 

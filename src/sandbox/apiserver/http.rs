@@ -16,7 +16,7 @@ use super::patch::{self, PatchType};
 use super::select::{FieldSelector, LabelSelector};
 use super::status::ApiError;
 use super::store::{DeleteOptions, GroupResource, ListOptions, Store, WriteOptions};
-use super::{discovery, eviction, openapi, scale, table, watch};
+use super::{conversion, discovery, eviction, openapi, scale, table, watch};
 
 /// State shared by every request handler.
 pub(crate) struct Shared {
@@ -247,6 +247,10 @@ pub(crate) async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> R
         && !(t.namespace.is_none() && t.name.is_none() && parts.method == Method::GET)
     {
         return error_response(&ApiError::no_route(&path));
+    }
+    // Karpenter 1.0.x CRDs: a request needing conversion fails while the webhook is down
+    if let Err(e) = conversion::check(&shared.store, &info, &t, matches!(verb, "list" | "watch" | "deletecollection")) {
+        return error_response(&e);
     }
     let ct =
         parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("application/json").to_string();

@@ -1,6 +1,7 @@
 //! An in-memory Kubernetes API server over HTTP/1.1 on loopback, generic over kinds, with the
 //! semantics our tool depends on (design §4) and what kubectl needs (design §5).
 
+mod conversion;
 mod discovery;
 mod eviction;
 mod faults;

@@ -1,0 +1,160 @@
+//! End-to-end helpers shared by the teardown tests: a test bed (sandbox API server, LocalStack
+//! clients, a kubeconfig), a world spec, a run of the real binary, and the end-state checks every
+//! successful teardown must pass.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Node;
+use karpenter_teardown::aws::{AwsClients, InstanceState};
+use karpenter_teardown::k8s;
+use karpenter_teardown::sandbox::sim::{World, WorldSpec, naming};
+use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
+use kube::Client;
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
+use serde_json::{Value, json};
+
+/// The region of every end-to-end world.
+pub const REGION: &str = "us-west-2";
+
+/// The sandbox API server, clients of it and of LocalStack, and a kubeconfig in a temp dir.
+pub struct Bed {
+    pub server: ApiServer,
+    pub client: Client,
+    pub aws: AwsClients,
+    pub dir: tempfile::TempDir,
+    pub kubeconfig: PathBuf,
+}
+
+/// A test bed with the sandbox API server at the tests' usual speed.
+pub async fn bed(cluster: &str) -> Bed {
+    bed_with(cluster, ServerOptions { time_scale: 0.01, ..ServerOptions::default() }).await
+}
+
+/// A test bed with the given server options, and a kubeconfig whose context is `cluster`.
+pub async fn bed_with(cluster: &str, opts: ServerOptions) -> Bed {
+    let aws = super::localstack(REGION).await;
+    let server = ApiServer::start(opts).await.unwrap();
+    let client = Client::try_from(server.kube_config()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, cluster).unwrap();
+    Bed { server, client, aws, dir, kubeconfig }
+}
+
+/// A small world: 3 pools, 2 classes, 2 pods per node, managed nodes, a control-plane node, decoys.
+pub fn spec(prefix: &str, nodes: usize) -> WorldSpec {
+    WorldSpec {
+        cluster: super::unique_cluster(prefix),
+        nodes,
+        node_pools: 3,
+        node_classes: 2,
+        pods_per_node: 2,
+        managed_nodes: 2,
+        taint_managed_node: true,
+        control_plane_node: true,
+        decoys: 2,
+        concurrency: 16,
+        settle_timeout: Duration::from_secs(30),
+        ..WorldSpec::default()
+    }
+}
+
+/// What a run of the binary produced.
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub report: Value,
+}
+
+/// Runs `karpenter-teardown run` against the bed with `extra` arguments; reads its JSON report.
+pub async fn teardown(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
+    let report = b.dir.path().join("report.json");
+    let _ = std::fs::remove_file(&report);
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    // KT_TEST_LOGS=1 shows the tool's logs live (with --nocapture) when a test needs debugging
+    if std::env::var_os("KT_TEST_LOGS").is_some() {
+        cmd.stderr(std::process::Stdio::inherit());
+    }
+    let out = cmd
+        .args(["run", "--cluster", cluster, "--region", REGION, "--kubeconfig"])
+        .arg(&b.kubeconfig)
+        .arg("--report")
+        .arg(&report)
+        .args(extra)
+        .envs(super::localstack_env())
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let report = std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into(),
+        stderr: String::from_utf8_lossy(&out.stderr).into(),
+        report,
+    }
+}
+
+/// EC2 states of instances by id.
+pub async fn states(aws: &AwsClients, ids: &[String]) -> BTreeMap<String, InstanceState> {
+    aws.ec2.instances_by_id(ids).await.unwrap().into_iter().map(|i| (i.id, i.state)).collect()
+}
+
+/// How many objects of a kind the cluster holds (0 when the kind is not served).
+pub async fn count(client: &Client, ar: &kube::core::ApiResource) -> usize {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), ar);
+    api.list(&ListParams::default()).await.map(|l| l.items.len()).unwrap_or(0)
+}
+
+/// Labels, taints and schedulability of the nodes the tool must never touch.
+pub async fn untouchable_nodes(client: &Client, world: &World) -> BTreeMap<String, Value> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let mut names: Vec<String> = world.managed_nodes.iter().map(|m| m.node.clone()).collect();
+    names.extend(world.control_plane_node.clone());
+    let mut out = BTreeMap::new();
+    for n in names {
+        let node = nodes.get(&n).await.unwrap();
+        let spec = node.spec.unwrap_or_default();
+        out.insert(
+            n,
+            json!({"labels": node.metadata.labels, "taints": spec.taints, "unschedulable": spec.unschedulable}),
+        );
+    }
+    out
+}
+
+/// The end state every successful teardown must reach.
+pub async fn assert_torn_down(b: &Bed, world: &World, before: &BTreeMap<String, Value>) {
+    let ours = states(&b.aws, &world.karpenter_instance_ids()).await;
+    assert_eq!(ours.len(), world.nodes.len());
+    assert!(ours.values().all(|s| *s == InstanceState::Terminated), "Karpenter instances: {ours:?}");
+    let mut keep = world.managed_instance_ids();
+    keep.extend(world.decoy_instances.clone());
+    let kept = states(&b.aws, &keep).await;
+    assert!(kept.values().all(|s| *s == InstanceState::Running), "managed and decoy instances: {kept:?}");
+    assert_eq!(count(&b.client, &k8s::nodeclaim_resource()).await, 0, "NodeClaims left");
+    assert_eq!(count(&b.client, &k8s::nodepool_resource()).await, 0, "NodePools left");
+    assert_eq!(count(&b.client, &k8s::nodeclass_resource()).await, 0, "EC2NodeClasses left");
+    let nodes: Api<Node> = Api::all(b.client.clone());
+    let karpenter_nodes = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
+    assert!(karpenter_nodes.items.is_empty(), "Karpenter nodes left");
+    assert!(b.aws.ec2.launch_templates(&world.cluster).await.unwrap().is_empty(), "launch templates left");
+    assert!(
+        b.aws.iam.cluster_instance_profiles(REGION, &world.cluster).await.unwrap().is_empty(),
+        "instance profiles left"
+    );
+    assert_eq!(&untouchable_nodes(&b.client, world).await, before, "non-Karpenter nodes changed");
+}
+
+/// Scales the Karpenter Deployment.
+pub async fn scale_controller(c: &Client, replicas: i32) {
+    let api: Api<Deployment> = Api::namespaced(c.clone(), naming::KARPENTER_NAMESPACE);
+    api.patch(naming::KARPENTER_NAME, &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": replicas}})))
+        .await
+        .unwrap();
+}

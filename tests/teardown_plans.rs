@@ -1,0 +1,338 @@
+//! End to end, beyond the default plan: the delegate plan with a healthy and with a broken
+//! controller, why the fence step exists, and Karpenter 1.0.x (the CRD conversion webhook).
+//! The real binary runs through a kubeconfig against the sandbox API server and LocalStack.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::e2e::{
+    Bed, REGION, Run, assert_torn_down, bed, bed_with, count, scale_controller, spec, teardown, untouchable_nodes,
+};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use karpenter_teardown::aws::ec2::InstanceScope;
+use karpenter_teardown::k8s;
+use karpenter_teardown::sandbox::ServerOptions;
+use karpenter_teardown::sandbox::sim::{KarpenterVersion, SimController, SimSettings, generate, naming};
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use serde_json::{Value, json};
+
+const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
+
+/// Writes a plan file into the bed's temp dir.
+fn plan_file(b: &Bed, name: &str, text: &str) -> PathBuf {
+    let p = b.dir.path().join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// The shipped delegate plan with a shorter wait for Karpenter (15m is too long for a test).
+fn delegate_waiting(deadline: &str) -> String {
+    let text = std::fs::read_to_string(format!("{MANIFEST}/plans/delegate.toml")).unwrap();
+    let wait = "deadline = \"15m\"\non_deadline = \"continue\"";
+    assert!(text.contains(wait), "plans/delegate.toml changed: update this test");
+    text.replacen(wait, &format!("deadline = \"{deadline}\"\non_deadline = \"continue\""), 1)
+}
+
+/// The shipped default plan without its fence step: the drain follows the preflight directly.
+fn default_without_fence() -> String {
+    let text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
+    let start = text.find("[[step]]\nid = \"fence\"").expect("default.toml has a fence step");
+    let end = start + text[start..].find("\n[[step]]").expect("a step follows the fence") + 1;
+    let mut out = format!("{}{}", &text[..start], &text[end..]);
+    assert!(out.contains("after = [\"fence\"]"));
+    out = out
+        .replace("after = [\"fence\"]", "after = [\"preflight\"]")
+        .replace("name = \"default\"", "name = \"no-fence\"");
+    out
+}
+
+/// The report record of a step that is not expanded per object.
+fn step<'a>(run: &'a Run, id: &str) -> &'a Value {
+    run.report["steps"]
+        .as_array()
+        .and_then(|s| s.iter().find(|r| r["step"] == id && r.get("object").is_none()))
+        .unwrap_or_else(|| panic!("no record of step {id} in the report: {}", run.report))
+}
+
+/// The results of a per-object step's tasks.
+fn task_results(run: &Run, id: &str) -> Vec<String> {
+    run.report["steps"]
+        .as_array()
+        .map(|s| s.iter().filter(|r| r["step"] == id).map(|r| r["result"].as_str().unwrap_or("").to_string()).collect())
+        .unwrap_or_default()
+}
+
+fn explain(run: &Run) -> String {
+    format!("exit {}\nstdout:\n{}\nstderr:\n{}\nreport:\n{:#}", run.code, run.stdout, run.stderr, run.report)
+}
+
+fn sim_settings(cluster: &str, version: KarpenterVersion) -> SimSettings {
+    SimSettings { version, time_scale: 0.02, ..SimSettings::new(cluster, REGION) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegate_plan_lets_a_healthy_karpenter_do_the_work() {
+    let s = spec("plans-delegate", 5);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
+    let before = untouchable_nodes(&b.client, &world).await;
+
+    let run = teardown(&b, &world.cluster, &["--yes", "--plan", "delegate"]).await;
+    assert_eq!(run.code, 0, "{}", explain(&run));
+    assert_eq!(run.report["outcome"], "clean");
+    assert_eq!(run.report["plan"], "delegate");
+    let wait = step(&run, "wait-nodeclaims-gone");
+    assert_eq!(wait["result"], "done");
+    assert!(
+        wait["detail"].as_str().unwrap_or_default().starts_with("Karpenter removed every NodeClaim"),
+        "Karpenter did not finish before the deadline: {wait}"
+    );
+    // the fallback found nothing to do: every machine was already gone
+    assert!(task_results(&run, "discharge-finalizers").iter().all(|r| r == "skipped"), "{}", explain(&run));
+    assert!(task_results(&run, "drain").iter().all(|r| r == "skipped"), "{}", explain(&run));
+    let stats = sim.stats();
+    sim.shutdown().await;
+    assert!(stats.instances_terminated >= world.nodes.len() as u64, "Karpenter terminated the instances: {stats:?}");
+    assert!(stats.finalizers_removed >= 2 * world.nodes.len() as u64, "Karpenter released its finalizers: {stats:?}");
+    assert_eq!(stats.nodeclaims_launched, 0, "the fence kept Karpenter from launching replacements");
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegate_plan_falls_back_when_karpenter_is_broken() {
+    let s = spec("plans-fallback", 5);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    // a controller that exists but does nothing: the NodeClaims never go by themselves
+    let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
+    scale_controller(&b.client, 0).await;
+    let before = untouchable_nodes(&b.client, &world).await;
+    let plan = plan_file(&b, "delegate-3s.toml", &delegate_waiting("3s"));
+
+    let run = teardown(&b, &world.cluster, &["--yes", "--plan", plan.to_str().unwrap()]).await;
+    assert_eq!(run.code, 0, "{}", explain(&run));
+    assert_eq!(run.report["outcome"], "clean");
+    let wait = step(&run, "wait-nodeclaims-gone");
+    assert_eq!(wait["result"], "done", "on_deadline = continue lets the fallback run: {wait}");
+    let detail = wait["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("NodeClaim(s) left after 3s") && detail.contains("take over"), "{wait}");
+    let discharged = task_results(&run, "discharge-finalizers");
+    assert_eq!(discharged.len(), world.nodes.len());
+    assert!(discharged.iter().all(|r| r == "done"), "the fallback terminated every machine: {}", explain(&run));
+    let stats = sim.stats();
+    sim.shutdown().await;
+    assert_eq!(stats.instances_terminated, 0, "the broken controller did nothing: {stats:?}");
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+/// A world whose NodePools may grow, a live controller, and pods that take a moment to terminate
+/// (server time scale 0.3: a 1 s grace period is 0.3 s) so that evicted pods' replacements are
+/// Pending long enough for the controller (pending grace 20 ms) to react.
+async fn growing_world(prefix: &str) -> (Bed, karpenter_teardown::sandbox::sim::World, SimController) {
+    let s = spec(prefix, 4);
+    assert_eq!(s.pool_cpu_limit, None, "the pools must allow growth");
+    let b = bed_with(&s.cluster, ServerOptions { time_scale: 0.3, ..ServerOptions::default() }).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
+    (b, world, sim)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_fence_karpenter_chases_the_drain() {
+    let (b, world, sim) = growing_world("plans-nofence").await;
+    let before = untouchable_nodes(&b.client, &world).await;
+    let plan = plan_file(&b, "no-fence.toml", &default_without_fence());
+
+    let run = teardown(&b, &world.cluster, &["--yes", "--plan", plan.to_str().unwrap()]).await;
+    let stats = sim.stats();
+    sim.shutdown().await;
+    assert!(stats.nodeclaims_launched > 0, "evicted pods made Karpenter launch replacements: {stats:?}");
+    // The replacements are not in the run's inventory. The engine sweeps them up before it deletes
+    // their EC2NodeClass (drain, terminate, confirm, release), names them, and ends clean.
+    assert_eq!(run.code, 0, "{}", explain(&run));
+    assert_eq!(run.report["outcome"], "clean");
+    let swept: Vec<&Value> = run.report["blockers"]
+        .as_array()
+        .map(|bs| bs.iter().filter(|x| x["kind"] == "nodeclaim").collect())
+        .unwrap_or_default();
+    assert!(!swept.is_empty(), "the report names the NodeClaims launched during the run: {}", explain(&run));
+    assert!(swept.len() as u64 <= stats.nodeclaims_launched);
+    let live = b.aws.ec2.cluster_instances(&world.cluster, InstanceScope::KarpenterLive).await.unwrap();
+    assert!(live.is_empty(), "replacement instances left running: {live:?}");
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_fence_karpenter_launches_nothing_under_the_same_pressure() {
+    let (b, world, sim) = growing_world("plans-fence").await;
+    let before = untouchable_nodes(&b.client, &world).await;
+
+    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    let stats = sim.stats();
+    sim.shutdown().await;
+    assert_eq!(run.code, 0, "{}", explain(&run));
+    assert_eq!(stats.nodeclaims_launched, 0, "the fence kept Karpenter from launching: {stats:?}");
+    assert!(
+        !run.report["blockers"].as_array().into_iter().flatten().any(|x| x["kind"] == "nodeclaim"),
+        "{}",
+        explain(&run)
+    );
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+/// Installs Karpenter 1.0.14's own CRDs (served v1 and v1beta1, conversion through the
+/// controller's webhook) before the generator, which keeps CRDs that exist.
+async fn install_real_v1_0_crds(client: &kube::Client) {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let dir = PathBuf::from(format!("{MANIFEST}/../shared/karpenter/crds-v1.0.14"));
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.unwrap().path();
+        let crd: CustomResourceDefinition = serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        api.create(&PostParams::default(), &crd).await.unwrap();
+        n += 1;
+    }
+    assert_eq!(n, 3);
+}
+
+fn karpenter_resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
+}
+
+/// Every Karpenter kind at both served versions.
+fn all_versions() -> Vec<ApiResource> {
+    let mut out = Vec::new();
+    for v in ["v1", "v1beta1"] {
+        out.push(karpenter_resource("karpenter.sh", v, "NodePool", "nodepools"));
+        out.push(karpenter_resource("karpenter.sh", v, "NodeClaim", "nodeclaims"));
+        out.push(karpenter_resource("karpenter.k8s.aws", v, "EC2NodeClass", "ec2nodeclasses"));
+    }
+    out
+}
+
+async fn conversion_strategies(client: &kube::Client) -> Vec<String> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut out = Vec::new();
+    for name in ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"] {
+        let crd = api.get(name).await.unwrap();
+        out.push(crd.spec.conversion.map(|c| c.strategy).unwrap_or_default());
+    }
+    out
+}
+
+async fn wait_controller_pods_gone(client: &kube::Client) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), naming::KARPENTER_NAMESPACE);
+    let lp = ListParams::default().labels("app.kubernetes.io/name=karpenter");
+    for _ in 0..200 {
+        if pods.list(&lp).await.unwrap().items.is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the karpenter controller's pods did not go");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn karpenter_1_0_default_plan_leaves_nothing_unreachable() {
+    let s = karpenter_teardown::sandbox::sim::WorldSpec { version: KarpenterVersion::V1_0, ..spec("plans-v10", 5) };
+    let b = bed(&s.cluster).await;
+    install_real_v1_0_crds(&b.client).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    assert_eq!(conversion_strategies(&b.client).await, ["Webhook"; 3]);
+    let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
+    let before = untouchable_nodes(&b.client, &world).await;
+
+    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    sim.shutdown().await;
+    assert_eq!(run.code, 0, "{}", explain(&run));
+    assert_eq!(run.report["outcome"], "clean");
+    let removed = step(&run, "remove-controller");
+    assert!(
+        removed["detail"].as_str().unwrap_or_default().contains("conversion webhook removed from 3 Karpenter CRD(s)"),
+        "{removed}"
+    );
+    assert_torn_down(&b, &world, &before).await;
+    assert_eq!(conversion_strategies(&b.client).await, ["None"; 3]);
+    // with the controller gone, every kind answers at every served version
+    for ar in all_versions() {
+        let api: Api<DynamicObject> = Api::all_with(b.client.clone(), &ar);
+        let list = api.list(&ListParams::default()).await;
+        assert!(list.is_ok_and(|l| l.items.is_empty()), "{} at {}", ar.plural, ar.api_version);
+    }
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
+    let s = karpenter_teardown::sandbox::sim::WorldSpec {
+        version: KarpenterVersion::V1_0,
+        node_pools: 1,
+        node_classes: 1,
+        decoys: 0,
+        ..spec("plans-conv", 1)
+    };
+    let b = bed(&s.cluster).await;
+    install_real_v1_0_crds(&b.client).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let v1beta1 = Api::<DynamicObject>::all_with(
+        b.client.clone(),
+        &karpenter_resource("karpenter.sh", "v1beta1", "NodePool", "nodepools"),
+    );
+    let v1 = Api::<DynamicObject>::all_with(b.client.clone(), &k8s::nodepool_resource());
+
+    // the controller is up: conversion works, and an object written at v1beta1 stays stored so
+    assert_eq!(v1beta1.list(&ListParams::default()).await.unwrap().items.len(), 1);
+    let legacy: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
+        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name}}}},
+    }))
+    .unwrap();
+    v1beta1.create(&PostParams::default(), &legacy).await.unwrap();
+    assert_eq!(v1.list(&ListParams::default()).await.unwrap().items.len(), 2);
+
+    scale_controller(&b.client, 0).await;
+    wait_controller_pods_gone(&b.client).await;
+    let status = |r: Result<_, kube::Error>| match r {
+        Err(kube::Error::Api(s)) => (s.code, s.message),
+        Ok(_) => (200, String::new()),
+        Err(e) => panic!("{e}"),
+    };
+    let no_endpoints = "no endpoints available for service \"karpenter\"";
+    let (code, msg) = status(v1beta1.list(&ListParams::default()).await.map(|_| ()));
+    assert_eq!(code, 500, "{msg}");
+    assert!(
+        msg.contains("conversion webhook for karpenter.sh/v1beta1, Kind=NodePool failed") && msg.contains(no_endpoints),
+        "{msg}"
+    );
+    // at the storage version only the object stored at v1beta1 needs the webhook
+    let (code, msg) = status(v1.list(&ListParams::default()).await.map(|_| ()));
+    assert_eq!(code, 500, "{msg}");
+    assert!(msg.contains(no_endpoints), "{msg}");
+    assert_eq!(status(v1.get("legacy").await.map(|_| ())).0, 500);
+    assert_eq!(status(v1.get(&world.node_pools[0]).await.map(|_| ())).0, 200);
+    assert_eq!(count(&b.client, &k8s::nodeclaim_resource()).await, 1, "NodeClaims are all stored at v1");
+
+    // the tool cannot take inventory and says how to get out
+    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    assert_eq!(run.code, 1, "{}", explain(&run));
+    assert!(run.stderr.contains("strategy") && run.stderr.contains("nodepools.karpenter.sh"), "{}", explain(&run));
+
+    // what remove-controller does (and the error names): conversion None, nothing needs the webhook
+    let crds: Api<CustomResourceDefinition> = Api::all(b.client.clone());
+    let patch = json!({"spec": {"conversion": {"strategy": "None"}}});
+    crds.patch("nodepools.karpenter.sh", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+        .await
+        .unwrap();
+    assert_eq!(v1.list(&ListParams::default()).await.unwrap().items.len(), 2);
+    assert_eq!(v1beta1.list(&ListParams::default()).await.unwrap().items.len(), 2);
+    b.server.shutdown().await;
+}
