@@ -1,7 +1,7 @@
 //! The actions: small, idempotent functions of the live state (observe, act, wait for the
 //! condition). Each treats "already gone" as "done", so a re-run finishes what a killed run began.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::context::Ctx;
-use super::inventory::{Inventory, find_controller, list_dynamic};
+use super::inventory::{Inventory, Machine, find_controller, list_dynamic};
 use crate::config::DrainPolicy;
 use crate::k8s::nodes::cordon_and_taint;
 use crate::k8s::objects::{delete_if_present, last_manager_in, patch_params, remove_finalizer};
@@ -37,6 +37,9 @@ pub enum TaskOutcome {
     Leftovers(String),
     /// Failed.
     Failed(String),
+    /// Failed on something that may pass (429, 5xx, a lost connection): the engine runs the
+    /// task again (actions are idempotent functions of the live state) with backoff.
+    Transient(String),
     /// Stopped by Ctrl-C / SIGTERM.
     Interrupted,
 }
@@ -49,7 +52,7 @@ impl TaskOutcome {
             TaskOutcome::Skipped(_) => "skipped",
             TaskOutcome::Blocked(_) => "blocked",
             TaskOutcome::Leftovers(_) => "leftovers",
-            TaskOutcome::Failed(_) => "failed",
+            TaskOutcome::Failed(_) | TaskOutcome::Transient(_) => "failed",
             TaskOutcome::Interrupted => "interrupted",
         }
     }
@@ -61,7 +64,8 @@ impl TaskOutcome {
             | TaskOutcome::Skipped(d)
             | TaskOutcome::Blocked(d)
             | TaskOutcome::Leftovers(d)
-            | TaskOutcome::Failed(d) => d,
+            | TaskOutcome::Failed(d)
+            | TaskOutcome::Transient(d) => d,
             TaskOutcome::Interrupted => "interrupted",
         }
     }
@@ -74,7 +78,10 @@ impl TaskOutcome {
 
 impl From<KubeError> for TaskOutcome {
     fn from(e: KubeError) -> Self {
-        TaskOutcome::Failed(e.to_string())
+        match &e {
+            KubeError::Api { source, .. } if k8s::is_transient(source) => TaskOutcome::Transient(e.to_string()),
+            _ => TaskOutcome::Failed(e.to_string()),
+        }
     }
 }
 
@@ -148,8 +155,12 @@ pub async fn fence(ctx: &Ctx) -> TaskOutcome {
 /// Cordons and taints the machine's node, evicts its pods in Karpenter's order respecting
 /// PodDisruptionBudgets, waits for them by watch, and applies the deadline policy.
 pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
-    let Some(node) = node_of(ctx, machine).await else {
-        return TaskOutcome::Skipped("no node".into());
+    // Only a NodeClaim that names no node (or is gone) means there is nothing to drain; an error
+    // reading it must never be taken for that, or the instance would be terminated undrained.
+    let node = match node_of(ctx, machine).await {
+        Ok(Some(n)) => n,
+        Ok(None) => return TaskOutcome::Skipped("no node".into()),
+        Err(e) => return e.into(),
     };
     let deadline = ctx.drain.deadline.or(params.deadline).unwrap_or(Duration::from_secs(600));
     let policy = ctx.drain.policy.unwrap_or(match params.on_deadline {
@@ -260,14 +271,15 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
     }
 }
 
-async fn node_of(ctx: &Ctx, machine: &str) -> Option<String> {
+async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, KubeError> {
     if let Some(n) = machine.strip_prefix("node/") {
-        return Some(n.to_string());
+        return Ok(Some(n.to_string()));
     }
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
     match api.get_opt(machine).await {
-        Ok(Some(c)) => c.data.pointer("/status/nodeName").and_then(Value::as_str).map(str::to_string),
-        _ => None,
+        Ok(Some(c)) => Ok(c.data.pointer("/status/nodeName").and_then(Value::as_str).map(str::to_string)),
+        Ok(None) => Ok(None),
+        Err(e) => Err(KubeError::api(format!("read NodeClaim {machine}"), e)),
     }
 }
 
@@ -276,7 +288,13 @@ async fn describe_blockers(ctx: &Ctx, left: &[PodRef], blocked: &BTreeMap<String
     let mut parts = Vec::new();
     for p in left {
         let why = blocked.get(&p.uid).map(|(_, m)| m.clone()).unwrap_or_else(|| "still terminating".into());
-        let pdbs = matching_pdbs(ctx, p).await;
+        let pdbs = match matching_pdbs(ctx, p).await {
+            Ok(found) => found,
+            Err(e) => {
+                ctx.note("pdb", &format!("{}/?", p.namespace), format!("could not be read for pod {}: {e}", p.key()));
+                Vec::new()
+            }
+        };
         for (pdb, allowed) in &pdbs {
             ctx.note("pdb", pdb, format!("allows {allowed} disruption(s); blocks pod {}", p.key()));
         }
@@ -287,15 +305,16 @@ async fn describe_blockers(ctx: &Ctx, left: &[PodRef], blocked: &BTreeMap<String
     parts.join(", ")
 }
 
-async fn matching_pdbs(ctx: &Ctx, p: &PodRef) -> Vec<(String, i32)> {
+async fn matching_pdbs(ctx: &Ctx, p: &PodRef) -> Result<Vec<(String, i32)>, kube::Error> {
     let pods: Api<Pod> = Api::namespaced(ctx.kube.client.clone(), &p.namespace);
-    let labels = match pods.get_opt(&p.name).await {
-        Ok(Some(pod)) => pod.metadata.labels.unwrap_or_default(),
-        _ => return Vec::new(),
+    let labels = match pods.get_opt(&p.name).await? {
+        Some(pod) => pod.metadata.labels.unwrap_or_default(),
+        None => return Ok(Vec::new()),
     };
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(ctx.kube.client.clone(), &p.namespace);
-    let Ok(list) = pdbs.list(&ListParams::default()).await else { return Vec::new() };
-    list.items
+    let list = pdbs.list(&ListParams::default()).await?;
+    Ok(list
+        .items
         .into_iter()
         .filter(|pdb| {
             let sel = pdb.spec.as_ref().and_then(|s| s.selector.as_ref());
@@ -320,7 +339,7 @@ async fn matching_pdbs(ctx: &Ctx, p: &PodRef) -> Vec<(String, i32)> {
             let allowed = pdb.status.as_ref().map(|s| s.disruptions_allowed).unwrap_or(0);
             (format!("{}/{}", p.namespace, pdb.metadata.name.unwrap_or_default()), allowed)
         })
-        .collect()
+        .collect())
 }
 
 // ---------------------------------------------------------------- remove controller
@@ -446,9 +465,11 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         None => (Some(machine.to_string()), None),
     };
     let mut provider: Option<ProviderId> = None;
+    let mut claim_exists = false;
     if let Some(c) = &claim_name {
         match claims.get_opt(c).await {
             Ok(Some(obj)) => {
+                claim_exists = true;
                 provider = obj
                     .data
                     .pointer("/status/providerID")
@@ -475,6 +496,10 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
             Ok(None) => node_name = None,
             Err(e) => return KubeError::api(format!("read Node {n}"), e).into(),
         }
+    }
+    if provider.is_none() && node_name.is_none() && !claim_exists {
+        // Karpenter (or an earlier run) finished this machine: nothing is left to guard
+        return TaskOutcome::Skipped("already gone".into());
     }
     let mut what = Vec::new();
     if let Some(p) = &provider {
@@ -547,7 +572,16 @@ pub async fn wait_nodeclaims_gone(ctx: &Ctx, params: &Params) -> TaskOutcome {
     loop {
         let left = match list_dynamic(&ctx.kube.client, &k8s::nodeclaim_resource()).await {
             Ok(l) => l.len(),
-            Err(e) => return e.into(),
+            // a passing error must not restart the wait (and its deadline): look again shortly
+            Err(e) => match TaskOutcome::from(e) {
+                TaskOutcome::Transient(_) => {
+                    if !pause(ctx, Duration::from_millis(500)).await {
+                        return TaskOutcome::Interrupted;
+                    }
+                    continue;
+                }
+                other => return other,
+            },
         };
         if left == 0 {
             return TaskOutcome::Done(format!(
@@ -581,6 +615,7 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
     };
     let limit = params.deadline.unwrap_or(Duration::from_secs(300));
     let mut done = Vec::new();
+    let mut swept: BTreeSet<String> = BTreeSet::new();
     for class in classes {
         let name = class.metadata.name.clone().unwrap_or_default();
         let start = Instant::now();
@@ -589,14 +624,23 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
                 Ok(i) => i,
                 Err(e) => return e.into(),
             };
-            let users = inv
+            let users: Vec<&Machine> = inv
                 .machines
                 .values()
                 .filter(|m| m.nodeclaim.is_some() && m.nodeclass.as_deref() == Some(&name))
-                .count();
-            if users == 0 {
+                .collect();
+            if users.is_empty() {
                 break;
             }
+            for m in users.iter().filter(|m| !ctx.inventoried.contains(&m.name)) {
+                if swept.insert(m.name.clone()) {
+                    match sweep_machine(ctx, &m.name).await {
+                        TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
+                        other => return other,
+                    }
+                }
+            }
+            let users = users.len();
             if start.elapsed() >= limit {
                 return TaskOutcome::Failed(format!("EC2NodeClass {name} is still used by {users} NodeClaim(s)"));
             }
@@ -639,6 +683,40 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
         done.push(format!("{name} ({removed} launch template(s)/instance profile(s))"));
     }
     TaskOutcome::Done(format!("EC2NodeClass(es) deleted: {}", done.join(", ")))
+}
+
+/// A NodeClaim that appeared after the inventory (launched by a controller that was not fenced,
+/// or was still finishing a launch when it was removed): no task of the graph knows it, and its
+/// EC2NodeClass cannot go while it exists. It gets what every inventoried machine got: a drain
+/// with the default policy (PDBs respected, `--drain-deadline` / `--on-drain-deadline` apply),
+/// then its instance terminated and confirmed before its finalizers are released.
+async fn sweep_machine(ctx: &Ctx, machine: &str) -> TaskOutcome {
+    tracing::warn!(nodeclaim = %machine, "a NodeClaim launched during the run: draining and terminating it too");
+    ctx.note(
+        "nodeclaim",
+        machine,
+        "launched during the run (not in the inventory): a controller that was not fenced chased the drain; drained and terminated it too",
+    );
+    let params = Params {
+        deadline: None,
+        on_deadline: OnDeadline::Fail,
+        concurrency: std::num::NonZeroUsize::MIN,
+        settle: Duration::ZERO,
+    };
+    match drain(ctx, machine, &params).await {
+        TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
+        TaskOutcome::Blocked(d) => {
+            return TaskOutcome::Blocked(format!("NodeClaim {machine} launched during the run: {d}"));
+        }
+        TaskOutcome::Failed(d) => {
+            return TaskOutcome::Failed(format!("NodeClaim {machine} launched during the run: {d}"));
+        }
+        other => return other,
+    }
+    match discharge_finalizers(ctx, machine, &params).await {
+        TaskOutcome::Failed(d) => TaskOutcome::Failed(format!("NodeClaim {machine} launched during the run: {d}")),
+        other => other,
+    }
 }
 
 // ---------------------------------------------------------------- verify

@@ -1,6 +1,7 @@
 //! What every task can reach: the clients, the shared pod index and EC2 batcher, the run's
 //! settings and a sink for what it observed.
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,6 +41,10 @@ pub struct Ctx {
     pub drain: DrainOverrides,
     /// `--reclaim`.
     pub reclaim: bool,
+    /// The machines of the inventory the plan was expanded over. A NodeClaim not among them was
+    /// launched during the run (by a controller that was not fenced); no task of the graph
+    /// handles it, so the step that would otherwise wait for it forever sweeps it up.
+    pub inventoried: BTreeSet<String>,
     /// Set on Ctrl-C / SIGTERM: stop starting work, finish or abandon in-flight work safely.
     pub cancel: CancellationToken,
     /// Things that blocked or fought the run, for the report.

@@ -184,6 +184,13 @@ pub async fn list_dynamic(
     match api.list(&ListParams::default()).await {
         Ok(l) => Ok(l.items),
         Err(e) if k8s::status_code(&e) == Some(404) => Ok(Vec::new()),
+        Err(kube::Error::Api(s)) if s.code == 500 && s.message.contains("conversion webhook") => {
+            Err(KubeError::ConversionWebhook {
+                action: format!("list {}", ar.plural),
+                crd: format!("{}.{}", ar.plural, ar.group),
+                detail: s.message,
+            })
+        }
         Err(e) => Err(KubeError::api(format!("list {}", ar.plural), e)),
     }
 }

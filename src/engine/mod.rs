@@ -12,8 +12,9 @@ pub mod preflight;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
+use backon::{BackoffBuilder, ExponentialBuilder};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -86,11 +87,11 @@ impl RunResult {
 /// Runs a teardown. Errors before the first write come back as `BadInput` or `Refused` with
 /// nothing changed; `cancel` is the Ctrl-C / SIGTERM signal.
 pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: CancellationToken) -> RunResult {
-    if let Err(e) = kube.check_reachable().await {
+    if let Err(e) = crate::k8s::retry_transient(|| kube.check_reachable()).await {
         let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
         return RunResult::early(exit, e.to_string(), String::new());
     }
-    let inv = match Inventory::read(&kube.client).await {
+    let inv = match crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await {
         Ok(i) => i,
         Err(e) => return RunResult::early(Exit::Failure, e.to_string(), String::new()),
     };
@@ -160,6 +161,7 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
         ec2,
         drain: settings.drain,
         reclaim: settings.reclaim,
+        inventoried: inv.machines.keys().cloned().collect(),
         cancel,
         notes: Mutex::new(Vec::new()),
         leftovers: Mutex::new(None),
@@ -207,7 +209,7 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                     let _permit = limit.acquire_owned().await;
                     let started = SystemTime::now();
                     tracing::debug!("started");
-                    let outcome = run_task(&ctx, &node).await;
+                    let (outcome, attempts) = run_with_retries(&ctx, &node).await;
                     match &outcome {
                         TaskOutcome::Failed(d) => tracing::error!(result = outcome.word(), detail = %d, "task ended"),
                         TaskOutcome::Blocked(d) | TaskOutcome::Leftovers(d) => {
@@ -221,7 +223,7 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                         object: node.object.clone(),
                         started: rfc3339(started),
                         finished: rfc3339(SystemTime::now()),
-                        attempts: 1,
+                        attempts,
                         result: outcome.word().to_string(),
                         detail: outcome.detail().to_string(),
                     };
@@ -244,7 +246,7 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
             TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => Exit::Clean,
             TaskOutcome::Leftovers(_) => Exit::Leftovers,
             TaskOutcome::Blocked(_) => Exit::Blocked,
-            TaskOutcome::Failed(_) => Exit::Failure,
+            TaskOutcome::Failed(_) | TaskOutcome::Transient(_) => Exit::Failure,
             TaskOutcome::Interrupted => Exit::Interrupted,
         });
         if outcome.lets_dependents_run() {
@@ -266,6 +268,37 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
         exit = exit.worst(Exit::Interrupted);
     }
     (exit, records)
+}
+
+/// Runs a task, and runs it again with exponential backoff (backon) while it fails on something
+/// transient: every action is an idempotent function of the live state, so a second attempt
+/// observes what the first did and carries on from there. Returns the outcome and the attempts.
+async fn run_with_retries(ctx: &Ctx, node: &TaskNode) -> (TaskOutcome, u32) {
+    let mut backoff = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_max_times(10)
+        .with_jitter()
+        .build();
+    let mut attempts = 1;
+    loop {
+        match run_task(ctx, node).await {
+            TaskOutcome::Transient(detail) => match backoff.next() {
+                Some(delay) => {
+                    tracing::warn!(attempt = attempts, detail = %detail, "transient failure; trying again");
+                    tokio::select! {
+                        _ = ctx.cancel.cancelled() => return (TaskOutcome::Interrupted, attempts),
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    attempts += 1;
+                }
+                None => {
+                    return (TaskOutcome::Failed(format!("{detail} (gave up after {attempts} attempts)")), attempts);
+                }
+            },
+            other => return (other, attempts),
+        }
+    }
 }
 
 async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {

@@ -38,6 +38,19 @@ pub enum KubeError {
         /// The transport error.
         detail: String,
     },
+    /// A Karpenter 1.0.x CRD routes conversion through the controller's webhook, and the
+    /// controller is gone: objects stored at another version cannot be read or written.
+    #[error(
+        "Kubernetes {action} failed: the CRD {crd} routes conversion through the Karpenter controller's webhook, which cannot answer ({detail}). Make the objects reachable again by turning the webhook off (Karpenter 1.1 did the same): kubectl patch crd {crd} --type merge -p '{{\"spec\":{{\"conversion\":{{\"strategy\":\"None\"}}}}}}' (or scale the controller back up), then run again"
+    )]
+    ConversionWebhook {
+        /// What the tool was doing.
+        action: String,
+        /// The CRD's name.
+        crd: String,
+        /// The server's message.
+        detail: String,
+    },
     /// The server refused or failed a request.
     #[error("Kubernetes {action} failed: {source}")]
     Api {
@@ -52,6 +65,11 @@ impl KubeError {
     /// True for failures of configuration or reachability (exit 2), not of an operation.
     pub fn is_configuration(&self) -> bool {
         matches!(self, KubeError::Kubeconfig { .. } | KubeError::Unreachable { .. })
+    }
+
+    /// True for failures worth trying again (429, 5xx, a lost connection mid-request).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, KubeError::Api { source, .. } if is_transient(source))
     }
 
     /// Wraps a client error from `action`.
@@ -75,6 +93,22 @@ pub fn is_transient(e: &kube::Error) -> bool {
         kube::Error::HyperError(_) | kube::Error::Service(_) => true,
         _ => false,
     }
+}
+
+/// Runs `f` again with exponential backoff (backon) while it fails transiently; for the reads
+/// the engine makes before any task runs (tasks themselves are retried whole by the engine).
+pub async fn retry_transient<T, F, Fut>(f: F) -> Result<T, KubeError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, KubeError>>,
+{
+    use backon::Retryable;
+    let backoff = backon::ExponentialBuilder::default()
+        .with_min_delay(std::time::Duration::from_millis(100))
+        .with_max_delay(std::time::Duration::from_secs(2))
+        .with_max_times(8)
+        .with_jitter();
+    f.retry(backoff).when(KubeError::is_transient).await
 }
 
 /// A connected client with what the preflight needs to know of where it points.
