@@ -1,0 +1,342 @@
+//! An EC2 fault proxy for tests: a small HTTP/1.1 reverse proxy on loopback that forwards AWS
+//! requests to an upstream endpoint (LocalStack) and answers a configurable share of EC2
+//! requests with EC2's throttling error (`RequestLimitExceeded`, HTTP 503) or an internal error
+//! (HTTP 500), so the tool's retry behaviour can be tested against the real SDK.
+//!
+//! Only EC2 requests (query protocol, `Version=2016-11-15`) are faulted; IAM and STS requests
+//! sharing the endpoint are forwarded untouched, so a test isolates EC2 throttling.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// The API version every EC2 query-protocol request carries.
+const EC2_API_VERSION: &str = "Version=2016-11-15";
+
+/// Largest request body the proxy buffers (EC2 query requests are a few KiB).
+const MAX_BODY: usize = 16 * 1024 * 1024;
+
+/// Errors of the proxy.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The listening socket could not be opened.
+    #[error("cannot listen on 127.0.0.1 for the EC2 fault proxy: {0}; check that loopback is available")]
+    Bind(std::io::Error),
+    /// The upstream endpoint is not a `http://host:port` address.
+    #[error(
+        "the EC2 proxy's upstream {0:?} is not http://host:port; pass LocalStack's address (http://127.0.0.1:4566)"
+    )]
+    Upstream(String),
+}
+
+/// What share of EC2 requests to fail, and how.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ProxyFaults {
+    /// Fraction (0.0 to 1.0) answered with `RequestLimitExceeded` (HTTP 503).
+    pub throttle_rate: f64,
+    /// Fraction (0.0 to 1.0) answered with `InternalError` (HTTP 500).
+    pub error_rate: f64,
+    /// Seed of the random generator, so runs are reproducible.
+    pub seed: u64,
+}
+
+/// Counts of what the proxy did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProxyCounts {
+    /// Requests forwarded upstream.
+    pub forwarded: u64,
+    /// Requests answered with `RequestLimitExceeded`.
+    pub throttled: u64,
+    /// Requests answered with HTTP 500.
+    pub failed: u64,
+    /// Requests whose upstream could not be reached (answered 502).
+    pub upstream_errors: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    forwarded: AtomicU64,
+    throttled: AtomicU64,
+    failed: AtomicU64,
+    upstream_errors: AtomicU64,
+}
+
+struct Shared {
+    upstream: String,
+    faults: Mutex<(ProxyFaults, u64)>,
+    counters: Counters,
+}
+
+/// A running proxy. Dropping it without [`Ec2Proxy::shutdown`] aborts its task.
+pub struct Ec2Proxy {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Ec2Proxy {
+    /// Starts the proxy on `127.0.0.1:0`, forwarding to `upstream` (`http://host:port`).
+    pub async fn start(upstream: &str, faults: ProxyFaults) -> Result<Ec2Proxy, ProxyError> {
+        let host = upstream
+            .strip_prefix("http://")
+            .map(|h| h.trim_end_matches('/'))
+            .filter(|h| !h.is_empty() && !h.contains('/'))
+            .ok_or_else(|| ProxyError::Upstream(upstream.to_string()))?;
+        let listener = TcpListener::bind("127.0.0.1:0").await.map_err(ProxyError::Bind)?;
+        let addr = listener.local_addr().map_err(ProxyError::Bind)?;
+        let shared = Arc::new(Shared {
+            upstream: host.to_string(),
+            faults: Mutex::new((faults, faults.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)),
+            counters: Counters::default(),
+        });
+        let app = Router::new().fallback(handle).with_state(shared.clone());
+        let task = tokio::spawn(async move {
+            // serve only returns on a listener error; the test then sees connection failures
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "the EC2 fault proxy stopped");
+            }
+        });
+        Ok(Ec2Proxy { addr, shared, task: Some(task) })
+    }
+
+    /// The proxy's URL, for `AWS_ENDPOINT_URL`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Changes the faults from now on.
+    pub fn set_faults(&self, faults: ProxyFaults) {
+        let mut f = self.shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        f.0 = faults;
+    }
+
+    /// What the proxy did so far.
+    pub fn counts(&self) -> ProxyCounts {
+        let c = &self.shared.counters;
+        ProxyCounts {
+            forwarded: c.forwarded.load(Ordering::Relaxed),
+            throttled: c.throttled.load(Ordering::Relaxed),
+            failed: c.failed.load(Ordering::Relaxed),
+            upstream_errors: c.upstream_errors.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stops the proxy.
+    pub async fn shutdown(mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Ec2Proxy {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+enum Fault {
+    Throttle,
+    Internal,
+}
+
+impl Shared {
+    fn pick(&self) -> Option<Fault> {
+        let mut guard = self.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let (faults, rng) = &mut *guard;
+        // xorshift64: reproducible from the seed, good enough to spread faults
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        let draw = (*rng >> 11) as f64 / (1u64 << 53) as f64;
+        if draw < faults.throttle_rate {
+            Some(Fault::Throttle)
+        } else if draw < faults.throttle_rate + faults.error_rate {
+            Some(Fault::Internal)
+        } else {
+            None
+        }
+    }
+}
+
+fn ec2_error(status: StatusCode, code: &str, message: &str) -> Response {
+    let id = crate::sandbox::sim::naming::random_suffix(12);
+    let body = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Response><Errors><Error><Code>{code}</Code><Message>{message}</Message></Error></Errors><RequestID>{id}</RequestID></Response>"
+    );
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert("content-type", HeaderValue::from_static("text/xml;charset=UTF-8"));
+    r
+}
+
+async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = match axum::body::to_bytes(body, MAX_BODY).await {
+        Ok(b) => b,
+        Err(e) => return plain(StatusCode::BAD_REQUEST, format!("cannot read the request body: {e}")),
+    };
+    let is_ec2 = String::from_utf8_lossy(&body).contains(EC2_API_VERSION)
+        || parts.uri.query().is_some_and(|q| q.contains(EC2_API_VERSION));
+    if is_ec2 {
+        match shared.pick() {
+            Some(Fault::Throttle) => {
+                shared.counters.throttled.fetch_add(1, Ordering::Relaxed);
+                return ec2_error(StatusCode::SERVICE_UNAVAILABLE, "RequestLimitExceeded", "Request limit exceeded.");
+            }
+            Some(Fault::Internal) => {
+                shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+                return ec2_error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "InternalError",
+                    "An internal error has occurred.",
+                );
+            }
+            None => {}
+        }
+    }
+    match forward(&shared.upstream, &parts.method, &parts.uri, &parts.headers, &body).await {
+        Ok(r) => {
+            shared.counters.forwarded.fetch_add(1, Ordering::Relaxed);
+            r
+        }
+        Err(e) => {
+            shared.counters.upstream_errors.fetch_add(1, Ordering::Relaxed);
+            plain(StatusCode::BAD_GATEWAY, format!("the EC2 proxy cannot reach {}: {e}", shared.upstream))
+        }
+    }
+}
+
+fn plain(status: StatusCode, msg: String) -> Response {
+    let mut r = Response::new(Body::from(msg));
+    *r.status_mut() = status;
+    r
+}
+
+/// Sends the request upstream on a fresh connection (`Connection: close`, so the response ends
+/// at EOF) and turns the raw answer back into a response.
+async fn forward(
+    upstream: &str,
+    method: &axum::http::Method,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> std::io::Result<Response> {
+    let mut conn = TcpStream::connect(upstream).await?;
+    let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let mut head = format!("{method} {path} HTTP/1.1\r\nhost: {upstream}\r\n");
+    for (name, value) in headers {
+        let n = name.as_str();
+        if matches!(n, "host" | "connection" | "content-length" | "transfer-encoding" | "keep-alive") {
+            continue;
+        }
+        head.push_str(n);
+        head.push_str(": ");
+        head.push_str(&String::from_utf8_lossy(value.as_bytes()));
+        head.push_str("\r\n");
+    }
+    head.push_str(&format!("content-length: {}\r\nconnection: close\r\n\r\n", body.len()));
+    conn.write_all(head.as_bytes()).await?;
+    conn.write_all(body).await?;
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).await?;
+    parse_response(&raw)
+}
+
+fn bad(msg: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, msg.to_string())
+}
+
+fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
+    let head = std::str::from_utf8(&raw[..end]).map_err(|_| bad("headers are not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().ok_or_else(|| bad("empty response"))?;
+    let code: u16 =
+        status_line.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| bad("bad status line"))?;
+    let mut builder = Response::builder().status(code);
+    let mut chunked = false;
+    for line in lines {
+        let Some((name, value)) = line.split_once(':') else { continue };
+        let name = name.trim().to_ascii_lowercase();
+        let value = value.trim();
+        if name == "transfer-encoding" {
+            chunked = value.eq_ignore_ascii_case("chunked");
+            continue;
+        }
+        if matches!(name.as_str(), "connection" | "content-length" | "keep-alive") {
+            continue;
+        }
+        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(value)) {
+            builder = builder.header(n, v);
+        }
+    }
+    let rest = &raw[end + 4..];
+    let body = if chunked { dechunk(rest)? } else { rest.to_vec() };
+    builder.body(Body::from(body)).map_err(|e| bad(&e.to_string()))
+}
+
+fn dechunk(mut rest: &[u8]) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let nl = rest.windows(2).position(|w| w == b"\r\n").ok_or_else(|| bad("truncated chunk size"))?;
+        let size_text = std::str::from_utf8(&rest[..nl]).map_err(|_| bad("bad chunk size"))?;
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+            .map_err(|_| bad("bad chunk size"))?;
+        rest = &rest[nl + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        if rest.len() < size {
+            return Err(bad("truncated chunk"));
+        }
+        out.extend_from_slice(&rest[..size]);
+        rest = rest.get(size + 2..).unwrap_or_default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responses_are_parsed_with_and_without_chunking() {
+        let r = parse_response(b"HTTP/1.1 200 OK\r\ncontent-type: text/xml\r\ncontent-length: 3\r\n\r\nabc").unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["content-type"], "text/xml");
+        assert_eq!(dechunk(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap(), b"abcde");
+        assert!(parse_response(b"HTTP/1.1 200 OK\r\n").is_err());
+    }
+
+    #[test]
+    fn fault_rates_are_honoured() {
+        let shared = Shared {
+            upstream: String::new(),
+            faults: Mutex::new((ProxyFaults { throttle_rate: 0.2, error_rate: 0.1, seed: 7 }, 7 | 1)),
+            counters: Counters::default(),
+        };
+        let (mut t, mut i) = (0, 0);
+        for _ in 0..10_000 {
+            match shared.pick() {
+                Some(Fault::Throttle) => t += 1,
+                Some(Fault::Internal) => i += 1,
+                None => {}
+            }
+        }
+        assert!((1_700..2_300).contains(&t), "throttled {t}");
+        assert!((700..1_300).contains(&i), "internal {i}");
+    }
+}

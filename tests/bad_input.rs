@@ -1,0 +1,191 @@
+//! Bad input, each case through the real binary: one clear message naming the fix, the
+//! documented exit code (2 bad input, 3 refused), and nothing changed in Kubernetes or EC2.
+
+mod common;
+#[path = "common/safety.rs"]
+mod safety;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use karpenter_teardown::aws::InstanceState;
+use karpenter_teardown::sandbox::sim::{World, generate};
+use safety::*;
+
+/// A small live world, and the state that must not change: the store's resourceVersion and
+/// the instances' states.
+struct Guarded {
+    b: Bed,
+    world: World,
+    rv: u64,
+}
+
+async fn guarded(prefix: &str) -> Guarded {
+    let mut s = spec(prefix, 2);
+    s.pods_per_node = 1;
+    s.decoys = 0;
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    // let the control plane settle before taking the store's version
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rv = b.server.store().resource_version();
+    Guarded { b, world, rv }
+}
+
+impl Guarded {
+    async fn assert_unchanged(self, run: &Run) {
+        assert_eq!(self.b.server.store().resource_version(), self.rv, "the cluster was written:\n{}", run.dump());
+        let ours = states(&self.b.aws, &self.world.karpenter_instance_ids()).await;
+        assert!(ours.values().all(|s| *s == InstanceState::Running), "instances changed: {ours:?}");
+        self.b.server.shutdown().await;
+    }
+
+    async fn run(&self, args: &[&str], env: Vec<(&str, String)>, env_remove: Vec<&str>) -> Run {
+        let mut a = vec!["--yes"];
+        a.extend_from_slice(args);
+        tool(&self.b, "run", &self.world.cluster, &Invocation { args: a, env, env_remove }).await
+    }
+}
+
+fn fixture(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/plans").join(name).display().to_string()
+}
+
+/// Exactly one error, which must contain every part. The message may wrap over several lines
+/// (the SDK's and the YAML parser's causes carry newlines), so everything from the `error:` line
+/// to the end of stderr counts as the message.
+fn assert_one_error(run: &Run, parts: &[&str]) {
+    let errors = run.stderr.lines().filter(|l| l.starts_with("error: ")).count();
+    assert_eq!(errors, 1, "expected one error:\n{}", run.dump());
+    let at = run.stderr.find("error: ").unwrap_or(0);
+    let message = &run.stderr[at..];
+    for p in parts {
+        assert!(message.contains(p), "the error does not say {p:?}: {message}");
+    }
+}
+
+/// A TCP port nothing listens on (bound, then released).
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_plan_toml() {
+    let g = guarded("bad-toml").await;
+    let plan = fixture("syntax-error.toml");
+    let run = g.run(&["--plan", &plan], vec![], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["syntax-error.toml:8:8", "expected `]`"]);
+    g.assert_unchanged(&run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_with_a_cycle() {
+    let g = guarded("bad-cycle").await;
+    let plan = fixture("cycle.toml");
+    let run = g.run(&["--plan", &plan], vec![], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["cycle.toml:11:23", "a -> b -> c -> a", "remove one of these `after` entries"]);
+    g.assert_unchanged(&run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_with_an_unknown_action() {
+    let g = guarded("bad-action").await;
+    let plan = fixture("unknown-action.toml");
+    let run = g.run(&["--plan", &plan], vec![], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["unknown-action.toml:12:10", "\"drian\"", "did you mean \"drain\""]);
+    g.assert_unchanged(&run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_kubeconfig() {
+    let g = guarded("bad-kubeconfig").await;
+    let garbage = g.b.dir.path().join("garbage-kubeconfig");
+    std::fs::write(&garbage, "this: [is not a kubeconfig").unwrap();
+    let path = garbage.display().to_string();
+    // the later --kubeconfig wins over the bed's own
+    let run = g.run(&["--kubeconfig", &path], vec![], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["cannot use the kubeconfig", &path, "--kubeconfig"]);
+    let missing = g.b.dir.path().join("no-such-kubeconfig").display().to_string();
+    let run = g.run(&["--kubeconfig", &missing], vec![], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["cannot use the kubeconfig", &missing]);
+    g.assert_unchanged(&run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_api_server() {
+    let g = guarded("bad-apiserver").await;
+    let text = std::fs::read_to_string(&g.b.kubeconfig).unwrap();
+    let url = g.b.server.url();
+    assert!(text.contains(&url), "the bed's kubeconfig names {url}:\n{text}");
+    let closed = format!("http://127.0.0.1:{}", closed_port());
+    let kc = g.b.dir.path().join("closed-kubeconfig");
+    std::fs::write(&kc, text.replace(&url, &closed)).unwrap();
+    let path = kc.display().to_string();
+    let run = g.run(&["--kubeconfig", &path], vec![], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["cannot reach the Kubernetes API server", &closed, "check the kubeconfig's server"]);
+    g.assert_unchanged(&run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_aws_credentials() {
+    let g = guarded("bad-creds").await;
+    let nowhere = g.b.dir.path().join("no-such-aws-file").display().to_string();
+    let run = g
+        .run(
+            &[],
+            vec![("AWS_SHARED_CREDENTIALS_FILE", nowhere.clone()), ("AWS_CONFIG_FILE", nowhere)],
+            vec![
+                "AWS_ACCESS_KEY_ID",
+                "AWS_SECRET_ACCESS_KEY",
+                "AWS_SESSION_TOKEN",
+                "AWS_PROFILE",
+                "AWS_WEB_IDENTITY_TOKEN_FILE",
+            ],
+        )
+        .await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["no AWS credentials found", "AWS_ACCESS_KEY_ID"]);
+    g.assert_unchanged(&run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn localstack_down() {
+    let g = guarded("bad-endpoint").await;
+    let closed = format!("http://127.0.0.1:{}", closed_port());
+    // one attempt: the SDK's retries of a refused connection only make the test slower
+    let run = g.run(&[], vec![("AWS_ENDPOINT_URL", closed.clone()), ("AWS_MAX_ATTEMPTS", "1".into())], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["cannot reach the AWS", &closed, "AWS_ENDPOINT_URL"]);
+    g.assert_unchanged(&run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_nodes_exceeded() {
+    let g = guarded("bad-max").await;
+    let run = g.run(&["--max-nodes", "1"], vec![], vec![]).await;
+    assert_eq!(run.code, 3, "{}", run.dump());
+    assert_one_error(&run, &["2 Karpenter nodes", "--max-nodes 1", "raise --max-nodes"]);
+    assert_eq!(run.report["outcome"], "refused");
+    g.assert_unchanged(&run).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_cluster() {
+    let g = guarded("bad-cluster").await;
+    let run =
+        tool(&g.b, "run", "some-other-cluster", &Invocation { args: vec!["--yes"], ..Invocation::default() }).await;
+    assert_eq!(run.code, 3, "{}", run.dump());
+    assert_one_error(&run, &["refusing", "some-other-cluster", &g.world.cluster, "check --cluster"]);
+    assert_eq!(run.report["outcome"], "refused");
+    // refused even without --yes: a dry run checks identity too
+    let dry = tool(&g.b, "run", "some-other-cluster", &Invocation::default()).await;
+    assert_eq!(dry.code, 3, "{}", dry.dump());
+    g.assert_unchanged(&dry).await;
+}

@@ -1,0 +1,347 @@
+//! The field reports of design §1 (issue 6), each as a scenario the real binary must survive:
+//! objects vanishing underneath, a stale taint writer, a cordon reverter, platform-owned taints,
+//! the controller removed first, a strict PodDisruptionBudget, and an instance that launched but
+//! never registered.
+
+mod common;
+#[path = "common/safety.rs"]
+mod safety;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Node, Taint};
+use karpenter_teardown::aws::InstanceState;
+use karpenter_teardown::k8s;
+use karpenter_teardown::sandbox::sim::{World, generate, naming};
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use safety::*;
+use serde_json::{Value, json};
+
+const NOT_READY: &str = "node.kubernetes.io/not-ready";
+
+/// Removes a Node object for good, finalizers included, as an autoscaler or a hand would.
+async fn remove_node_underneath(client: &Client, name: &str) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes.delete(name, &DeleteParams::default()).await.unwrap();
+    if nodes.get_opt(name).await.unwrap().is_some() {
+        let pp = PatchParams { field_manager: Some("someone-else".into()), ..PatchParams::default() };
+        nodes.patch(name, &pp, &Patch::Merge(json!({"metadata": {"finalizers": null}}))).await.unwrap();
+    }
+    assert!(nodes.get_opt(name).await.unwrap().is_none(), "node {name} should be gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vanished_underneath() {
+    let s = spec("fr-vanished", 4);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let before = untouchable_nodes(&b.client, &world).await;
+    // node 0: its Node object and its instance are gone, its NodeClaim still holds the finalizer
+    let gone = &world.nodes[0];
+    remove_node_underneath(&b.client, &gone.node).await;
+    b.aws.ec2.terminate(std::slice::from_ref(&gone.instance_id)).await.unwrap();
+    // node 1: only its instance was terminated out of band
+    b.aws.ec2.terminate(std::slice::from_ref(&world.nodes[1].instance_id)).await.unwrap();
+
+    let run = teardown(&b, &world.cluster, &[]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert_eq!(run.report["outcome"], "clean");
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+fn taint_keys(taints: Option<&Value>) -> BTreeSet<String> {
+    taints
+        .and_then(Value::as_array)
+        .map(|ts| {
+            ts.iter()
+                .map(|t| format!("{}:{}", t["key"].as_str().unwrap_or(""), t["effect"].as_str().unwrap_or("")))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The node lifecycle controller of the field report: read-modify-write of the whole taint list
+/// (GET, then PUT carrying the resourceVersion it read, again on 409), toggling `not-ready`.
+async fn toggle_not_ready(client: Client, names: Vec<String>, stop: Arc<AtomicBool>, writes: Arc<AtomicU64>) {
+    let nodes: Api<Node> = Api::all(client);
+    let pp = PostParams { field_manager: Some("node-lifecycle-controller".into()), ..PostParams::default() };
+    while !stop.load(Ordering::Relaxed) {
+        for name in &names {
+            let Ok(Some(mut node)) = nodes.get_opt(name).await else { continue };
+            let spec = node.spec.get_or_insert_with(Default::default);
+            let taints = spec.taints.get_or_insert_with(Vec::new);
+            if let Some(i) = taints.iter().position(|t| t.key == NOT_READY) {
+                taints.remove(i);
+            } else {
+                taints.push(Taint { key: NOT_READY.into(), effect: "NoExecute".into(), ..Taint::default() });
+            }
+            // 409 (someone wrote meanwhile) and 404 (gone): the next round reads again
+            if nodes.replace(name, &pp, &node).await.is_ok() {
+                writes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn last_writer(obj: &Value) -> String {
+    obj["metadata"]["managedFields"]
+        .as_array()
+        .and_then(|m| m.iter().max_by_key(|e| e["time"].as_str().unwrap_or("").to_string()))
+        .and_then(|e| e["manager"].as_str())
+        .unwrap_or("unknown")
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_taint_writer() {
+    let s = spec("fr-stale", 4);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let before = untouchable_nodes(&b.client, &world).await;
+    let names: BTreeSet<String> = world.nodes.iter().map(|n| n.node.clone()).collect();
+
+    // every node version the server produces, with the version before it, from the store itself
+    let mut events = b.server.store().subscribe();
+    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+    let recorder = tokio::spawn(async move {
+        use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+        let mut seen = Vec::new();
+        loop {
+            tokio::select! {
+                ev = events.recv() => match ev {
+                    Ok(ev) => seen.push(ev),
+                    Err(RecvError::Lagged(n)) => panic!("the recorder lagged by {n} events"),
+                    Err(RecvError::Closed) => return seen,
+                },
+                _ = &mut done_rx => loop {
+                    match events.try_recv() {
+                        Ok(ev) => seen.push(ev),
+                        Err(TryRecvError::Lagged(n)) => panic!("the recorder lagged by {n} events"),
+                        Err(_) => return seen,
+                    }
+                },
+            }
+        }
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let writes = Arc::new(AtomicU64::new(0));
+    let writer =
+        tokio::spawn(toggle_not_ready(b.client.clone(), names.iter().cloned().collect(), stop.clone(), writes.clone()));
+
+    let run = teardown(&b, &world.cluster, &[]).await;
+    stop.store(true, Ordering::Relaxed);
+    writer.await.unwrap();
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert!(writes.load(Ordering::Relaxed) > 0, "the stale writer never wrote: the test proves nothing");
+
+    let _ = done_tx.send(());
+    let seen = recorder.await.unwrap();
+    let mut tool_writes = 0;
+    let mut violations = Vec::new();
+    for ev in seen.iter().filter(|e| e.key.gr.resource == "nodes" && names.contains(&e.key.name)) {
+        let Some(old) = &ev.old else { continue };
+        if ev.event_type.as_str() != "MODIFIED" || last_writer(&ev.object) != k8s::objects::FIELD_MANAGER {
+            continue;
+        }
+        tool_writes += 1;
+        let was = taint_keys(old["spec"].get("taints"));
+        let now = taint_keys(ev.object["spec"].get("taints"));
+        let dropped: Vec<&String> = was.difference(&now).collect();
+        if !dropped.is_empty() {
+            violations.push(format!("{} at rv {}: dropped {dropped:?}", ev.key.name, ev.rv));
+        }
+    }
+    assert!(tool_writes > 0, "no node write of the tool was seen");
+    assert!(violations.is_empty(), "the tool's node writes dropped taints: {violations:?}");
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+/// Uncordons every cordoned Karpenter node, as K3s did in the field report.
+async fn cordon_reverter(client: Client, stop: Arc<AtomicBool>, reverts: Arc<AtomicU64>) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let pp = PatchParams { field_manager: Some("k3s-reverter".into()), ..PatchParams::default() };
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok(list) = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await {
+            for n in list.items {
+                let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+                let name = n.metadata.name.unwrap_or_default();
+                if cordoned
+                    && nodes.patch(&name, &pp, &Patch::Merge(json!({"spec": {"unschedulable": false}}))).await.is_ok()
+                {
+                    reverts.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A pod without an owner on `node` that takes `grace` (scaled by the server's time scale) to
+/// stop once evicted, so the drain lasts long enough for the tool's cordon re-check.
+async fn slow_pod(client: &Client, node: &str, name: &str, grace_seconds: i64) {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"nodeName": node, "terminationGracePeriodSeconds": grace_seconds,
+            "containers": [{"name": "slow", "image": "busybox"}]}}))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cordon_reverter_is_named() {
+    let s = spec("fr-reverter", 2);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let before = untouchable_nodes(&b.client, &world).await;
+    // 800 s at time scale 0.01: 8 s of termination, longer than two of the tool's 3 s re-checks
+    slow_pod(&b.client, &world.nodes[0].node, "slow-to-leave", 800).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let reverts = Arc::new(AtomicU64::new(0));
+    let reverter = tokio::spawn(cordon_reverter(b.client.clone(), stop.clone(), reverts.clone()));
+
+    let run = teardown(&b, &world.cluster, &[]).await;
+    stop.store(true, Ordering::Relaxed);
+    reverter.await.unwrap();
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert!(reverts.load(Ordering::Relaxed) > 0, "the reverter never reverted: the test proves nothing");
+    assert!(blockers_name(&run.report, "k3s-reverter"), "the report does not name the reverter:\n{}", run.dump());
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn platform_owned_taints() {
+    let mut s = spec("fr-platform", 2);
+    s.managed_nodes = 4;
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    // taints and a cordon the platform owns (OS configuration, --register-with-taints), written
+    // by their own field managers
+    let nodes: Api<Node> = Api::all(b.client.clone());
+    let pp = PatchParams { field_manager: Some("talos".into()), ..PatchParams::default() };
+    for (i, m) in world.managed_nodes.iter().enumerate().skip(1) {
+        let node = nodes.get(&m.node).await.unwrap();
+        let mut taints = node.spec.and_then(|s| s.taints).unwrap_or_default();
+        taints.push(Taint {
+            key: format!("platform.example.com/os-{i}"),
+            effect: "NoSchedule".into(),
+            ..Taint::default()
+        });
+        let mut patch = json!({"spec": {"taints": taints}});
+        if i == 2 {
+            patch["spec"]["unschedulable"] = json!(true);
+        }
+        nodes.patch(&m.node, &pp, &Patch::Merge(patch)).await.unwrap();
+    }
+    let before = untouchable_nodes(&b.client, &world).await;
+    assert!(before.values().filter(|v| v["taints"].as_array().is_some_and(|t| !t.is_empty())).count() >= 4);
+
+    let run = teardown(&b, &world.cluster, &[]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert_torn_down(&b, &world, &before).await;
+    // not even a no-op write: the tool's field manager appears on none of them
+    for name in untouchable_names(&world) {
+        let node = nodes.get(&name).await.unwrap();
+        let managers: Vec<String> =
+            node.metadata.managed_fields.unwrap_or_default().into_iter().filter_map(|m| m.manager).collect();
+        assert!(!managers.iter().any(|m| m == k8s::objects::FIELD_MANAGER), "the tool wrote node {name}: {managers:?}");
+    }
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_gone_first() {
+    let s = spec("fr-helm-uninstall", 3);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let before = untouchable_nodes(&b.client, &world).await;
+    let deployments: Api<Deployment> = Api::namespaced(b.client.clone(), naming::KARPENTER_NAMESPACE);
+    deployments.delete(naming::KARPENTER_NAME, &DeleteParams::default()).await.unwrap();
+
+    let run = teardown(&b, &world.cluster, &[]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_pdb() {
+    let mut s = spec("fr-strict-pdb", 3);
+    s.strict_pdb = true;
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let before = untouchable_nodes(&b.client, &world).await;
+    let strict = world.workloads.iter().find(|w| w.strict_pdb).unwrap();
+    let pdb = format!("{}/{}", strict.namespace, strict.name);
+
+    let blocked = teardown(&b, &world.cluster, &["--drain-deadline", "2s"]).await;
+    assert_eq!(blocked.code, 5, "{}", blocked.dump());
+    assert_eq!(blocked.report["outcome"], "blocked");
+    assert!(
+        blocked.report["blockers"].as_array().unwrap().iter().any(|b| b["kind"] == "pdb" && b["name"] == pdb),
+        "the report does not name PDB {pdb}:\n{}",
+        blocked.dump()
+    );
+    let pod_prefix = format!("{}/{}-", strict.namespace, strict.name);
+    assert!(
+        blocked.report["blockers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|b| b["kind"] == "pod" && b["name"].as_str().is_some_and(|n| n.starts_with(&pod_prefix))),
+        "the report does not name the blocked pods:\n{}",
+        blocked.dump()
+    );
+    // nothing past the drain ran: every instance still runs
+    let ours = states(&b.aws, &world.karpenter_instance_ids()).await;
+    assert!(ours.values().all(|s| *s == InstanceState::Running), "{ours:?}");
+
+    let run = teardown(&b, &world.cluster, &["--drain-deadline", "2s", "--on-drain-deadline", "delete"]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert_eq!(run.report["outcome"], "clean");
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+async fn launch_orphan(b: &Bed, world: &World) -> String {
+    let n = &world.nodes[0];
+    let tags: BTreeMap<String, String> =
+        naming::instance_tags(&world.cluster, &n.pool, &n.class, &format!("{}-orphan", n.pool), "never-registered");
+    let got = b.aws.ec2.launch_tagged(naming::IMAGE_ID, naming::INSTANCE_TYPE, Some(&n.zone), 1, &tags).await.unwrap();
+    got[0].id.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launched_never_registered() {
+    let s = spec("fr-orphan", 2);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let before = untouchable_nodes(&b.client, &world).await;
+    let orphan = launch_orphan(&b, &world).await;
+
+    let verify = tool(&b, "verify", &world.cluster, &Invocation::default()).await;
+    assert_eq!(verify.code, 4, "{}", verify.dump());
+    assert!(verify.report.to_string().contains(&orphan), "verify does not name {orphan}:\n{}", verify.dump());
+
+    let run = teardown(&b, &world.cluster, &[]).await;
+    assert_eq!(run.code, 4, "{}", run.dump());
+    assert_eq!(run.report["outcome"], "leftovers");
+    assert!(run.report["leftovers"].to_string().contains(&orphan), "run does not name {orphan}:\n{}", run.dump());
+    assert_eq!(states(&b.aws, std::slice::from_ref(&orphan)).await[&orphan], InstanceState::Running);
+
+    let reclaim = teardown(&b, &world.cluster, &["--reclaim"]).await;
+    assert_eq!(reclaim.code, 0, "{}", reclaim.dump());
+    assert!(reclaim.report["reclaimed"].to_string().contains(&orphan), "{}", reclaim.dump());
+    assert_eq!(states(&b.aws, std::slice::from_ref(&orphan)).await[&orphan], InstanceState::Terminated);
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
