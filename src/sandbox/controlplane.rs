@@ -34,6 +34,8 @@ enum Timer {
     Start(String, String, String),
     /// The kubelet finished terminating the pod (grace period over).
     Remove(String, String, String),
+    /// Recompute the status of the PDBs in the namespaces that changed.
+    PdbRefresh,
 }
 
 #[derive(Default)]
@@ -56,7 +58,17 @@ struct ControlPlane {
     seq: u64,
     terminating: BTreeSet<String>,
     starting: BTreeSet<String>,
+    /// Namespaces whose PDB statuses are due for a refresh.
+    pdb_pending: BTreeSet<String>,
+    /// Whether a [`Timer::PdbRefresh`] is queued.
+    pdb_armed: bool,
 }
+
+/// How often PDB statuses are recomputed at most. Every pod event touches them, and each refresh
+/// scans the namespace's pods per budget; coalescing keeps large worlds (thousands of pods and
+/// budgets) from spending every pass there. Evictions never read this status: they compute the
+/// budget afresh (`eviction.rs`), so the delay only affects what readers of `.status` see.
+const PDB_REFRESH: Duration = Duration::from_millis(100);
 
 fn s(v: &Value) -> String {
     v.as_str().unwrap_or_default().to_string()
@@ -155,6 +167,8 @@ pub async fn run(store: Store, time_scale: f64, cancel: CancellationToken) {
         seq: 0,
         terminating: BTreeSet::new(),
         starting: BTreeSet::new(),
+        pdb_pending: BTreeSet::new(),
+        pdb_armed: false,
     };
     let mut rx = store.subscribe();
     let mut dirty = Dirty { all: true, schedule: true, ds_all: true, ..Default::default() };
@@ -291,6 +305,7 @@ impl ControlPlane {
                     self.starting.remove(&uid);
                     self.start_pod(&ns, &name, &uid, d);
                 }
+                Timer::PdbRefresh => self.refresh_pdbs(),
                 Timer::Remove(ns, name, uid) => {
                     let still =
                         self.store.get(&pods_gr(), &ns, &name).is_ok_and(|p| p["metadata"]["uid"] == uid.as_str());
@@ -407,7 +422,17 @@ impl ControlPlane {
         if std::mem::take(&mut d.schedule) {
             self.schedule();
         }
-        for ns in std::mem::take(&mut d.pdb_ns) {
+        self.pdb_pending.extend(std::mem::take(&mut d.pdb_ns));
+        if !self.pdb_pending.is_empty() && !self.pdb_armed {
+            self.pdb_armed = true;
+            self.seq += 1;
+            self.timers.insert((Instant::now() + PDB_REFRESH, self.seq), Timer::PdbRefresh);
+        }
+    }
+
+    fn refresh_pdbs(&mut self) {
+        self.pdb_armed = false;
+        for ns in std::mem::take(&mut self.pdb_pending) {
             let names: Vec<String> = self
                 .store
                 .list(&pdb_gr(), Some(&ns), &ListOptions::default())
