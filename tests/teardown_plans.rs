@@ -8,10 +8,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::e2e::{
-    Bed, REGION, Run, assert_torn_down, bed, bed_with, count, scale_controller, spec, teardown, untouchable_nodes,
+    Bed, REGION, Run, assert_torn_down, bed, bed_with, count, scale_controller, spec, states, teardown,
+    untouchable_nodes,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use karpenter_teardown::aws::InstanceState;
 use karpenter_teardown::aws::ec2::InstanceScope;
 use karpenter_teardown::k8s;
 use karpenter_teardown::sandbox::ServerOptions;
@@ -321,18 +323,23 @@ async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
     assert_eq!(status(v1.get(&world.node_pools[0]).await.map(|_| ())).0, 200);
     assert_eq!(count(&b.client, &k8s::nodeclaim_resource()).await, 1, "NodeClaims are all stored at v1");
 
-    // the tool cannot take inventory and says how to get out
-    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    // without consent the tool cannot take inventory: it changes nothing and says how to get out
+    let run = teardown(&b, &world.cluster, &[]).await;
     assert_eq!(run.code, 1, "{}", explain(&run));
     assert!(run.stderr.contains("strategy") && run.stderr.contains("nodepools.karpenter.sh"), "{}", explain(&run));
+    assert_eq!(status(v1beta1.list(&ListParams::default()).await.map(|_| ())).0, 500, "a dry run changed the CRDs");
 
-    // what remove-controller does (and the error names): conversion None, nothing needs the webhook
+    // with --yes it proves identity from the nodes, turns the dead webhook off and finishes
+    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    assert_eq!(run.code, 0, "{}", explain(&run));
     let crds: Api<CustomResourceDefinition> = Api::all(b.client.clone());
-    let patch = json!({"spec": {"conversion": {"strategy": "None"}}});
-    crds.patch("nodepools.karpenter.sh", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
-        .await
-        .unwrap();
-    assert_eq!(v1.list(&ListParams::default()).await.unwrap().items.len(), 2);
-    assert_eq!(v1beta1.list(&ListParams::default()).await.unwrap().items.len(), 2);
+    for name in ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"] {
+        let crd = crds.get(name).await.unwrap();
+        assert_eq!(crd.spec.conversion.map(|c| c.strategy).as_deref(), Some("None"), "{name}");
+    }
+    assert_eq!(count(&b.client, &k8s::nodepool_resource()).await, 0, "NodePools left (the v1beta1 one included)");
+    assert_eq!(count(&b.client, &k8s::nodeclaim_resource()).await, 0, "NodeClaims left");
+    let left = states(&b.aws, &world.karpenter_instance_ids()).await;
+    assert!(left.values().all(|s| *s == InstanceState::Terminated), "{left:?}");
     b.server.shutdown().await;
 }

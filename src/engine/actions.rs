@@ -349,7 +349,7 @@ async fn matching_pdbs(ctx: &Ctx, p: &PodRef) -> Result<Vec<(String, i32)>, kube
 /// down again (naming who) if something scaled it back meanwhile.
 pub async fn remove_controller(ctx: &Ctx, params: &Params) -> TaskOutcome {
     let mut detail = Vec::new();
-    match drop_conversion_webhooks(ctx).await {
+    match drop_conversion_webhooks(&ctx.kube.client).await {
         Ok(0) => {}
         Ok(n) => detail.push(format!("conversion webhook removed from {n} Karpenter CRD(s)")),
         Err(e) => return e.into(),
@@ -424,8 +424,8 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> TaskOutcome {
 /// Karpenter 1.0.x CRDs route conversion through the controller's webhook; with the controller
 /// gone any request needing conversion fails and the objects become unreachable. Only v1 is
 /// stored and used from here on, so conversion `None` is safe (Karpenter 1.1 does the same).
-async fn drop_conversion_webhooks(ctx: &Ctx) -> Result<usize, KubeError> {
-    let crds: Api<CustomResourceDefinition> = Api::all(ctx.kube.client.clone());
+pub async fn drop_conversion_webhooks(client: &kube::Client) -> Result<usize, KubeError> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let mut changed = 0;
     for name in ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"] {
         let crd = match crds.get_opt(name).await {

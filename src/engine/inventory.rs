@@ -62,6 +62,22 @@ impl Inventory {
         let claims = list_dynamic(client, &k8s::nodeclaim_resource()).await?;
         let pools = list_dynamic(client, &k8s::nodepool_resource()).await?;
         let classes = list_dynamic(client, &k8s::nodeclass_resource()).await?;
+        Self::build(client, claims, pools, classes).await
+    }
+
+    /// The inventory without the Karpenter kinds: machines from the Karpenter-labelled nodes and
+    /// the controller. Enough to prove identity when the Karpenter kinds cannot be read (a 1.0.x
+    /// conversion webhook with no controller behind it).
+    pub async fn read_core(client: &kube::Client) -> Result<Inventory, KubeError> {
+        Self::build(client, Vec::new(), Vec::new(), Vec::new()).await
+    }
+
+    async fn build(
+        client: &kube::Client,
+        claims: Vec<DynamicObject>,
+        pools: Vec<DynamicObject>,
+        classes: Vec<DynamicObject>,
+    ) -> Result<Inventory, KubeError> {
         let nodes: Api<Node> = Api::all(client.clone());
         let nodes = nodes
             .list(&ListParams::default().labels(karpenter::LABEL_NODEPOOL))

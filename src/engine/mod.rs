@@ -93,6 +93,15 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
     }
     let inv = match crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await {
         Ok(i) => i,
+        // Karpenter 1.0.x after `helm uninstall`: objects stored at v1beta1 are unreachable
+        // through the dead conversion webhook. With consent, and once identity is proven from
+        // what can still be read, turn the webhook off (as remove-controller would have) and
+        // read again; a dry run only says so.
+        Err(e @ crate::k8s::KubeError::ConversionWebhook { .. }) => match unstrand(&kube, &aws, &settings).await {
+            Ok(Some(inv)) => inv,
+            Ok(None) => return RunResult::early(Exit::Failure, e.to_string(), String::new()),
+            Err(early) => return early,
+        },
         Err(e) => return RunResult::early(Exit::Failure, e.to_string(), String::new()),
     };
     let evidence =
@@ -174,6 +183,39 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
     let reclaimed = ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let error = steps.iter().find(|s| s.result == "failed").map(|s| format!("{}: {}", label(s), s.detail));
     RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text }
+}
+
+/// Proves identity from the nodes and controller alone, then sets the Karpenter CRDs' conversion
+/// to `None` and reads the inventory again. `Ok(None)` in a dry run (nothing may be written).
+async fn unstrand(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Result<Option<Inventory>, RunResult> {
+    if settings.dry_run {
+        return Ok(None);
+    }
+    let core = crate::k8s::retry_transient(|| Inventory::read_core(&kube.client))
+        .await
+        .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))?;
+    let evidence =
+        preflight::identity(kube, aws, &settings.cluster, &settings.region, settings.account.as_deref(), &core)
+            .await
+            .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))?;
+    if !evidence.contradictions.is_empty() {
+        return Err(RunResult::early(
+            Exit::Refused,
+            format!("refusing: {}. Nothing was changed", evidence.contradictions.join("; ")),
+            String::new(),
+        ));
+    }
+    let changed = actions::drop_conversion_webhooks(&kube.client)
+        .await
+        .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))?;
+    tracing::warn!(
+        crds = changed,
+        "the Karpenter CRDs' conversion webhook had no controller behind it; set their conversion to None to reach the objects"
+    );
+    crate::k8s::retry_transient(|| Inventory::read(&kube.client))
+        .await
+        .map(Some)
+        .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))
 }
 
 fn label(s: &StepRecord) -> String {
