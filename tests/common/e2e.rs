@@ -112,12 +112,17 @@ pub async fn count(client: &Client, ar: &kube::core::ApiResource) -> usize {
 }
 
 /// Labels, taints and schedulability of the nodes the tool must never touch.
-pub async fn untouchable_nodes(client: &Client, world: &World) -> BTreeMap<String, Value> {
-    let nodes: Api<Node> = Api::all(client.clone());
+/// Names of the nodes the tool must never touch: the managed node group and the control plane.
+pub fn untouchable_names(world: &World) -> Vec<String> {
     let mut names: Vec<String> = world.managed_nodes.iter().map(|m| m.node.clone()).collect();
     names.extend(world.control_plane_node.clone());
+    names
+}
+
+pub async fn untouchable_nodes(client: &Client, world: &World) -> BTreeMap<String, Value> {
+    let nodes: Api<Node> = Api::all(client.clone());
     let mut out = BTreeMap::new();
-    for n in names {
+    for n in untouchable_names(world) {
         let node = nodes.get(&n).await.unwrap();
         let spec = node.spec.unwrap_or_default();
         out.insert(
