@@ -651,8 +651,8 @@ async fn holds_a_thousand_nodes_and_twenty_thousand_pods() {
     assert_eq!(n, 20_000);
     let on_node = pods.list(&ListParams::default().fields("spec.nodeName=n7")).await.unwrap();
     assert_eq!(on_node.items.len(), 20);
-    let listed = t.elapsed();
-    assert!(listed < Duration::from_secs(20), "paged list took {listed:?} (create {created:?})");
+    // how fast is for `cargo bench --bench apiserver` to say (README), not for a test to assert
+    eprintln!("created in {created:?}, paged list and field-selector list in {:?}", t.elapsed());
     assert_eq!(store.list(&GroupResource::new("", "nodes"), None, &ListOptions::default()).unwrap().items.len(), 1000);
     s.shutdown().await;
 }
