@@ -255,7 +255,7 @@ async fn deleted_nodepools_cascade_and_deleted_classes_release_their_aws_resourc
         pools(&b.client).delete(p, &DeleteParams::default()).await.unwrap();
     }
     let ids = world.karpenter_instance_ids();
-    eventually("NodeClaims and Karpenter nodes gone, instances terminated", Duration::from_secs(20), || async {
+    eventually("NodeClaims and Karpenter nodes gone, instances terminated", Duration::from_secs(90), || async {
         let c = claims(&b.client).list(&ListParams::default()).await.unwrap().items.len();
         let n = Api::<Node>::all(b.client.clone())
             .list(&ListParams::default().labels(karpenter::LABEL_NODEPOOL))
@@ -278,7 +278,7 @@ async fn deleted_nodepools_cascade_and_deleted_classes_release_their_aws_resourc
     for c in &world.node_classes {
         classes(&b.client).delete(&c.name, &DeleteParams::default()).await.unwrap();
     }
-    eventually("EC2NodeClasses finalized", Duration::from_secs(20), || async {
+    eventually("EC2NodeClasses finalized", Duration::from_secs(90), || async {
         classes(&b.client).list(&ListParams::default()).await.unwrap().items.is_empty()
     })
     .await;
@@ -318,7 +318,7 @@ async fn a_controller_scaled_to_zero_leaves_finalizers_and_instances_until_it_re
 
     scale_controller(&b.client, 1).await;
     assert!(ctl.wait_active(true, Duration::from_secs(10)).await, "controller did not come back");
-    eventually("the stuck NodeClaim processed once the controller is back", Duration::from_secs(20), || async {
+    eventually("the stuck NodeClaim processed once the controller is back", Duration::from_secs(90), || async {
         claims(&b.client).get_opt(&victim.nodeclaim).await.unwrap().is_none()
             && !all_running(&b.aws, std::slice::from_ref(&victim.instance_id)).await
     })
@@ -359,7 +359,7 @@ async fn pending_pods_get_capacity_up_to_the_nodepool_limit_and_no_further() {
     Api::<Deployment>::namespaced(b.client.clone(), "default").create(&PostParams::default(), &deploy).await.unwrap();
 
     let pods: Api<Pod> = Api::namespaced(b.client.clone(), "default");
-    eventually("4 inflate pods running on 2 launched nodes", Duration::from_secs(20), || async {
+    eventually("4 inflate pods running on 2 launched nodes", Duration::from_secs(90), || async {
         let list = pods.list(&ListParams::default().labels("app=inflate")).await.unwrap();
         list.items.iter().filter(|p| p.spec.as_ref().unwrap().node_name.is_some()).count() == 4
     })
@@ -411,7 +411,7 @@ async fn garbage_collection_terminates_orphans_of_this_cluster_only() {
     let gc = SimSettings { gc_interval: Duration::from_secs(5), ..settings(&world) };
     let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), gc);
     assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
-    eventually("the orphan terminated", Duration::from_secs(20), || async { ctl.stats().orphans_terminated >= 1 })
+    eventually("the orphan terminated", Duration::from_secs(90), || async { ctl.stats().orphans_terminated >= 1 })
         .await;
     assert_eq!(ctl.stats().orphans_terminated, 1);
     assert!(!all_running(&b.aws, &orphan).await);
@@ -435,7 +435,7 @@ async fn a_strict_pdb_blocks_the_drain_until_it_is_relaxed() {
 
     let ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
     claims(&b.client).delete(&victim.nodeclaim, &DeleteParams::default()).await.unwrap();
-    eventually("evictions refused by the strict PDB", Duration::from_secs(20), || async {
+    eventually("evictions refused by the strict PDB", Duration::from_secs(90), || async {
         ctl.stats().evictions_blocked >= 2
     })
     .await;
@@ -451,7 +451,7 @@ async fn a_strict_pdb_blocks_the_drain_until_it_is_relaxed() {
     pdbs.patch(&strict.name, &PatchParams::default(), &Patch::Merge(json!({"spec": {"minAvailable": 0}})))
         .await
         .unwrap();
-    eventually("the drain finishes once the PDB allows it", Duration::from_secs(20), || async {
+    eventually("the drain finishes once the PDB allows it", Duration::from_secs(90), || async {
         claims(&b.client).get_opt(&victim.nodeclaim).await.unwrap().is_none()
             && !all_running(&b.aws, std::slice::from_ref(&victim.instance_id)).await
     })
@@ -469,7 +469,7 @@ async fn deleting_a_node_takes_its_nodeclaim_and_instance_with_it() {
     let ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
     let victim = &world.nodes[1];
     Api::<Node>::all(b.client.clone()).delete(&victim.node, &DeleteParams::default()).await.unwrap();
-    eventually("node, claim and instance gone", Duration::from_secs(20), || async {
+    eventually("node, claim and instance gone", Duration::from_secs(90), || async {
         Api::<Node>::all(b.client.clone()).get_opt(&victim.node).await.unwrap().is_none()
             && claims(&b.client).get_opt(&victim.nodeclaim).await.unwrap().is_none()
             && !all_running(&b.aws, std::slice::from_ref(&victim.instance_id)).await
@@ -494,7 +494,7 @@ async fn an_applied_nodeclass_gets_its_finalizer_launch_template_and_instance_pr
     .unwrap();
     let created = classes(&b.client).create(&PostParams::default(), &class).await.unwrap();
     let uid = created.uid().unwrap();
-    eventually("the class reconciled", Duration::from_secs(20), || async {
+    eventually("the class reconciled", Duration::from_secs(90), || async {
         let c = classes(&b.client).get("applied").await.unwrap();
         c.finalizers().iter().any(|f| f == karpenter::FINALIZER_NODECLASS)
             && c.data["status"]["instanceProfile"].as_str().is_some_and(|p| !p.is_empty())

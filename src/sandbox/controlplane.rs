@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -47,8 +48,63 @@ struct Dirty {
     sts: BTreeSet<NsName>,
     ds: BTreeSet<NsName>,
     ds_all: bool,
+    /// Namespaces whose every PDB needs a refresh (a workload or budget spec changed).
     pdb_ns: BTreeSet<String>,
+    /// Label sets of pods that changed, by namespace: only the budgets selecting them need a
+    /// refresh.
+    pdb_pods: PodLabels,
     gone_nodes: Vec<String>,
+}
+
+/// Distinct pod label sets by namespace, keyed by their JSON text, each kept as a minimal object
+/// a [`LabelSelector`] can match.
+type PodLabels = BTreeMap<String, HashMap<String, Value>>;
+
+/// Pods of one namespace by the uid of their controller, listed once per reconcile pass: each
+/// workload controller used to list (and copy) the whole namespace, which at 20,000 pods made a
+/// pass over thousands of workloads quadratic.
+#[derive(Default)]
+struct OwnedPods(HashMap<String, HashMap<String, Vec<Arc<Value>>>>);
+
+impl OwnedPods {
+    fn of(&mut self, store: &Store, ns: &str, uid: &str) -> Vec<Value> {
+        let by_owner = self.0.entry(ns.to_string()).or_insert_with(|| {
+            let mut m: HashMap<String, Vec<Arc<Value>>> = HashMap::new();
+            let items = store.list(&pods_gr(), Some(ns), &ListOptions::default()).map(|l| l.items).unwrap_or_default();
+            for p in items {
+                let owners: BTreeSet<String> = p["metadata"]["ownerReferences"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|r| r["controller"] == true)
+                    .map(|r| s(&r["uid"]))
+                    .collect();
+                for o in owners {
+                    m.entry(o).or_default().push(p.clone());
+                }
+            }
+            m
+        });
+        by_owner.get(uid).map(|v| v.iter().map(|p| (**p).clone()).collect()).unwrap_or_default()
+    }
+}
+
+fn note_pod_labels(set: &mut PodLabels, ns: &str, pod: &Value) {
+    let labels = &pod["metadata"]["labels"];
+    set.entry(ns.to_string())
+        .or_default()
+        .entry(labels.to_string())
+        .or_insert_with(|| json!({"metadata": {"labels": labels}}));
+}
+
+/// Whether a workload event can change a budget's status: the budget reads the workload's
+/// existence, spec (replicas) and owner references, never its status (written on every pod start).
+fn workload_shape_changed(ev: &StoreEvent) -> bool {
+    ev.event_type != EventType::Modified
+        || ev.old.as_ref().is_none_or(|old| {
+            old["spec"] != ev.object["spec"]
+                || old["metadata"]["ownerReferences"] != ev.object["metadata"]["ownerReferences"]
+        })
 }
 
 struct ControlPlane {
@@ -58,8 +114,10 @@ struct ControlPlane {
     seq: u64,
     terminating: BTreeSet<String>,
     starting: BTreeSet<String>,
-    /// Namespaces whose PDB statuses are due for a refresh.
+    /// Namespaces whose PDB statuses are all due for a refresh.
     pdb_pending: BTreeSet<String>,
+    /// Pod label sets whose budgets are due for a refresh.
+    pdb_pending_pods: PodLabels,
     /// Whether a [`Timer::PdbRefresh`] is queued.
     pdb_armed: bool,
 }
@@ -168,6 +226,7 @@ pub async fn run(store: Store, time_scale: f64, cancel: CancellationToken) {
         terminating: BTreeSet::new(),
         starting: BTreeSet::new(),
         pdb_pending: BTreeSet::new(),
+        pdb_pending_pods: BTreeMap::new(),
         pdb_armed: false,
     };
     let mut rx = store.subscribe();
@@ -218,7 +277,12 @@ impl ControlPlane {
         match (ev.key.gr.group.as_str(), ev.key.gr.resource.as_str()) {
             ("", "pods") => {
                 self.observe_pod(ev, d);
-                d.pdb_ns.insert(ns.clone());
+                note_pod_labels(&mut d.pdb_pods, &ns, o);
+                if let Some(old) = ev.old.as_deref()
+                    && old["metadata"]["labels"] != o["metadata"]["labels"]
+                {
+                    note_pod_labels(&mut d.pdb_pods, &ns, old);
+                }
                 if let Some((kind, owner)) = controller_of(o) {
                     match kind.as_str() {
                         "ReplicaSet" => d.rs.insert((ns, owner)),
@@ -244,15 +308,21 @@ impl ControlPlane {
                 {
                     d.deploy.insert((ns.clone(), owner));
                 }
-                d.pdb_ns.insert(ns);
+                if workload_shape_changed(ev) {
+                    d.pdb_ns.insert(ns);
+                }
             }
             ("apps", "deployments") => {
                 d.deploy.insert((ns.clone(), name));
-                d.pdb_ns.insert(ns);
+                if workload_shape_changed(ev) {
+                    d.pdb_ns.insert(ns);
+                }
             }
             ("apps", "statefulsets") => {
                 d.sts.insert((ns.clone(), name));
-                d.pdb_ns.insert(ns);
+                if workload_shape_changed(ev) {
+                    d.pdb_ns.insert(ns);
+                }
             }
             ("apps", "daemonsets") => {
                 d.ds.insert((ns, name));
@@ -358,7 +428,7 @@ impl ControlPlane {
             "status",
             &WriteOptions::manager("kubelet"),
         );
-        d.pdb_ns.insert(ns.to_string());
+        note_pod_labels(&mut d.pdb_pods, ns, &p);
     }
 
     fn reconcile(&mut self, d: &mut Dirty) {
@@ -405,11 +475,14 @@ impl ControlPlane {
         for k in std::mem::take(&mut d.deploy) {
             self.deployment(&k);
         }
+        // Each controller below writes only the pods it owns, so one listing per namespace
+        // serves the whole pass; what changes meanwhile arrives as events for the next pass.
+        let mut owned = OwnedPods::default();
         for k in std::mem::take(&mut d.rs) {
-            self.replicaset(&k);
+            self.replicaset(&k, &mut owned);
         }
         for k in std::mem::take(&mut d.sts) {
-            self.statefulset(&k);
+            self.statefulset(&k, &mut owned);
         }
         if std::mem::take(&mut d.ds_all)
             && let Ok(l) = self.store.list(&apps("daemonsets"), None, &ListOptions::default())
@@ -417,13 +490,16 @@ impl ControlPlane {
             d.ds.extend(l.items.iter().map(|o| ns_name(o)));
         }
         for k in std::mem::take(&mut d.ds) {
-            self.daemonset(&k);
+            self.daemonset(&k, &mut owned);
         }
         if std::mem::take(&mut d.schedule) {
             self.schedule();
         }
         self.pdb_pending.extend(std::mem::take(&mut d.pdb_ns));
-        if !self.pdb_pending.is_empty() && !self.pdb_armed {
+        for (ns, sets) in std::mem::take(&mut d.pdb_pods) {
+            self.pdb_pending_pods.entry(ns).or_default().extend(sets);
+        }
+        if (!self.pdb_pending.is_empty() || !self.pdb_pending_pods.is_empty()) && !self.pdb_armed {
             self.pdb_armed = true;
             self.seq += 1;
             self.timers.insert((Instant::now() + PDB_REFRESH, self.seq), Timer::PdbRefresh);
@@ -432,23 +508,24 @@ impl ControlPlane {
 
     fn refresh_pdbs(&mut self) {
         self.pdb_armed = false;
-        for ns in std::mem::take(&mut self.pdb_pending) {
-            let names: Vec<String> = self
-                .store
-                .list(&pdb_gr(), Some(&ns), &ListOptions::default())
-                .map(|l| l.items.iter().map(|p| s(&p["metadata"]["name"])).collect())
-                .unwrap_or_default();
+        let whole = std::mem::take(&mut self.pdb_pending);
+        let mut by_pods = std::mem::take(&mut self.pdb_pending_pods);
+        let namespaces: BTreeSet<String> = whole.iter().cloned().chain(by_pods.keys().cloned()).collect();
+        for ns in namespaces {
+            let pdbs =
+                self.store.list(&pdb_gr(), Some(&ns), &ListOptions::default()).map(|l| l.items).unwrap_or_default();
+            let names: Vec<String> = if whole.contains(&ns) {
+                pdbs.iter().map(|p| s(&p["metadata"]["name"])).collect()
+            } else {
+                let changed = by_pods.remove(&ns).unwrap_or_default();
+                budgets_selecting(&pdbs, changed.values())
+            };
+            // Each refresh scans the namespace's pods, so only the budgets whose pods changed
+            // are recomputed; the status they get is the same as from a full refresh.
             for n in names {
                 self.store.with(|inner| refresh_pdb(inner, &ns, &n));
             }
         }
-    }
-
-    fn pods_in(&self, ns: &str) -> Vec<Value> {
-        self.store
-            .list(&pods_gr(), Some(ns), &ListOptions::default())
-            .map(|l| l.items.iter().map(|p| (**p).clone()).collect())
-            .unwrap_or_default()
     }
 
     fn pod_gc(&self, node: &str) {
@@ -536,7 +613,7 @@ impl ControlPlane {
         }
     }
 
-    fn replicaset(&self, (ns, name): &NsName) {
+    fn replicaset(&self, (ns, name): &NsName, owned: &mut OwnedPods) {
         let Ok(rs) = self.store.get(&apps("replicasets"), ns, name) else { return };
         if deleting(&rs) {
             return;
@@ -544,7 +621,7 @@ impl ControlPlane {
         let uid = s(&rs["metadata"]["uid"]);
         let want = rs["spec"]["replicas"].as_i64().unwrap_or(1).max(0) as usize;
         let mut active: Vec<Value> =
-            self.pods_in(ns).into_iter().filter(|p| owned_by(p, &uid) && !deleting(p)).collect();
+            owned.of(&self.store, ns, &uid).into_iter().filter(|p| owned_by(p, &uid) && !deleting(p)).collect();
         if active.len() < want {
             for _ in active.len()..want {
                 self.create_pod(
@@ -663,14 +740,14 @@ impl ControlPlane {
         );
     }
 
-    fn statefulset(&self, (ns, name): &NsName) {
+    fn statefulset(&self, (ns, name): &NsName, owned: &mut OwnedPods) {
         let Ok(sts) = self.store.get(&apps("statefulsets"), ns, name) else { return };
         if deleting(&sts) {
             return;
         }
         let uid = s(&sts["metadata"]["uid"]);
         let want = sts["spec"]["replicas"].as_i64().unwrap_or(1).max(0) as usize;
-        let pods: Vec<Value> = self.pods_in(ns).into_iter().filter(|p| owned_by(p, &uid)).collect();
+        let pods: Vec<Value> = owned.of(&self.store, ns, &uid).into_iter().filter(|p| owned_by(p, &uid)).collect();
         let by_name: HashMap<String, &Value> = pods.iter().map(|p| (s(&p["metadata"]["name"]), p)).collect();
         for i in 0..want {
             let pn = format!("{name}-{i}");
@@ -704,7 +781,7 @@ impl ControlPlane {
         }));
     }
 
-    fn daemonset(&self, (ns, name): &NsName) {
+    fn daemonset(&self, (ns, name): &NsName, owned: &mut OwnedPods) {
         let Ok(ds) = self.store.get(&apps("daemonsets"), ns, name) else { return };
         if deleting(&ds) {
             return;
@@ -723,7 +800,8 @@ impl ControlPlane {
             .unwrap_or_default();
         let eligible: BTreeSet<String> =
             nodes.iter().filter(|n| !deleting(n) && fits(&spec, n)).map(|n| s(&n["metadata"]["name"])).collect();
-        let pods: Vec<Value> = self.pods_in(ns).into_iter().filter(|p| owned_by(p, &uid) && !deleting(p)).collect();
+        let pods: Vec<Value> =
+            owned.of(&self.store, ns, &uid).into_iter().filter(|p| owned_by(p, &uid) && !deleting(p)).collect();
         let mut covered = BTreeSet::new();
         for p in &pods {
             let node = s(&p["spec"]["nodeName"]);
@@ -831,6 +909,43 @@ impl ControlPlane {
     }
 }
 
+/// Names of the budgets among `pdbs` whose selector matches any of the `changed` label sets. Budgets
+/// are indexed by one of their `matchLabels` pairs (every pair must match), so a pass costs the
+/// changed label sets times their labels, not budgets × pods.
+fn budgets_selecting<'a>(pdbs: &[Arc<Value>], changed: impl Iterator<Item = &'a Value>) -> Vec<String> {
+    let mut by_pair: HashMap<(String, String), Vec<(String, LabelSelector)>> = HashMap::new();
+    let mut unindexed: Vec<(String, LabelSelector)> = Vec::new();
+    for p in pdbs {
+        // A budget without a selector selects no pods: no pod change can alter its status.
+        let Some(sel) = LabelSelector::from_object(&p["spec"]["selector"]) else { continue };
+        let name = s(&p["metadata"]["name"]);
+        let pair = p["spec"]["selector"]["matchLabels"]
+            .as_object()
+            .and_then(|m| m.iter().find_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string()))));
+        match pair {
+            Some(pair) => by_pair.entry(pair).or_default().push((name, sel)),
+            None => unindexed.push((name, sel)),
+        }
+    }
+    let mut hit = BTreeSet::new();
+    for pod in changed {
+        for (name, sel) in &unindexed {
+            if sel.matches(pod) {
+                hit.insert(name.clone());
+            }
+        }
+        for (k, v) in pod["metadata"]["labels"].as_object().into_iter().flatten() {
+            let Some(v) = v.as_str() else { continue };
+            for (name, sel) in by_pair.get(&(k.clone(), v.to_string())).into_iter().flatten() {
+                if sel.matches(pod) {
+                    hit.insert(name.clone());
+                }
+            }
+        }
+    }
+    hit.into_iter().collect()
+}
+
 fn pod_info(store: &Store) -> super::apiserver::ResourceInfo {
     // The pods resource is built in, so it is always registered.
     store.registry().get("", "pods").cloned().unwrap_or_else(|| super::apiserver::Registry::new().all()[2].clone())
@@ -846,4 +961,35 @@ pub(crate) fn hash_str(v: &str) -> u64 {
 #[allow(dead_code)]
 fn selector_matches(sel: &Value, o: &Value) -> bool {
     LabelSelector::from_object(sel).is_some_and(|s| s.matches(o))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pdb(name: &str, selector: Value) -> Arc<Value> {
+        Arc::new(json!({"metadata": {"name": name, "namespace": "apps"}, "spec": {"selector": selector}}))
+    }
+
+    fn labels(l: Value) -> Value {
+        json!({"metadata": {"labels": l}})
+    }
+
+    #[test]
+    fn only_the_budgets_selecting_a_changed_pod_are_refreshed() {
+        let pdbs = vec![
+            pdb("web", json!({"matchLabels": {"app": "web"}})),
+            pdb("web-canary", json!({"matchLabels": {"app": "web", "track": "canary"}})),
+            pdb("db", json!({"matchLabels": {"app": "db"}})),
+            pdb("tier", json!({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["front"]}]})),
+            pdb("everything", json!({})),
+            pdb("nothing", Value::Null),
+        ];
+        let changed = [labels(json!({"app": "web", "tier": "front"}))];
+        assert_eq!(budgets_selecting(&pdbs, changed.iter()), vec!["everything", "tier", "web"]);
+        let changed = [labels(json!({"app": "web", "track": "canary"})), labels(json!({"app": "db"}))];
+        assert_eq!(budgets_selecting(&pdbs, changed.iter()), vec!["db", "everything", "web", "web-canary"]);
+        let changed = [labels(Value::Null)];
+        assert_eq!(budgets_selecting(&pdbs, changed.iter()), vec!["everything"]);
+    }
 }

@@ -66,6 +66,13 @@ pub struct WorldSpec {
     pub concurrency: usize,
     /// How long to wait for the workloads' pods to run once created (control-plane placement).
     pub settle_timeout: Duration,
+    /// Termination grace periods of the workloads as (seconds, weight) pairs: each workload draws
+    /// one, seeded by `grace_seed`, so a benchmark sees the spread real clusters have (most 30 s,
+    /// some minutes). Empty gives every pod 1 s, which keeps tests fast. The server's time scale
+    /// applies to them like to every grace period.
+    pub grace_periods: Vec<(i64, u32)>,
+    /// Seed of the grace period draw: the same seed gives the same periods to the same workloads.
+    pub grace_seed: u64,
 }
 
 impl Default for WorldSpec {
@@ -90,6 +97,8 @@ impl Default for WorldSpec {
             workload_namespace: "apps".into(),
             concurrency: 32,
             settle_timeout: Duration::from_secs(60),
+            grace_periods: Vec::new(),
+            grace_seed: 0,
         }
     }
 }
@@ -120,6 +129,24 @@ impl WorldSpec {
             ));
         }
         Ok(())
+    }
+
+    /// The termination grace period of workload `w`: a weighted draw from `grace_periods`,
+    /// deterministic in (`grace_seed`, `w`).
+    fn grace_of(&self, w: usize) -> i64 {
+        let total: u64 = self.grace_periods.iter().map(|(_, weight)| u64::from(*weight)).sum();
+        if total == 0 {
+            return 1;
+        }
+        let mut pick = naming::stable_hash(&[&self.grace_seed.to_string(), &w.to_string()]) % total;
+        for (secs, weight) in &self.grace_periods {
+            if pick < u64::from(*weight) {
+                return *secs;
+            }
+            pick -= u64::from(*weight);
+        }
+        // unreachable: `pick < total`, the sum of the weights walked above
+        1
     }
 
     fn pool_name(&self, i: usize) -> String {
@@ -193,6 +220,8 @@ pub struct Workload {
     pub replicas: usize,
     /// True when its PDB allows no disruption at all.
     pub strict_pdb: bool,
+    /// `terminationGracePeriodSeconds` of its pods.
+    pub grace_seconds: i64,
 }
 
 /// Everything the generator made, so tests can assert what must be gone and what must survive.
@@ -677,10 +706,10 @@ async fn create_daemonset(client: &Client) -> Result<(String, String), SimError>
 
 /// Workload pods ask for Karpenter capacity through the capacity-type label, so they never land
 /// on the managed node group and their pending replicas are Karpenter's to provision for.
-fn workload_pod_spec(app: &str) -> Value {
+fn workload_pod_spec(app: &str, grace_seconds: i64) -> Value {
     json!({
         "nodeSelector": {naming::LABEL_CAPACITY_TYPE: "on-demand"},
-        "terminationGracePeriodSeconds": 1,
+        "terminationGracePeriodSeconds": grace_seconds,
         "containers": [{"name": app, "image": "public.ecr.aws/eks-distro/kubernetes/pause:3.2",
             "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}}],
     })
@@ -697,7 +726,14 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
         left -= replicas;
         let kind = if w % 3 == 2 { "StatefulSet" } else { "Deployment" };
         let name = format!("{}-{w}", if kind == "StatefulSet" { "db" } else { "web" });
-        plan.push(Workload { kind, namespace: ns.to_string(), name, replicas, strict_pdb: spec.strict_pdb && w == 0 });
+        plan.push(Workload {
+            kind,
+            namespace: ns.to_string(),
+            name,
+            replicas,
+            strict_pdb: spec.strict_pdb && w == 0,
+            grace_seconds: spec.grace_of(w),
+        });
         w += 1;
     }
     let deployments = Api::<Deployment>::namespaced(client.clone(), ns);
@@ -709,7 +745,7 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
             async move {
                 let labels = json!({"app": w.name});
                 let mut spec_json = json!({"replicas": w.replicas, "selector": {"matchLabels": labels},
-                    "template": {"metadata": {"labels": labels}, "spec": workload_pod_spec(&w.name)}});
+                    "template": {"metadata": {"labels": labels}, "spec": workload_pod_spec(&w.name, w.grace_seconds)}});
                 let body = json!({"apiVersion": "apps/v1", "kind": w.kind,
                     "metadata": {"name": w.name, "namespace": w.namespace, "labels": labels}});
                 if w.kind == "StatefulSet" {
@@ -825,6 +861,21 @@ mod tests {
         assert!(WorldSpec { node_pools: 0, ..WorldSpec::default() }.validate().is_err());
         assert!(WorldSpec { managed_nodes: 0, ..WorldSpec::default() }.validate().is_err());
         assert!(WorldSpec { nodes: 0, node_pools: 0, managed_nodes: 0, ..WorldSpec::default() }.validate().is_ok());
+    }
+
+    #[test]
+    fn grace_periods_are_drawn_by_weight_and_seed() {
+        assert_eq!(WorldSpec::default().grace_of(7), 1, "no distribution keeps the fast default");
+        let spec =
+            WorldSpec { grace_periods: vec![(30, 8), (60, 1), (120, 1)], grace_seed: 42, ..WorldSpec::default() };
+        let draws: Vec<i64> = (0..1000).map(|w| spec.grace_of(w)).collect();
+        let again: Vec<i64> = (0..1000).map(|w| spec.grace_of(w)).collect();
+        assert_eq!(draws, again, "the same seed gives the same draw");
+        let thirty = draws.iter().filter(|g| **g == 30).count();
+        assert!((700..=900).contains(&thirty), "30 s has weight 8 of 10: {thirty} of 1000");
+        assert!(draws.contains(&60) && draws.contains(&120));
+        let other = WorldSpec { grace_seed: 43, ..spec.clone() };
+        assert_ne!(draws, (0..1000).map(|w| other.grace_of(w)).collect::<Vec<_>>(), "the seed changes the draw");
     }
 
     #[test]

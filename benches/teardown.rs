@@ -1,0 +1,526 @@
+//! Teardown benchmark (issue 8): for each cluster size, the same generated world is torn down by
+//! the default plan, the delegate plan and the baseline users write today (`kubectl drain` node by
+//! node, then `kubectl delete nodepools --all` and a poll until the NodeClaims are gone), each on a
+//! fresh sandbox API server so every run starts from the same state.
+//!
+//! ```text
+//! cargo build --release --bin karpenter-teardown
+//! cargo bench --bench teardown -- --sizes 10,100 --pods-per-node 20 --time-scale 0.05 --out results.md
+//! ```
+//!
+//! Needs LocalStack on 127.0.0.1:4566 (`localstack/up`) and `kubectl` for the baseline.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use aws_config::{BehaviorVersion, Region};
+use aws_credential_types::Credentials;
+use clap::Parser;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use karpenter_teardown::aws::AwsClients;
+use karpenter_teardown::k8s::{self, Kube};
+use karpenter_teardown::sandbox::sim::{SimController, SimSettings, World, WorldSpec, generate};
+use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
+use kube::Client;
+use kube::api::{Api, DynamicObject, ListParams};
+use serde_json::Value;
+
+const LOCALSTACK: &str = "http://127.0.0.1:4566";
+const REGION: &str = "us-west-2";
+
+/// Realistic termination grace periods as (seconds, weight): most workloads keep Kubernetes'
+/// 30 s default, some ask for one or two minutes (databases, queue consumers), a few for less.
+const GRACE_PERIODS: &[(i64, u32)] = &[(10, 10), (30, 70), (60, 12), (120, 8)];
+
+#[derive(Parser, Debug)]
+#[command(about = "Benchmarks karpenter-teardown's plans against a kubectl drain baseline")]
+struct Args {
+    /// Karpenter node counts to benchmark, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "10,100")]
+    sizes: Vec<usize>,
+    /// Workload pods per Karpenter node.
+    #[arg(long, default_value_t = 20)]
+    pods_per_node: usize,
+    /// Replicas per workload (Deployment or StatefulSet), each with its own PDB.
+    #[arg(long, default_value_t = 10)]
+    replicas: usize,
+    /// Scales grace periods and controller delays of the sandbox (1.0 is real time).
+    #[arg(long, default_value_t = 0.05)]
+    time_scale: f64,
+    /// Which contenders to run, comma-separated: default, delegate, kubectl.
+    #[arg(long, value_delimiter = ',', default_value = "default,delegate,kubectl")]
+    plans: Vec<Contender>,
+    /// Skip the kubectl baseline above this many nodes (it drains one node at a time).
+    #[arg(long, default_value_t = 100)]
+    baseline_max_nodes: usize,
+    /// Seconds between the baseline's `kubectl get nodeclaims` polls.
+    #[arg(long, default_value_t = 1.0)]
+    poll: f64,
+    /// Seed of the grace-period draw.
+    #[arg(long, default_value_t = 8)]
+    seed: u64,
+    /// The karpenter-teardown binary; default: target/release, else target/debug.
+    #[arg(long)]
+    bin: Option<PathBuf>,
+    /// kubectl for the baseline.
+    #[arg(long, default_value = "kubectl")]
+    kubectl: PathBuf,
+    /// Write the Markdown results here too.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Give up on one run after this many seconds (the run is then reported as timed out).
+    #[arg(long, default_value_t = 1800)]
+    run_timeout: u64,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Contender {
+    Default,
+    Delegate,
+    Kubectl,
+}
+
+impl Contender {
+    fn label(self) -> &'static str {
+        match self {
+            Contender::Default => "default plan",
+            Contender::Delegate => "delegate plan",
+            Contender::Kubectl => "kubectl drain baseline",
+        }
+    }
+}
+
+/// One measured teardown.
+#[derive(Debug, Default)]
+struct Measured {
+    size: usize,
+    contender: &'static str,
+    outcome: String,
+    generate_s: f64,
+    makespan_s: f64,
+    critical_s: f64,
+    pods: usize,
+    /// Requests of the contender (the server's counts minus the simulated controller's), by verb.
+    k8s: BTreeMap<String, u64>,
+    /// Requests of the simulated Karpenter controller during the run.
+    sim_k8s: u64,
+    ec2_tool: Option<u64>,
+    ec2_sim: u64,
+    peak_kib: Option<u64>,
+}
+
+impl Measured {
+    fn k8s_total(&self) -> u64 {
+        self.k8s.values().sum()
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let bin = match &args.bin {
+        Some(b) => b.clone(),
+        None => locate_binary()?,
+    };
+    require_localstack()?;
+    eprintln!("bench: tool binary {}", bin.display());
+    let mut rows = Vec::new();
+    for &size in &args.sizes {
+        for &c in &args.plans {
+            if c == Contender::Kubectl && size > args.baseline_max_nodes {
+                eprintln!("bench: skipping the kubectl baseline at {size} nodes (--baseline-max-nodes)");
+                continue;
+            }
+            eprintln!("bench: {size} nodes, {}", c.label());
+            let m = run_one(&args, &bin, size, c).await?;
+            eprintln!(
+                "bench: {size} nodes, {}: {} in {:.1}s (critical path {:.1}s, generated in {:.1}s)",
+                c.label(),
+                m.outcome,
+                m.makespan_s,
+                m.critical_s,
+                m.generate_s
+            );
+            rows.push(m);
+        }
+    }
+    let table = render(&args, &bin, &rows);
+    println!("{table}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &table).with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}
+
+/// The tool built by `cargo build --release`, else the debug build: benches get no
+/// `CARGO_BIN_EXE_*`.
+fn locate_binary() -> anyhow::Result<PathBuf> {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+    for profile in ["release", "debug"] {
+        let p = target.join(profile).join("karpenter-teardown");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("no karpenter-teardown binary under {}: run `cargo build --release` or pass --bin", target.display())
+}
+
+fn require_localstack() -> anyhow::Result<()> {
+    let addr = "127.0.0.1:4566".parse().context("LocalStack address")?;
+    std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+        .map(|_| ())
+        .context("LocalStack is not running on 127.0.0.1:4566: start it with `localstack/up`")
+}
+
+async fn localstack() -> anyhow::Result<AwsClients> {
+    let config = aws_config::defaults(BehaviorVersion::latest())
+        .region(Region::new(REGION))
+        .endpoint_url(LOCALSTACK)
+        .credentials_provider(Credentials::new("test", "test", None, None, "bench"))
+        .load()
+        .await;
+    Ok(AwsClients::from_config(&config).await?)
+}
+
+fn spec(args: &Args, size: usize) -> WorldSpec {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    WorldSpec {
+        // unique per run: instances of earlier runs stay in LocalStack
+        cluster: format!("bench-{size}-{:x}", nanos & 0xffff_ffff),
+        region: REGION.into(),
+        nodes: size,
+        node_pools: 3,
+        node_classes: 2,
+        pods_per_node: args.pods_per_node,
+        replicas_per_workload: args.replicas,
+        managed_nodes: 2,
+        decoys: 2,
+        concurrency: 32,
+        settle_timeout: Duration::from_secs(60 + size as u64 / 2),
+        grace_periods: GRACE_PERIODS.to_vec(),
+        grace_seed: args.seed,
+        ..WorldSpec::default()
+    }
+}
+
+async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> anyhow::Result<Measured> {
+    let dir = tempfile::tempdir()?;
+    let server = ApiServer::start(ServerOptions { time_scale: args.time_scale, ..ServerOptions::default() }).await?;
+    let client = Client::try_from(server.kube_config())?;
+    let aws = localstack().await?;
+    let s = spec(args, size);
+    let t = Instant::now();
+    let world = generate(&s, &client, &aws).await?;
+    let generate_s = t.elapsed().as_secs_f64();
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, &world.cluster)?;
+    let (critical_s, pods) = critical_path(&client, &world, args.time_scale).await?;
+
+    // The simulated Karpenter gets its own clients so its requests can be told apart.
+    let sim_kube = Kube::from_config(server.kube_config(), None)?;
+    let sim_aws = localstack().await?;
+    let sim = SimController::start(
+        sim_kube.client.clone(),
+        sim_aws.clone(),
+        SimSettings {
+            version: world.version,
+            time_scale: args.time_scale,
+            pods_per_node: u32::try_from(args.pods_per_node).unwrap_or(u32::MAX),
+            ..SimSettings::new(&world.cluster, REGION)
+        },
+    );
+    let before = server.requests().snapshot();
+    let sim_before = sim_kube.calls.snapshot();
+    let sim_ec2_before = ec2_total(&sim_aws.calls.snapshot());
+
+    let t = Instant::now();
+    let limit = Duration::from_secs(args.run_timeout);
+    let (outcome, ec2_tool, peak_kib) = match contender {
+        Contender::Default | Contender::Delegate => {
+            let plan = if contender == Contender::Default { "default" } else { "delegate" };
+            let r = run_tool(bin, &world.cluster, &kubeconfig, dir.path(), plan, limit).await?;
+            (r.0, Some(r.1), Some(r.2))
+        }
+        Contender::Kubectl => {
+            let r = run_kubectl(args, &world, &kubeconfig, limit).await?;
+            (r.0, None, Some(r.1))
+        }
+    };
+    let makespan_s = t.elapsed().as_secs_f64();
+
+    let after = server.requests().snapshot();
+    let sim_after = sim_kube.calls.snapshot();
+    let ec2_sim = ec2_total(&sim_aws.calls.snapshot()).saturating_sub(sim_ec2_before);
+    sim.shutdown().await;
+    let left = leftovers(&client).await;
+    let outcome = match (outcome.as_str(), left) {
+        (o, 0) => o.to_string(),
+        (o, n) => format!("{o}, {n} left"),
+    };
+    server.shutdown().await;
+
+    let mut k8s: BTreeMap<String, u64> = BTreeMap::new();
+    for (key @ (verb, _), n) in &after {
+        *k8s.entry(verb.clone()).or_default() += n.saturating_sub(before.get(key).copied().unwrap_or(0));
+    }
+    // The client's accounting names discovery and /version `other`; the server counts them as `get`.
+    let mut sim_k8s = 0;
+    for (key, n) in &sim_after {
+        let delta = n.saturating_sub(sim_before.get(key).copied().unwrap_or(0));
+        sim_k8s += delta;
+        let verb = key.trim_start_matches("kubernetes:");
+        let verb = if verb == "other" { "get" } else { verb };
+        let e = k8s.entry(verb.to_string()).or_default();
+        *e = e.saturating_sub(delta);
+    }
+    k8s.retain(|_, n| *n > 0);
+    Ok(Measured {
+        size,
+        contender: contender.label(),
+        outcome,
+        generate_s,
+        makespan_s,
+        critical_s,
+        pods,
+        k8s,
+        sim_k8s,
+        ec2_tool,
+        ec2_sim,
+        peak_kib,
+    })
+}
+
+fn ec2_total(calls: &BTreeMap<String, u64>) -> u64 {
+    calls.iter().filter(|(k, _)| k.starts_with("ec2:")).map(|(_, n)| n).sum()
+}
+
+/// The longest unavoidable chain of waits: every node can drain in parallel, but none is empty
+/// before its slowest pod has had its grace period; instance termination adds nothing because
+/// LocalStack terminates at once. Also returns the workload pods that must be evicted.
+async fn critical_path(client: &Client, world: &World, time_scale: f64) -> anyhow::Result<(f64, usize)> {
+    let ours: std::collections::BTreeSet<&str> = world.nodes.iter().map(|n| n.node.as_str()).collect();
+    let pods: Api<Pod> = Api::all(client.clone());
+    let mut per_node: BTreeMap<String, i64> = BTreeMap::new();
+    let mut count = 0;
+    for p in pods.list(&ListParams::default()).await?.items {
+        let spec = p.spec.unwrap_or_default();
+        let Some(node) = spec.node_name.filter(|n| ours.contains(n.as_str())) else { continue };
+        let daemon = p.metadata.owner_references.unwrap_or_default().iter().any(|o| o.kind == "DaemonSet");
+        if daemon {
+            continue;
+        }
+        count += 1;
+        let grace = spec.termination_grace_period_seconds.unwrap_or(30);
+        let e = per_node.entry(node).or_default();
+        *e = (*e).max(grace);
+    }
+    let longest = per_node.values().copied().max().unwrap_or(0);
+    Ok((longest as f64 * time_scale, count))
+}
+
+/// NodeClaims and Karpenter nodes still present.
+async fn leftovers(client: &Client) -> usize {
+    let claims: Api<DynamicObject> = Api::all_with(client.clone(), &k8s::nodeclaim_resource());
+    let nodes: Api<Node> = Api::all(client.clone());
+    let c = claims.list(&ListParams::default()).await.map(|l| l.items.len()).unwrap_or(0);
+    let n =
+        nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.map(|l| l.items.len()).unwrap_or(0);
+    c + n
+}
+
+/// Runs a child to completion while sampling the peak resident memory (VmHWM) of it and its
+/// descendants; kills it after `limit`. Returns the exit code (None when killed) and the peak in KiB.
+async fn run_measured(mut cmd: tokio::process::Command, limit: Duration) -> anyhow::Result<(Option<i32>, u64)> {
+    let mut child = cmd.kill_on_drop(true).spawn().context("spawning")?;
+    let pid = child.id().context("child pid")?;
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut peak = 0;
+    loop {
+        peak = peak.max(tree_hwm_kib(pid));
+        tokio::select! {
+            status = child.wait() => return Ok((status?.code(), peak)),
+            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+        if tokio::time::Instant::now() >= deadline {
+            child.kill().await?;
+            return Ok((None, peak));
+        }
+    }
+}
+
+/// The largest VmHWM of `pid` and its descendants (kubectl's dispatcher runs the real client as
+/// a child).
+fn tree_hwm_kib(pid: u32) -> u64 {
+    let mut peak = 0;
+    let mut stack = vec![pid];
+    while let Some(p) = stack.pop() {
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{p}/status")) {
+            let hwm = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            peak = peak.max(hwm);
+        }
+        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) {
+            for t in tasks.flatten() {
+                if let Ok(children) = std::fs::read_to_string(t.path().join("children")) {
+                    stack.extend(children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
+                }
+            }
+        }
+    }
+    peak
+}
+
+fn localstack_env(cmd: &mut tokio::process::Command) {
+    cmd.env("AWS_ENDPOINT_URL", LOCALSTACK)
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_EC2_METADATA_DISABLED", "true");
+}
+
+/// Runs a plan; returns the report's outcome, the tool's EC2 calls and its peak memory.
+async fn run_tool(
+    bin: &Path,
+    cluster: &str,
+    kubeconfig: &Path,
+    dir: &Path,
+    plan: &str,
+    limit: Duration,
+) -> anyhow::Result<(String, u64, u64)> {
+    let report = dir.join(format!("report-{plan}.json"));
+    let log = std::fs::File::create(dir.join(format!("{plan}.log")))?;
+    let mut cmd = tokio::process::Command::new(bin);
+    cmd.args(["run", "--yes", "--plan", plan, "--cluster", cluster, "--region", REGION, "--kubeconfig"])
+        .arg(kubeconfig)
+        .arg("--report")
+        .arg(&report)
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log.try_clone()?);
+    localstack_env(&mut cmd);
+    let (code, peak) = run_measured(cmd, limit).await?;
+    let report: Value =
+        std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
+    let outcome = match code {
+        None => "timed out".to_string(),
+        Some(c) => {
+            let o = report["outcome"].as_str().unwrap_or("no report");
+            if c == 0 { o.to_string() } else { format!("{o} (exit {c})") }
+        }
+    };
+    let ec2 = report["api_calls"]
+        .as_object()
+        .map(|m| m.iter().filter(|(k, _)| k.starts_with("ec2:")).filter_map(|(_, v)| v.as_u64()).sum())
+        .unwrap_or(0);
+    if code != Some(0) {
+        let tail = std::fs::read_to_string(dir.join(format!("{plan}.log"))).unwrap_or_default();
+        let tail: Vec<&str> = tail.lines().rev().take(20).collect();
+        eprintln!("bench: {plan} plan did not finish cleanly; last log lines:");
+        for l in tail.into_iter().rev() {
+            eprintln!("  {l}");
+        }
+    }
+    Ok((outcome, ec2, peak))
+}
+
+/// The script users write today: drain the nodes one after another, delete the NodePools, and
+/// poll until Karpenter has removed every NodeClaim. Returns the outcome and kubectl's peak memory.
+async fn run_kubectl(args: &Args, world: &World, kubeconfig: &Path, limit: Duration) -> anyhow::Result<(String, u64)> {
+    let deadline = Instant::now() + limit;
+    let mut peak = 0;
+    let kubectl = |extra: &[&str]| {
+        let mut cmd = tokio::process::Command::new(&args.kubectl);
+        cmd.arg("--kubeconfig").arg(kubeconfig).args(extra).stdin(Stdio::null()).stdout(Stdio::piped());
+        cmd.stderr(Stdio::piped());
+        cmd
+    };
+    let left = |deadline: Instant| deadline.saturating_duration_since(Instant::now());
+    for n in &world.nodes {
+        let cmd = kubectl(&["drain", &n.node, "--ignore-daemonsets", "--delete-emptydir-data"]);
+        let (code, p) = run_measured(cmd, left(deadline)).await?;
+        peak = peak.max(p);
+        match code {
+            Some(0) => {}
+            None => return Ok(("timed out".into(), peak)),
+            Some(c) => return Ok((format!("kubectl drain {} failed (exit {c})", n.node), peak)),
+        }
+    }
+    let (code, p) = run_measured(kubectl(&["delete", "nodepools", "--all"]), left(deadline)).await?;
+    peak = peak.max(p);
+    if code != Some(0) {
+        return Ok(("kubectl delete nodepools failed".into(), peak));
+    }
+    loop {
+        let out = kubectl(&["get", "nodeclaims", "-o", "name"]).output().await?;
+        if out.status.success() && out.stdout.iter().all(u8::is_ascii_whitespace) {
+            return Ok(("clean".into(), peak));
+        }
+        if Instant::now() >= deadline {
+            return Ok(("timed out".into(), peak));
+        }
+        tokio::time::sleep(Duration::from_secs_f64(args.poll)).await;
+    }
+}
+
+fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "Teardown benchmark: {} workload pods per node, {} replicas per workload, time scale {}, grace periods \
+         {} (seconds:weight, seed {}), tool `{}`.\n\n",
+        args.pods_per_node,
+        args.replicas,
+        args.time_scale,
+        GRACE_PERIODS.iter().map(|(s, w)| format!("{s}:{w}")).collect::<Vec<_>>().join(" "),
+        args.seed,
+        bin.display(),
+    ));
+    out.push_str(
+        "| nodes | pods | contender | outcome | makespan (s) | critical path (s) | ratio | k8s requests | \
+         requests/pod | requests by verb | EC2 calls (tool) | sim Karpenter k8s / EC2 | peak RSS (MiB) | world generated in (s) |\n",
+    );
+    out.push_str("|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|\n");
+    for m in rows {
+        let verbs = m.k8s.iter().map(|(v, n)| format!("{v} {n}")).collect::<Vec<_>>().join(", ");
+        let per_pod =
+            if m.pods == 0 { "-".to_string() } else { format!("{:.2}", m.k8s_total() as f64 / m.pods as f64) };
+        let ratio = if m.critical_s > 0.0 { format!("{:.2}", m.makespan_s / m.critical_s) } else { "-".into() };
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} / {} | {} | {:.0} |\n",
+            m.size,
+            m.pods,
+            m.contender,
+            m.outcome,
+            m.makespan_s,
+            m.critical_s,
+            ratio,
+            m.k8s_total(),
+            per_pod,
+            verbs,
+            m.ec2_tool.map(|n| n.to_string()).unwrap_or_else(|| "-".into()),
+            m.sim_k8s,
+            m.ec2_sim,
+            m.peak_kib.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "-".into()),
+            m.generate_s,
+        ));
+    }
+    out.push_str(
+        "\nCritical path: per Karpenter node, the largest termination grace period of its workload pods × the \
+         time scale; the longest of these, since nodes drain in parallel. Instance termination adds nothing: \
+         LocalStack terminates at once. k8s requests are the sandbox server's counts during the run minus the \
+         simulated Karpenter controller's own requests (counted by its client); requests/pod divides them by \
+         the workload pods on Karpenter nodes at the start. Peak RSS is VmHWM of the tool process (for the \
+         baseline: the largest of any kubectl process).\n",
+    );
+    out
+}
