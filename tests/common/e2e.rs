@@ -70,6 +70,13 @@ pub struct Run {
     pub report: Value,
 }
 
+impl Run {
+    /// Everything a user sees, for assertion messages.
+    pub fn dump(&self) -> String {
+        format!("exit {}\nstdout:\n{}\nstderr:\n{}\nreport:\n{:#}", self.code, self.stdout, self.stderr, self.report)
+    }
+}
+
 /// Runs `karpenter-teardown run` against the bed with `extra` arguments; reads its JSON report.
 pub async fn teardown(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
     let report = b.dir.path().join("report.json");

@@ -4,7 +4,6 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use karpenter_teardown::sandbox::sim::WorldSpec;
 use serde_json::Value;
@@ -13,41 +12,13 @@ use crate::common;
 // each test file uses its own subset of these
 #[allow(unused_imports)]
 pub use crate::common::e2e::{
-    Bed, REGION, assert_torn_down, bed, bed_with, count, states, untouchable_names, untouchable_nodes,
+    Bed, REGION, Run, assert_torn_down, bed, bed_with, count, states, untouchable_names, untouchable_nodes,
 };
 
 /// A small world: few nodes, one decoy, a managed node group of 2 (one tainted) and a
 /// control-plane node.
 pub fn spec(prefix: &str, nodes: usize) -> WorldSpec {
-    WorldSpec {
-        cluster: common::unique_cluster(prefix),
-        nodes,
-        node_pools: 2,
-        node_classes: 2,
-        pods_per_node: 2,
-        replicas_per_workload: 2,
-        managed_nodes: 2,
-        taint_managed_node: true,
-        control_plane_node: true,
-        decoys: 1,
-        concurrency: 16,
-        settle_timeout: Duration::from_secs(30),
-        ..WorldSpec::default()
-    }
-}
-
-pub struct Run {
-    pub code: i32,
-    pub stdout: String,
-    pub stderr: String,
-    pub report: Value,
-}
-
-impl Run {
-    /// Everything a user sees, for assertion messages.
-    pub fn dump(&self) -> String {
-        format!("exit {}\nstdout:\n{}\nstderr:\n{}\nreport:\n{:#}", self.code, self.stdout, self.stderr, self.report)
-    }
+    WorldSpec { node_pools: 2, replicas_per_workload: 2, decoys: 1, ..crate::common::e2e::spec(prefix, nodes) }
 }
 
 /// How to invoke the binary beyond `<subcommand> --cluster --region --kubeconfig --report`.
