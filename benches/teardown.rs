@@ -71,6 +71,9 @@ struct Args {
     /// Write the Markdown results here too.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Keep each run's report and log under this directory (`<nodes>-<contender>.{json,log}`).
+    #[arg(long)]
+    keep: Option<PathBuf>,
     /// Give up on one run after this many seconds (the run is then reported as timed out).
     #[arg(long, default_value_t = 1800)]
     run_timeout: u64,
@@ -180,17 +183,30 @@ fn require_localstack() -> anyhow::Result<()> {
         .context("LocalStack is not running on 127.0.0.1:4566: start it with `localstack/up`")
 }
 
-async fn localstack() -> anyhow::Result<AwsClients> {
+/// A LocalStack account of its own for one run: LocalStack takes a 12-digit access key id as
+/// the account, and each account has its own EC2 state. Every run then starts from an empty
+/// account instead of paying for the instances of the runs before it (LocalStack's
+/// DescribeInstances slows down with every instance it holds, terminated ones included).
+fn fresh_account() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{:012}", (nanos / 1000) % 1_000_000_000_000)
+}
+
+async fn localstack(account: &str) -> anyhow::Result<AwsClients> {
     let config = aws_config::defaults(BehaviorVersion::latest())
         .region(Region::new(REGION))
         .endpoint_url(LOCALSTACK)
-        .credentials_provider(Credentials::new("test", "test", None, None, "bench"))
+        .credentials_provider(Credentials::new(account, "test", None, None, "bench"))
         .load()
         .await;
     Ok(AwsClients::from_config(&config).await?)
 }
 
+/// Workloads per namespace: large clusters spread their workloads over many namespaces.
+const WORKLOADS_PER_NAMESPACE: usize = 25;
+
 fn spec(args: &Args, size: usize) -> WorldSpec {
+    let workloads = (size * args.pods_per_node).div_ceil(args.replicas.max(1));
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     WorldSpec {
         // unique per run: instances of earlier runs stay in LocalStack
@@ -201,6 +217,7 @@ fn spec(args: &Args, size: usize) -> WorldSpec {
         node_classes: 2,
         pods_per_node: args.pods_per_node,
         replicas_per_workload: args.replicas,
+        workload_namespaces: workloads.div_ceil(WORKLOADS_PER_NAMESPACE).max(1),
         managed_nodes: 2,
         decoys: 2,
         concurrency: 32,
@@ -215,7 +232,8 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
     let dir = tempfile::tempdir()?;
     let server = ApiServer::start(ServerOptions { time_scale: args.time_scale, ..ServerOptions::default() }).await?;
     let client = Client::try_from(server.kube_config())?;
-    let aws = localstack().await?;
+    let account = fresh_account();
+    let aws = localstack(&account).await?;
     let s = spec(args, size);
     let t = Instant::now();
     let world = generate(&s, &client, &aws).await?;
@@ -226,7 +244,7 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
 
     // The simulated Karpenter gets its own clients so its requests can be told apart.
     let sim_kube = Kube::from_config(server.kube_config(), None)?;
-    let sim_aws = localstack().await?;
+    let sim_aws = localstack(&account).await?;
     let sim = SimController::start(
         sim_kube.client.clone(),
         sim_aws.clone(),
@@ -246,15 +264,18 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
     let (outcome, ec2_tool, peak_kib) = match contender {
         Contender::Default | Contender::Delegate => {
             let plan = if contender == Contender::Default { "default" } else { "delegate" };
-            let r = run_tool(bin, &world.cluster, &kubeconfig, dir.path(), plan, limit).await?;
+            let r = run_tool(bin, &world.cluster, &account, &kubeconfig, dir.path(), plan, limit).await?;
             (r.0, Some(r.1), Some(r.2))
         }
         Contender::Kubectl => {
-            let r = run_kubectl(args, &world, &kubeconfig, limit).await?;
+            let r = run_kubectl(args, &world, &kubeconfig, dir.path(), limit).await?;
             (r.0, None, Some(r.1))
         }
     };
     let makespan_s = t.elapsed().as_secs_f64();
+    if let Some(keep) = &args.keep {
+        keep_artifacts(dir.path(), keep, size, contender)?;
+    }
 
     let after = server.requests().snapshot();
     let sim_after = sim_kube.calls.snapshot();
@@ -296,6 +317,22 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
         ec2_sim,
         peak_kib,
     })
+}
+
+/// Copies a run's report and log out of its temporary directory.
+fn keep_artifacts(dir: &Path, keep: &Path, size: usize, contender: Contender) -> anyhow::Result<()> {
+    std::fs::create_dir_all(keep).with_context(|| format!("creating {}", keep.display()))?;
+    let label = format!("{size}-{contender:?}").to_lowercase();
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let ext = match name.rsplit_once('.') {
+            Some((_, e @ ("json" | "log"))) => e.to_string(),
+            _ => continue,
+        };
+        let to = keep.join(format!("{label}.{ext}"));
+        std::fs::copy(entry.path(), &to).with_context(|| format!("copying {name} to {}", to.display()))?;
+    }
+    Ok(())
 }
 
 fn ec2_total(calls: &BTreeMap<String, u64>) -> u64 {
@@ -381,9 +418,9 @@ fn tree_hwm_kib(pid: u32) -> u64 {
     peak
 }
 
-fn localstack_env(cmd: &mut tokio::process::Command) {
+fn localstack_env(cmd: &mut tokio::process::Command, account: &str) {
     cmd.env("AWS_ENDPOINT_URL", LOCALSTACK)
-        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_ACCESS_KEY_ID", account)
         .env("AWS_SECRET_ACCESS_KEY", "test")
         .env("AWS_EC2_METADATA_DISABLED", "true");
 }
@@ -392,6 +429,7 @@ fn localstack_env(cmd: &mut tokio::process::Command) {
 async fn run_tool(
     bin: &Path,
     cluster: &str,
+    account: &str,
     kubeconfig: &Path,
     dir: &Path,
     plan: &str,
@@ -408,7 +446,7 @@ async fn run_tool(
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log.try_clone()?);
-    localstack_env(&mut cmd);
+    localstack_env(&mut cmd, account);
     let (code, peak) = run_measured(cmd, limit).await?;
     let report: Value =
         std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
@@ -436,13 +474,22 @@ async fn run_tool(
 
 /// The script users write today: drain the nodes one after another, delete the NodePools, and
 /// poll until Karpenter has removed every NodeClaim. Returns the outcome and kubectl's peak memory.
-async fn run_kubectl(args: &Args, world: &World, kubeconfig: &Path, limit: Duration) -> anyhow::Result<(String, u64)> {
+async fn run_kubectl(
+    args: &Args,
+    world: &World,
+    kubeconfig: &Path,
+    dir: &Path,
+    limit: Duration,
+) -> anyhow::Result<(String, u64)> {
+    let log = std::fs::File::create(dir.join("kubectl.log"))?;
     let deadline = Instant::now() + limit;
     let mut peak = 0;
     let kubectl = |extra: &[&str]| {
         let mut cmd = tokio::process::Command::new(&args.kubectl);
-        cmd.arg("--kubeconfig").arg(kubeconfig).args(extra).stdin(Stdio::null()).stdout(Stdio::piped());
-        cmd.stderr(Stdio::piped());
+        cmd.arg("--kubeconfig").arg(kubeconfig).args(extra).stdin(Stdio::null());
+        // kubectl's own account of the drain goes to the log (it is tens of thousands of lines)
+        cmd.stdout(log.try_clone().map(Stdio::from).unwrap_or_else(|_| Stdio::null()));
+        cmd.stderr(log.try_clone().map(Stdio::from).unwrap_or_else(|_| Stdio::null()));
         cmd
     };
     let left = |deadline: Instant| deadline.saturating_duration_since(Instant::now());
@@ -462,7 +509,8 @@ async fn run_kubectl(args: &Args, world: &World, kubeconfig: &Path, limit: Durat
         return Ok(("kubectl delete nodepools failed".into(), peak));
     }
     loop {
-        let out = kubectl(&["get", "nodeclaims", "-o", "name"]).output().await?;
+        let mut get = kubectl(&["get", "nodeclaims", "-o", "name"]);
+        let out = get.stdout(Stdio::piped()).output().await?;
         if out.status.success() && out.stdout.iter().all(u8::is_ascii_whitespace) {
             return Ok(("clean".into(), peak));
         }

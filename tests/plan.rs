@@ -96,6 +96,7 @@ fn the_default_plan_loads_and_has_the_documented_order() {
         [
             "preflight",
             "fence",
+            "cordon",
             "drain",
             "remove-controller",
             "discharge-finalizers",
@@ -131,6 +132,7 @@ fn the_delegate_plan_waits_then_falls_back() {
             "fence",
             "delete-nodepools",
             "wait-nodeclaims-gone",
+            "cordon",
             "drain",
             "remove-controller",
             "discharge-finalizers",
@@ -206,7 +208,7 @@ fn unknown_actions_list_the_known_ones() {
     assert_eq!(
         fixture_error("unknown-action.toml"),
         "unknown-action.toml:12:10: unknown action \"drian\"; did you mean \"drain\"?; known actions: preflight, \
-         fence, drain, remove-controller, discharge-finalizers, delete-nodepools, wait-nodeclaims-gone, \
+         fence, cordon, drain, remove-controller, discharge-finalizers, delete-nodepools, wait-nodeclaims-gone, \
          delete-nodeclasses, verify"
     );
 }
@@ -399,14 +401,15 @@ fn machines_move_from_drain_to_their_own_finalizer_step() {
         ObjectSets { machines: machines(3), nodepools: vec!["p1".into(), "p2".into()], nodeclasses: vec!["c1".into()] };
     let graph = plan.expand(&objects);
     assert_topological(&graph);
-    assert_eq!(graph.task_count(), 1 + 1 + 3 + 1 + 3 + 2 + 1 + 1);
+    assert_eq!(graph.task_count(), 1 + 1 + 1 + 3 + 1 + 3 + 2 + 1 + 1);
 
     // Object-wise: discharge-finalizers[m] waits for drain[m] (and the controller), nothing else.
     for m in ["m1", "m2", "m3"] {
         let discharge = task(&graph, "discharge-finalizers", Some(m));
         assert_eq!(deps(&graph, discharge), set(&[&format!("drain[{m}]"), "remove-controller"]));
         let drain = task(&graph, "drain", Some(m));
-        assert_eq!(deps(&graph, drain), set(&["fence"]));
+        // every node is cordoned before the first drain starts
+        assert_eq!(deps(&graph, drain), set(&["cordon"]));
         assert_eq!(labels(&graph, graph.dependents(drain)), set(&[&format!("discharge-finalizers[{m}]"), "drain[*]"]));
     }
 
@@ -438,6 +441,8 @@ fn machines_move_from_drain_to_their_own_finalizer_step() {
     assert_eq!(labels(&graph, ready.clone()), set(&["preflight"]));
     ready = tracker.complete(&graph, ready[0]);
     ready = tracker.complete(&graph, ready[0]);
+    assert_eq!(labels(&graph, ready.clone()), set(&["cordon"]));
+    ready = tracker.complete(&graph, ready[0]);
     assert_eq!(labels(&graph, ready.clone()), set(&["drain[m1]", "drain[m2]", "drain[m3]"]));
     assert!(tracker.complete(&graph, task(&graph, "drain", Some("m1"))).is_empty());
     assert!(tracker.complete(&graph, task(&graph, "drain", Some("m2"))).is_empty());
@@ -467,7 +472,8 @@ fn the_delegate_plan_runs_the_fallback_per_machine_after_the_wait() {
     });
     assert_topological(&graph);
     assert_eq!(deps(&graph, task(&graph, "wait-nodeclaims-gone", None)), set(&["delete-nodepools"]));
-    assert_eq!(deps(&graph, task(&graph, "drain", Some("m1"))), set(&["wait-nodeclaims-gone"]));
+    assert_eq!(deps(&graph, task(&graph, "cordon", None)), set(&["wait-nodeclaims-gone"]));
+    assert_eq!(deps(&graph, task(&graph, "drain", Some("m1"))), set(&["cordon"]));
     assert_eq!(
         deps(&graph, task(&graph, "discharge-finalizers", Some("m2"))),
         set(&["drain[m2]", "remove-controller"])
@@ -481,16 +487,16 @@ fn steps_without_objects_keep_the_order_of_the_rest() {
     assert_topological(&graph);
     assert_eq!(graph.step_tasks("drain").len(), 0);
     assert_eq!(graph.step_tasks("discharge-finalizers").len(), 0);
-    assert_eq!(deps(&graph, task(&graph, "remove-controller", None)), set(&["fence"]));
+    assert_eq!(deps(&graph, task(&graph, "remove-controller", None)), set(&["cordon"]));
     assert_eq!(deps(&graph, task(&graph, "delete-nodeclasses", Some("c"))), set(&["remove-controller"]));
     assert_eq!(deps(&graph, task(&graph, "verify", None)), set(&["delete-nodeclasses[c]"]));
 
-    // Nothing at all: still preflight -> fence -> remove-controller -> verify.
+    // Nothing at all: still preflight -> fence -> cordon -> remove-controller -> verify.
     let graph = plan.expand(&ObjectSets::default());
     let order: Vec<String> = graph.tasks().map(|(_, t)| t.label()).collect();
-    assert_eq!(order, ["preflight", "fence", "remove-controller", "verify"]);
+    assert_eq!(order, ["preflight", "fence", "cordon", "remove-controller", "verify"]);
     assert_eq!(deps(&graph, task(&graph, "verify", None)), set(&["remove-controller"]));
-    assert_eq!(graph.summary().steps.len(), 8, "empty steps are still listed");
+    assert_eq!(graph.summary().steps.len(), 9, "empty steps are still listed");
 }
 
 #[test]
@@ -527,8 +533,8 @@ fn a_thousand_machines_expand_linearly_and_fast() {
         let took = started.elapsed();
         // Generous for a debug build on a loaded 2-core CI machine; it takes a few ms.
         assert!(took < Duration::from_secs(1), "{n} machines took {took:?}");
-        assert_eq!(graph.task_count(), 4 + 2 * n + 20);
-        // Five edges per machine (fence->drain, drain->barrier, drain->discharge,
+        assert_eq!(graph.task_count(), 5 + 2 * n + 20);
+        // Five edges per machine (cordon->drain, drain->barrier, drain->discharge,
         // controller->discharge, discharge->barrier) plus a constant: O(n), not O(n^2).
         assert!(graph.edge_count() <= 5 * n + 100, "{n} machines gave {} edges", graph.edge_count());
         assert!(graph.node_count() <= graph.task_count() + 8);
@@ -555,7 +561,7 @@ fn text_lists_steps_in_order_with_their_params() {
         "{text}"
     );
     let default = Plan::builtin_default().render(RenderFormat::Text);
-    assert!(default.contains("\n8. verify\n"), "{default}");
+    assert!(default.contains("\n9. verify\n"), "{default}");
     assert!(default.contains("Prove the cluster's identity and take inventory."), "{default}");
 }
 
@@ -610,5 +616,5 @@ fn mermaid_output_is_a_flowchart_of_the_steps() {
     assert!(mermaid.contains("    s2 --> s3\n"), "{mermaid}");
     let edges: usize = plan.steps().iter().map(|s| s.after.len()).sum();
     assert_eq!(mermaid.matches(" --> ").count(), edges);
-    assert_eq!(mermaid.lines().filter(|l| l.trim_start().starts_with('s') && l.ends_with("\"]")).count(), 8);
+    assert_eq!(mermaid.lines().filter(|l| l.trim_start().starts_with('s') && l.ends_with("\"]")).count(), 9);
 }

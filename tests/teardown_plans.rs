@@ -191,6 +191,45 @@ async fn with_the_fence_karpenter_launches_nothing_under_the_same_pressure() {
     b.server.shutdown().await;
 }
 
+/// The shipped default plan with one drain at a time (nodes wait their turn, as with a
+/// concurrency below the node count on a large cluster), and optionally without its cordon step.
+fn default_sequential(with_cordon: bool) -> String {
+    let mut text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
+    let drain = "after = [\"cordon\"]\ndescription = \"Cordon, taint and evict each Karpenter node, respecting \
+                 PodDisruptionBudgets.\"\n[step.params]\ndeadline = \"10m\"\non_deadline = \"fail\"\nconcurrency = 256";
+    assert!(text.contains(drain), "plans/default.toml changed: update this test");
+    text = text.replacen(drain, &drain.replace("concurrency = 256", "concurrency = 1"), 1);
+    if !with_cordon {
+        let start = text.find("[[step]]\nid = \"cordon\"").expect("default.toml has a cordon step");
+        let end = start + text[start..].find("\n[[step]]").expect("a step follows the cordon") + 1;
+        text = format!("{}{}", &text[..start], &text[end..]).replace("after = [\"cordon\"]", "after = [\"fence\"]");
+    }
+    text.replace("name = \"default\"", "name = \"sequential\"")
+}
+
+/// Nodes with room to spare (real nodes rarely run full), drained one at a time. Returns the
+/// bed, the world and the number of workload pods on Karpenter nodes at the start.
+async fn roomy_world(prefix: &str) -> (Bed, karpenter_teardown::sandbox::sim::World, u64) {
+    let mut s = spec(prefix, 5);
+    s.max_pods_per_node = Some(s.pods_per_node * 4);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    (b, world, (s.nodes * s.pods_per_node) as u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_cordon_step_every_pod_is_evicted_exactly_once() {
+    let (b, world, pods) = roomy_world("plans-cordon").await;
+    let before = untouchable_nodes(&b.client, &world).await;
+    let plan = plan_file(&b, "cordon.toml", &default_sequential(true));
+    let run = teardown(&b, &world.cluster, &["--yes", "--plan", plan.to_str().unwrap()]).await;
+    assert_eq!(run.code, 0, "{}", explain(&run));
+    assert_eq!(b.server.requests().count("evict", "pods"), pods, "{}", explain(&run));
+    assert_eq!(step(&run, "cordon")["result"], "done", "{}", explain(&run));
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
 /// Installs Karpenter 1.0.14's own CRDs (served v1 and v1beta1, conversion through the
 /// controller's webhook) before the generator, which keeps CRDs that exist.
 async fn install_real_v1_0_crds(client: &kube::Client) {

@@ -1,9 +1,10 @@
 //! The actions: small, idempotent functions of the live state (observe, act, wait for the
 //! condition). Each treats "already gone" as "done", so a re-run finishes what a killed run began.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
+use futures::{StreamExt, stream};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -150,6 +151,82 @@ pub async fn fence(ctx: &Ctx) -> TaskOutcome {
     TaskOutcome::Done(format!("{fenced} NodePool(s) fenced"))
 }
 
+// ---------------------------------------------------------------- cordon
+
+/// Cordons and taints the nodes of every inventoried machine (or of one machine) before any is
+/// drained. Drains run in parallel but not all at once: a pod evicted from one node would
+/// otherwise be scheduled onto a node that is drained later and be evicted again, once per
+/// node it lands on, which multiplies evictions and the makespan on a large cluster.
+pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> TaskOutcome {
+    let nodes = match machine {
+        Some(m) => match node_of(ctx, m).await {
+            Ok(Some(n)) => vec![n],
+            Ok(None) => return TaskOutcome::Skipped("no node".into()),
+            Err(e) => return e.into(),
+        },
+        None => match inventoried_nodes(ctx).await {
+            Ok(n) => n,
+            Err(e) => return e.into(),
+        },
+    };
+    let api: Api<Node> = Api::all(ctx.kube.client.clone());
+    let total = nodes.len();
+    let mut results = stream::iter(nodes)
+        .map(|node| {
+            let api = &api;
+            async move {
+                let out = cordon_and_taint(api, &node, false).await;
+                (node, out)
+            }
+        })
+        .buffer_unordered(params.concurrency.get());
+    let (mut wrote, mut gone) = (0, 0);
+    loop {
+        let next = tokio::select! {
+            _ = ctx.cancel.cancelled() => return TaskOutcome::Interrupted,
+            next = results.next() => next,
+        };
+        let Some((node, out)) = next else { break };
+        match out {
+            Ok(o) if o.gone => gone += 1,
+            Ok(o) => {
+                if o.wrote {
+                    wrote += 1;
+                    tracing::debug!(node = %node, "cordoned and tainted");
+                }
+            }
+            // the engine runs the task again on a transient error; nodes done so far are no-ops
+            Err(e) => return e.into(),
+        }
+    }
+    TaskOutcome::Done(format!(
+        "{} node(s) cordoned and tainted ({wrote} written now){}",
+        total - gone,
+        if gone > 0 { format!(", {gone} already gone") } else { String::new() }
+    ))
+}
+
+/// The nodes of the inventoried machines that still exist as NodeClaims (or bare nodes), read
+/// with one list instead of one read per machine.
+async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
+    let claims = list_dynamic(&ctx.kube.client, &k8s::nodeclaim_resource()).await?;
+    let by_claim: HashMap<String, String> = claims
+        .into_iter()
+        .filter_map(|c| {
+            let node = c.data.pointer("/status/nodeName").and_then(Value::as_str)?.to_string();
+            Some((c.metadata.name?, node))
+        })
+        .collect();
+    Ok(ctx
+        .inventoried
+        .iter()
+        .filter_map(|m| match m.strip_prefix("node/") {
+            Some(n) => Some(n.to_string()),
+            None => by_claim.get(m).cloned(),
+        })
+        .collect())
+}
+
 // ---------------------------------------------------------------- drain
 
 /// Cordons and taints the machine's node, evicts its pods in Karpenter's order respecting
@@ -178,6 +255,8 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
     let mut changes = ctx.pods.subscribe();
     let started = Instant::now();
     let mut next_try: HashMap<String, Instant> = HashMap::new();
+    // UIDs whose eviction the server accepted (or that were already gone)
+    let mut accepted: HashSet<String> = HashSet::new();
     let mut blocked: BTreeMap<String, (PodRef, String)> = BTreeMap::new();
     let mut evicted = 0usize;
     let mut last_cordon_check = Instant::now();
@@ -222,17 +301,21 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
         let non_critical: Vec<&PodRef> = left.iter().filter(|p| !p.critical).collect();
         let wave: Vec<&PodRef> = if non_critical.is_empty() { left.iter().collect() } else { non_critical };
         for p in wave {
-            if p.terminating || deleting || next_try.get(&p.uid).is_some_and(|t| *t > now) {
+            if p.terminating || deleting || accepted.contains(&p.uid) || next_try.get(&p.uid).is_some_and(|t| *t > now)
+            {
                 continue;
             }
             match evict(&ctx.kube.client, p).await {
+                // An accepted eviction is a delete of that very pod (the UID precondition): it
+                // only has to leave now. Evicting it again when the watch is slow to show its
+                // deletionTimestamp would double the requests on a busy API server.
                 Ok(EvictionOutcome::Evicted) => {
                     evicted += 1;
                     blocked.remove(&p.uid);
-                    next_try.insert(p.uid.clone(), now + Duration::from_secs(10));
+                    accepted.insert(p.uid.clone());
                 }
                 Ok(EvictionOutcome::Gone) => {
-                    next_try.insert(p.uid.clone(), now + Duration::from_secs(10));
+                    accepted.insert(p.uid.clone());
                 }
                 Ok(EvictionOutcome::Blocked(msg)) => {
                     blocked.insert(p.uid.clone(), (p.clone(), msg));

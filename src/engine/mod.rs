@@ -350,6 +350,7 @@ async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
         // the graph is, so there is nothing left for its task to do but to mark the point
         Action::Preflight => TaskOutcome::Done("identity proven and inventory taken before expansion".into()),
         Action::Fence => actions::fence(ctx).await,
+        Action::Cordon => actions::cordon(ctx, object, &node.params).await,
         Action::Drain => match object {
             Some(m) => actions::drain(ctx, m, &node.params).await,
             None => TaskOutcome::Skipped("no machine".into()),

@@ -31,6 +31,8 @@ pub enum Action {
     Preflight,
     /// Stop new capacity: NodePool limits and disruption budgets to zero.
     Fence,
+    /// Cordon and taint Karpenter nodes (all of them, or one per task) before any is drained.
+    Cordon,
     /// Cordon, taint and evict the pods of one Karpenter node.
     Drain,
     /// Scale the Karpenter controller to zero and keep it there.
@@ -119,9 +121,10 @@ const fn minutes(m: u64) -> Duration {
 
 impl Action {
     /// Every action, in the order a default teardown uses them.
-    pub const ALL: [Action; 9] = [
+    pub const ALL: [Action; 10] = [
         Action::Preflight,
         Action::Fence,
+        Action::Cordon,
         Action::Drain,
         Action::RemoveController,
         Action::DischargeFinalizers,
@@ -140,6 +143,12 @@ impl Action {
             Action::Preflight | Action::Fence => {
                 ActionSpec { for_each: ForEachRule::Never, params: none, on_deadline: &[], default_deadline: None }
             }
+            Action::Cordon => ActionSpec {
+                for_each: ForEachRule::Optional(ObjectKind::Machine),
+                params: &[Concurrency],
+                on_deadline: &[],
+                default_deadline: None,
+            },
             Action::Drain => ActionSpec {
                 for_each: ForEachRule::Required(ObjectKind::Machine),
                 params: &[Deadline, OnDl, Concurrency],
@@ -189,6 +198,7 @@ impl Action {
         match self {
             Action::Preflight => "preflight",
             Action::Fence => "fence",
+            Action::Cordon => "cordon",
             Action::Drain => "drain",
             Action::RemoveController => "remove-controller",
             Action::DischargeFinalizers => "discharge-finalizers",

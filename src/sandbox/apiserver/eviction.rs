@@ -84,11 +84,12 @@ pub(crate) fn pdb_status(inner: &Inner, pdb: &Value) -> Value {
         Some(sel) => inner.iter_ns(&pods_gr(), Some(ns)).filter(|p| sel.matches(p)).map(|p| &**p).collect(),
     };
     let mut disrupted: Map<String, Value> = pdb["status"]["disruptedPods"].as_object().cloned().unwrap_or_default();
-    disrupted.retain(|name, _| {
-        pods.iter().any(|p| {
-            p["metadata"]["name"].as_str() == Some(name.as_str()) && p["metadata"]["deletionTimestamp"].is_null()
-        })
-    });
+    let live: std::collections::HashSet<&str> = pods
+        .iter()
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter_map(|p| p["metadata"]["name"].as_str())
+        .collect();
+    disrupted.retain(|name, _| live.contains(name.as_str()));
     let healthy = pods
         .iter()
         .filter(|p| pod_healthy(p))

@@ -60,8 +60,16 @@ pub struct WorldSpec {
     pub version: KarpenterVersion,
     /// `spec.limits.cpu` of every NodePool; `None` → unlimited.
     pub pool_cpu_limit: Option<u64>,
-    /// Namespace of the workloads.
+    /// Namespace of the workloads, or the prefix of their namespaces when there are several.
     pub workload_namespace: String,
+    /// How many namespaces the workloads are dealt over (round-robin): `workload_namespace`
+    /// itself when 1, else `<workload_namespace>-0`, `-1`, …. Large clusters spread their
+    /// workloads like real ones, which keeps PodDisruptionBudget arithmetic per namespace.
+    pub workload_namespaces: usize,
+    /// The `pods` allocatable of every Karpenter node; `None` → exactly its pods (the DaemonSet
+    /// pod plus `pods_per_node`), so evicted pods find no room on other Karpenter nodes. Room
+    /// to spare lets them land on nodes that are not cordoned yet, as on a real cluster.
+    pub max_pods_per_node: Option<usize>,
     /// Bound on concurrent API/EC2 calls while generating.
     pub concurrency: usize,
     /// How long to wait for the workloads' pods to run once created (control-plane placement).
@@ -95,6 +103,8 @@ impl Default for WorldSpec {
             version: KarpenterVersion::default(),
             pool_cpu_limit: None,
             workload_namespace: "apps".into(),
+            workload_namespaces: 1,
+            max_pods_per_node: None,
             concurrency: 32,
             settle_timeout: Duration::from_secs(60),
             grace_periods: Vec::new(),
@@ -107,6 +117,14 @@ impl WorldSpec {
     /// A spec for `cluster` with the defaults.
     pub fn named(cluster: &str) -> WorldSpec {
         WorldSpec { cluster: cluster.to_string(), ..WorldSpec::default() }
+    }
+
+    /// The namespaces the workloads live in.
+    pub fn namespaces(&self) -> Vec<String> {
+        if self.workload_namespaces <= 1 {
+            return vec![self.workload_namespace.clone()];
+        }
+        (0..self.workload_namespaces).map(|i| format!("{}-{i}", self.workload_namespace)).collect()
     }
 
     fn decoy_name(&self) -> String {
@@ -293,7 +311,9 @@ pub async fn generate(spec: &WorldSpec, client: &Client, aws: &AwsClients) -> Re
     spec.validate()?;
     let conc = spec.concurrency.max(1);
     install_crds(client, spec.version).await?;
-    for ns in [KARPENTER_NAMESPACE, spec.workload_namespace.as_str(), "default"] {
+    let mut namespaces = vec![KARPENTER_NAMESPACE.to_string(), "default".to_string()];
+    namespaces.extend(spec.namespaces());
+    for ns in &namespaces {
         let api: Api<Namespace> = Api::all(client.clone());
         let obj = typed("namespace", json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))?;
         ops::create_or_get(&api, &obj).await.map_err(SimError::kube(format!("creating namespace {ns}")))?;
@@ -325,7 +345,7 @@ pub async fn generate(spec: &WorldSpec, client: &Client, aws: &AwsClients) -> Re
                     pool: PoolRef { name: &pool, uid: &uid, class: &class },
                     zone: &zone,
                     node_name: &node,
-                    pods: u32::try_from(spec.pods_per_node + 1).unwrap_or(u32::MAX),
+                    pods: u32::try_from(spec.max_pods_per_node.unwrap_or(spec.pods_per_node + 1)).unwrap_or(u32::MAX),
                 };
                 launch_karpenter_node(client, aws, &launch).await
             }
@@ -716,7 +736,7 @@ fn workload_pod_spec(app: &str, grace_seconds: i64) -> Value {
 }
 
 async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workload>, SimError> {
-    let ns = spec.workload_namespace.as_str();
+    let namespaces = spec.namespaces();
     let total = spec.nodes * spec.pods_per_node;
     let mut plan = Vec::new();
     let mut left = total;
@@ -728,7 +748,7 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
         let name = format!("{}-{w}", if kind == "StatefulSet" { "db" } else { "web" });
         plan.push(Workload {
             kind,
-            namespace: ns.to_string(),
+            namespace: namespaces[w % namespaces.len()].clone(),
             name,
             replicas,
             strict_pdb: spec.strict_pdb && w == 0,
@@ -736,12 +756,11 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
         });
         w += 1;
     }
-    let deployments = Api::<Deployment>::namespaced(client.clone(), ns);
-    let statefulsets = Api::<StatefulSet>::namespaced(client.clone(), ns);
-    let pdbs = Api::<PodDisruptionBudget>::namespaced(client.clone(), ns);
     stream::iter(plan.iter())
         .map(|w| {
-            let (deployments, statefulsets, pdbs) = (&deployments, &statefulsets, &pdbs);
+            let deployments = Api::<Deployment>::namespaced(client.clone(), &w.namespace);
+            let statefulsets = Api::<StatefulSet>::namespaced(client.clone(), &w.namespace);
+            let pdbs = Api::<PodDisruptionBudget>::namespaced(client.clone(), &w.namespace);
             async move {
                 let labels = json!({"app": w.name});
                 let mut spec_json = json!({"replicas": w.replicas, "selector": {"matchLabels": labels},
@@ -753,14 +772,14 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
                     let mut body = body;
                     body["spec"] = spec_json;
                     let sts: StatefulSet = typed("StatefulSet", body)?;
-                    ops::create_or_get(statefulsets, &sts)
+                    ops::create_or_get(&statefulsets, &sts)
                         .await
                         .map_err(SimError::kube(format!("creating StatefulSet {}", w.name)))?;
                 } else {
                     let mut body = body;
                     body["spec"] = spec_json;
                     let d: Deployment = typed("Deployment", body)?;
-                    ops::create_or_get(deployments, &d)
+                    ops::create_or_get(&deployments, &d)
                         .await
                         .map_err(SimError::kube(format!("creating Deployment {}", w.name)))?;
                 }
@@ -782,7 +801,7 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
                     json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
                         "metadata": {"name": w.name, "namespace": w.namespace}, "spec": pdb_spec}),
                 )?;
-                ops::create_or_get(pdbs, &pdb).await.map_err(SimError::kube(format!("creating PDB {}", w.name)))?;
+                ops::create_or_get(&pdbs, &pdb).await.map_err(SimError::kube(format!("creating PDB {}", w.name)))?;
                 Ok::<(), SimError>(())
             }
         })
@@ -795,7 +814,8 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
 /// Waits until the server's control plane has scheduled and started every workload pod and the
 /// controller's Deployment is ready, so a test starts from a settled cluster.
 async fn wait_for_pods(spec: &WorldSpec, client: &Client) -> Result<(), SimError> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &spec.workload_namespace);
+    let namespaces = spec.namespaces();
+    let pods: Api<Pod> = Api::all(client.clone());
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), KARPENTER_NAMESPACE);
     let expected = spec.nodes * spec.pods_per_node;
     let deadline = tokio::time::Instant::now() + spec.settle_timeout;
@@ -806,7 +826,8 @@ async fn wait_for_pods(spec: &WorldSpec, client: &Client) -> Result<(), SimError
             .items
             .iter()
             .filter(|p| {
-                p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
+                p.metadata.namespace.as_ref().is_some_and(|ns| namespaces.contains(ns))
+                    && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
                     && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
             })
             .count();
