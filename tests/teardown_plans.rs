@@ -192,19 +192,14 @@ async fn with_the_fence_karpenter_launches_nothing_under_the_same_pressure() {
 }
 
 /// The shipped default plan with one drain at a time (nodes wait their turn, as with a
-/// concurrency below the node count on a large cluster), and optionally without its cordon step.
-fn default_sequential(with_cordon: bool) -> String {
-    let mut text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
+/// concurrency below the node count on a large cluster).
+fn default_sequential() -> String {
+    let text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
     let drain = "after = [\"cordon\"]\ndescription = \"Cordon, taint and evict each Karpenter node, respecting \
                  PodDisruptionBudgets.\"\n[step.params]\ndeadline = \"10m\"\non_deadline = \"fail\"\nconcurrency = 256";
     assert!(text.contains(drain), "plans/default.toml changed: update this test");
-    text = text.replacen(drain, &drain.replace("concurrency = 256", "concurrency = 1"), 1);
-    if !with_cordon {
-        let start = text.find("[[step]]\nid = \"cordon\"").expect("default.toml has a cordon step");
-        let end = start + text[start..].find("\n[[step]]").expect("a step follows the cordon") + 1;
-        text = format!("{}{}", &text[..start], &text[end..]).replace("after = [\"cordon\"]", "after = [\"fence\"]");
-    }
-    text.replace("name = \"default\"", "name = \"sequential\"")
+    text.replacen(drain, &drain.replace("concurrency = 256", "concurrency = 1"), 1)
+        .replace("name = \"default\"", "name = \"sequential\"")
 }
 
 /// Nodes with room to spare (real nodes rarely run full), drained one at a time. Returns the
@@ -221,7 +216,7 @@ async fn roomy_world(prefix: &str) -> (Bed, karpenter_teardown::sandbox::sim::Wo
 async fn with_the_cordon_step_every_pod_is_evicted_exactly_once() {
     let (b, world, pods) = roomy_world("plans-cordon").await;
     let before = untouchable_nodes(&b.client, &world).await;
-    let plan = plan_file(&b, "cordon.toml", &default_sequential(true));
+    let plan = plan_file(&b, "cordon.toml", &default_sequential());
     let run = teardown(&b, &world.cluster, &["--yes", "--plan", plan.to_str().unwrap()]).await;
     assert_eq!(run.code, 0, "{}", explain(&run));
     assert_eq!(b.server.requests().count("evict", "pods"), pods, "{}", explain(&run));
