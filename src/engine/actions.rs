@@ -19,7 +19,7 @@ use super::inventory::{Inventory, Machine, find_controller, list_dynamic};
 use crate::config::DrainPolicy;
 use crate::k8s::nodes::cordon_and_taint;
 use crate::k8s::objects::{delete_if_present, last_manager_in, patch_params, remove_finalizer};
-use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict};
+use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict, eviction_wave};
 use crate::k8s::{self, KubeError, status_code};
 use crate::karpenter::{self, ProviderId};
 use crate::plan::{OnDeadline, Params};
@@ -297,10 +297,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
                 }
             }
         }
-        // Karpenter's order: non-critical pods first, critical ones once those are gone
-        let non_critical: Vec<&PodRef> = left.iter().filter(|p| !p.critical).collect();
-        let wave: Vec<&PodRef> = if non_critical.is_empty() { left.iter().collect() } else { non_critical };
-        for p in wave {
+        for p in eviction_wave(&left) {
             if p.terminating || deleting || accepted.contains(&p.uid) || next_try.get(&p.uid).is_some_and(|t| *t > now)
             {
                 continue;

@@ -57,6 +57,18 @@ pub fn drainable(pod: &Pod) -> Option<PodRef> {
     })
 }
 
+/// The order a drain evicts in: Karpenter's waves (non-critical pods first, critical ones once
+/// those are gone), and within the wave the longest termination grace period first. A node is
+/// empty only when its slowest pod has finished, so starting that pod's clock first makes the
+/// node's drain as long as its longest grace period plus one eviction, not plus all of them.
+pub fn eviction_wave(left: &[PodRef]) -> Vec<&PodRef> {
+    let non_critical = left.iter().any(|p| !p.critical);
+    let mut wave: Vec<&PodRef> = left.iter().filter(|p| !non_critical || !p.critical).collect();
+    // a pod that names no grace period gets the Kubernetes default, 30 s
+    wave.sort_by_key(|p| std::cmp::Reverse(p.grace_seconds.unwrap_or(30)));
+    wave
+}
+
 /// What an eviction attempt found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EvictionOutcome {
@@ -109,5 +121,39 @@ pub async fn delete_pod(client: &kube::Client, pod: &PodRef) -> Result<(), KubeE
         Ok(_) => Ok(()),
         Err(e) if matches!(status_code(&e), Some(404 | 409)) => Ok(()),
         Err(e) => Err(KubeError::api(format!("delete pod {}", pod.key()), e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, critical: bool, grace: Option<i64>) -> PodRef {
+        PodRef {
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: name.into(),
+            critical,
+            terminating: false,
+            grace_seconds: grace,
+        }
+    }
+
+    fn names<'a>(wave: &[&'a PodRef]) -> Vec<&'a str> {
+        wave.iter().map(|p| p.name.as_str()).collect()
+    }
+
+    #[test]
+    fn the_longest_grace_period_is_evicted_first_and_the_default_is_30s() {
+        let left = [pod("short", false, Some(10)), pod("default", false, None), pod("long", false, Some(120))];
+        assert_eq!(names(&eviction_wave(&left)), ["long", "default", "short"]);
+    }
+
+    #[test]
+    fn critical_pods_wait_until_the_others_are_gone_whatever_their_grace() {
+        let left = [pod("dns", true, Some(600)), pod("app", false, Some(5))];
+        assert_eq!(names(&eviction_wave(&left)), ["app"]);
+        let only_critical = [pod("dns", true, Some(30)), pod("proxy", true, Some(60))];
+        assert_eq!(names(&eviction_wave(&only_critical)), ["proxy", "dns"]);
     }
 }
