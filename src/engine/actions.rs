@@ -252,7 +252,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
         Err(e) => return e.into(),
     }
     ctx.pods.synced().await;
-    let mut changes = ctx.pods.subscribe();
+    let mut changes = ctx.pods.subscribe(&node);
     let started = Instant::now();
     let mut next_try: HashMap<String, Instant> = HashMap::new();
     // UIDs whose eviction the server accepted (or that were already gone)

@@ -1,5 +1,7 @@
 //! One watch over all pods, indexed by node, that every drain task waits on: draining a node
-//! costs its evictions and no polling (design §2.3).
+//! costs its evictions and no polling (design §2.3). Each node has its own change signal: with
+//! one signal for the whole index, every pod event woke every drain task (at 1,000 nodes that
+//! was tens of thousands of events times hundreds of tasks, all spent re-reading unchanged nodes).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -20,21 +22,31 @@ struct Index {
     node_of: HashMap<String, String>,
     /// during a (re)list: the uids seen so far
     relisting: Option<HashMap<String, (String, Option<PodRef>)>>,
+    /// node → its change signal, for the nodes someone waits on
+    signals: HashMap<String, watch::Sender<u64>>,
+}
+
+impl Index {
+    fn changed(&self, node: &str) {
+        if let Some(tx) = self.signals.get(node) {
+            tx.send_modify(|n| *n += 1);
+        }
+    }
 }
 
 /// A live view of the drainable pods per node.
 #[derive(Clone)]
 pub struct PodIndex {
     inner: Arc<Mutex<Index>>,
-    /// Bumped on every change; `synced` is true once the first list is complete.
-    changes: watch::Sender<(u64, bool)>,
+    /// True once the first list is complete.
+    synced: watch::Sender<bool>,
 }
 
 impl PodIndex {
     /// Starts the watch; the returned future runs it until dropped (the engine owns it).
     pub fn start(client: kube::Client) -> (PodIndex, impl Future<Output = ()> + Send + 'static) {
-        let (tx, _) = watch::channel((0, false));
-        let index = PodIndex { inner: Arc::new(Mutex::new(Index::default())), changes: tx };
+        let (tx, _) = watch::channel(false);
+        let index = PodIndex { inner: Arc::new(Mutex::new(Index::default())), synced: tx };
         let me = index.clone();
         let fut = async move {
             let api: Api<Pod> = Api::all(client);
@@ -51,7 +63,6 @@ impl PodIndex {
 
     fn apply(&self, ev: watcher::Event<Pod>) {
         let mut idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let mut synced = self.changes.borrow().1;
         match ev {
             watcher::Event::Init => idx.relisting = Some(HashMap::new()),
             watcher::Event::InitApply(pod) => {
@@ -68,25 +79,30 @@ impl PodIndex {
                 for (uid, (node, r)) in seen {
                     insert(&mut idx, uid, node, r);
                 }
-                synced = true;
+                // anything may have changed while the watch was down
+                for tx in idx.signals.values() {
+                    tx.send_modify(|n| *n += 1);
+                }
+                drop(idx);
+                self.synced.send_replace(true);
             }
             watcher::Event::Apply(pod) => {
                 if let Some((uid, node, r)) = entry(&pod) {
-                    remove(&mut idx, &uid);
-                    insert(&mut idx, uid, node, r);
+                    if let Some(old) = remove(&mut idx, &uid) {
+                        idx.changed(&old);
+                    }
+                    insert(&mut idx, uid, node.clone(), r);
+                    idx.changed(&node);
                 }
             }
             watcher::Event::Delete(pod) => {
-                if let Some(uid) = pod.metadata.uid.as_deref() {
-                    remove(&mut idx, uid);
+                if let Some(uid) = pod.metadata.uid.as_deref()
+                    && let Some(old) = remove(&mut idx, uid)
+                {
+                    idx.changed(&old);
                 }
             }
         }
-        drop(idx);
-        self.changes.send_modify(|(n, s)| {
-            *n += 1;
-            *s = synced;
-        });
     }
 
     /// The drainable pods on `node` now.
@@ -95,15 +111,16 @@ impl PodIndex {
         idx.by_node.get(node).map(|m| m.values().cloned().collect()).unwrap_or_default()
     }
 
-    /// A receiver that changes whenever the index does.
-    pub fn subscribe(&self) -> watch::Receiver<(u64, bool)> {
-        self.changes.subscribe()
+    /// A receiver that changes whenever the pods on `node` may have (and after every relist).
+    pub fn subscribe(&self, node: &str) -> watch::Receiver<u64> {
+        let mut idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        idx.signals.entry(node.to_string()).or_insert_with(|| watch::channel(0).0).subscribe()
     }
 
     /// Waits until the first full list has been read.
     pub async fn synced(&self) {
-        let mut rx = self.subscribe();
-        let _ = rx.wait_for(|(_, s)| *s).await;
+        let mut rx = self.synced.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
     }
 }
 
@@ -123,13 +140,14 @@ fn insert(idx: &mut Index, uid: String, node: String, r: Option<PodRef>) {
     }
 }
 
-fn remove(idx: &mut Index, uid: &str) {
-    if let Some(node) = idx.node_of.remove(uid)
-        && let Some(m) = idx.by_node.get_mut(&node)
-    {
+/// Removes a pod; returns the node it was on.
+fn remove(idx: &mut Index, uid: &str) -> Option<String> {
+    let node = idx.node_of.remove(uid)?;
+    if let Some(m) = idx.by_node.get_mut(&node) {
         m.remove(uid);
         if m.is_empty() {
             idx.by_node.remove(&node);
         }
     }
+    Some(node)
 }
