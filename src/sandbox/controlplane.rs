@@ -37,6 +37,8 @@ enum Timer {
     Remove(String, String, String),
     /// Recompute the status of the PDBs in the namespaces that changed.
     PdbRefresh,
+    /// Run the scheduling pass that was held back by [`SCHEDULE_EVERY`].
+    Schedule,
 }
 
 #[derive(Default)]
@@ -120,13 +122,22 @@ struct ControlPlane {
     pdb_pending_pods: PodLabels,
     /// Whether a [`Timer::PdbRefresh`] is queued.
     pdb_armed: bool,
+    /// When the scheduler last ran, and whether a [`Timer::Schedule`] is queued.
+    scheduled_at: Option<Instant>,
+    schedule_armed: bool,
 }
+
+/// How often the scheduler runs at most. A pass lists every pod; during a large drain every
+/// eviction, deletion and replacement asks for one, and running them back to back kept a core
+/// busy (at 1,000 nodes it was most of the sandbox's time) for passes that bind nothing, since
+/// replacement pods have nowhere to go. The first request after a quiet spell runs at once.
+const SCHEDULE_EVERY: Duration = Duration::from_millis(100);
 
 /// How often PDB statuses are recomputed at most. Every pod event touches them, and each refresh
 /// scans the namespace's pods per budget; coalescing keeps large worlds (thousands of pods and
 /// budgets) from spending every pass there. Evictions never read this status: they compute the
 /// budget afresh (`eviction.rs`), so the delay only affects what readers of `.status` see.
-const PDB_REFRESH: Duration = Duration::from_millis(100);
+const PDB_REFRESH: Duration = Duration::from_millis(500);
 
 fn s(v: &Value) -> String {
     v.as_str().unwrap_or_default().to_string()
@@ -228,6 +239,8 @@ pub async fn run(store: Store, time_scale: f64, cancel: CancellationToken) {
         pdb_pending: BTreeSet::new(),
         pdb_pending_pods: BTreeMap::new(),
         pdb_armed: false,
+        scheduled_at: None,
+        schedule_armed: false,
     };
     let mut rx = store.subscribe();
     let mut dirty = Dirty { all: true, schedule: true, ds_all: true, ..Default::default() };
@@ -376,6 +389,10 @@ impl ControlPlane {
                     self.start_pod(&ns, &name, &uid, d);
                 }
                 Timer::PdbRefresh => self.refresh_pdbs(),
+                Timer::Schedule => {
+                    self.schedule_armed = false;
+                    d.schedule = true;
+                }
                 Timer::Remove(ns, name, uid) => {
                     let still =
                         self.store.get(&pods_gr(), &ns, &name).is_ok_and(|p| p["metadata"]["uid"] == uid.as_str());
@@ -469,8 +486,9 @@ impl ControlPlane {
                 }
             }
         }
-        for node in std::mem::take(&mut d.gone_nodes) {
-            self.pod_gc(&node);
+        let gone = std::mem::take(&mut d.gone_nodes);
+        if !gone.is_empty() {
+            self.pod_gc(&gone.into_iter().collect());
         }
         for k in std::mem::take(&mut d.deploy) {
             self.deployment(&k);
@@ -492,8 +510,18 @@ impl ControlPlane {
         for k in std::mem::take(&mut d.ds) {
             self.daemonset(&k, &mut owned);
         }
-        if std::mem::take(&mut d.schedule) {
-            self.schedule();
+        if std::mem::take(&mut d.schedule) && !self.schedule_armed {
+            match self.scheduled_at.map(|t| t + SCHEDULE_EVERY).filter(|next| *next > Instant::now()) {
+                Some(next) => {
+                    self.schedule_armed = true;
+                    self.seq += 1;
+                    self.timers.insert((next, self.seq), Timer::Schedule);
+                }
+                None => {
+                    self.scheduled_at = Some(Instant::now());
+                    self.schedule();
+                }
+            }
         }
         self.pdb_pending.extend(std::mem::take(&mut d.pdb_ns));
         for (ns, sets) in std::mem::take(&mut d.pdb_pods) {
@@ -528,16 +556,14 @@ impl ControlPlane {
         }
     }
 
-    fn pod_gc(&self, node: &str) {
-        let Ok(fs) = super::apiserver::FieldSelector::parse(&format!("spec.nodeName={node}"), &pod_info(&self.store))
-        else {
-            return;
-        };
-        let lo = ListOptions { fields: Some(fs), ..Default::default() };
-        let pods = self.store.list(&pods_gr(), None, &lo).map(|l| l.items).unwrap_or_default();
+    /// Deletes the pods bound to nodes that are gone, like the pod garbage collector. One listing
+    /// for all of them: a teardown deletes nodes by the thousand, and a listing per node made
+    /// that quadratic.
+    fn pod_gc(&self, gone: &BTreeSet<String>) {
+        let pods = self.store.list(&pods_gr(), None, &ListOptions::default()).map(|l| l.items).unwrap_or_default();
         let opts = DeleteOptions { grace_period_seconds: Some(0), ..Default::default() };
-        for p in pods {
-            let (ns, name) = ns_name(&p);
+        for p in pods.iter().filter(|p| p["spec"]["nodeName"].as_str().is_some_and(|n| gone.contains(n))) {
+            let (ns, name) = ns_name(p);
             let _ = self.store.delete(&pods_gr(), &ns, &name, &opts);
         }
     }
@@ -944,11 +970,6 @@ fn budgets_selecting<'a>(pdbs: &[Arc<Value>], changed: impl Iterator<Item = &'a 
         }
     }
     hit.into_iter().collect()
-}
-
-fn pod_info(store: &Store) -> super::apiserver::ResourceInfo {
-    // The pods resource is built in, so it is always registered.
-    store.registry().get("", "pods").cloned().unwrap_or_else(|| super::apiserver::Registry::new().all()[2].clone())
 }
 
 /// A stable hash of a string (pod IPs derived from uids).

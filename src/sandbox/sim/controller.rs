@@ -401,6 +401,10 @@ struct GcState {
     claim_suspects: HashSet<String>,
 }
 
+/// The shortest time from the start of one reconcile pass to the next (not scaled: it bounds
+/// the simulator's CPU, which the time scale does not shrink).
+const MIN_PASS_GAP: Duration = Duration::from_millis(100);
+
 async fn run(ctx: Arc<Ctx>, notify: Arc<Notify>, cancel: CancellationToken) {
     let ready = async {
         let s = &ctx.stores;
@@ -418,6 +422,7 @@ async fn run(ctx: Arc<Ctx>, notify: Arc<Notify>, cancel: CancellationToken) {
     let mut state = State::default();
     let resync = ctx.settings.scaled(ctx.settings.resync);
     loop {
+        let pass_started = tokio::time::Instant::now();
         let active = controller_ready(&ctx);
         ctx.active.send_replace(active);
         if active {
@@ -431,6 +436,12 @@ async fn run(ctx: Arc<Ctx>, notify: Arc<Notify>, cancel: CancellationToken) {
             _ = cancel.cancelled() => return,
             _ = notify.notified() => {},
             _ = tokio::time::sleep(resync) => {},
+        }
+        // Like Karpenter's batching window: changes that arrive together make one pass. A pass
+        // reads every pod, and during a drain of thousands the store changes continuously.
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep_until(pass_started + MIN_PASS_GAP) => {},
         }
     }
 }
