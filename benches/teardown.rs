@@ -115,7 +115,8 @@ struct Measured {
     sim_k8s: u64,
     ec2_tool: Option<u64>,
     ec2_sim: u64,
-    peak_kib: Option<u64>,
+    /// Peak memory and CPU time of the contender's processes.
+    usage: Usage,
 }
 
 impl Measured {
@@ -261,15 +262,15 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
 
     let t = Instant::now();
     let limit = Duration::from_secs(args.run_timeout);
-    let (outcome, ec2_tool, peak_kib) = match contender {
+    let (outcome, ec2_tool, usage) = match contender {
         Contender::Default | Contender::Delegate => {
             let plan = if contender == Contender::Default { "default" } else { "delegate" };
             let r = run_tool(bin, &world.cluster, &account, &kubeconfig, dir.path(), plan, limit).await?;
-            (r.0, Some(r.1), Some(r.2))
+            (r.0, Some(r.1), r.2)
         }
         Contender::Kubectl => {
             let r = run_kubectl(args, &world, &kubeconfig, dir.path(), limit).await?;
-            (r.0, None, Some(r.1))
+            (r.0, None, r.1)
         }
     };
     let makespan_s = t.elapsed().as_secs_f64();
@@ -315,7 +316,7 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
         sim_k8s,
         ec2_tool,
         ec2_sim,
-        peak_kib,
+        usage,
     })
 }
 
@@ -373,29 +374,56 @@ async fn leftovers(client: &Client) -> usize {
     c + n
 }
 
-/// Runs a child to completion while sampling the peak resident memory (VmHWM) of it and its
-/// descendants; kills it after `limit`. Returns the exit code (None when killed) and the peak in KiB.
-async fn run_measured(mut cmd: tokio::process::Command, limit: Duration) -> anyhow::Result<(Option<i32>, u64)> {
+/// What sampling a child process tree found.
+#[derive(Debug, Default, Clone, Copy)]
+struct Usage {
+    /// Exit code; None when killed at the limit.
+    code: Option<i32>,
+    /// The largest VmHWM of any process in the tree, KiB.
+    peak_kib: u64,
+    /// CPU time (user + system) of the tree, seconds, as last sampled before each process ended.
+    cpu_s: f64,
+}
+
+impl Usage {
+    /// Adds a later command's usage (the baseline runs many kubectl commands).
+    fn add(&mut self, other: Usage) {
+        self.peak_kib = self.peak_kib.max(other.peak_kib);
+        self.cpu_s += other.cpu_s;
+    }
+}
+
+/// Runs a child to completion while sampling the peak resident memory (VmHWM) and CPU time of it
+/// and its descendants every 10 ms; kills it after `limit`.
+async fn run_measured(mut cmd: tokio::process::Command, limit: Duration) -> anyhow::Result<Usage> {
     let mut child = cmd.kill_on_drop(true).spawn().context("spawning")?;
     let pid = child.id().context("child pid")?;
     let deadline = tokio::time::Instant::now() + limit;
     let mut peak = 0;
+    // pid → its CPU ticks as last seen: a process's last sample stands once it is gone
+    let mut ticks: BTreeMap<u32, u64> = BTreeMap::new();
+    let usage = |code, peak, ticks: &BTreeMap<u32, u64>| Usage {
+        code,
+        peak_kib: peak,
+        // USER_HZ, the unit of /proc/<pid>/stat's times, is 100 on Linux
+        cpu_s: ticks.values().sum::<u64>() as f64 / 100.0,
+    };
     loop {
-        peak = peak.max(tree_hwm_kib(pid));
+        peak = peak.max(sample_tree(pid, &mut ticks));
         tokio::select! {
-            status = child.wait() => return Ok((status?.code(), peak)),
+            status = child.wait() => return Ok(usage(status?.code(), peak, &ticks)),
             _ = tokio::time::sleep(Duration::from_millis(10)) => {}
         }
         if tokio::time::Instant::now() >= deadline {
             child.kill().await?;
-            return Ok((None, peak));
+            return Ok(usage(None, peak, &ticks));
         }
     }
 }
 
 /// The largest VmHWM of `pid` and its descendants (kubectl's dispatcher runs the real client as
-/// a child).
-fn tree_hwm_kib(pid: u32) -> u64 {
+/// a child); records each one's CPU ticks (utime + stime, all threads) in `ticks`.
+fn sample_tree(pid: u32, ticks: &mut BTreeMap<u32, u64>) -> u64 {
     let mut peak = 0;
     let mut stack = vec![pid];
     while let Some(p) = stack.pop() {
@@ -406,6 +434,14 @@ fn tree_hwm_kib(pid: u32) -> u64 {
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
                 .unwrap_or(0);
             peak = peak.max(hwm);
+        }
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
+            // fields after the parenthesised command name; utime and stime are the 14th and 15th
+            let fields: Vec<&str> =
+                stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
+            let t: u64 = fields.get(11..13).map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum()).unwrap_or(0);
+            let e = ticks.entry(p).or_default();
+            *e = (*e).max(t);
         }
         if let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) {
             for t in tasks.flatten() {
@@ -434,7 +470,7 @@ async fn run_tool(
     dir: &Path,
     plan: &str,
     limit: Duration,
-) -> anyhow::Result<(String, u64, u64)> {
+) -> anyhow::Result<(String, u64, Usage)> {
     let report = dir.join(format!("report-{plan}.json"));
     let log = std::fs::File::create(dir.join(format!("{plan}.log")))?;
     let mut cmd = tokio::process::Command::new(bin);
@@ -447,7 +483,8 @@ async fn run_tool(
         .stdout(Stdio::null())
         .stderr(log.try_clone()?);
     localstack_env(&mut cmd, account);
-    let (code, peak) = run_measured(cmd, limit).await?;
+    let usage = run_measured(cmd, limit).await?;
+    let code = usage.code;
     let report: Value =
         std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
     let outcome = match code {
@@ -469,21 +506,22 @@ async fn run_tool(
             eprintln!("  {l}");
         }
     }
-    Ok((outcome, ec2, peak))
+    Ok((outcome, ec2, usage))
 }
 
 /// The script users write today: drain the nodes one after another, delete the NodePools, and
-/// poll until Karpenter has removed every NodeClaim. Returns the outcome and kubectl's peak memory.
+/// poll until Karpenter has removed every NodeClaim. Returns the outcome and kubectl's usage
+/// (the drain and delete commands; the polls are not sampled).
 async fn run_kubectl(
     args: &Args,
     world: &World,
     kubeconfig: &Path,
     dir: &Path,
     limit: Duration,
-) -> anyhow::Result<(String, u64)> {
+) -> anyhow::Result<(String, Usage)> {
     let log = std::fs::File::create(dir.join("kubectl.log"))?;
     let deadline = Instant::now() + limit;
-    let mut peak = 0;
+    let mut usage = Usage::default();
     let kubectl = |extra: &[&str]| {
         let mut cmd = tokio::process::Command::new(&args.kubectl);
         cmd.arg("--kubeconfig").arg(kubeconfig).args(extra).stdin(Stdio::null());
@@ -495,27 +533,27 @@ async fn run_kubectl(
     let left = |deadline: Instant| deadline.saturating_duration_since(Instant::now());
     for n in &world.nodes {
         let cmd = kubectl(&["drain", &n.node, "--ignore-daemonsets", "--delete-emptydir-data"]);
-        let (code, p) = run_measured(cmd, left(deadline)).await?;
-        peak = peak.max(p);
-        match code {
+        let u = run_measured(cmd, left(deadline)).await?;
+        usage.add(u);
+        match u.code {
             Some(0) => {}
-            None => return Ok(("timed out".into(), peak)),
-            Some(c) => return Ok((format!("kubectl drain {} failed (exit {c})", n.node), peak)),
+            None => return Ok(("timed out".into(), usage)),
+            Some(c) => return Ok((format!("kubectl drain {} failed (exit {c})", n.node), usage)),
         }
     }
-    let (code, p) = run_measured(kubectl(&["delete", "nodepools", "--all"]), left(deadline)).await?;
-    peak = peak.max(p);
-    if code != Some(0) {
-        return Ok(("kubectl delete nodepools failed".into(), peak));
+    let u = run_measured(kubectl(&["delete", "nodepools", "--all"]), left(deadline)).await?;
+    usage.add(u);
+    if u.code != Some(0) {
+        return Ok(("kubectl delete nodepools failed".into(), usage));
     }
     loop {
         let mut get = kubectl(&["get", "nodeclaims", "-o", "name"]);
         let out = get.stdout(Stdio::piped()).output().await?;
         if out.status.success() && out.stdout.iter().all(u8::is_ascii_whitespace) {
-            return Ok(("clean".into(), peak));
+            return Ok(("clean".into(), usage));
         }
         if Instant::now() >= deadline {
-            return Ok(("timed out".into(), peak));
+            return Ok(("timed out".into(), usage));
         }
         tokio::time::sleep(Duration::from_secs_f64(args.poll)).await;
     }
@@ -535,16 +573,16 @@ fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
     ));
     out.push_str(
         "| nodes | pods | contender | outcome | makespan (s) | critical path (s) | ratio | k8s requests | \
-         requests/pod | requests by verb | EC2 calls (tool) | sim Karpenter k8s / EC2 | peak RSS (MiB) | world generated in (s) |\n",
+         requests/pod | requests by verb | EC2 calls (tool) | sim Karpenter k8s / EC2 | peak RSS (MiB) | CPU (s) | world generated in (s) |\n",
     );
-    out.push_str("|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|\n");
+    out.push_str("|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n");
     for m in rows {
         let verbs = m.k8s.iter().map(|(v, n)| format!("{v} {n}")).collect::<Vec<_>>().join(", ");
         let per_pod =
             if m.pods == 0 { "-".to_string() } else { format!("{:.2}", m.k8s_total() as f64 / m.pods as f64) };
         let ratio = if m.critical_s > 0.0 { format!("{:.2}", m.makespan_s / m.critical_s) } else { "-".into() };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} / {} | {} | {:.0} |\n",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} / {} | {:.1} | {:.1} | {:.0} |\n",
             m.size,
             m.pods,
             m.contender,
@@ -558,7 +596,8 @@ fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
             m.ec2_tool.map(|n| n.to_string()).unwrap_or_else(|| "-".into()),
             m.sim_k8s,
             m.ec2_sim,
-            m.peak_kib.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "-".into()),
+            m.usage.peak_kib as f64 / 1024.0,
+            m.usage.cpu_s,
             m.generate_s,
         ));
     }
@@ -568,7 +607,9 @@ fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
          LocalStack terminates at once. k8s requests are the sandbox server's counts during the run minus the \
          simulated Karpenter controller's own requests (counted by its client); requests/pod divides them by \
          the workload pods on Karpenter nodes at the start. Peak RSS is VmHWM of the tool process (for the \
-         baseline: the largest of any kubectl process).\n",
+         baseline: the largest of any kubectl process); CPU is the tool's user + system time (for the baseline: \
+         the sum over its drain and delete commands, polls not included). The sandbox API server, the simulated \
+         Karpenter and LocalStack run on the same machine and are not included.\n",
     );
     out
 }
