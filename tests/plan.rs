@@ -109,10 +109,10 @@ fn the_default_plan_loads_and_has_the_documented_order() {
     assert_eq!(drain.for_each, Some(ObjectKind::Machine));
     assert_eq!(drain.params.deadline, Some(Duration::from_secs(600)));
     assert_eq!(drain.params.on_deadline, OnDeadline::Fail);
-    assert_eq!(drain.params.concurrency.get(), 256);
+    assert_eq!(drain.params.concurrency.get(), 5000);
     let discharge = plan.step("discharge-finalizers").unwrap();
     assert_eq!(discharge.after, ["drain", "remove-controller"]);
-    assert_eq!(discharge.params.concurrency.get(), 256);
+    assert_eq!(discharge.params.concurrency.get(), 5000);
     assert_eq!(plan.step("verify").unwrap().params.settle, Duration::from_secs(5));
 
     // The compiled-in copy is the same plan.

@@ -324,8 +324,15 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
                 Err(e) => return e.into(),
             }
         }
-        // something may undo the cordon meanwhile (design §1.6): look again now and then
-        if last_cordon_check.elapsed() >= Duration::from_secs(3) {
+        // Something may undo the cordon meanwhile (design §1.6). The node watch shows it as it
+        // happens; a read is needed only when the watch says so (at most once a second, while the
+        // watch catches up with our own write) or has nothing on the node (every 3 s).
+        let recheck_after = match ctx.pods.fenced(&node) {
+            Some(true) => None,
+            Some(false) => Some(Duration::from_secs(1)),
+            None => Some(Duration::from_secs(3)),
+        };
+        if recheck_after.is_some_and(|after| last_cordon_check.elapsed() >= after) {
             last_cordon_check = Instant::now();
             match cordon_and_taint(&nodes, &node, true).await {
                 Ok(o) if o.gone => return TaskOutcome::Done("node went away during the drain".into()),

@@ -1,17 +1,23 @@
-//! One watch over all pods, indexed by node, that every drain task waits on: draining a node
-//! costs its evictions and no polling (design §2.3). Each node has its own change signal: with
-//! one signal for the whole index, every pod event woke every drain task (at 1,000 nodes that
-//! was tens of thousands of events times hundreds of tasks, all spent re-reading unchanged nodes).
+//! One watch over all pods, indexed by node, and one over all nodes, that every drain task waits
+//! on: draining a node costs its evictions and no polling (design §2.3). The node watch tells a
+//! drain whether its node is still cordoned and tainted, so that re-asserting the cordon (design
+//! §1.6) costs nothing while nobody undoes it; reading each draining node every few seconds cost
+//! more requests than the evictions once every node drains at once.
+//!
+//! Each node has its own change signal: with one signal for the whole index, every pod event woke
+//! every drain task (at 1,000 nodes that was tens of thousands of events times hundreds of tasks,
+//! all spent re-reading unchanged nodes).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
 
+use crate::k8s::nodes::{has_disrupted_taint, is_cordoned};
 use crate::k8s::pods::{PodRef, drainable};
 
 #[derive(Default)]
@@ -24,6 +30,10 @@ struct Index {
     relisting: Option<HashMap<String, (String, Option<PodRef>)>>,
     /// node → its change signal, for the nodes someone waits on
     signals: HashMap<String, watch::Sender<u64>>,
+    /// node → whether the node watch last saw it cordoned and tainted
+    fenced: HashMap<String, bool>,
+    /// during a (re)list of the nodes: what was seen so far
+    nodes_relisting: Option<HashMap<String, bool>>,
 }
 
 impl Index {
@@ -34,7 +44,7 @@ impl Index {
     }
 }
 
-/// A live view of the drainable pods per node.
+/// A live view of the drainable pods per node, and of whether each node is fenced.
 #[derive(Clone)]
 pub struct PodIndex {
     inner: Arc<Mutex<Index>>,
@@ -43,22 +53,79 @@ pub struct PodIndex {
 }
 
 impl PodIndex {
-    /// Starts the watch; the returned future runs it until dropped (the engine owns it).
+    /// Starts the watches; the returned future runs them until dropped (the engine owns it).
     pub fn start(client: kube::Client) -> (PodIndex, impl Future<Output = ()> + Send + 'static) {
         let (tx, _) = watch::channel(false);
         let index = PodIndex { inner: Arc::new(Mutex::new(Index::default())), synced: tx };
-        let me = index.clone();
+        let pods_to = index.clone();
+        let nodes_to = index.clone();
+        let pods: Api<Pod> = Api::all(client.clone());
+        let nodes: Api<Node> = Api::all(client);
         let fut = async move {
-            let api: Api<Pod> = Api::all(client);
-            let mut stream = watcher(api, watcher::Config::default().page_size(500)).default_backoff().boxed();
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Ok(ev) => me.apply(ev),
-                    Err(e) => tracing::warn!(error = %e, "pod watch interrupted; resuming"),
+            let pod_watch = async move {
+                let mut stream = watcher(pods, watcher::Config::default().page_size(500)).default_backoff().boxed();
+                while let Some(ev) = stream.next().await {
+                    match ev {
+                        Ok(ev) => pods_to.apply(ev),
+                        Err(e) => tracing::warn!(error = %e, "pod watch interrupted; resuming"),
+                    }
                 }
-            }
+            };
+            let node_watch = async move {
+                let mut stream = watcher(nodes, watcher::Config::default().page_size(500)).default_backoff().boxed();
+                while let Some(ev) = stream.next().await {
+                    match ev {
+                        Ok(ev) => nodes_to.apply_node(ev),
+                        Err(e) => tracing::warn!(error = %e, "node watch interrupted; resuming"),
+                    }
+                }
+            };
+            futures::future::join(pod_watch, node_watch).await;
         };
         (index, fut)
+    }
+
+    fn apply_node(&self, ev: watcher::Event<Node>) {
+        let fenced = |n: &Node| is_cordoned(n) && has_disrupted_taint(n);
+        let mut idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        match ev {
+            watcher::Event::Init => idx.nodes_relisting = Some(HashMap::new()),
+            watcher::Event::InitApply(node) => {
+                if let Some(name) = node.metadata.name.clone()
+                    && let Some(seen) = idx.nodes_relisting.as_mut()
+                {
+                    seen.insert(name, fenced(&node));
+                }
+            }
+            watcher::Event::InitDone => {
+                idx.fenced = idx.nodes_relisting.take().unwrap_or_default();
+                for tx in idx.signals.values() {
+                    tx.send_modify(|n| *n += 1);
+                }
+            }
+            watcher::Event::Apply(node) => {
+                if let Some(name) = node.metadata.name.clone() {
+                    let now = fenced(&node);
+                    if idx.fenced.insert(name.clone(), now) != Some(now) {
+                        idx.changed(&name);
+                    }
+                }
+            }
+            watcher::Event::Delete(node) => {
+                if let Some(name) = node.metadata.name.as_deref()
+                    && idx.fenced.remove(name).is_some()
+                {
+                    idx.changed(name);
+                }
+            }
+        }
+    }
+
+    /// Whether the node watch last saw `node` cordoned and tainted; `None` if it has not seen the
+    /// node (not listed yet, or deleted): only a read can tell then.
+    pub fn fenced(&self, node: &str) -> Option<bool> {
+        let idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        idx.fenced.get(node).copied()
     }
 
     fn apply(&self, ev: watcher::Event<Pod>) {

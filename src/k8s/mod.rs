@@ -124,6 +124,13 @@ pub struct Kube {
     pub calls: ApiCalls,
 }
 
+/// The most Kubernetes requests the tool has in flight at once, whatever the steps' concurrency.
+/// A drain task spends nearly all its time waiting for grace periods, so every node drains at
+/// once; this bound keeps a thousand of them from opening a thousand connections and sending
+/// their evictions in one burst (API Priority and Fairness would answer with 429s). A watch holds
+/// a slot only until its response starts.
+pub const MAX_REQUESTS_IN_FLIGHT: usize = 64;
+
 impl Kube {
     /// Builds a client from the kubeconfig rules: `--kubeconfig`, else `KUBECONFIG`, else
     /// `~/.kube/config`; `--context`, else the current context.
@@ -162,6 +169,7 @@ impl Kube {
         let client = kube::client::ClientBuilder::try_from(config)
             .map_err(|e| KubeError::Kubeconfig { path: "kubeconfig".into(), detail: e.to_string() })?
             .with_layer(&calls.layer())
+            .with_layer(&tower::limit::ConcurrencyLimitLayer::new(MAX_REQUESTS_IN_FLIGHT))
             .build();
         Ok(Kube { client, context, server, calls })
     }
