@@ -62,25 +62,11 @@ impl PodIndex {
         let pods: Api<Pod> = Api::all(client.clone());
         let nodes: Api<Node> = Api::all(client);
         let fut = async move {
-            let pod_watch = async move {
-                let mut stream = watcher(pods, watcher::Config::default().page_size(500)).default_backoff().boxed();
-                while let Some(ev) = stream.next().await {
-                    match ev {
-                        Ok(ev) => pods_to.apply(ev),
-                        Err(e) => tracing::warn!(error = %e, "pod watch interrupted; resuming"),
-                    }
-                }
-            };
-            let node_watch = async move {
-                let mut stream = watcher(nodes, watcher::Config::default().page_size(500)).default_backoff().boxed();
-                while let Some(ev) = stream.next().await {
-                    match ev {
-                        Ok(ev) => nodes_to.apply_node(ev),
-                        Err(e) => tracing::warn!(error = %e, "node watch interrupted; resuming"),
-                    }
-                }
-            };
-            futures::future::join(pod_watch, node_watch).await;
+            futures::future::join(
+                follow(pods, "pod", move |ev| pods_to.apply(ev)),
+                follow(nodes, "node", move |ev| nodes_to.apply_node(ev)),
+            )
+            .await;
         };
         (index, fut)
     }
@@ -188,6 +174,20 @@ impl PodIndex {
     pub async fn synced(&self) {
         let mut rx = self.synced.subscribe();
         let _ = rx.wait_for(|s| *s).await;
+    }
+}
+
+/// Feeds one watch's events to `apply` for as long as it runs, resuming after errors.
+async fn follow<K>(api: Api<K>, what: &'static str, apply: impl Fn(watcher::Event<K>))
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    let mut stream = watcher(api, watcher::Config::default().page_size(500)).default_backoff().boxed();
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Ok(ev) => apply(ev),
+            Err(e) => tracing::warn!(error = %e, "{what} watch interrupted; resuming"),
+        }
     }
 }
 
