@@ -359,6 +359,37 @@ async fn eviction_respects_pod_disruption_budgets() {
     s.shutdown().await;
 }
 
+/// A StatefulSet recreates an evicted pod under the same name, and `disruptedPods` is keyed by
+/// name: like the disruption controller, the server forgets an entry after its deletion timeout
+/// (2 minutes, scaled), or the budget would count the new pod as disrupted and block for ever.
+#[tokio::test]
+async fn a_pod_recreated_under_an_evicted_name_counts_as_healthy_after_the_deletion_timeout() {
+    let (s, c) = server(true).await;
+    Api::<Node>::all(c.clone()).create(&PostParams::default(), &node("n1")).await.unwrap();
+    running_pods(&c, &["db-0", "db-1"], json!({"app": "db"})).await;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(c.clone(), "default");
+    pdbs.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": "db"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "db"}}}}))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    eventually("pdb status", || async {
+        pdbs.get("db").await.unwrap().status.is_some_and(|s| s.disruptions_allowed == 1)
+    })
+    .await;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    let raw: Api<DynamicObject> = Api::namespaced_with(c.clone(), "default", &ApiResource::erase::<Pod>(&()));
+    evict(&raw, "db-0", None).await.unwrap();
+    eventually("evicted pod gone", || async { pods.get_opt("db-0").await.unwrap().is_none() }).await;
+    running_pods(&c, &["db-0"], json!({"app": "db"})).await;
+    // both pods run again: once the entry has expired the budget allows one more disruption
+    eventually("second eviction allowed", || async { evict(&raw, "db-1", None).await.is_ok() }).await;
+    s.shutdown().await;
+}
+
 #[tokio::test]
 async fn lists_filter_by_labels_and_fields_and_page() {
     let (s, c) = server(false).await;

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::apiserver::{
     DeleteOptions, EventType, GroupResource, LabelSelector, ListOptions, PatchType, Store, StoreEvent, WriteOptions,
-    now_rfc3339, pdb_gr, pod_healthy, pods_gr, refresh_pdb,
+    deletion_timeout, now_rfc3339, pdb_gr, pod_healthy, pods_gr, refresh_pdb,
 };
 
 fn apps(r: &str) -> GroupResource {
@@ -550,8 +550,9 @@ impl ControlPlane {
             };
             // Each refresh scans the namespace's pods, so only the budgets whose pods changed
             // are recomputed; the status they get is the same as from a full refresh.
+            let timeout = deletion_timeout(self.scale);
             for n in names {
-                self.store.with(|inner| refresh_pdb(inner, &ns, &n));
+                self.store.with(|inner| refresh_pdb(inner, &ns, &n, timeout));
             }
         }
     }

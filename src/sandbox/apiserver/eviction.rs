@@ -75,8 +75,16 @@ fn controller_scale(inner: &Inner, pod: &Value, seen: &mut BTreeSet<String>) -> 
     ctrl["spec"]["replicas"].as_i64().unwrap_or(1)
 }
 
-/// Recomputes a PDB's status from the pods it selects.
-pub(crate) fn pdb_status(inner: &Inner, pdb: &Value) -> Value {
+/// How long an accepted eviction keeps its pod in `disruptedPods` if the pod is not deleted:
+/// the disruption controller's `DeletionTimeout`, 2 minutes, scaled by the sandbox's time scale.
+/// The map is keyed by pod name, so without the expiry a StatefulSet pod recreated under the same
+/// name stays "disrupted" (unhealthy) forever, and its budget blocks every later eviction.
+pub(crate) fn deletion_timeout(time_scale: f64) -> std::time::Duration {
+    std::time::Duration::from_secs_f64((120.0 * time_scale).max(0.0))
+}
+
+/// Recomputes a PDB's status from the pods it selects; `timeout` is [`deletion_timeout`].
+pub(crate) fn pdb_status(inner: &Inner, pdb: &Value, timeout: std::time::Duration) -> Value {
     let ns = pdb["metadata"]["namespace"].as_str().unwrap_or_default();
     let sel = LabelSelector::from_object(&pdb["spec"]["selector"]);
     let pods: Vec<&Value> = match &sel {
@@ -89,7 +97,14 @@ pub(crate) fn pdb_status(inner: &Inner, pdb: &Value) -> Value {
         .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
         .filter_map(|p| p["metadata"]["name"].as_str())
         .collect();
-    disrupted.retain(|name, _| live.contains(name.as_str()));
+    let now_t = std::time::SystemTime::now();
+    let fresh = |at: &Value| {
+        at.as_str()
+            .and_then(|t| humantime::parse_rfc3339(t).ok())
+            // timestamps have whole seconds: expire after the second the timeout ends in
+            .is_some_and(|t| t + timeout + std::time::Duration::from_secs(1) > now_t)
+    };
+    disrupted.retain(|name, at| live.contains(name.as_str()) && fresh(at));
     let healthy = pods
         .iter()
         .filter(|p| pod_healthy(p))
@@ -141,11 +156,11 @@ pub(crate) fn pdb_status(inner: &Inner, pdb: &Value) -> Value {
 }
 
 /// Writes a PDB's recomputed status if it changed.
-pub(crate) fn refresh_pdb(inner: &mut Inner, ns: &str, name: &str) {
+pub(crate) fn refresh_pdb(inner: &mut Inner, ns: &str, name: &str, timeout: std::time::Duration) {
     let Some(pdb) = inner.find(&pdb_gr(), ns, name).cloned() else {
         return;
     };
-    let st = pdb_status(inner, &pdb);
+    let st = pdb_status(inner, &pdb, timeout);
     if pdb["status"] == st {
         return;
     }
@@ -197,7 +212,7 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
             }
             if let Some(pdb) = pdbs.first() {
                 let pdb_name = pdb["metadata"]["name"].as_str().unwrap_or_default().to_string();
-                let mut st = pdb_status(inner, pdb);
+                let mut st = pdb_status(inner, pdb, deletion_timeout(shared.time_scale));
                 let current = st["currentHealthy"].as_i64().unwrap_or(0);
                 let desired = st["desiredHealthy"].as_i64().unwrap_or(0);
                 let blocked = || {

@@ -35,7 +35,7 @@ pub use store::{
     WriteOptions, now_rfc3339,
 };
 
-pub(crate) use eviction::{pdb_gr, pods_gr, refresh_pdb};
+pub(crate) use eviction::{deletion_timeout, pdb_gr, pods_gr, refresh_pdb};
 
 use super::SandboxError;
 
