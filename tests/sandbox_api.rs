@@ -300,6 +300,14 @@ async fn running_pods(c: &Client, names: &[&str], labels: Value) {
     }
 }
 
+/// Creates a PodDisruptionBudget in `default`; returns the API it was created through.
+async fn budget(c: &Client, name: &str, spec: Value) -> Api<PodDisruptionBudget> {
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(c.clone(), "default");
+    let pdb = serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).unwrap();
+    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+    pdbs
+}
+
 fn eviction(name: &str, uid: Option<&str>) -> Value {
     let mut e =
         json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": "default"}});
@@ -318,15 +326,7 @@ async fn eviction_respects_pod_disruption_budgets() {
     let (s, c) = server(true).await;
     Api::<Node>::all(c.clone()).create(&PostParams::default(), &node("n1")).await.unwrap();
     running_pods(&c, &["a", "b"], json!({"app": "web"})).await;
-    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(c.clone(), "default");
-    pdbs.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": "web"},
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}}}))
-        .unwrap(),
-    )
-    .await
-    .unwrap();
+    let pdbs = budget(&c, "web", json!({"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}})).await;
     eventually("pdb status", || async {
         pdbs.get("web").await.unwrap().status.is_some_and(|s| s.disruptions_allowed == 1 && s.current_healthy == 2)
     })
@@ -347,14 +347,7 @@ async fn eviction_respects_pod_disruption_budgets() {
     assert!(st["details"]["causes"][0]["message"].as_str().unwrap().contains("web"));
     assert_eq!(s.requests().count("evict", "pods"), 4);
     // Two budgets over one pod: 500 like the real server.
-    pdbs.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": "web2"},
-        "spec": {"maxUnavailable": "50%", "selector": {"matchLabels": {"app": "web"}}}}))
-        .unwrap(),
-    )
-    .await
-    .unwrap();
+    budget(&c, "web2", json!({"maxUnavailable": "50%", "selector": {"matchLabels": {"app": "web"}}})).await;
     assert_eq!(code(evict(&raw, "b", None).await.unwrap_err()).0, 500);
     s.shutdown().await;
 }
@@ -367,15 +360,7 @@ async fn a_pod_recreated_under_an_evicted_name_counts_as_healthy_after_the_delet
     let (s, c) = server(true).await;
     Api::<Node>::all(c.clone()).create(&PostParams::default(), &node("n1")).await.unwrap();
     running_pods(&c, &["db-0", "db-1"], json!({"app": "db"})).await;
-    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(c.clone(), "default");
-    pdbs.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({"metadata": {"name": "db"},
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "db"}}}}))
-        .unwrap(),
-    )
-    .await
-    .unwrap();
+    let pdbs = budget(&c, "db", json!({"minAvailable": 1, "selector": {"matchLabels": {"app": "db"}}})).await;
     eventually("pdb status", || async {
         pdbs.get("db").await.unwrap().status.is_some_and(|s| s.disruptions_allowed == 1)
     })
