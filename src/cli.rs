@@ -231,6 +231,11 @@ pub struct VerifyArgs {
     /// Cluster, region, report.
     #[command(flatten)]
     pub target: TargetArgs,
+
+    /// With --reclaim: actually remove the leftovers. Without --yes, verify lists what it would
+    /// reclaim and changes nothing (the same consent model as `run`).
+    #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
+    pub yes: bool,
 }
 
 /// `sandbox ...`.

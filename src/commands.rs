@@ -1,6 +1,7 @@
 //! The subcommands, run from a validated configuration. Each returns the [`Exit`] status; errors
 //! are printed here with what to do about them.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use std::io::{BufRead, IsTerminal, Write};
@@ -95,7 +96,8 @@ async fn verify_command(args: &VerifyArgs) -> Exit {
         Err(e) => return fail(&e.into()),
     };
     let (mut report, started) = Report::start("verify", &target.cluster, &target.region, "");
-    let result = verify_target(&target, &mut report).await;
+    let consent = if args.yes { Consent::Yes } else { Consent::DryRun };
+    let result = verify_target(&target, consent, &mut report).await;
     let exit = match &result {
         Ok(exit) => *exit,
         Err(e) => {
@@ -107,25 +109,33 @@ async fn verify_command(args: &VerifyArgs) -> Exit {
     finish_report(&target, &report, exit)
 }
 
-async fn verify_target(target: &Target, report: &mut Report) -> Result<Exit, CommandError> {
+async fn verify_target(target: &Target, consent: Consent, report: &mut Report) -> Result<Exit, CommandError> {
     let aws = AwsClients::connect(&target.region).await?;
-    let result = verify_with(target, report, &aws).await;
+    let result = verify_with(target, consent, report, &aws).await;
     report.api_calls.extend(aws.calls.snapshot());
     result
 }
 
-async fn verify_with(target: &Target, report: &mut Report, aws: &AwsClients) -> Result<Exit, CommandError> {
+async fn verify_with(
+    target: &Target,
+    consent: Consent,
+    report: &mut Report,
+    aws: &AwsClients,
+) -> Result<Exit, CommandError> {
     if let Some(account) = &target.account {
         aws.check_account(account).await?;
     }
-    let mut left = verify::verify(aws, &target.cluster, VERIFY_SETTLE).await?;
-    if !left.is_clean() && target.reclaim {
+    let mut left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE).await?;
+    if !left.is_clean() && target.reclaim && consent == Consent::DryRun {
+        tracing::warn!("--reclaim without --yes: listing what would be reclaimed, changing nothing");
+        report.would_reclaim = left.reclaimable();
+    } else if !left.is_clean() && target.reclaim {
         report.reclaimed = left.describe();
         let failures = verify::reclaim(aws, &left).await?;
         for f in failures {
             tracing::warn!(failure = %f, "could not reclaim");
         }
-        left = verify::verify(aws, &target.cluster, VERIFY_SETTLE).await?;
+        left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE).await?;
     }
     let clean = left.is_clean();
     report.leftovers = left;

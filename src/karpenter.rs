@@ -34,6 +34,24 @@ pub const TAG_LEGACY_CLUSTER: &str = "karpenter.k8s.aws/cluster";
 /// Launch templates Karpenter creates are named with this prefix and a hash.
 pub const LAUNCH_TEMPLATE_PREFIX: &str = "karpenter.k8s.aws/";
 
+/// Tag the Amazon VPC CNI puts on the network interfaces it creates, naming the cluster (only
+/// when the CNI's CLUSTER_NAME is set, as EKS's managed add-on sets it).
+pub const TAG_VPC_CNI_CLUSTER: &str = "cluster.k8s.amazonaws.com/name";
+/// Tag the VPC CNI puts on its network interfaces with their creation time (RFC 3339).
+pub const TAG_VPC_CNI_CREATED_AT: &str = "node.k8s.amazonaws.com/createdAt";
+/// How long the VPC CNI's own leak collector leaves a detached interface alone after creating it.
+pub const VPC_CNI_COOLDOWN: std::time::Duration = std::time::Duration::from_secs(5 * 60);
+
+/// Whether a detached VPC CNI interface is old enough to be a leak rather than one a live CNI is
+/// about to attach: its `createdAt` tag is more than [`VPC_CNI_COOLDOWN`] before `now`. Without a
+/// readable tag the CNI's collector tags it and waits; the tool waits too (reports nothing).
+pub fn cni_interface_is_settled(created_at: Option<&str>, now: std::time::SystemTime) -> bool {
+    let Some(created) = created_at.and_then(|c| humantime::parse_rfc3339_weak(c).ok()) else {
+        return false;
+    };
+    now.duration_since(created).is_ok_and(|age| age >= VPC_CNI_COOLDOWN)
+}
+
 /// The `kubernetes.io/cluster/<c>` tag key of a cluster.
 pub fn cluster_tag_key(cluster: &str) -> String {
     format!("kubernetes.io/cluster/{cluster}")
@@ -48,6 +66,80 @@ pub fn instance_profile_path_prefix(region: &str, cluster: &str) -> String {
 /// Name prefix of instance profiles Karpenter < 1.7 created at path `/` (`<cluster>_<hash>`).
 pub fn legacy_instance_profile_prefix(cluster: &str) -> String {
     format!("{cluster}_")
+}
+
+/// Tag Karpenter puts on the instance profiles it creates naming their region (IAM is global, so
+/// this is what tells two clusters of the same name in two regions apart).
+pub const TAG_REGION: &str = "topology.kubernetes.io/region";
+
+/// Why an instance profile is taken to be this cluster's Karpenter's: where it is, and (always
+/// required as well) every tag Karpenter's own IAM policy requires before Karpenter may delete it
+/// (`kubernetes.io/cluster/<c>=owned`, `topology.kubernetes.io/region=<region>`,
+/// `karpenter.k8s.aws/ec2nodeclass` present).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProfileEvidence {
+    /// Under `/karpenter/<region>/<cluster>/` (Karpenter ≥ 1.7) and tagged.
+    ClusterPath,
+    /// At `/`, named exactly `<cluster>_<digits>` (Karpenter ≤ 1.6) and tagged.
+    LegacyName,
+}
+
+/// Where an instance profile is, if that is where this cluster's Karpenter puts profiles:
+/// under `/karpenter/<region>/<cluster>/` (≥ 1.7) or at `/` named exactly `<cluster>_<digits>`
+/// (≤ 1.6). `None` for any other profile; such a profile is never a candidate.
+///
+/// A name prefix alone is never enough: `<cluster>_bastion`, or every profile of a cluster named
+/// `<cluster>_eu` (EKS names allow `_`), start with `<cluster>_` too.
+pub fn instance_profile_location(name: &str, path: &str, cluster: &str, region: &str) -> Option<ProfileEvidence> {
+    if path.starts_with(&instance_profile_path_prefix(region, cluster)) {
+        Some(ProfileEvidence::ClusterPath)
+    } else if path == "/" && is_legacy_profile_name(name, cluster) {
+        Some(ProfileEvidence::LegacyName)
+    } else {
+        None
+    }
+}
+
+/// The tags Karpenter puts on its instance profiles that `tags` lacks, as `key=value` for the
+/// log; empty when the profile carries all of them. These are the conditions of Karpenter's own
+/// IAM policy for `iam:DeleteInstanceProfile`, so a profile without them is one Karpenter itself
+/// could not delete.
+pub fn missing_instance_profile_tags(
+    tags: &std::collections::BTreeMap<String, String>,
+    cluster: &str,
+    region: &str,
+) -> Vec<String> {
+    let tag = |k: &str| tags.get(k).map(String::as_str);
+    let mut missing = Vec::new();
+    if tag(&cluster_tag_key(cluster)) != Some("owned") {
+        missing.push(format!("{}=owned", cluster_tag_key(cluster)));
+    }
+    if tag(TAG_REGION) != Some(region) {
+        missing.push(format!("{TAG_REGION}={region}"));
+    }
+    if tag(TAG_NODECLASS).is_none_or(str::is_empty) {
+        missing.push(format!("{TAG_NODECLASS}=<class>"));
+    }
+    missing
+}
+
+/// The tags Karpenter puts on an instance profile it creates for `class` (the sandbox plays
+/// Karpenter with these; the tool requires them, see [`missing_instance_profile_tags`]).
+pub fn instance_profile_tags(cluster: &str, region: &str, class: &str) -> std::collections::BTreeMap<String, String> {
+    std::collections::BTreeMap::from([
+        (cluster_tag_key(cluster), "owned".to_string()),
+        (TAG_EKS_CLUSTER.to_string(), cluster.to_string()),
+        (TAG_REGION.to_string(), region.to_string()),
+        (TAG_NODECLASS.to_string(), class.to_string()),
+    ])
+}
+
+/// `<cluster>_<digits>`: Karpenter names profiles with a decimal 64-bit hash after the cluster
+/// name, so a suffix with anything but digits (or too many of them) is someone else's.
+fn is_legacy_profile_name(name: &str, cluster: &str) -> bool {
+    name.strip_prefix(&legacy_instance_profile_prefix(cluster))
+        .is_some_and(|h| !h.is_empty() && h.len() <= 20 && h.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// A parsed `aws:///<zone>/<instance-id>` provider id.
@@ -76,16 +168,12 @@ impl ProviderId {
         Ok(ProviderId { zone: zone.to_string(), instance_id: id.to_string() })
     }
 
-    /// The region the zone belongs to (`us-west-2a` → `us-west-2`, local zone
-    /// `us-west-2-lax-1a` → `us-west-2`).
+    /// The region the zone belongs to, in every partition and zone kind (`us-west-2a` →
+    /// `us-west-2`, `us-gov-west-1a` → `us-gov-west-1`, Local Zone `us-west-2-lax-1a` →
+    /// `us-west-2`); the zone itself when it names no region (it then matches no `--region`,
+    /// which refuses the run rather than guessing).
     pub fn region(&self) -> String {
-        let parts: Vec<&str> = self.zone.split('-').collect();
-        if parts.len() >= 3 {
-            let third: String = parts[2].chars().take_while(|c| c.is_ascii_digit()).collect();
-            format!("{}-{}-{}", parts[0], parts[1], third)
-        } else {
-            self.zone.trim_end_matches(|c: char| c.is_ascii_alphabetic()).to_string()
-        }
+        crate::aws::partition::region_of_zone(&self.zone).unwrap_or_else(|| self.zone.clone())
     }
 }
 
@@ -97,6 +185,8 @@ impl fmt::Display for ProviderId {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
 
     #[test]
@@ -110,6 +200,8 @@ mod tests {
         assert_eq!(local.region(), "us-west-2");
         let eu = ProviderId::parse("aws:///eu-central-1b/i-1").unwrap();
         assert_eq!(eu.region(), "eu-central-1");
+        let gov = ProviderId::parse("aws:///us-gov-west-1a/i-1").unwrap();
+        assert_eq!(gov.region(), "us-gov-west-1", "GovCloud zones have four parts");
     }
 
     #[test]
@@ -117,5 +209,42 @@ mod tests {
         for raw in ["", "aws:///", "aws:///us-west-2a", "aws://us-west-2a/i-1", "kind://x/y", "aws:///z/vol-1"] {
             assert!(ProviderId::parse(raw).is_err(), "{raw:?} should not parse");
         }
+    }
+
+    #[test]
+    fn instance_profiles_are_the_clusters_only_on_location_and_tags() {
+        let (c, r) = ("prod", "us-west-2");
+        let tags = instance_profile_tags(c, r, "default");
+        let path = format!("/karpenter/{r}/{c}/uid-1/");
+        assert_eq!(instance_profile_location("prod_123", &path, c, r), Some(ProfileEvidence::ClusterPath));
+        assert_eq!(instance_profile_location("prod_123", "/", c, r), Some(ProfileEvidence::LegacyName));
+        assert!(missing_instance_profile_tags(&tags, c, r).is_empty());
+        // shapes that share only the prefix
+        for name in ["prod_bastion", "prod_eu_123", "prod_", "prod_12a", "prod_123456789012345678901", "prod-123"] {
+            assert_eq!(instance_profile_location(name, "/", c, r), None, "{name}");
+        }
+        // the 1.7+ path of another cluster or region, and a legacy name below another path
+        assert_eq!(instance_profile_location("prod_1", "/karpenter/us-west-2/prod_eu/u/", c, r), None);
+        assert_eq!(instance_profile_location("prod_1", "/karpenter/eu-west-1/prod/u/", c, r), None);
+        assert_eq!(instance_profile_location("prod_1", "/team/", c, r), None);
+        // every tag is required, with the right values
+        for key in [cluster_tag_key(c), TAG_REGION.to_string(), TAG_NODECLASS.to_string()] {
+            let mut t = tags.clone();
+            t.remove(&key);
+            assert_eq!(missing_instance_profile_tags(&t, c, r).len(), 1, "without {key}");
+        }
+        let other_region = instance_profile_tags(c, "eu-west-1", "default");
+        assert_eq!(missing_instance_profile_tags(&other_region, c, r), vec![format!("{TAG_REGION}={r}")]);
+        let shared = BTreeMap::from([(cluster_tag_key(c), "shared".to_string())]);
+        assert_eq!(missing_instance_profile_tags(&shared, c, r).len(), 3);
+    }
+
+    #[test]
+    fn vpc_cni_interfaces_count_as_leaks_only_after_the_cnis_own_cooldown() {
+        let now = humantime::parse_rfc3339("2026-11-23T12:00:00Z").unwrap();
+        assert!(cni_interface_is_settled(Some("2026-11-23T11:50:00Z"), now));
+        assert!(!cni_interface_is_settled(Some("2026-11-23T11:58:00Z"), now), "2 minutes old: the CNI may attach it");
+        assert!(!cni_interface_is_settled(None, now));
+        assert!(!cni_interface_is_settled(Some("yesterday"), now));
     }
 }

@@ -115,6 +115,9 @@ pub struct Report {
     pub leftovers: Leftovers,
     /// What was reclaimed (`--reclaim`), as ids and names.
     pub reclaimed: Vec<String>,
+    /// What `--reclaim` would have removed had `--yes` been given (same form as `reclaimed`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub would_reclaim: Vec<String>,
     /// API calls made, by `service:verb` (e.g. `kubernetes:patch`, `ec2:TerminateInstances`); AWS
     /// keys are the IAM actions the calls need.
     pub api_calls: BTreeMap<String, u64>,
@@ -145,6 +148,7 @@ impl Report {
                 blockers: Vec::new(),
                 leftovers: Leftovers::default(),
                 reclaimed: Vec::new(),
+                would_reclaim: Vec::new(),
                 api_calls: BTreeMap::new(),
                 error: None,
             },
@@ -215,6 +219,9 @@ impl Report {
         }
         for r in &self.reclaimed {
             s.push_str(&format!("\n  reclaimed: {r}"));
+        }
+        for r in &self.would_reclaim {
+            s.push_str(&format!("\n  would reclaim with --yes: {r}"));
         }
         if let Some(e) = &self.error {
             s.push_str(&format!("\n  error: {e}"));

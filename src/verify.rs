@@ -1,6 +1,7 @@
 //! The EC2 proof: what of the cluster's Karpenter is still there, read through AWS with
 //! Karpenter's own filter, twice, some seconds apart (design §2.7), and reclaimed when asked.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::aws::ec2::{DetachedResource, InstanceScope, LaunchTemplateInfo};
@@ -34,6 +35,12 @@ impl Leftovers {
             && self.objects.is_empty()
     }
 
+    /// What [`reclaim`] would remove, one line per kind (everything but volumes and the cluster's
+    /// objects, which only a teardown removes).
+    pub fn reclaimable(&self) -> Vec<String> {
+        Leftovers { volumes: Vec::new(), objects: Vec::new(), ..self.clone() }.describe()
+    }
+
     /// One line per kind with the ids, for the human summary.
     pub fn describe(&self) -> Vec<String> {
         let mut out = Vec::new();
@@ -52,8 +59,9 @@ impl Leftovers {
     }
 }
 
-/// Reads everything once.
-pub async fn collect(aws: &AwsClients, cluster: &str) -> Result<Leftovers, AwsError> {
+/// Reads everything once. `user_profiles` are instance profiles that EC2NodeClasses name in
+/// `spec.instanceProfile` (the user's): never counted, even when they look like Karpenter's.
+pub async fn collect(aws: &AwsClients, cluster: &str, user_profiles: &BTreeSet<String>) -> Result<Leftovers, AwsError> {
     let (instances, launch_templates, instance_profiles, network_interfaces, volumes) = tokio::try_join!(
         aws.ec2.cluster_instances(cluster, InstanceScope::KarpenterLive),
         aws.ec2.launch_templates(cluster),
@@ -61,23 +69,30 @@ pub async fn collect(aws: &AwsClients, cluster: &str) -> Result<Leftovers, AwsEr
         aws.ec2.detached_network_interfaces(cluster),
         aws.ec2.detached_volumes(cluster),
     )?;
+    let instance_profiles = instance_profiles.into_iter().filter(|p| !user_profiles.contains(&p.name)).collect();
     Ok(Leftovers { instances, launch_templates, instance_profiles, network_interfaces, volumes, objects: Vec::new() })
 }
 
 /// Verifies: two reads `settle` apart must both be clean, to catch a launch that was in flight
 /// during the first. Returns the leftovers of the read that was not clean (or the last one).
-pub async fn verify(aws: &AwsClients, cluster: &str, settle: Duration) -> Result<Leftovers, AwsError> {
-    let first = collect(aws, cluster).await?;
+pub async fn verify(
+    aws: &AwsClients,
+    cluster: &str,
+    user_profiles: &BTreeSet<String>,
+    settle: Duration,
+) -> Result<Leftovers, AwsError> {
+    let first = collect(aws, cluster, user_profiles).await?;
     if !first.is_clean() {
         return Ok(first);
     }
     tokio::time::sleep(settle).await;
-    collect(aws, cluster).await
+    collect(aws, cluster, user_profiles).await
 }
 
 /// Removes what the leftovers list (never volumes): terminates the instances, deletes launch
 /// templates, instance profiles and detached network interfaces. Everything listed was selected
-/// by the cluster's tags or names, so nothing outside the cluster is touched.
+/// by the cluster's tags (instance profiles by location and tags together), so nothing outside
+/// the cluster is touched.
 pub async fn reclaim(aws: &AwsClients, leftovers: &Leftovers) -> Result<Vec<String>, AwsError> {
     let mut failures = Vec::new();
     let ids: Vec<String> = leftovers.instances.iter().map(|i| i.id.clone()).collect();

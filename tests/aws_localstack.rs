@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use karpenter_teardown::aws::InstanceState;
 use karpenter_teardown::aws::ec2::InstanceScope;
@@ -23,6 +23,7 @@ fn karpenter_tags(cluster: &str, pool: &str) -> BTreeMap<String, String> {
 #[tokio::test]
 async fn instances_are_listed_by_cluster_tags_and_terminated_in_batches() {
     let aws = common::localstack(REGION).await;
+    let tool = common::localstack_as_aws(REGION).await;
     let cluster = common::unique_cluster("ec2");
     let other = common::unique_cluster("decoy");
     let ours = aws
@@ -37,34 +38,34 @@ async fn instances_are_listed_by_cluster_tags_and_terminated_in_batches() {
     let mng = aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 1, &mng_tags).await.unwrap();
     assert_eq!(ours.len(), 3);
 
-    let listed = aws.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap();
+    let listed = tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap();
     let mut ids: Vec<String> = listed.iter().map(|i| i.id.clone()).collect();
     ids.sort();
     let mut expected: Vec<String> = ours.iter().map(|i| i.id.clone()).collect();
     expected.sort();
     assert_eq!(ids, expected, "only the cluster's Karpenter instances are listed");
     assert!(listed.iter().all(|i| i.tag(karpenter::TAG_NODEPOOL) == Some("general")));
-    let any = aws.ec2.cluster_instances(&cluster, InstanceScope::ClusterAny).await.unwrap();
+    let any = tool.ec2.cluster_instances(&cluster, InstanceScope::ClusterAny).await.unwrap();
     assert_eq!(any.len(), 4, "ClusterAny includes the managed node group instance");
 
     // one id EC2 does not know makes the batch fail as a whole; the per-id fallback still
     // terminates the good ones and reports the bad one as not found
     let mut batch = expected.clone();
     batch.push("i-0000000000000dead".into());
-    let out = aws.ec2.terminate(&batch).await.unwrap();
+    let out = tool.ec2.terminate(&batch).await.unwrap();
     assert_eq!(out.not_found, vec!["i-0000000000000dead".to_string()]);
     assert!(out.failed.is_empty(), "{:?}", out.failed);
     let mut accepted = out.accepted.clone();
     accepted.sort();
     assert_eq!(accepted, expected);
 
-    let after = aws.ec2.instances_by_id(&expected).await.unwrap();
+    let after = tool.ec2.instances_by_id(&expected).await.unwrap();
     assert!(after.iter().all(|i| i.state == InstanceState::Terminated), "{after:?}");
-    assert!(aws.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().is_empty());
+    assert!(tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().is_empty());
 
     // nothing outside the cluster was touched
     let decoy_ids: Vec<String> = decoys.iter().chain(mng.iter()).map(|i| i.id.clone()).collect();
-    let untouched = aws.ec2.instances_by_id(&decoy_ids).await.unwrap();
+    let untouched = tool.ec2.instances_by_id(&decoy_ids).await.unwrap();
     assert_eq!(untouched.len(), 3);
     assert!(untouched.iter().all(|i| i.state == InstanceState::Running), "{untouched:?}");
     aws.ec2.terminate(&decoy_ids).await.unwrap();
@@ -99,28 +100,60 @@ async fn verification_finds_leftovers_and_reclaim_removes_only_the_clusters() {
     aws.ec2.create_launch_template(&format!("eks-mng-{cluster}"), "ami-12c6146b", &lt_tags(&cluster)).await.unwrap();
     let uid = "4f1c3a2e-0000-4000-8000-000000000001";
     let path = format!("{}{uid}/", karpenter::instance_profile_path_prefix(REGION, &cluster));
-    aws.iam.create_instance_profile(&format!("{cluster}_p1"), &path, None).await.unwrap();
-    aws.iam.create_instance_profile(&format!("{cluster}_legacy"), "/", None).await.unwrap();
-    aws.iam.create_instance_profile(&format!("{other}_keep"), "/", None).await.unwrap();
+    let ptags = |c: &str, region: &str| karpenter::instance_profile_tags(c, region, "default");
+    aws.iam.create_instance_profile(&format!("{cluster}_1234"), &path, &ptags(&cluster, REGION), None).await.unwrap();
+    aws.iam.create_instance_profile(&format!("{cluster}_98765"), "/", &ptags(&cluster, REGION), None).await.unwrap();
+    aws.iam.create_instance_profile(&format!("{other}_3131"), "/", &ptags(&other, REGION), None).await.unwrap();
+    let untouchable = user_profiles_that_look_like_karpenters(&aws, &cluster).await;
     let inst =
         aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&cluster, "spot")).await.unwrap();
 
-    let left = verify::collect(&aws, &cluster).await.unwrap();
+    let tool = common::localstack_as_aws(REGION).await;
+    let none = BTreeSet::new();
+    let left = verify::collect(&tool, &cluster, &none).await.unwrap();
     assert!(!left.is_clean());
     assert_eq!(left.instances.len(), 1);
     assert_eq!(left.launch_templates.len(), 2, "{:?}", left.launch_templates);
-    assert_eq!(left.instance_profiles.len(), 2, "{:?}", left.instance_profiles);
+    let mut profiles: Vec<&str> = left.instance_profiles.iter().map(|p| p.name.as_str()).collect();
+    profiles.sort();
+    assert_eq!(profiles, [format!("{cluster}_1234"), format!("{cluster}_98765")], "only profiles on evidence");
 
-    let failures = verify::reclaim(&aws, &left).await.unwrap();
+    let failures = verify::reclaim(&tool, &left).await.unwrap();
     assert!(failures.is_empty(), "{failures:?}");
-    let after = verify::verify(&aws, &cluster, std::time::Duration::from_millis(100)).await.unwrap();
+    let after = verify::verify(&tool, &cluster, &none, std::time::Duration::from_millis(100)).await.unwrap();
     assert!(after.is_clean(), "{after:?}");
+    for name in &untouchable {
+        assert!(
+            profile_exists(&aws, name).await,
+            "{name} is not this cluster's Karpenter's and must survive --reclaim"
+        );
+    }
 
     // the other cluster's template and profile are still there
     assert_eq!(aws.ec2.launch_templates(&other).await.unwrap().len(), 1);
     assert_eq!(aws.iam.cluster_instance_profiles(REGION, &other).await.unwrap().len(), 1);
     assert!(inst[0].state.is_live());
     aws.ec2.delete_launch_template(&other_lt).await.unwrap();
+}
+
+#[tokio::test]
+async fn lookups_of_more_than_200_instances_respect_ec2s_filter_limit() {
+    // EC2 refuses more than 200 values in one filter (FilterLimitExceeded); the proxy in front of
+    // LocalStack refuses it too. A cluster of 450 Karpenter nodes must still be looked up.
+    let aws = common::localstack(REGION).await;
+    let tool = common::localstack_as_aws(REGION).await;
+    let cluster = common::unique_cluster("many");
+    let real =
+        aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 2, &karpenter_tags(&cluster, "general")).await.unwrap();
+    let mut ids: Vec<String> = (0..448).map(|i| format!("i-0{i:016x}")).collect();
+    ids.extend(real.iter().map(|i| i.id.clone()));
+    let found = tool.ec2.instances_by_id(&ids).await.expect("450 ids are looked up in calls EC2 accepts");
+    let mut found: Vec<String> = found.into_iter().map(|i| i.id).collect();
+    found.sort();
+    let mut expected: Vec<String> = real.iter().map(|i| i.id.clone()).collect();
+    expected.sort();
+    assert_eq!(found, expected);
+    aws.ec2.terminate(&expected).await.unwrap();
 }
 
 #[tokio::test]
@@ -134,16 +167,13 @@ async fn verify_command_reports_a_leftover_with_exit_4_and_reclaims_it_with_exit
         aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&other, "general")).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let report_path = dir.path().join("report.json");
-    let verify = |reclaim: bool| {
+    let verify = |extra: &[&str]| {
         let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
-        c.args(["verify", "--cluster", &cluster, "--region", REGION, "--report"]).arg(&report_path);
-        if reclaim {
-            c.arg("--reclaim");
-        }
+        c.args(["verify", "--cluster", &cluster, "--region", REGION, "--report"]).arg(&report_path).args(extra);
         c.envs(common::localstack_env());
         c.output().unwrap()
     };
-    let out = verify(false);
+    let out = verify(&[]);
     assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     assert_eq!(report["version"], 1);
@@ -151,7 +181,18 @@ async fn verify_command_reports_a_leftover_with_exit_4_and_reclaims_it_with_exit
     assert_eq!(report["leftovers"]["instances"][0]["id"], leaked[0].id.as_str());
     assert!(String::from_utf8_lossy(&out.stdout).contains(&leaked[0].id));
 
-    let out = verify(true);
+    // --reclaim without --yes: the same consent model as run; it lists and changes nothing
+    let out = verify(&["--reclaim"]);
+    assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    assert_eq!(report["outcome"], "leftovers");
+    assert!(report["would_reclaim"][0].as_str().unwrap().contains(&leaked[0].id), "{report}");
+    assert_eq!(report["reclaimed"].as_array().map(Vec::len), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("would reclaim with --yes"));
+    let state = aws.ec2.instances_by_id(&[leaked[0].id.clone()]).await.unwrap();
+    assert_eq!(state[0].state, InstanceState::Running, "--reclaim without --yes terminated an instance");
+
+    let out = verify(&["--reclaim", "--yes"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     assert_eq!(report["outcome"], "clean");
@@ -160,4 +201,123 @@ async fn verify_command_reports_a_leftover_with_exit_4_and_reclaims_it_with_exit
     assert_eq!(by_id(&leaked[0].id), InstanceState::Terminated);
     assert_eq!(by_id(&decoy[0].id), InstanceState::Running, "another cluster's instance survives --reclaim");
     aws.ec2.terminate(&[decoy[0].id.clone()]).await.unwrap();
+}
+
+/// Instance profiles that share a prefix, a path or some tags with the cluster's Karpenter's but
+/// are not: a user's `<c>_bastion`, the profiles of a cluster named `<c>_eu` (EKS names allow
+/// `_`), a cluster of the same name in another region (IAM is global), a `<c>_<digits>` profile
+/// the user made without Karpenter's tags, one at the 1.7+ path of `<c>_eu`.
+async fn user_profiles_that_look_like_karpenters(
+    aws: &karpenter_teardown::aws::AwsClients,
+    cluster: &str,
+) -> Vec<String> {
+    let tags = karpenter::instance_profile_tags;
+    let eu = format!("{cluster}_eu");
+    let bastion_tags = BTreeMap::from([(karpenter::cluster_tag_key(cluster), "owned".to_string())]);
+    let cases = [
+        (format!("{cluster}_bastion"), "/".to_string(), bastion_tags),
+        (format!("{eu}_4242"), "/".to_string(), tags(&eu, REGION, "default")),
+        (format!("{cluster}_5151"), "/".to_string(), tags(cluster, "eu-west-1", "default")),
+        (format!("{cluster}_6161"), "/".to_string(), BTreeMap::new()),
+        (
+            format!("{eu}_7171"),
+            format!("{}u/", karpenter::instance_profile_path_prefix(REGION, &eu)),
+            tags(&eu, REGION, "d"),
+        ),
+    ];
+    let mut names = Vec::new();
+    for (name, path, tags) in cases {
+        aws.iam.create_instance_profile(&name, &path, &tags, None).await.unwrap();
+        names.push(name);
+    }
+    names
+}
+
+async fn profile_exists(aws: &karpenter_teardown::aws::AwsClients, name: &str) -> bool {
+    match aws.iam.sdk().get_instance_profile().instance_profile_name(name).send().await {
+        Ok(_) => true,
+        Err(e) if e.as_service_error().is_some_and(|e| e.is_no_such_entity_exception()) => false,
+        Err(e) => panic!("GetInstanceProfile {name}: {e:?}"),
+    }
+}
+
+#[tokio::test]
+async fn verify_reclaim_never_deletes_profiles_that_only_share_the_clusters_name_prefix() {
+    let aws = common::localstack(REGION).await;
+    let cluster = common::unique_cluster("iamsafe");
+    let untouchable = user_profiles_that_look_like_karpenters(&aws, &cluster).await;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .args(["verify", "--cluster", &cluster, "--region", REGION, "--reclaim", "--yes"])
+        .envs(common::localstack_env())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "nothing of the cluster's Karpenter exists: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for name in &untouchable {
+        assert!(profile_exists(&aws, name).await, "{name} was deleted by verify --reclaim");
+        aws.iam.sdk().delete_instance_profile().instance_profile_name(name).send().await.unwrap();
+    }
+}
+
+/// Creates a detached network interface with `tags` in a fresh subnet.
+async fn detached_interface(aws: &karpenter_teardown::aws::AwsClients, tags: &[(String, String)]) -> String {
+    use aws_sdk_ec2::types::{ResourceType, Tag, TagSpecification};
+    let ec2 = aws.ec2.sdk();
+    let vpc = ec2.create_vpc().cidr_block("10.42.0.0/16").send().await.unwrap();
+    let vpc_id = vpc.vpc().and_then(|v| v.vpc_id()).unwrap().to_string();
+    let subnet = ec2.create_subnet().vpc_id(&vpc_id).cidr_block("10.42.1.0/24").send().await.unwrap();
+    let subnet_id = subnet.subnet().and_then(|s| s.subnet_id()).unwrap().to_string();
+    let spec = TagSpecification::builder()
+        .resource_type(ResourceType::NetworkInterface)
+        .set_tags(Some(tags.iter().map(|(k, v)| Tag::builder().key(k).value(v).build()).collect()))
+        .build();
+    let ni = ec2.create_network_interface().subnet_id(subnet_id).tag_specifications(spec).send().await.unwrap();
+    ni.network_interface().and_then(|n| n.network_interface_id()).unwrap().to_string()
+}
+
+#[tokio::test]
+async fn detached_vpc_cni_interfaces_of_the_cluster_are_leftovers_and_reclaimed() {
+    let aws = common::localstack(REGION).await;
+    let tool = common::localstack_as_aws(REGION).await;
+    let cluster = common::unique_cluster("eni");
+    let other = common::unique_cluster("eni-other");
+    let old = "2026-01-01T00:00:00Z";
+    let fresh = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let cni = |c: &str, created: &str| {
+        vec![
+            (karpenter::TAG_VPC_CNI_CLUSTER.to_string(), c.to_string()),
+            ("node.k8s.amazonaws.com/instance_id".to_string(), "i-0123456789abcdef0".to_string()),
+            (karpenter::TAG_VPC_CNI_CREATED_AT.to_string(), created.to_string()),
+        ]
+    };
+    let leaked = detached_interface(&aws, &cni(&cluster, old)).await;
+    let others = detached_interface(&aws, &cni(&other, old)).await;
+    let young = detached_interface(&aws, &cni(&cluster, &fresh)).await;
+
+    let left = verify::collect(&tool, &cluster, &BTreeSet::new()).await.unwrap();
+    let ids: Vec<&str> = left.network_interfaces.iter().map(|n| n.id.as_str()).collect();
+    assert_eq!(ids, [leaked.as_str()], "only the cluster's settled CNI interface is a leftover");
+    assert!(!left.is_clean());
+
+    let failures = verify::reclaim(&tool, &left).await.unwrap();
+    assert!(failures.is_empty(), "{failures:?}");
+    let exists = |id: String| {
+        let ec2 = aws.ec2.sdk().clone();
+        async move {
+            match ec2.describe_network_interfaces().network_interface_ids(&id).send().await {
+                Ok(o) => !o.network_interfaces().is_empty(),
+                Err(_) => false,
+            }
+        }
+    };
+    assert!(!exists(leaked.clone()).await, "the leaked interface was deleted");
+    assert!(exists(others.clone()).await, "another cluster's interface survives");
+    assert!(exists(young.clone()).await, "an interface inside the CNI's cool-down survives");
+    for id in [others, young] {
+        aws.ec2.delete_network_interface(&id).await.unwrap();
+    }
 }

@@ -9,6 +9,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use karpenter_teardown::aws::InstanceState;
+use karpenter_teardown::sandbox::ServerOptions;
+use karpenter_teardown::sandbox::apiserver::authz::Rbac;
+use karpenter_teardown::sandbox::ec2proxy::{Ec2Proxy, ProxyFaults};
 use karpenter_teardown::sandbox::sim::{World, generate};
 use safety::*;
 
@@ -21,10 +24,16 @@ struct Guarded {
 }
 
 async fn guarded(prefix: &str) -> Guarded {
+    guarded_with(prefix, None).await
+}
+
+/// A guarded world whose kubeconfig identity holds `rbac` instead of `deploy/rbac.yaml`.
+async fn guarded_with(prefix: &str, rbac: Option<Rbac>) -> Guarded {
     let mut s = spec(prefix, 2);
     s.pods_per_node = 1;
     s.decoys = 0;
-    let b = bed(&s.cluster).await;
+    let opts = ServerOptions { time_scale: 0.01, rbac, ..ServerOptions::default() };
+    let b = bed_with(&s.cluster, opts).await;
     let world = generate(&s, &b.client, &b.aws).await.unwrap();
     // let the control plane settle before taking the store's version
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -188,4 +197,37 @@ async fn wrong_cluster() {
     let dry = tool(&g.b, "run", "some-other-cluster", &Invocation::default()).await;
     assert_eq!(dry.code, 3, "{}", dry.dump());
     g.assert_unchanged(&dry).await;
+}
+
+/// Issue 15.11: a permission the shipped RBAC grants is missing (here the eviction). Asked
+/// through SelfSubjectAccessReview before the first write, it refuses the run with exit 2 naming
+/// the permission and the file, instead of a 403 with the cluster half torn down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_rbac_permission_is_refused_before_any_change() {
+    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml")).unwrap();
+    let eviction_rule = "  - apiGroups: [\"\"]\n    resources: [\"pods/eviction\"]\n    verbs: [\"create\"]\n";
+    assert!(shipped.contains(eviction_rule), "deploy/rbac.yaml changed shape; update this test");
+    let without_eviction = Rbac::from_yaml(&shipped.replace(eviction_rule, "")).unwrap();
+    let g = guarded_with("bad-rbac", Some(without_eviction)).await;
+    let run = g.run(&[], vec![], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["create pods/eviction", "deploy/rbac.yaml", "Nothing was changed"]);
+    // a dry run says so too
+    let dry = tool(&g.b, "run", &g.world.cluster, &Invocation::default()).await;
+    assert_eq!(dry.code, 2, "{}", dry.dump());
+    g.assert_unchanged(&run).await;
+}
+
+/// Issue 15.11: the AWS identity lacks `ec2:TerminateInstances` (the proxy answers as IAM would,
+/// `UnauthorizedOperation`). EC2's `DryRun` finds it before the first write: exit 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_iam_permission_is_refused_before_any_change() {
+    let g = guarded("bad-iam").await;
+    let proxy = Ec2Proxy::start(common::LOCALSTACK, ProxyFaults::default()).await.unwrap();
+    proxy.deny_actions(&["TerminateInstances"]);
+    let run = g.run(&[], vec![("AWS_ENDPOINT_URL", proxy.url())], vec![]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert_one_error(&run, &["ec2:TerminateInstances", "deploy/iam-policy.json", "Nothing was changed"]);
+    proxy.shutdown().await;
+    g.assert_unchanged(&run).await;
 }

@@ -210,6 +210,7 @@ fn group_of(resource: &str) -> Option<&'static str> {
         "deployments" | "replicasets" | "daemonsets" | "statefulsets" => "apps",
         "poddisruptionbudgets" => "policy",
         "customresourcedefinitions" => "apiextensions.k8s.io",
+        "selfsubjectaccessreviews" => "authorization.k8s.io",
         "nodepools" | "nodeclaims" => "karpenter.sh",
         "ec2nodeclasses" => "karpenter.k8s.aws",
         _ => return None,

@@ -461,6 +461,30 @@ async fn a_strict_pdb_blocks_the_drain_until_it_is_relaxed() {
     cleanup(b, &world, &[]).await;
 }
 
+/// Like Karpenter's disruption controller, the live simulator removes `karpenter.sh/disrupted`
+/// from a node it is not disrupting itself, and leaves a cordon alone.
+#[tokio::test]
+async fn a_live_controller_strips_a_disrupted_taint_it_did_not_put_there_and_keeps_cordons() {
+    let b = bed().await;
+    let spec = WorldSpec { nodes: 2, node_pools: 1, node_classes: 1, ..small_spec("sim-untaint") };
+    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let nodes: Api<Node> = Api::all(b.client.clone());
+    let target = &world.nodes[0].node;
+    let patch = json!({"spec": {"unschedulable": true, "taints": [{"key": karpenter::TAINT_DISRUPTED, "effect": "NoSchedule"}]}});
+    nodes.patch(target, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    let ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    eventually("the disrupted taint is removed", Duration::from_secs(30), || async {
+        let n = nodes.get(target).await.unwrap();
+        !n.spec.and_then(|s| s.taints).unwrap_or_default().iter().any(|t| t.key == karpenter::TAINT_DISRUPTED)
+    })
+    .await;
+    assert!(ctl.stats().disrupted_taints_removed >= 1);
+    let n = nodes.get(target).await.unwrap();
+    assert_eq!(n.spec.and_then(|s| s.unschedulable), Some(true), "Karpenter never undoes a cordon");
+    ctl.shutdown().await;
+    cleanup(b, &world, &[]).await;
+}
+
 #[tokio::test]
 async fn deleting_a_node_takes_its_nodeclaim_and_instance_with_it() {
     let b = bed().await;

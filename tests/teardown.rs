@@ -26,6 +26,9 @@ async fn default_plan_tears_down_a_generated_cluster_with_a_live_controller() {
     assert_eq!(run.report["outcome"], "clean");
     assert_torn_down(&b, &world, &before).await;
     assert_eq!(sim.stats().nodeclaims_launched, 0, "the fence kept Karpenter from launching replacements");
+    // issue 15.5: a live Karpenter removes karpenter.sh/disrupted from nodes it is not disrupting
+    // itself; a tool that writes that taint fights it on every node
+    assert_eq!(sim.stats().disrupted_taints_removed, 0, "the tool wrote a taint the live controller owns");
 
     // a second run finds nothing to do and exits 0
     let again = teardown(&b, &world.cluster, &["--yes"]).await;

@@ -8,10 +8,20 @@ use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName, ResourceType, Tag,
 use super::AwsError;
 use crate::karpenter;
 
-/// `TerminateInstances` takes at most this many ids per call (design §5).
+/// Ids per `TerminateInstances` call: AWS takes up to 1,000; 500 keeps one bad id's fallback
+/// (one call per id) short (design §5).
 pub const TERMINATE_BATCH: usize = 500;
-/// `DescribeInstances` page size with filters.
-const DESCRIBE_PAGE: i32 = 1000;
+/// EC2 refuses a request with more than 200 values in one filter (`FilterLimitExceeded`, "The
+/// maximum number of filter values specified on a single call is 200").
+pub const FILTER_VALUES_MAX: usize = 200;
+/// Page sizes: the largest `MaxResults` each call accepts (DescribeInstances and
+/// DescribeNetworkInterfaces 5–1000, DescribeVolumes 5–500, DescribeLaunchTemplates 1–200).
+/// Always paging with filters also keeps the calls out of EC2's smaller throttling bucket for
+/// unfiltered, unpaginated Describe calls.
+const DESCRIBE_INSTANCES_PAGE: i32 = 1000;
+const DESCRIBE_NETWORK_INTERFACES_PAGE: i32 = 1000;
+const DESCRIBE_VOLUMES_PAGE: i32 = 500;
+const DESCRIBE_LAUNCH_TEMPLATES_PAGE: i32 = 200;
 
 /// The lifecycle state of an instance, as EC2 reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -108,6 +118,34 @@ pub struct DetachedResource {
     pub status: String,
 }
 
+/// What EC2 said to a `DryRun` request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DryRun {
+    /// `DryRunOperation`: the request would have succeeded.
+    Allowed,
+    /// `UnauthorizedOperation` (or another access-denied code): the credentials lack the action.
+    Denied(String),
+    /// Anything else (an id EC2 no longer knows, ...): no answer about the permission.
+    Inconclusive(String),
+}
+
+impl DryRun {
+    /// EC2 answers every dry run with an error: `DryRunOperation` means yes. Throttling and
+    /// configuration failures are errors of the call, not answers.
+    fn judge(answer: Result<(), AwsError>) -> Result<DryRun, AwsError> {
+        match answer {
+            // a dry run never succeeds; an endpoint that says it did ignored DryRun
+            Ok(()) => Ok(DryRun::Inconclusive("the endpoint ignored DryRun".into())),
+            Err(e) if e.code() == Some("DryRunOperation") => Ok(DryRun::Allowed),
+            Err(e) if matches!(e.code(), Some("UnauthorizedOperation" | "AccessDenied" | "AccessDeniedException")) => {
+                Ok(DryRun::Denied(e.to_string()))
+            }
+            Err(e) if e.is_configuration() || e.is_transient() => Err(e),
+            Err(e) => Ok(DryRun::Inconclusive(e.code().unwrap_or("unknown").to_string())),
+        }
+    }
+}
+
 /// Which instances of a cluster to list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InstanceScope {
@@ -141,6 +179,11 @@ impl Ec2 {
         Ec2 { client, endpoint }
     }
 
+    /// The SDK client, for tests that set up or inspect EC2 directly.
+    pub fn sdk(&self) -> &aws_sdk_ec2::Client {
+        &self.client
+    }
+
     fn err<E, R>(&self, op: &'static str, e: aws_sdk_ec2::error::SdkError<E, R>) -> AwsError
     where
         E: aws_sdk_ec2::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
@@ -164,7 +207,7 @@ impl Ec2 {
             ]),
             InstanceScope::ClusterAny => None,
         };
-        let all = self.describe(filters, None).await?;
+        let all = self.describe(filters).await?;
         Ok(all
             .into_iter()
             .filter(|i| {
@@ -180,26 +223,22 @@ impl Ec2 {
     /// Looks up instances by id; ids EC2 no longer knows are simply absent from the result.
     pub async fn instances_by_id(&self, ids: &[String]) -> Result<Vec<InstanceInfo>, AwsError> {
         let mut out = Vec::with_capacity(ids.len());
-        for chunk in ids.chunks(TERMINATE_BATCH) {
+        for chunk in ids.chunks(FILTER_VALUES_MAX) {
             // Filtering on instance-id instead of passing InstanceIds keeps one unknown id from
-            // failing the whole call with InvalidInstanceID.NotFound.
+            // failing the whole call with InvalidInstanceID.NotFound (and InstanceIds cannot be
+            // combined with MaxResults).
             let f = Filter::builder().name("instance-id").set_values(Some(chunk.to_vec())).build();
-            out.extend(self.describe(Some(vec![f]), None).await?);
+            out.extend(self.describe(Some(vec![f])).await?);
         }
         Ok(out)
     }
 
-    async fn describe(
-        &self,
-        filters: Option<Vec<Filter>>,
-        ids: Option<Vec<String>>,
-    ) -> Result<Vec<InstanceInfo>, AwsError> {
+    async fn describe(&self, filters: Option<Vec<Filter>>) -> Result<Vec<InstanceInfo>, AwsError> {
         let mut pages = self
             .client
             .describe_instances()
             .set_filters(filters)
-            .set_instance_ids(ids)
-            .max_results(DESCRIBE_PAGE)
+            .max_results(DESCRIBE_INSTANCES_PAGE)
             .into_paginator()
             .send();
         let mut out = Vec::new();
@@ -219,7 +258,9 @@ impl Ec2 {
         for chunk in ids.chunks(TERMINATE_BATCH) {
             match self.terminate_call(chunk).await {
                 Ok(accepted) => outcome.accepted.extend(accepted),
-                Err(e) if e.is_configuration() => return Err(e),
+                // throttling that outlasted the SDK's retries, or no access at all: one call per
+                // id would only make it worse; the caller tries again later or reports it
+                Err(e) if e.is_configuration() || e.is_transient() => return Err(e),
                 Err(_) => {
                     for id in chunk {
                         match self.terminate_call(std::slice::from_ref(id)).await {
@@ -246,13 +287,30 @@ impl Ec2 {
         Ok(out.terminating_instances().iter().filter_map(|c| c.instance_id().map(str::to_string)).collect())
     }
 
+    /// Asks EC2 whether these credentials may terminate `ids` (`DryRun`: nothing is terminated).
+    pub async fn terminate_dry_run(&self, ids: &[String]) -> Result<DryRun, AwsError> {
+        let answer = self.client.terminate_instances().set_instance_ids(Some(ids.to_vec())).dry_run(true).send().await;
+        DryRun::judge(answer.map(|_| ()).map_err(|e| self.err("TerminateInstances", e)))
+    }
+
+    /// Asks EC2 whether these credentials may delete the launch template (`DryRun`).
+    pub async fn delete_launch_template_dry_run(&self, id: &str) -> Result<DryRun, AwsError> {
+        let answer = self.client.delete_launch_template().launch_template_id(id).dry_run(true).send().await;
+        DryRun::judge(answer.map(|_| ()).map_err(|e| self.err("DeleteLaunchTemplate", e)))
+    }
+
     /// The cluster's Karpenter launch templates, under both tag schemes (1.1+ tags
     /// `eks:eks-cluster-name`, 1.0.x tagged `karpenter.k8s.aws/cluster`).
     pub async fn launch_templates(&self, cluster: &str) -> Result<Vec<LaunchTemplateInfo>, AwsError> {
         let mut out: BTreeMap<String, LaunchTemplateInfo> = BTreeMap::new();
         for key in [karpenter::TAG_EKS_CLUSTER, karpenter::TAG_LEGACY_CLUSTER] {
-            let mut pages =
-                self.client.describe_launch_templates().filters(tag_filter(key, cluster)).into_paginator().send();
+            let mut pages = self
+                .client
+                .describe_launch_templates()
+                .filters(tag_filter(key, cluster))
+                .max_results(DESCRIBE_LAUNCH_TEMPLATES_PAGE)
+                .into_paginator()
+                .send();
             while let Some(page) = pages.next().await {
                 let page = page.map_err(|e| self.err("DescribeLaunchTemplates", e))?;
                 for lt in page.launch_templates() {
@@ -286,26 +344,51 @@ impl Ec2 {
         }
     }
 
-    /// The cluster's network interfaces that are detached (`available`).
+    /// The cluster's network interfaces that are detached (`available`): those tagged
+    /// `kubernetes.io/cluster/<c>`, and those the VPC CNI made for the cluster's nodes, tagged
+    /// `cluster.k8s.amazonaws.com/name=<c>` (it sets that tag only when its CLUSTER_NAME is set,
+    /// which EKS's managed add-on does). A detached CNI interface blocks the VPC's deletion.
+    ///
+    /// A CNI interface younger than the CNI's own cool-down (5 minutes by its
+    /// `node.k8s.amazonaws.com/createdAt` tag, or without that tag) is left out, exactly as the
+    /// CNI's own leak collector does: it may be one a live CNI (a managed node group's) has just
+    /// created and is about to attach.
     pub async fn detached_network_interfaces(&self, cluster: &str) -> Result<Vec<DetachedResource>, AwsError> {
-        let mut pages = self
-            .client
-            .describe_network_interfaces()
-            .filters(Filter::builder().name("status").values("available").build())
-            .filters(tag_key_filter(&karpenter::cluster_tag_key(cluster)))
-            .into_paginator()
-            .send();
-        let mut out = Vec::new();
-        while let Some(page) = pages.next().await {
-            let page = page.map_err(|e| self.err("DescribeNetworkInterfaces", e))?;
-            for ni in page.network_interfaces() {
-                out.push(DetachedResource {
-                    id: ni.network_interface_id().unwrap_or_default().to_string(),
-                    status: ni.status().map(|s| s.as_str().to_string()).unwrap_or_default(),
-                });
+        let now = std::time::SystemTime::now();
+        let mut out: BTreeMap<String, DetachedResource> = BTreeMap::new();
+        let selectors = [
+            (tag_key_filter(&karpenter::cluster_tag_key(cluster)), false),
+            (tag_filter(karpenter::TAG_VPC_CNI_CLUSTER, cluster), true),
+        ];
+        for (selector, from_cni) in selectors {
+            let mut pages = self
+                .client
+                .describe_network_interfaces()
+                .filters(Filter::builder().name("status").values("available").build())
+                .filters(selector)
+                .max_results(DESCRIBE_NETWORK_INTERFACES_PAGE)
+                .into_paginator()
+                .send();
+            while let Some(page) = pages.next().await {
+                let page = page.map_err(|e| self.err("DescribeNetworkInterfaces", e))?;
+                for ni in page.network_interfaces() {
+                    if from_cni {
+                        let created = ni
+                            .tag_set()
+                            .iter()
+                            .find(|t| t.key() == Some(karpenter::TAG_VPC_CNI_CREATED_AT))
+                            .and_then(|t| t.value());
+                        if !karpenter::cni_interface_is_settled(created, now) {
+                            continue;
+                        }
+                    }
+                    let id = ni.network_interface_id().unwrap_or_default().to_string();
+                    let status = ni.status().map(|s| s.as_str().to_string()).unwrap_or_default();
+                    out.insert(id.clone(), DetachedResource { id, status });
+                }
             }
         }
-        Ok(out)
+        Ok(out.into_values().collect())
     }
 
     /// Deletes a detached network interface; one already gone counts as deleted.
@@ -326,6 +409,7 @@ impl Ec2 {
             .describe_volumes()
             .filters(Filter::builder().name("status").values("available").build())
             .filters(tag_key_filter(&karpenter::cluster_tag_key(cluster)))
+            .max_results(DESCRIBE_VOLUMES_PAGE)
             .into_paginator()
             .send();
         let mut out = Vec::new();

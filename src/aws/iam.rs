@@ -1,7 +1,12 @@
 //! IAM: the instance profiles Karpenter creates for EC2NodeClasses that use `spec.role`.
 
+use std::collections::BTreeMap;
+
 use super::AwsError;
 use crate::karpenter;
+
+/// IAM's largest page (`MaxItems` is 1 to 1000 on the List calls).
+const IAM_MAX_ITEMS: i32 = 1000;
 
 /// An instance profile that belongs to the cluster's Karpenter.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -12,6 +17,10 @@ pub struct InstanceProfileInfo {
     pub path: String,
     /// Roles attached to it (removed before the profile can be deleted).
     pub roles: Vec<String>,
+    /// Why it is taken to be the cluster's Karpenter's (location; the tags are always required).
+    pub evidence: karpenter::ProfileEvidence,
+    /// The EC2NodeClass its `karpenter.k8s.aws/ec2nodeclass` tag names.
+    pub nodeclass: String,
 }
 
 /// The IAM client.
@@ -26,6 +35,11 @@ impl Iam {
         Iam { client, endpoint }
     }
 
+    /// The SDK client, for tests that inspect IAM directly.
+    pub fn sdk(&self) -> &aws_sdk_iam::Client {
+        &self.client
+    }
+
     fn err<E, R>(&self, op: &'static str, e: aws_sdk_iam::error::SdkError<E, R>) -> AwsError
     where
         E: aws_sdk_iam::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
@@ -34,8 +48,12 @@ impl Iam {
         AwsError::from_sdk("iam", op, &self.endpoint, e)
     }
 
-    /// The cluster's Karpenter instance profiles: under `/karpenter/<region>/<cluster>/` (1.7+)
-    /// and, at path `/`, named `<cluster>_<hash>` (before 1.7).
+    /// The cluster's Karpenter instance profiles, each on evidence (design: README "Instance
+    /// profiles"): located where this cluster's Karpenter puts them
+    /// ([`karpenter::instance_profile_location`]) and carrying every tag Karpenter's own IAM
+    /// policy requires to delete one ([`karpenter::missing_instance_profile_tags`]), read with
+    /// `ListInstanceProfileTags` because `ListInstanceProfiles` returns no tags. A candidate that
+    /// lacks a tag is logged and left alone: it is reported by no one and deleted by no one.
     ///
     /// The path is filtered on the client side too: LocalStack ignores `PathPrefix` and returns
     /// every profile (design §5), and filtering twice is also correct on AWS.
@@ -45,31 +63,76 @@ impl Iam {
         cluster: &str,
     ) -> Result<Vec<InstanceProfileInfo>, AwsError> {
         let prefix = karpenter::instance_profile_path_prefix(region, cluster);
-        let legacy = karpenter::legacy_instance_profile_prefix(cluster);
-        let mut out = Vec::new();
+        let mut candidates: Vec<InstanceProfileInfo> = Vec::new();
         for path_prefix in [prefix.as_str(), "/"] {
-            let mut pages = self.client.list_instance_profiles().path_prefix(path_prefix).into_paginator().send();
+            let mut pages = self
+                .client
+                .list_instance_profiles()
+                .path_prefix(path_prefix)
+                .max_items(IAM_MAX_ITEMS)
+                .into_paginator()
+                .send();
             while let Some(page) = pages.next().await {
                 let page = page.map_err(|e| self.err("ListInstanceProfiles", e))?;
                 for p in page.instance_profiles() {
                     let name = p.instance_profile_name();
-                    let path = p.path();
-                    let ours = if path_prefix == "/" {
-                        path == "/" && name.starts_with(&legacy)
-                    } else {
-                        path.starts_with(&prefix)
+                    let Some(evidence) = karpenter::instance_profile_location(name, p.path(), cluster, region) else {
+                        continue;
                     };
-                    if ours && !out.iter().any(|o: &InstanceProfileInfo| o.name == name) {
-                        out.push(InstanceProfileInfo {
-                            name: name.to_string(),
-                            path: path.to_string(),
-                            roles: p.roles().iter().map(|r| r.role_name().to_string()).collect(),
-                        });
+                    if candidates.iter().any(|o| o.name == name) {
+                        continue;
                     }
+                    candidates.push(InstanceProfileInfo {
+                        name: name.to_string(),
+                        path: p.path().to_string(),
+                        roles: p.roles().iter().map(|r| r.role_name().to_string()).collect(),
+                        evidence,
+                        nodeclass: String::new(),
+                    });
                 }
             }
         }
+        let mut out = Vec::new();
+        for mut profile in candidates {
+            let Some(tags) = self.instance_profile_tags(&profile.name).await? else {
+                continue; // deleted since it was listed
+            };
+            let missing = karpenter::missing_instance_profile_tags(&tags, cluster, region);
+            if !missing.is_empty() {
+                tracing::info!(
+                    instance_profile = %profile.name,
+                    path = %profile.path,
+                    missing = %missing.join(", "),
+                    "an instance profile where this cluster's Karpenter keeps its own lacks Karpenter's tags: not this tool's to report or delete"
+                );
+                continue;
+            }
+            profile.nodeclass = tags.get(karpenter::TAG_NODECLASS).cloned().unwrap_or_default();
+            out.push(profile);
+        }
         Ok(out)
+    }
+
+    /// All tags of a profile, or `None` when it no longer exists.
+    async fn instance_profile_tags(&self, name: &str) -> Result<Option<BTreeMap<String, String>>, AwsError> {
+        let mut tags = BTreeMap::new();
+        let mut pages = self
+            .client
+            .list_instance_profile_tags()
+            .instance_profile_name(name)
+            .max_items(IAM_MAX_ITEMS)
+            .into_paginator()
+            .send();
+        while let Some(page) = pages.next().await {
+            match page {
+                Ok(page) => tags.extend(page.tags().iter().map(|t| (t.key().to_string(), t.value().to_string()))),
+                Err(e) => {
+                    let e = self.err("ListInstanceProfileTags", e);
+                    return if e.code() == Some("NoSuchEntity") { Ok(None) } else { Err(e) };
+                }
+            }
+        }
+        Ok(Some(tags))
     }
 
     /// Removes the profile's roles, then deletes it; a profile or role already gone counts as done.
@@ -98,12 +161,26 @@ impl Iam {
         }
     }
 
-    /// Creates an instance profile at `path` (sandbox only: it plays Karpenter).
-    pub async fn create_instance_profile(&self, name: &str, path: &str, role: Option<&str>) -> Result<(), AwsError> {
+    /// Creates an instance profile at `path` with `tags` (sandbox only: it plays Karpenter).
+    pub async fn create_instance_profile(
+        &self,
+        name: &str,
+        path: &str,
+        tags: &BTreeMap<String, String>,
+        role: Option<&str>,
+    ) -> Result<(), AwsError> {
+        let tags = tags.iter().map(|(k, v)| {
+            aws_sdk_iam::types::Tag::builder().key(k).value(v).build().map_err(|e| AwsError::Api {
+                operation: "CreateInstanceProfile",
+                code: "InvalidTag".into(),
+                message: e.to_string(),
+            })
+        });
         self.client
             .create_instance_profile()
             .instance_profile_name(name)
             .path(path)
+            .set_tags(Some(tags.collect::<Result<Vec<_>, _>>()?))
             .send()
             .await
             .map_err(|e| self.err("CreateInstanceProfile", e))?;

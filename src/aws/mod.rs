@@ -7,6 +7,7 @@
 pub mod calls;
 pub mod ec2;
 pub mod iam;
+pub mod partition;
 
 use aws_config::{BehaviorVersion, Region, retry::RetryConfig};
 use aws_credential_types::provider::ProvideCredentials;
@@ -42,7 +43,7 @@ pub enum AwsError {
         detail: String,
     },
     /// The call reached AWS and was refused or failed.
-    #[error("AWS {operation} failed: {code}: {message}")]
+    #[error("AWS {operation} failed: {code}: {message}{}", aws_hint(code))]
     Api {
         /// The API operation that failed.
         operation: &'static str,
@@ -67,6 +68,30 @@ impl AwsError {
     /// True when the failure is in the configuration (credentials, endpoint), not the operation.
     pub fn is_configuration(&self) -> bool {
         matches!(self, AwsError::NoCredentials(_) | AwsError::Unreachable { .. })
+    }
+
+    /// True when trying again later can succeed: throttling (`RequestLimitExceeded` on EC2,
+    /// `Throttling` on IAM/STS) and AWS's own server errors. Every other error the service
+    /// answered (`FilterLimitExceeded`, `InvalidParameter*`, `UnauthorizedOperation`, ...) is the
+    /// request's fault and fails the same way every time, so it is never retried.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            AwsError::Api { code, .. } => matches!(
+                code.as_str(),
+                "RequestLimitExceeded"
+                    | "Throttling"
+                    | "ThrottlingException"
+                    | "RequestThrottled"
+                    | "InternalError"
+                    | "InternalFailure"
+                    | "ServiceUnavailable"
+                    | "Unavailable"
+                    | "ServiceFailure"
+            ),
+            // a timeout or a dropped connection mid-run (the endpoint answered before)
+            AwsError::Unreachable { detail, .. } => detail == "timed out",
+            AwsError::NoCredentials(_) | AwsError::WrongAccount { .. } => false,
+        }
     }
 
     /// The AWS error code, when the call reached AWS.
@@ -117,6 +142,22 @@ impl AwsError {
                 message: aws_smithy_types::error::display::DisplayErrorContext(&other).to_string(),
             },
         }
+    }
+}
+
+/// What to do about an AWS error code, as a clause after its message.
+fn aws_hint(code: &str) -> &'static str {
+    match code {
+        "UnauthorizedOperation" | "AccessDenied" | "AccessDeniedException" | "UnauthorizedAccess" => {
+            "; the credentials lack this permission: attach deploy/iam-policy.json (README, Real use against EKS) to the identity and run again"
+        }
+        "AuthFailure" | "InvalidClientTokenId" | "ExpiredToken" | "ExpiredTokenException" | "SignatureDoesNotMatch" => {
+            "; the credentials were refused: refresh them (aws sso login, a new session) and run again"
+        }
+        "RequestLimitExceeded" | "Throttling" | "ThrottlingException" => {
+            "; AWS kept throttling through every retry: run again later (the tool resumes where it stopped)"
+        }
+        _ => "",
     }
 }
 

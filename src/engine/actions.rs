@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::context::Ctx;
 use super::inventory::{Inventory, Machine, find_controller, list_dynamic};
 use crate::config::DrainPolicy;
-use crate::k8s::nodes::cordon_and_taint;
+use crate::k8s::nodes::cordon_node;
 use crate::k8s::objects::{delete_if_present, last_manager_in, patch_params, remove_finalizer};
 use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict, eviction_wave};
 use crate::k8s::{self, KubeError, status_code};
@@ -84,6 +84,17 @@ impl From<KubeError> for TaskOutcome {
             _ => TaskOutcome::Failed(e.to_string()),
         }
     }
+}
+
+impl From<crate::aws::AwsError> for TaskOutcome {
+    fn from(e: crate::aws::AwsError) -> Self {
+        if e.is_transient() { TaskOutcome::Transient(e.to_string()) } else { TaskOutcome::Failed(e.to_string()) }
+    }
+}
+
+/// A batched EC2 call's failure: throttling that outlasted the SDK's retries runs the task again.
+fn batch_failure(detail: String, e: &super::batcher::BatchError) -> TaskOutcome {
+    if e.transient { TaskOutcome::Transient(detail) } else { TaskOutcome::Failed(detail) }
 }
 
 /// Annotation on a fenced NodePool holding its original limits and budgets.
@@ -153,7 +164,7 @@ pub async fn fence(ctx: &Ctx) -> TaskOutcome {
 
 // ---------------------------------------------------------------- cordon
 
-/// Cordons and taints the nodes of every inventoried machine (or of one machine) before any is
+/// Cordons the nodes of every inventoried machine (or of one machine) before any is
 /// drained. Drains run in parallel but not all at once: a pod evicted from one node would
 /// otherwise be scheduled onto a node that is drained later and be evicted again, once per
 /// node it lands on, which multiplies evictions and the makespan on a large cluster.
@@ -175,7 +186,7 @@ pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> TaskOu
         .map(|node| {
             let api = &api;
             async move {
-                let out = cordon_and_taint(api, &node, false).await;
+                let out = cordon_node(api, &node, false).await;
                 (node, out)
             }
         })
@@ -192,7 +203,7 @@ pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> TaskOu
             Ok(o) => {
                 if o.wrote {
                     wrote += 1;
-                    tracing::debug!(node = %node, "cordoned and tainted");
+                    tracing::debug!(node = %node, "cordoned");
                 }
             }
             // the engine runs the task again on a transient error; nodes done so far are no-ops
@@ -200,7 +211,7 @@ pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> TaskOu
         }
     }
     TaskOutcome::Done(format!(
-        "{} node(s) cordoned and tainted ({wrote} written now){}",
+        "{} node(s) cordoned ({wrote} written now){}",
         total - gone,
         if gone > 0 { format!(", {gone} already gone") } else { String::new() }
     ))
@@ -229,7 +240,7 @@ async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
 
 // ---------------------------------------------------------------- drain
 
-/// Cordons and taints the machine's node, evicts its pods in Karpenter's order respecting
+/// Cordons the machine's node, evicts its pods in Karpenter's order respecting
 /// PodDisruptionBudgets, waits for them by watch, and applies the deadline policy.
 pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
     // Only a NodeClaim that names no node (or is gone) means there is nothing to drain; an error
@@ -246,7 +257,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
         OnDeadline::Fail => DrainPolicy::Fail,
     });
     let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
-    match cordon_and_taint(&nodes, &node, false).await {
+    match cordon_node(&nodes, &node, false).await {
         Ok(o) if o.gone => return TaskOutcome::Done("node already gone".into()),
         Ok(_) => {}
         Err(e) => return e.into(),
@@ -261,13 +272,31 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
     let mut evicted = 0usize;
     let mut last_cordon_check = Instant::now();
     let mut deleting = false;
+    let mut riders_noted: HashSet<String> = HashSet::new();
     loop {
         if ctx.cancel.is_cancelled() {
             return TaskOutcome::Interrupted;
         }
-        let left = ctx.pods.pods_on(&node);
+        let (riders, left): (Vec<PodRef>, Vec<PodRef>) =
+            ctx.pods.pods_on(&node).into_iter().partition(|p| p.rides_with_node.is_some());
+        for p in riders.iter().filter(|p| riders_noted.insert(p.uid.clone())) {
+            let fence = p.rides_with_node.unwrap_or_default();
+            tracing::info!(pod = %p.key(), node = %node, tolerates = fence, "not evicted: it tolerates the fence and goes with its node");
+            ctx.note(
+                "pod-goes-with-node",
+                &p.key(),
+                format!(
+                    "tolerates {fence}: evicting it would only put it back on a fenced node, so, as Karpenter does, it is not evicted and goes with node {node}"
+                ),
+            );
+        }
         if left.is_empty() {
-            return TaskOutcome::Done(format!("{evicted} pod(s) evicted"));
+            let riding = if riders.is_empty() {
+                String::new()
+            } else {
+                format!("; {} pod(s) that tolerate the fence go with the node", riders.len())
+            };
+            return TaskOutcome::Done(format!("{evicted} pod(s) evicted{riding}"));
         }
         let now = Instant::now();
         if now >= started + deadline && !deleting {
@@ -318,6 +347,19 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
                     blocked.insert(p.uid.clone(), (p.clone(), msg));
                     next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
                 }
+                // nothing changes until someone removes a budget: ask again now and then, and
+                // name the pod and its budgets at the deadline
+                Ok(EvictionOutcome::MultipleBudgets(msg)) => {
+                    blocked.insert(
+                        p.uid.clone(),
+                        (p.clone(), format!("{msg} Remove all but one of the budgets that select it.")),
+                    );
+                    next_try.insert(p.uid.clone(), now + Duration::from_secs(5));
+                }
+                // the API server is throttling, not a budget: wait as long as it asked
+                Ok(EvictionOutcome::Throttled(after)) => {
+                    next_try.insert(p.uid.clone(), now + after);
+                }
                 Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {
                     next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
                 }
@@ -334,7 +376,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
         };
         if recheck_after.is_some_and(|after| last_cordon_check.elapsed() >= after) {
             last_cordon_check = Instant::now();
-            match cordon_and_taint(&nodes, &node, true).await {
+            match cordon_node(&nodes, &node, true).await {
                 Ok(o) if o.gone => return TaskOutcome::Done("node went away during the drain".into()),
                 Ok(o) => {
                     if let Some(who) = o.reverted_by {
@@ -591,14 +633,14 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     let mut what = Vec::new();
     if let Some(p) = &provider {
         if let Err(e) = ctx.ec2.terminate(&p.instance_id).await {
-            return TaskOutcome::Failed(format!("terminate instance {}: {e}", p.instance_id));
+            return batch_failure(format!("terminate instance {}: {e}", p.instance_id), &e);
         }
         let limit = params.deadline.unwrap_or(Duration::from_secs(600));
         tokio::select! {
             _ = ctx.cancel.cancelled() => return TaskOutcome::Interrupted,
             r = tokio::time::timeout(limit, ctx.ec2.wait_terminated(&p.instance_id)) => match r {
                 Ok(Ok(())) => what.push(format!("instance {} terminated", p.instance_id)),
-                Ok(Err(e)) => return TaskOutcome::Failed(format!("confirm termination of {}: {e}", p.instance_id)),
+                Ok(Err(e)) => return batch_failure(format!("confirm termination of {}: {e}", p.instance_id), &e),
                 Err(_) => return TaskOutcome::Failed(format!("instance {} not terminated after {}", p.instance_id, humantime::format_duration(limit))),
             },
         }
@@ -739,28 +781,35 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
             return e.into();
         }
         let uid = class.metadata.uid.clone().unwrap_or_default();
+        // A class with spec.instanceProfile runs on a profile the user manages: status names it
+        // too, and Karpenter never deletes it, so neither does the tool.
+        let user_managed = class.data.pointer("/spec/instanceProfile").and_then(Value::as_str).is_some();
         let status_profile = class.data.pointer("/status/instanceProfile").and_then(Value::as_str).map(str::to_string);
         let lts = match ctx.aws.ec2.launch_templates(&ctx.cluster).await {
             Ok(l) => l,
-            Err(e) => return TaskOutcome::Failed(e.to_string()),
+            Err(e) => return e.into(),
         };
         let mut removed = 0;
         for lt in lts.iter().filter(|l| l.nodeclass.as_deref() == Some(&name)) {
             if let Err(e) = ctx.aws.ec2.delete_launch_template(&lt.id).await {
-                return TaskOutcome::Failed(e.to_string());
+                return e.into();
             }
             removed += 1;
         }
         let profiles = match ctx.aws.iam.cluster_instance_profiles(&ctx.region, &ctx.cluster).await {
             Ok(p) => p,
-            Err(e) => return TaskOutcome::Failed(e.to_string()),
+            Err(e) => return e.into(),
         };
-        for p in profiles
-            .iter()
-            .filter(|p| (!uid.is_empty() && p.path.contains(&uid)) || status_profile.as_deref() == Some(&p.name))
-        {
+        let of_this_class = |p: &&crate::aws::InstanceProfileInfo| {
+            !user_managed
+                && !ctx.user_instance_profiles.contains(&p.name)
+                && (p.nodeclass == name
+                    || (!uid.is_empty() && p.path.contains(&uid))
+                    || status_profile.as_deref() == Some(&p.name))
+        };
+        for p in profiles.iter().filter(of_this_class) {
             if let Err(e) = ctx.aws.iam.delete_instance_profile(p).await {
-                return TaskOutcome::Failed(e.to_string());
+                return e.into();
             }
             removed += 1;
         }
@@ -811,9 +860,9 @@ async fn sweep_machine(ctx: &Ctx, machine: &str) -> TaskOutcome {
 /// Proves through EC2 (two reads `settle` apart) and the API that nothing is left; reclaims the
 /// AWS leftovers when asked and verifies again.
 pub async fn verify_step(ctx: &Ctx, params: &Params) -> TaskOutcome {
-    let mut left = match verify::verify(&ctx.aws, &ctx.cluster, params.settle).await {
+    let mut left = match verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle).await {
         Ok(l) => l,
-        Err(e) => return TaskOutcome::Failed(e.to_string()),
+        Err(e) => return e.into(),
     };
     if !left.is_clean() && ctx.reclaim {
         ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).extend(left.describe());
@@ -823,11 +872,11 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> TaskOutcome {
                     ctx.note("reclaim", &f, "could not be reclaimed");
                 }
             }
-            Err(e) => return TaskOutcome::Failed(e.to_string()),
+            Err(e) => return e.into(),
         }
-        left = match verify::verify(&ctx.aws, &ctx.cluster, params.settle).await {
+        left = match verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle).await {
             Ok(l) => l,
-            Err(e) => return TaskOutcome::Failed(e.to_string()),
+            Err(e) => return e.into(),
         };
     }
     match Inventory::read(&ctx.kube.client).await {

@@ -10,9 +10,33 @@ use tokio::sync::{mpsc, oneshot};
 use crate::aws::ec2::TERMINATE_BATCH;
 use crate::aws::{AwsError, Ec2, InstanceState};
 
+/// Why a batched call failed for one instance.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct BatchError {
+    /// What EC2 (or the batcher) said.
+    pub message: String,
+    /// Throttling or an AWS server error: running the task again later can succeed.
+    pub transient: bool,
+}
+
+impl BatchError {
+    fn stopped() -> BatchError {
+        BatchError { message: "the EC2 batcher stopped".into(), transient: false }
+    }
+}
+
+impl From<&AwsError> for BatchError {
+    fn from(e: &AwsError) -> BatchError {
+        BatchError { message: e.to_string(), transient: e.is_transient() }
+    }
+}
+
+type Reply = oneshot::Sender<Result<(), BatchError>>;
+
 enum Request {
-    Terminate(String, oneshot::Sender<Result<(), String>>),
-    WaitGone(String, oneshot::Sender<Result<(), String>>),
+    Terminate(String, Reply),
+    WaitGone(String, Reply),
 }
 
 /// Handle to the batching task.
@@ -34,25 +58,22 @@ impl Ec2Batcher {
     }
 
     /// Terminates one instance (batched with others); unknown ids count as done.
-    pub async fn terminate(&self, id: &str) -> Result<(), String> {
+    pub async fn terminate(&self, id: &str) -> Result<(), BatchError> {
         let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Request::Terminate(id.to_string(), tx))
-            .await
-            .map_err(|_| "the EC2 batcher stopped".to_string())?;
-        rx.await.map_err(|_| "the EC2 batcher stopped".to_string())?
+        self.tx.send(Request::Terminate(id.to_string(), tx)).await.map_err(|_| BatchError::stopped())?;
+        rx.await.map_err(|_| BatchError::stopped())?
     }
 
     /// Waits until EC2 reports the instance `terminated` (or does not know it).
-    pub async fn wait_terminated(&self, id: &str) -> Result<(), String> {
+    pub async fn wait_terminated(&self, id: &str) -> Result<(), BatchError> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(Request::WaitGone(id.to_string(), tx)).await.map_err(|_| "the EC2 batcher stopped".to_string())?;
-        rx.await.map_err(|_| "the EC2 batcher stopped".to_string())?
+        self.tx.send(Request::WaitGone(id.to_string(), tx)).await.map_err(|_| BatchError::stopped())?;
+        rx.await.map_err(|_| BatchError::stopped())?
     }
 }
 
 async fn run(ec2: Ec2, mut rx: mpsc::Receiver<Request>) {
-    let mut waiting: HashMap<String, Vec<oneshot::Sender<Result<(), String>>>> = HashMap::new();
+    let mut waiting: HashMap<String, Vec<Reply>> = HashMap::new();
     loop {
         let first = if waiting.is_empty() {
             match rx.recv().await {
@@ -62,7 +83,7 @@ async fn run(ec2: Ec2, mut rx: mpsc::Receiver<Request>) {
         } else {
             tokio::time::timeout(POLL, rx.recv()).await.unwrap_or_default()
         };
-        let mut terminate: Vec<(String, oneshot::Sender<Result<(), String>>)> = Vec::new();
+        let mut terminate: Vec<(String, Reply)> = Vec::new();
         let mut take = |r: Request, waiting: &mut HashMap<_, Vec<_>>| match r {
             Request::Terminate(id, tx) => terminate.push((id, tx)),
             Request::WaitGone(id, tx) => waiting.entry(id).or_default().push(tx),
@@ -82,10 +103,10 @@ async fn run(ec2: Ec2, mut rx: mpsc::Receiver<Request>) {
             for (id, tx) in batch {
                 let r = match &result {
                     Ok(out) => match out.failed.iter().find(|(f, _)| *f == id) {
-                        Some((_, e)) => Err(e.clone()),
+                        Some((_, e)) => Err(BatchError { message: e.clone(), transient: false }),
                         None => Ok(()),
                     },
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => Err(BatchError::from(e)),
                 };
                 let _ = tx.send(r);
             }
@@ -106,19 +127,21 @@ async fn run(ec2: Ec2, mut rx: mpsc::Receiver<Request>) {
                         false
                     });
                 }
-                Err(e) => fail_config(&mut waiting, &e),
+                Err(e) => fail_unless_transient(&mut waiting, &e),
             }
         }
     }
 }
 
-/// A configuration failure (credentials, endpoint) will not heal: tell every waiter. Anything
-/// else is retried on the next round.
-fn fail_config(waiting: &mut HashMap<String, Vec<oneshot::Sender<Result<(), String>>>>, e: &AwsError) {
-    if e.is_configuration() {
+/// Only throttling and AWS's own server errors heal by themselves: those are retried on the next
+/// round. Anything else (credentials, endpoint, a request EC2 refuses such as
+/// `FilterLimitExceeded`) fails the same way every round, so every waiter is told at once instead
+/// of the batcher asking for ever.
+fn fail_unless_transient(waiting: &mut HashMap<String, Vec<Reply>>, e: &AwsError) {
+    if !e.is_transient() {
         for (_, txs) in waiting.drain() {
             for tx in txs {
-                let _ = tx.send(Err(e.to_string()));
+                let _ = tx.send(Err(BatchError::from(e)));
             }
         }
     } else {

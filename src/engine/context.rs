@@ -45,6 +45,9 @@ pub struct Ctx {
     /// launched during the run (by a controller that was not fenced); no task of the graph
     /// handles it, so the step that would otherwise wait for it forever sweeps it up.
     pub inventoried: BTreeSet<String>,
+    /// Instance profiles the inventory's EC2NodeClasses name in `spec.instanceProfile`: the
+    /// user's, never reported or deleted.
+    pub user_instance_profiles: BTreeSet<String>,
     /// Set on Ctrl-C / SIGTERM: stop starting work, finish or abandon in-flight work safely.
     pub cancel: CancellationToken,
     /// Things that blocked or fought the run, for the report.

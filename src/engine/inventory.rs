@@ -1,7 +1,7 @@
 //! The live inventory: what of Karpenter the cluster and EC2 hold right now. Every action is a
 //! function of this state, which is what makes a re-run after a crash finish the job.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Node;
@@ -53,6 +53,9 @@ pub struct Inventory {
     pub nodeclasses: Vec<String>,
     /// The controller, when found.
     pub controller: Option<Controller>,
+    /// Instance profiles named by an EC2NodeClass's `spec.instanceProfile`: the user's, which
+    /// Karpenter never deletes and the tool never reports or deletes.
+    pub user_instance_profiles: BTreeSet<String>,
 }
 
 impl Inventory {
@@ -151,6 +154,11 @@ impl Inventory {
             machines,
             nodepools: names(&pools),
             nodeclasses: names(&classes),
+            user_instance_profiles: classes
+                .iter()
+                .filter_map(|c| c.data.pointer("/spec/instanceProfile").and_then(|v| v.as_str()))
+                .map(str::to_string)
+                .collect(),
             controller: find_controller(client).await?,
         })
     }

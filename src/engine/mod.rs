@@ -7,6 +7,7 @@ pub mod actions;
 pub mod batcher;
 pub mod context;
 pub mod inventory;
+pub mod permissions;
 pub mod podindex;
 pub mod preflight;
 
@@ -24,6 +25,7 @@ use self::actions::TaskOutcome;
 use self::context::{Ctx, DrainOverrides};
 use self::inventory::Inventory;
 use crate::aws::AwsClients;
+use crate::config::DrainPolicy;
 use crate::exit::Exit;
 use crate::k8s::Kube;
 use crate::plan::{Action, Plan, ReadyTracker, TaskGraph, TaskId, TaskNode};
@@ -82,6 +84,65 @@ impl RunResult {
             plan_text,
         }
     }
+}
+
+/// Asks Kubernetes and EC2, before anything is changed (also in a dry run, which then says what
+/// a real run would be refused for), whether the identity may do everything the plan does.
+async fn check_permissions(
+    kube: &Kube,
+    aws: &AwsClients,
+    settings: &RunSettings,
+    inv: &Inventory,
+    plan_text: &str,
+) -> Result<(), RunResult> {
+    let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
+    let k8s_need = permissions::kubernetes_needs(&settings.plan, delete_pods);
+    let fail = |e: String| RunResult::early(Exit::Failure, e, plan_text.to_string());
+    let k8s_missing = match permissions::missing_kubernetes(&kube.client, &k8s_need).await {
+        Ok(m) => m.unwrap_or_default(),
+        Err(e) => return Err(fail(e.to_string())),
+    };
+    let instances: Vec<String> =
+        inv.machines.values().filter_map(|m| m.provider_id.as_ref().map(|p| p.instance_id.clone())).collect();
+    let ec2_need = permissions::ec2_needs(&settings.plan, settings.reclaim);
+    let ec2_missing = match permissions::missing_ec2(aws, &settings.cluster, &ec2_need, &instances).await {
+        Ok(m) => m,
+        Err(e) => {
+            let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
+            return Err(RunResult::early(exit, e.to_string(), plan_text.to_string()));
+        }
+    };
+    tracing::info!(
+        kubernetes = k8s_need.len(),
+        ec2 = ec2_need.len(),
+        missing = k8s_missing.len() + ec2_missing.len(),
+        "permissions checked before any change"
+    );
+    if k8s_missing.is_empty() && ec2_missing.is_empty() {
+        return Ok(());
+    }
+    let mut parts = Vec::new();
+    if !k8s_missing.is_empty() {
+        let list: Vec<String> = k8s_missing.iter().map(ToString::to_string).collect();
+        parts.push(format!(
+            "Kubernetes RBAC does not allow: {} (apply deploy/rbac.yaml and bind it to the identity of the kubeconfig)",
+            list.join(", ")
+        ));
+    }
+    if !ec2_missing.is_empty() {
+        parts.push(format!(
+            "IAM does not allow: {} (attach deploy/iam-policy.json to the AWS identity)",
+            ec2_missing.join(", ")
+        ));
+    }
+    Err(RunResult::early(
+        Exit::BadInput,
+        format!(
+            "refusing: the run would stop half-way on missing permissions. {}. Nothing was changed; see the README, Real use against EKS",
+            parts.join("; ")
+        ),
+        plan_text.to_string(),
+    ))
 }
 
 /// Runs a teardown. Errors before the first write come back as `BadInput` or `Refused` with
@@ -143,6 +204,9 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
     }
     let graph = settings.plan.expand(&inv.object_sets());
     let plan_text = describe_plan(&graph, &inv, &evidence);
+    if let Err(early) = check_permissions(&kube, &aws, &settings, &inv, &plan_text).await {
+        return early;
+    }
     if settings.dry_run {
         return RunResult {
             exit: Exit::Clean,
@@ -171,6 +235,7 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
         drain: settings.drain,
         reclaim: settings.reclaim,
         inventoried: inv.machines.keys().cloned().collect(),
+        user_instance_profiles: inv.user_instance_profiles.clone(),
         cancel,
         notes: Mutex::new(Vec::new()),
         leftovers: Mutex::new(None),

@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 
 use super::inventory::Inventory;
 use crate::aws::AwsClients;
+use crate::aws::partition::{EksClusterArn, partition_of_region};
 use crate::k8s::Kube;
 use crate::karpenter;
 
@@ -27,26 +28,12 @@ pub async fn identity(
     inv: &Inventory,
 ) -> Result<Evidence, crate::aws::AwsError> {
     let mut ev = Evidence::default();
-    // the kube context, when it is an EKS ARN: arn:aws:eks:<region>:<account>:cluster/<name>
+    // the kube context, when it is an EKS ARN of any partition:
+    // arn:<partition>:eks:<region>:<account>:cluster/<name>
     if let Some(ctx) = &kube.context {
-        if let Some(rest) = ctx.strip_prefix("arn:aws:eks:").or_else(|| ctx.strip_prefix("arn:aws-us-gov:eks:")) {
-            let parts: Vec<&str> = rest.splitn(3, ':').collect();
-            if let [ctx_region, ctx_account, res] = parts.as_slice() {
-                let ctx_cluster = res.strip_prefix("cluster/").unwrap_or(res);
-                if ctx_cluster != cluster {
-                    ev.contradictions.push(format!("the kube context {ctx} is cluster {ctx_cluster}, not {cluster}"));
-                }
-                if *ctx_region != region {
-                    ev.contradictions.push(format!("the kube context {ctx} is in region {ctx_region}, not {region}"));
-                }
-                if let Some(a) = account
-                    && a != *ctx_account
-                {
-                    ev.contradictions.push(format!("the kube context {ctx} is in account {ctx_account}, not {a}"));
-                }
-            }
-        } else {
-            ev.facts.push(format!("kube context {ctx} (not an EKS ARN: no evidence either way)"));
+        match EksClusterArn::parse(ctx) {
+            Some(arn) => context_arn_evidence(ctx, &arn, cluster, region, account, &mut ev),
+            None => ev.facts.push(format!("kube context {ctx} (not an EKS ARN: no evidence either way)")),
         }
     }
     if let Some(c) = &inv.controller {
@@ -110,4 +97,64 @@ pub async fn identity(
         }
     }
     Ok(ev)
+}
+
+/// What an EKS ARN context says against the target: cluster, region, partition and account.
+fn context_arn_evidence(
+    ctx: &str,
+    arn: &EksClusterArn,
+    cluster: &str,
+    region: &str,
+    account: Option<&str>,
+    ev: &mut Evidence,
+) {
+    if arn.cluster != cluster {
+        ev.contradictions.push(format!("the kube context {ctx} is cluster {}, not {cluster}", arn.cluster));
+    }
+    if arn.region != region {
+        ev.contradictions.push(format!("the kube context {ctx} is in region {}, not {region}", arn.region));
+    }
+    let partition = partition_of_region(region);
+    if arn.partition != partition {
+        ev.contradictions.push(format!(
+            "the kube context {ctx} is in partition {}, but region {region} is in {partition}",
+            arn.partition
+        ));
+    }
+    match account {
+        Some(a) if a != arn.account => {
+            ev.contradictions.push(format!("the kube context {ctx} is in account {}, not {a}", arn.account));
+        }
+        _ => ev.facts.push(format!("the kube context is the EKS cluster {} in {}", arn.cluster, arn.region)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn judge(ctx: &str, cluster: &str, region: &str, account: Option<&str>) -> Evidence {
+        let mut ev = Evidence::default();
+        context_arn_evidence(ctx, &EksClusterArn::parse(ctx).unwrap(), cluster, region, account, &mut ev);
+        ev
+    }
+
+    #[test]
+    fn a_govcloud_or_china_context_arn_of_the_target_is_evidence_not_a_contradiction() {
+        let gov = judge("arn:aws-us-gov:eks:us-gov-west-1:123456789012:cluster/prod", "prod", "us-gov-west-1", None);
+        assert!(gov.contradictions.is_empty(), "{gov:?}");
+        let cn =
+            judge("arn:aws-cn:eks:cn-north-1:123456789012:cluster/prod", "prod", "cn-north-1", Some("123456789012"));
+        assert!(cn.contradictions.is_empty(), "{cn:?}");
+    }
+
+    #[test]
+    fn a_context_arn_of_another_cluster_region_partition_or_account_refuses() {
+        let ctx = "arn:aws:eks:us-west-2:123456789012:cluster/prod";
+        assert_eq!(judge(ctx, "staging", "us-west-2", None).contradictions.len(), 1);
+        assert_eq!(judge(ctx, "prod", "us-east-1", None).contradictions.len(), 1);
+        assert_eq!(judge(ctx, "prod", "us-west-2", Some("210987654321")).contradictions.len(), 1);
+        let wrong_partition = judge("arn:aws-cn:eks:us-west-2:123456789012:cluster/prod", "prod", "us-west-2", None);
+        assert_eq!(wrong_partition.contradictions.len(), 1, "{wrong_partition:?}");
+    }
 }

@@ -1,6 +1,7 @@
 //! The Kubernetes side: a client built from the standard kubeconfig rules (with kube's silent
 //! retries off, design §5), request accounting, and the conflict-safe writes the teardown makes.
 
+pub mod apf;
 pub mod calls;
 pub mod nodes;
 pub mod objects;
@@ -52,7 +53,7 @@ pub enum KubeError {
         detail: String,
     },
     /// The server refused or failed a request.
-    #[error("Kubernetes {action} failed: {source}")]
+    #[error("Kubernetes {action} failed: {}", describe_error(.source))]
     Api {
         /// What the tool was doing.
         action: String,
@@ -76,6 +77,44 @@ impl KubeError {
     pub fn api(action: impl Into<String>, source: kube::Error) -> KubeError {
         KubeError::Api { action: action.into(), source }
     }
+}
+
+/// A client error for people: the server's own message, its HTTP status, and what to do, instead
+/// of kube's Debug dump of the whole `Status`.
+pub fn describe_error(e: &kube::Error) -> String {
+    let kube::Error::Api(s) = e else {
+        return match e {
+            kube::Error::HyperError(_) | kube::Error::Service(_) => format!(
+                "the connection to the API server failed ({e}); check the network and run again (the tool resumes where it stopped)"
+            ),
+            other => other.to_string(),
+        };
+    };
+    let message = if s.message.trim().is_empty() { "no message" } else { s.message.trim() };
+    let causes: Vec<String> = s
+        .details
+        .iter()
+        .flat_map(|d| &d.causes)
+        .filter(|c| !c.message.is_empty() && !message.contains(c.message.as_str()))
+        .map(|c| if c.field.is_empty() { c.message.clone() } else { format!("{}: {}", c.field, c.message) })
+        .collect();
+    let causes = if causes.is_empty() { String::new() } else { format!(" [{}]", causes.join("; ")) };
+    let status = if s.reason.is_empty() { format!("HTTP {}", s.code) } else { format!("HTTP {} {}", s.code, s.reason) };
+    let todo = match s.code {
+        401 => {
+            "the kubeconfig's credentials were refused: refresh them (aws eks update-kubeconfig, aws sso login) and run again"
+        }
+        403 => {
+            "the identity lacks this permission: apply deploy/rbac.yaml and bind it to the identity the kubeconfig uses (README, Real use against EKS)"
+        }
+        404 => "it does not exist (any more), or its kind is not served: check that the Karpenter CRDs are installed",
+        409 => "another writer changed it meanwhile: run again",
+        422 => "the server refused the change as invalid: the message names the rule",
+        429 => "the API server is throttling: run again later (the tool resumes where it stopped)",
+        500..=599 => "the API server failed: run again (the tool resumes where it stopped)",
+        _ => "see the server's message",
+    };
+    format!("{message} ({status}){causes}; {todo}")
 }
 
 /// The HTTP status of an API error response, if the error is one.
@@ -108,7 +147,14 @@ where
         .with_max_delay(std::time::Duration::from_secs(2))
         .with_max_times(8)
         .with_jitter();
-    f.retry(backoff).when(KubeError::is_transient).await
+    // a throttled request waits as long as the server asked (API Priority and Fairness)
+    f.retry(backoff)
+        .when(KubeError::is_transient)
+        .adjust(|e, planned| match e {
+            KubeError::Api { source, .. } => planned.map(|p| apf::retry_after(source).unwrap_or(p)),
+            _ => planned,
+        })
+        .await
 }
 
 /// A connected client with what the preflight needs to know of where it points.
@@ -168,6 +214,7 @@ impl Kube {
         let calls = ApiCalls::default();
         let client = kube::client::ClientBuilder::try_from(config)
             .map_err(|e| KubeError::Kubeconfig { path: "kubeconfig".into(), detail: e.to_string() })?
+            .with_layer(&apf::layer(calls.clone()))
             .with_layer(&calls.layer())
             .with_layer(&tower::limit::ConcurrencyLimitLayer::new(MAX_REQUESTS_IN_FLIGHT))
             .build();
@@ -210,4 +257,41 @@ pub fn nodeclass_resource() -> ApiResource {
 /// The kubeconfig path a user passed, for messages.
 pub fn describe_kubeconfig(path: &Option<PathBuf>) -> String {
     path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the default kubeconfig".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::core::Status;
+    use kube::core::response::{StatusCause, StatusDetails};
+
+    use super::*;
+
+    #[test]
+    fn api_errors_read_as_the_servers_message_and_what_to_do_not_a_debug_dump() {
+        let status =
+            Status::failure("nodes \"n1\" is forbidden: User \"ci\" cannot patch resource \"nodes\"", "Forbidden")
+                .with_code(403);
+        let e = KubeError::api("cordon node n1", kube::Error::Api(status.boxed()));
+        let text = e.to_string();
+        assert!(text.starts_with("Kubernetes cordon node n1 failed: nodes \"n1\" is forbidden"), "{text}");
+        assert!(text.contains("(HTTP 403 Forbidden)") && text.contains("deploy/rbac.yaml"), "{text}");
+        assert!(!text.contains("Status {") && !text.contains("ApiError"), "{text}");
+        assert_eq!(text.matches("is forbidden").count(), 1, "the message appears once: {text}");
+
+        let mut invalid = Status::failure("NodePool.karpenter.sh \"p\" is invalid", "Invalid").with_code(422);
+        invalid.details = Some(StatusDetails {
+            name: String::new(),
+            group: String::new(),
+            kind: String::new(),
+            uid: String::new(),
+            causes: vec![StatusCause {
+                reason: "FieldValueInvalid".into(),
+                message: "only 'limits.nodes' is supported on static NodePools".into(),
+                field: "spec".into(),
+            }],
+            retry_after_seconds: 0,
+        });
+        let text = KubeError::api("fence NodePool p", kube::Error::Api(invalid.boxed())).to_string();
+        assert!(text.contains("spec: only 'limits.nodes' is supported on static NodePools"), "{text}");
+    }
 }

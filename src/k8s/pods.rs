@@ -1,12 +1,13 @@
 //! Pods: which ones a drain must move, in Karpenter's order, and eviction through the policy/v1
 //! Eviction API with a UID precondition (never `Api::evict`, whose options are lost, design §5).
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Toleration};
 use k8s_openapi::api::policy::v1::Eviction;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
 use kube::api::{Api, DeleteParams, PostParams};
 
 use super::{KubeError, status_code};
+use crate::karpenter;
 
 /// Pod priority classes Karpenter evicts last.
 const CRITICAL_CLASSES: [&str; 2] = ["system-cluster-critical", "system-node-critical"];
@@ -26,6 +27,9 @@ pub struct PodRef {
     pub terminating: bool,
     /// Grace period the pod asks for.
     pub grace_seconds: Option<i64>,
+    /// The fence taint the pod tolerates, when it does: such a pod is not evicted but goes with
+    /// its node (see [`tolerated_fence`]).
+    pub rides_with_node: Option<&'static str>,
 }
 
 impl PodRef {
@@ -54,7 +58,43 @@ pub fn drainable(pod: &Pod) -> Option<PodRef> {
         critical,
         terminating: meta.deletion_timestamp.is_some(),
         grace_seconds: spec.and_then(|s| s.termination_grace_period_seconds),
+        rides_with_node: tolerated_fence(spec.and_then(|s| s.tolerations.as_deref()).unwrap_or_default()),
     })
+}
+
+/// The taint of a cordoned node, which kube-scheduler's NodeUnschedulable plugin checks tolerations
+/// against.
+pub const TAINT_UNSCHEDULABLE: &str = "node.kubernetes.io/unschedulable";
+
+/// Which fence a pod's tolerations let it through, if any: the cordon
+/// (`node.kubernetes.io/unschedulable:NoSchedule`) or Karpenter's disrupted taint
+/// (`karpenter.sh/disrupted:NoSchedule`), as `key:NoSchedule`.
+///
+/// Such a pod is not evicted; it goes with its node. Evicting it is futile: the scheduler puts its
+/// replacement back on a cordoned node (every other node of its pool is cordoned too), and the
+/// drain chases it from node to node until the deadline. Karpenter's own drain leaves exactly
+/// these pods (`ToleratesDisruptedNoScheduleTaint` in `pkg/utils/pod/scheduling.go`), so the
+/// tool does what Karpenter would do, for the cordon it uses instead of Karpenter's taint.
+pub fn tolerated_fence(tolerations: &[Toleration]) -> Option<&'static str> {
+    const FENCES: [(&str, &str); 2] = [
+        (TAINT_UNSCHEDULABLE, "node.kubernetes.io/unschedulable:NoSchedule"),
+        (karpenter::TAINT_DISRUPTED, "karpenter.sh/disrupted:NoSchedule"),
+    ];
+    FENCES.iter().find(|(key, _)| tolerations.iter().any(|t| tolerates(t, key, "NoSchedule", ""))).map(|(_, f)| *f)
+}
+
+/// Kubernetes' toleration matching (`Toleration.ToleratesTaint`): the effect matches when the
+/// toleration names none; an empty key with `Exists` matches every key; `Exists` matches any
+/// value, `Equal` (the default) the same value.
+fn tolerates(t: &Toleration, key: &str, effect: &str, value: &str) -> bool {
+    let effect_ok = t.effect.as_deref().is_none_or(|e| e.is_empty() || e == effect);
+    let exists = t.operator.as_deref() == Some("Exists");
+    let key_ok = match t.key.as_deref() {
+        None | Some("") => exists,
+        Some(k) => k == key,
+    };
+    let value_ok = exists || t.value.as_deref().unwrap_or_default() == value;
+    effect_ok && key_ok && value_ok
 }
 
 /// The order a drain evicts in: Karpenter's waves (non-critical pods first, critical ones once
@@ -76,9 +116,18 @@ pub enum EvictionOutcome {
     Evicted,
     /// The pod (with this UID) is already gone.
     Gone,
-    /// A PodDisruptionBudget does not allow it now (429); the server's message names the budget.
+    /// A PodDisruptionBudget does not allow it now (429 whose causes name `DisruptionBudget`);
+    /// the server's message and causes name the budget.
     Blocked(String),
+    /// More than one PodDisruptionBudget selects the pod: the Eviction API refuses such a pod
+    /// (HTTP 500) until all but one are removed.
+    MultipleBudgets(String),
+    /// The API server is throttling (API Priority and Fairness's 429): ask again after this long.
+    Throttled(std::time::Duration),
 }
+
+/// kube-apiserver's message for a pod that more than one PodDisruptionBudget selects.
+const MULTIPLE_PDBS: &str = "more than one PodDisruptionBudget";
 
 /// Evicts one pod with a UID precondition, so a replacement with the same name is never hit.
 pub async fn evict(client: &kube::Client, pod: &PodRef) -> Result<EvictionOutcome, KubeError> {
@@ -103,7 +152,27 @@ pub async fn evict(client: &kube::Client, pod: &PodRef) -> Result<EvictionOutcom
             (Some(404), _) => Ok(EvictionOutcome::Gone),
             // the UID precondition failed: the pod we meant is gone, a new one has its name
             (Some(409), _) => Ok(EvictionOutcome::Gone),
-            (Some(429), kube::Error::Api(s)) => Ok(EvictionOutcome::Blocked(s.message.clone())),
+            (Some(429), kube::Error::Api(s)) if super::apf::is_disruption_budget_refusal(&e) => {
+                let causes: Vec<&str> = s
+                    .details
+                    .iter()
+                    .flat_map(|d| &d.causes)
+                    .filter(|c| !c.message.is_empty())
+                    .map(|c| c.message.as_str())
+                    .collect();
+                let detail = if causes.is_empty() {
+                    s.message.clone()
+                } else {
+                    format!("{} ({})", s.message, causes.join("; "))
+                };
+                Ok(EvictionOutcome::Blocked(detail))
+            }
+            (Some(429), _) => {
+                Ok(EvictionOutcome::Throttled(super::apf::retry_after(&e).unwrap_or(std::time::Duration::from_secs(1))))
+            }
+            (Some(500), kube::Error::Api(s)) if s.message.contains(MULTIPLE_PDBS) => {
+                Ok(EvictionOutcome::MultipleBudgets(s.message.clone()))
+            }
             _ => Err(KubeError::api(format!("evict pod {}", pod.key()), e)),
         },
     }
@@ -136,6 +205,35 @@ mod tests {
             critical,
             terminating: false,
             grace_seconds: grace,
+            rides_with_node: None,
+        }
+    }
+
+    fn toleration(key: Option<&str>, operator: Option<&str>, effect: Option<&str>) -> Toleration {
+        Toleration {
+            key: key.map(str::to_string),
+            operator: operator.map(str::to_string),
+            effect: effect.map(str::to_string),
+            ..Toleration::default()
+        }
+    }
+
+    #[test]
+    fn pods_that_tolerate_the_fence_are_recognised_with_kubernetes_matching() {
+        let everything = [toleration(None, Some("Exists"), None)];
+        assert_eq!(tolerated_fence(&everything), Some("node.kubernetes.io/unschedulable:NoSchedule"));
+        let disrupted = [toleration(Some("karpenter.sh/disrupted"), Some("Exists"), Some("NoSchedule"))];
+        assert_eq!(tolerated_fence(&disrupted), Some("karpenter.sh/disrupted:NoSchedule"));
+        let cordon = [toleration(Some(TAINT_UNSCHEDULABLE), None, None)];
+        assert!(tolerated_fence(&cordon).is_some(), "Equal with the empty value matches the valueless taint");
+        for other in [
+            vec![toleration(Some("dedicated"), Some("Exists"), None)],
+            vec![toleration(None, Some("Exists"), Some("NoExecute"))],
+            vec![toleration(None, None, None)],
+            vec![Toleration { value: Some("x".into()), ..toleration(Some(TAINT_UNSCHEDULABLE), None, None) }],
+            Vec::new(),
+        ] {
+            assert_eq!(tolerated_fence(&other), None, "{other:?}");
         }
     }
 

@@ -31,7 +31,7 @@ pub enum Action {
     Preflight,
     /// Stop new capacity: NodePool limits and disruption budgets to zero.
     Fence,
-    /// Cordon and taint Karpenter nodes (all of them, or one per task) before any is drained.
+    /// Cordon Karpenter nodes (all of them, or one per task) before any is drained.
     Cordon,
     /// Cordon, taint and evict the pods of one Karpenter node.
     Drain,

@@ -181,9 +181,17 @@ fn tolerates(tolerations: &[Value], taint: &Value) -> bool {
     })
 }
 
-/// Whether a pod spec may run on a node: nodeSelector and NoSchedule/NoExecute taints.
+/// Whether a pod spec may run on a node: nodeSelector, NoSchedule/NoExecute taints, and the
+/// cordon. Like kube-scheduler's NodeUnschedulable plugin, a cordoned node takes a pod that
+/// tolerates `node.kubernetes.io/unschedulable:NoSchedule` (a DaemonSet's pods, or anything with
+/// `tolerations: [{operator: Exists}]`), and no other.
 fn fits(spec: &Value, node: &Value) -> bool {
     let tolerations = spec["tolerations"].as_array().cloned().unwrap_or_default();
+    if node["spec"]["unschedulable"] == true
+        && !tolerates(&tolerations, &json!({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}))
+    {
+        return false;
+    }
     let taints_ok = node["spec"]["taints"]
         .as_array()
         .into_iter()
@@ -887,8 +895,7 @@ impl ControlPlane {
             .list(&nodes_gr(), None, &ListOptions::default())
             .map(|l| l.items.iter().map(|n| (**n).clone()).collect())
             .unwrap_or_default();
-        let usable: Vec<&Value> =
-            nodes.iter().filter(|n| node_ready(n) && n["spec"]["unschedulable"] != true && !deleting(n)).collect();
+        let usable: Vec<&Value> = nodes.iter().filter(|n| node_ready(n) && !deleting(n)).collect();
         // Pods of one workload share nodeSelector and tolerations: work out their eligible nodes
         // once per such signature, and keep them ordered by load, so a pass costs
         // O(signatures × nodes + pods × log nodes) instead of O(pods × nodes) (20,000 pods on

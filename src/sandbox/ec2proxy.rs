@@ -1,7 +1,8 @@
-//! An EC2 fault proxy for tests: a small HTTP/1.1 reverse proxy on loopback that forwards AWS
-//! requests to an upstream endpoint (LocalStack) and answers a configurable share of EC2
-//! requests with EC2's throttling error (`RequestLimitExceeded`, HTTP 503) or an internal error
-//! (HTTP 500), so the tool's retry behaviour can be tested against the real SDK.
+//! The sandbox's EC2 proxy: a small HTTP/1.1 reverse proxy on loopback that forwards AWS requests
+//! to an upstream endpoint (LocalStack), refuses what real EC2 refuses and LocalStack does not
+//! (request limits and the throttling budget, [`super::ec2limits`]), and answers a configurable
+//! share of EC2 requests with EC2's throttling error (`RequestLimitExceeded`, HTTP 503) or an
+//! internal error (HTTP 500), so the tool is tested against the real SDK as AWS would treat it.
 //!
 //! Only EC2 requests (query protocol, `Version=2016-11-15`) are faulted; IAM and STS requests
 //! sharing the endpoint are forwarded untouched, so a test isolates EC2 throttling.
@@ -19,6 +20,8 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
+
+use super::ec2limits::Ec2Limits;
 
 /// The API version every EC2 query-protocol request carries.
 const EC2_API_VERSION: &str = "Version=2016-11-15";
@@ -61,6 +64,10 @@ pub struct ProxyCounts {
     pub failed: u64,
     /// Requests whose upstream could not be reached (answered 502).
     pub upstream_errors: u64,
+    /// Requests EC2 would refuse as malformed (`FilterLimitExceeded`, bad `MaxResults`, ...).
+    pub refused: u64,
+    /// Requests over EC2's throttling budget (answered `RequestLimitExceeded`).
+    pub over_budget: u64,
 }
 
 #[derive(Debug, Default)]
@@ -69,10 +76,15 @@ struct Counters {
     throttled: AtomicU64,
     failed: AtomicU64,
     upstream_errors: AtomicU64,
+    refused: AtomicU64,
+    over_budget: AtomicU64,
 }
 
 struct Shared {
     upstream: String,
+    limits: Ec2Limits,
+    /// EC2 actions the caller's (emulated) IAM policy does not allow.
+    denied: Mutex<std::collections::BTreeSet<String>>,
     faults: Mutex<(ProxyFaults, u64)>,
     counters: Counters,
 }
@@ -96,6 +108,8 @@ impl Ec2Proxy {
         let addr = listener.local_addr().map_err(ProxyError::Bind)?;
         let shared = Arc::new(Shared {
             upstream: host.to_string(),
+            limits: Ec2Limits::default(),
+            denied: Mutex::default(),
             faults: Mutex::new((faults, faults.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)),
             counters: Counters::default(),
         });
@@ -120,6 +134,13 @@ impl Ec2Proxy {
         f.0 = faults;
     }
 
+    /// Answers these EC2 actions (`TerminateInstances`) the way EC2 answers a caller whose IAM
+    /// policy does not allow them: 403 `UnauthorizedOperation`, `DryRun` or not.
+    pub fn deny_actions(&self, actions: &[&str]) {
+        let mut d = self.shared.denied.lock().unwrap_or_else(|p| p.into_inner());
+        d.extend(actions.iter().map(|a| a.to_string()));
+    }
+
     /// What the proxy did so far.
     pub fn counts(&self) -> ProxyCounts {
         let c = &self.shared.counters;
@@ -128,6 +149,8 @@ impl Ec2Proxy {
             throttled: c.throttled.load(Ordering::Relaxed),
             failed: c.failed.load(Ordering::Relaxed),
             upstream_errors: c.upstream_errors.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            over_budget: c.over_budget.load(Ordering::Relaxed),
         }
     }
 
@@ -192,6 +215,24 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let is_ec2 = String::from_utf8_lossy(&body).contains(EC2_API_VERSION)
         || parts.uri.query().is_some_and(|q| q.contains(EC2_API_VERSION));
     if is_ec2 {
+        let text = String::from_utf8_lossy(&body);
+        let denied = super::ec2limits::action_of(&text)
+            .is_some_and(|a| shared.denied.lock().unwrap_or_else(|p| p.into_inner()).contains(&a));
+        if denied {
+            shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+            return ec2_error(
+                StatusCode::FORBIDDEN,
+                "UnauthorizedOperation",
+                "You are not authorized to perform this operation.",
+            );
+        }
+        if let Some(r) = shared.limits.check(&text, std::time::Instant::now()) {
+            let counter = if r.status == 503 { &shared.counters.over_budget } else { &shared.counters.refused };
+            counter.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(code = r.code, message = %r.message, "EC2 proxy: refused as EC2 would");
+            let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
+            return ec2_error(status, r.code, &r.message);
+        }
         match shared.pick() {
             Some(Fault::Throttle) => {
                 shared.counters.throttled.fetch_add(1, Ordering::Relaxed);
@@ -325,6 +366,8 @@ mod tests {
     fn fault_rates_are_honoured() {
         let shared = Shared {
             upstream: String::new(),
+            limits: Ec2Limits::default(),
+            denied: Mutex::default(),
             faults: Mutex::new((ProxyFaults { throttle_rate: 0.2, error_rate: 0.1, seed: 7 }, 7 | 1)),
             counters: Counters::default(),
         };

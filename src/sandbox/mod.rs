@@ -2,6 +2,7 @@
 
 pub mod apiserver;
 pub mod controlplane;
+pub mod ec2limits;
 pub mod ec2proxy;
 pub mod karpenter_crds;
 pub mod localstack;

@@ -10,6 +10,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Node;
 use karpenter_teardown::aws::{AwsClients, InstanceState};
 use karpenter_teardown::k8s;
+use karpenter_teardown::sandbox::apiserver::authz::Rbac;
 use karpenter_teardown::sandbox::sim::{World, WorldSpec, naming};
 use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::Client;
@@ -33,8 +34,17 @@ pub async fn bed(cluster: &str) -> Bed {
     bed_with(cluster, ServerOptions { time_scale: 0.01, ..ServerOptions::default() }).await
 }
 
-/// A test bed with the given server options, and a kubeconfig whose context is `cluster`.
-pub async fn bed_with(cluster: &str, opts: ServerOptions) -> Bed {
+/// The project's `deploy/rbac.yaml`, as the sandbox enforces it.
+pub fn shipped_rbac() -> Rbac {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml");
+    Rbac::from_yaml(&std::fs::read_to_string(path).expect("deploy/rbac.yaml")).expect("deploy/rbac.yaml parses")
+}
+
+/// A test bed with the given server options, and a kubeconfig whose context is `cluster`. The
+/// kubeconfig's identity (the tool's) holds exactly the permissions of `deploy/rbac.yaml`, unless
+/// `opts` names other rules: every run is held to what the README tells users to grant.
+pub async fn bed_with(cluster: &str, mut opts: ServerOptions) -> Bed {
+    opts.rbac = opts.rbac.or_else(|| Some(shipped_rbac()));
     let aws = super::localstack(REGION).await;
     let server = ApiServer::start(opts).await.unwrap();
     let client = Client::try_from(server.kube_config()).unwrap();

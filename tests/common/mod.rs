@@ -3,12 +3,14 @@
 
 pub mod e2e;
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use aws_config::{BehaviorVersion, Region};
 use aws_credential_types::Credentials;
 use karpenter_teardown::aws::AwsClients;
+use karpenter_teardown::sandbox::ec2proxy::{Ec2Proxy, ProxyFaults};
 
 /// Where `localstack/up` serves LocalStack.
 pub const LOCALSTACK: &str = "http://127.0.0.1:4566";
@@ -37,10 +39,53 @@ pub async fn localstack(region: &str) -> AwsClients {
     AwsClients::from_config(&config).await.expect("LocalStack clients")
 }
 
-/// The environment a spawned `karpenter-teardown` needs to reach LocalStack.
+/// SDK clients for the code under test: through the enforcing EC2 proxy ([`ec2_proxy`]), so
+/// every EC2 call is held to AWS's request limits and throttling budget.
+pub async fn localstack_as_aws(region: &str) -> AwsClients {
+    require_localstack();
+    let config = aws_config::defaults(BehaviorVersion::latest())
+        .region(Region::new(region.to_string()))
+        .endpoint_url(ec2_proxy())
+        .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
+        .load()
+        .await;
+    AwsClients::from_config(&config).await.expect("LocalStack clients through the EC2 proxy")
+}
+
+/// The URL of this test binary's EC2 proxy in front of LocalStack: it refuses what real EC2
+/// refuses (more than 200 filter values, `MaxResults` out of range or with ids, ...) and
+/// throttles with EC2's token buckets; IAM and STS pass through. One per test binary, on a thread
+/// of its own so that it outlives each test's runtime; the tests of a binary share its budget,
+/// like the tools of one account share EC2's.
+///
+/// Everything the tool does goes through it ([`localstack_env`], [`localstack_as_aws`]); the
+/// test bed's own setup (playing Karpenter: launching instances, creating templates) talks to
+/// LocalStack directly ([`localstack`]).
+pub fn ec2_proxy() -> &'static str {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        require_localstack();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("ec2-proxy".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("proxy runtime");
+                rt.block_on(async {
+                    let proxy = Ec2Proxy::start(LOCALSTACK, ProxyFaults::default()).await.expect("EC2 proxy");
+                    tx.send(proxy.url()).expect("test thread waits for the proxy URL");
+                    std::future::pending::<()>().await;
+                });
+            })
+            .expect("EC2 proxy thread");
+        rx.recv().expect("EC2 proxy URL")
+    })
+}
+
+/// The environment a spawned `karpenter-teardown` needs to reach LocalStack (through the
+/// enforcing EC2 proxy, see [`ec2_proxy`]).
 pub fn localstack_env() -> Vec<(&'static str, &'static str)> {
     vec![
-        ("AWS_ENDPOINT_URL", LOCALSTACK),
+        ("AWS_ENDPOINT_URL", ec2_proxy()),
         ("AWS_ACCESS_KEY_ID", "test"),
         ("AWS_SECRET_ACCESS_KEY", "test"),
         ("AWS_EC2_METADATA_DISABLED", "true"),

@@ -16,7 +16,7 @@ use super::patch::{self, PatchType};
 use super::select::{FieldSelector, LabelSelector};
 use super::status::ApiError;
 use super::store::{DeleteOptions, GroupResource, ListOptions, Store, WriteOptions};
-use super::{conversion, discovery, eviction, openapi, scale, table, watch};
+use super::{authz, conversion, discovery, eviction, openapi, scale, table, watch};
 
 /// State shared by every request handler.
 pub(crate) struct Shared {
@@ -26,6 +26,12 @@ pub(crate) struct Shared {
     pub(crate) cancel: CancellationToken,
     pub(crate) time_scale: f64,
     pub(crate) url: String,
+    /// Non-watch requests being served now.
+    pub(crate) in_flight: std::sync::atomic::AtomicUsize,
+    /// Most non-watch requests served at once; beyond it, API Priority and Fairness's 429.
+    pub(crate) max_in_flight: usize,
+    /// The rules that bind the kubeconfig's identity, when enforced.
+    pub(crate) rbac: Option<authz::Rbac>,
 }
 
 /// A parsed resource path.
@@ -108,11 +114,46 @@ pub(crate) fn bytes_response(code: u16, body: Vec<u8>) -> Response {
 }
 
 pub(crate) fn error_response(e: &ApiError) -> Response {
-    let mut r = json_response(e.code, &e.to_status());
-    if e.code == 429 {
-        r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    let status = e.to_status();
+    let retry_after = status["details"]["retryAfterSeconds"].as_u64().filter(|s| *s > 0);
+    let mut r = json_response(e.code, &status);
+    // like kube-apiserver's response writer: the header only when the Status asks for a delay (a
+    // PodDisruptionBudget refusal has none)
+    if let Some(secs) = retry_after
+        && let Ok(v) = header::HeaderValue::from_str(&secs.to_string())
+    {
+        r.headers_mut().insert(header::RETRY_AFTER, v);
     }
     r
+}
+
+/// The bearer token of a request, if any.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers.get(header::AUTHORIZATION)?.to_str().ok()?.strip_prefix("Bearer ").map(str::trim)
+}
+
+/// What API Priority and Fairness answers when it rejects a request (kube-apiserver's
+/// `tooManyRequests` in `server/filters/maxinflight.go`, used by the APF filter): HTTP 429 with a
+/// `Retry-After` header and a plain-text body, not a `Status` object, so it carries no causes.
+pub(crate) fn apf_rejection(retry_after_secs: u32) -> Response {
+    let mut r = Response::new(Body::from("Too many requests, please try again later.\n"));
+    *r.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; charset=utf-8"));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
+    if let Ok(v) = header::HeaderValue::from_str(&retry_after_secs.to_string()) {
+        h.insert(header::RETRY_AFTER, v);
+    }
+    r
+}
+
+/// Requests being served, for the in-flight limit; released when dropped.
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// Query parameters, last value wins.
@@ -223,21 +264,73 @@ pub(crate) async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> R
         _ => t.resource.clone(),
     };
     shared.stats.record(verb, &stat_resource);
+    // API Priority and Fairness, reduced to one priority level with a fixed number of seats and
+    // no queue: a request beyond them is rejected the way APF rejects (watches hold no seat once
+    // started, as in kube-apiserver)
+    let _seat = if verb == "watch" {
+        None
+    } else {
+        let now = shared.in_flight.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let seat = InFlight(&shared.in_flight);
+        if now >= shared.max_in_flight {
+            shared.stats.record("rejected-by-apf", &stat_resource);
+            return apf_rejection(1);
+        }
+        Some(seat)
+    };
     let injected = {
         let mut f = shared.faults.lock().unwrap_or_else(|p| p.into_inner());
         f.pick_error(verb, &t.resource)
     };
     if let Some(code) = injected {
         let e = match code {
-            429 => ApiError::too_many_requests(
-                "the server has received too many requests and has asked us to try again later (injected fault)",
-            ),
+            // a 429 that is not a PodDisruptionBudget's is API Priority and Fairness's
+            429 => {
+                shared.stats.record("rejected-by-apf", &stat_resource);
+                return apf_rejection(1);
+            }
             503 => ApiError::unavailable("the server is currently unable to handle the request (injected fault)"),
             _ => ApiError::internal(
                 "an error on the server (\"injected fault\") has prevented the request from succeeding",
             ),
         };
         return error_response(&e);
+    }
+    // RBAC for the kubeconfig's identity; everyone else (the harness, the simulators) is admin
+    let restricted = shared.rbac.as_ref().filter(|_| bearer(&parts.headers) == Some(authz::KUBECONFIG_TOKEN));
+    if t.group == "authorization.k8s.io" && t.resource == "selfsubjectaccessreviews" {
+        if parts.method != Method::POST {
+            return error_response(&ApiError::method_not_allowed("selfsubjectaccessreviews only take create"));
+        }
+        let body = match axum::body::to_bytes(body, 1 << 20).await {
+            Ok(b) => b,
+            Err(e) => return error_response(&ApiError::bad_request(format!("reading the body: {e}"))),
+        };
+        let review = serde_json::from_slice::<Value>(&body)
+            .map_err(|e| ApiError::bad_request(format!("the body is not a SelfSubjectAccessReview: {e}")))
+            .and_then(|v| authz::review(restricted, &v));
+        return match review {
+            Ok(v) => json_response(201, &v),
+            Err(e) => error_response(&e),
+        };
+    }
+    if let Some(rbac) = restricted {
+        let (rbac_verb, sub) = match verb {
+            "evict" => ("create", "eviction".to_string()),
+            v => (v, t.sub.clone().unwrap_or_default()),
+        };
+        let a = authz::Attributes {
+            verb: rbac_verb.to_string(),
+            group: t.group.clone(),
+            resource: t.resource.clone(),
+            subresource: sub,
+            name: t.name.clone().unwrap_or_default(),
+            namespace: t.namespace.clone().unwrap_or_default(),
+        };
+        if !rbac.allows(&a) {
+            shared.stats.record("forbidden", &stat_resource);
+            return error_response(&authz::forbidden(&a));
+        }
     }
     let info = match shared.store.registry().served(&t.group, &t.version, &t.resource) {
         Some(i) => i.clone(),

@@ -1,6 +1,7 @@
 //! An in-memory Kubernetes API server over HTTP/1.1 on loopback, generic over kinds, with the
 //! semantics our tool depends on (design §4) and what kubectl needs (design §5).
 
+pub mod authz;
 mod conversion;
 mod discovery;
 mod eviction;
@@ -52,6 +53,15 @@ pub struct ServerOptions {
     pub watch_history: usize,
     /// Run the simulated control plane (scheduler, kubelet, workload controllers).
     pub control_plane: bool,
+    /// Most non-watch requests served at once (API Priority and Fairness seats); a request
+    /// beyond them gets APF's 429 with `Retry-After`. EKS sizes its priority levels with the
+    /// control plane; 100 seats is the order of the `workload-low` level a tool's identity lands
+    /// in on a small control plane.
+    pub max_in_flight: usize,
+    /// RBAC rules (ClusterRoles, e.g. the project's `deploy/rbac.yaml`) enforced on requests
+    /// carrying the token of the kubeconfig the server writes: the tool runs with exactly the
+    /// permissions the README tells users to grant. `None`: that identity is cluster-admin too.
+    pub rbac: Option<authz::Rbac>,
 }
 
 impl Default for ServerOptions {
@@ -62,6 +72,8 @@ impl Default for ServerOptions {
             faults: FaultConfig::default(),
             watch_history: 100_000,
             control_plane: true,
+            max_in_flight: 100,
+            rbac: None,
         }
     }
 }
@@ -95,6 +107,9 @@ impl ApiServer {
             cancel: CancellationToken::new(),
             time_scale: opts.time_scale,
             url,
+            in_flight: std::sync::atomic::AtomicUsize::new(0),
+            max_in_flight: opts.max_in_flight.max(1),
+            rbac: opts.rbac.clone(),
         });
         let router = axum::Router::new().fallback(http::handle).with_state(shared.clone());
         let mut tasks = JoinSet::new();
@@ -128,7 +143,7 @@ impl ApiServer {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": cluster_name, "cluster": {"server": self.url()}}],
-            "users": [{"name": cluster_name, "user": {"token": "sandbox"}}],
+            "users": [{"name": cluster_name, "user": {"token": authz::KUBECONFIG_TOKEN}}],
             "contexts": [{"name": cluster_name, "context": {"cluster": cluster_name, "user": cluster_name, "namespace": "default"}}],
             "current-context": cluster_name,
             "preferences": {},

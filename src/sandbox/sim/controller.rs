@@ -106,6 +106,7 @@ pub struct SimStats {
     nodeclaims_collected: AtomicU64,
     launch_templates_deleted: AtomicU64,
     instance_profiles_deleted: AtomicU64,
+    disrupted_taints_removed: AtomicU64,
     passes: AtomicU64,
     errors: AtomicU64,
 }
@@ -131,6 +132,8 @@ pub struct SimStatsSnapshot {
     pub launch_templates_deleted: u64,
     /// Instance profiles deleted while finalizing EC2NodeClasses.
     pub instance_profiles_deleted: u64,
+    /// Disrupted taints removed from live Karpenter nodes (the disruption controller's cleanup).
+    pub disrupted_taints_removed: u64,
     /// Reconcile passes made while active.
     pub passes: u64,
     /// API or AWS errors met (each retried on a later pass).
@@ -150,6 +153,7 @@ impl SimStats {
             nodeclaims_collected: g(&self.nodeclaims_collected),
             launch_templates_deleted: g(&self.launch_templates_deleted),
             instance_profiles_deleted: g(&self.instance_profiles_deleted),
+            disrupted_taints_removed: g(&self.disrupted_taints_removed),
             passes: g(&self.passes),
             errors: g(&self.errors),
         }
@@ -390,6 +394,8 @@ struct State {
     /// Classes (by uid) whose launch template and profile exist.
     classes_ready: HashSet<String>,
     zone_cursor: usize,
+    /// When the disruption loop last cleared stale disrupted taints.
+    last_disruption_pass: Option<Instant>,
 }
 
 /// What garbage collection remembers between its rounds.
@@ -461,10 +467,59 @@ async fn reconcile(ctx: &Ctx, state: &mut State) {
     // expired entries are meaningless (and pods that vanished would leave them forever)
     lock(&ctx.retry_eviction_at).retain(|_, at| *at > now);
     prepare_classes(ctx, state).await;
+    strip_stale_disrupted_taints(ctx, state).await;
     terminate(ctx).await;
     finalize_classes(ctx).await;
     provision(ctx, state).await;
     report_pool_resources(ctx).await;
+}
+
+/// Karpenter's disruption controller polls every 10 s.
+const DISRUPTION_POLL: Duration = Duration::from_secs(10);
+
+/// What the real disruption controller does at the start of every pass: it removes
+/// `karpenter.sh/disrupted:NoSchedule` from every Karpenter node (one with a NodeClaim) that is
+/// neither in its own orchestration queue nor marked for deletion (NodeClaim or Node with a
+/// deletionTimestamp), because a taint left by a crashed disruption would otherwise fence the
+/// node for ever (kubernetes-sigs/karpenter `pkg/controllers/disruption/controller.go`). This
+/// simulator never disrupts on its own, so its queue is always empty: a taint that anyone else
+/// puts on a live Karpenter node is gone within one pass, as on a real cluster.
+async fn strip_stale_disrupted_taints(ctx: &Ctx, state: &mut State) {
+    let period = ctx.settings.scaled(DISRUPTION_POLL);
+    if state.last_disruption_pass.is_some_and(|at| at.elapsed() < period) {
+        return;
+    }
+    state.last_disruption_pass = Some(Instant::now());
+    let claims = ctx.stores.claims.state();
+    let live_claim_of = |node: &Node| {
+        let name = node.name_any();
+        let pid = node_provider_id(node);
+        claims.iter().find(|c| {
+            c.data["status"]["nodeName"].as_str() == Some(name.as_str())
+                || (pid.is_some() && c.data["status"]["providerID"].as_str() == pid)
+        })
+    };
+    let stale: Vec<String> =
+        ctx.stores
+            .nodes
+            .state()
+            .iter()
+            .filter(|n| !is_deleting(n.as_ref()) && n.labels().contains_key(karpenter::LABEL_NODEPOOL))
+            .filter(|n| {
+                n.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|ts| {
+                    ts.iter().any(|t| t.key == karpenter::TAINT_DISRUPTED && t.effect == "NoSchedule")
+                })
+            })
+            .filter(|n| live_claim_of(n).is_some_and(|c| c.metadata.deletion_timestamp.is_none()))
+            .map(|n| n.name_any())
+            .collect();
+    for node in stale {
+        match ops::remove_taint(&ctx.client, &node, karpenter::TAINT_DISRUPTED, "NoSchedule").await {
+            Ok(true) => bump(&ctx.stats.disrupted_taints_removed, 1),
+            Ok(false) => {}
+            Err(e) => record_error(ctx, &SimError::kube(format!("removing the disrupted taint of Node {node}"))(e)),
+        }
+    }
 }
 
 /// Keeps NodePool `status.resources` (what `kubectl get nodepools` shows, and what Karpenter

@@ -131,6 +131,31 @@ pub async fn ensure_taint(client: &kube::Client, node: &str, key: &str, effect: 
     }
 }
 
+/// Removes every `key:effect` taint from the node the way Karpenter's disruption controller does
+/// (`RequireNoScheduleTaint(..., false, ...)`: a merge patch of the whole list guarded by the
+/// resourceVersion it read, controller-runtime's `MergeFromWithOptimisticLock`). Returns whether
+/// it wrote; a conflict or a node already gone is no write (the next pass tries again).
+pub async fn remove_taint(client: &kube::Client, node: &str, key: &str, effect: &str) -> Result<bool, kube::Error> {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &ApiResource::erase::<Node>(&()));
+    let Some(raw) = api.get_opt(node).await? else {
+        return Ok(false);
+    };
+    let Some(taints) = raw.data["spec"]["taints"].as_array() else {
+        return Ok(false);
+    };
+    let kept: Vec<&Value> = taints.iter().filter(|t| !(t["key"] == key && t["effect"] == effect)).collect();
+    if kept.len() == taints.len() {
+        return Ok(false);
+    }
+    let patch = json!({"metadata": {"resourceVersion": raw.resource_version()}, "spec": {"taints": kept}});
+    let pp = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+    match api.patch(node, &pp, &Patch::Merge(&patch)).await {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(api_code(&e), Some(409)) || is_not_found(&e) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// What an eviction request came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EvictOutcome {

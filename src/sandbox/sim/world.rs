@@ -20,6 +20,7 @@ use super::objects::{self, ClaimRef, PoolRef};
 use super::ops;
 use super::{KarpenterVersion, SimError};
 use crate::aws::AwsClients;
+use crate::karpenter;
 use crate::sandbox::karpenter_crds::karpenter_crds;
 
 /// What to build. `Default` gives the design's reference cluster: 20 Karpenter nodes over 3
@@ -452,7 +453,8 @@ pub(crate) async fn ensure_class_resources(
             // The role itself is not created: the project's IAM layer has no CreateRole and
             // LocalStack refuses AddRoleToInstanceProfile for an unknown role. The role name
             // stays visible in spec.role; the profile is what a teardown must delete.
-            match aws.iam.create_instance_profile(&pname, &path, None).await {
+            let tags = karpenter::instance_profile_tags(cluster, region, &name);
+            match aws.iam.create_instance_profile(&pname, &path, &tags, None).await {
                 Ok(()) => {}
                 Err(e) if e.code() == Some("EntityAlreadyExists") => {}
                 Err(e) => return Err(SimError::aws(format!("creating instance profile {pname}"))(e)),

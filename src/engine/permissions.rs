@@ -1,0 +1,282 @@
+//! Permissions before changes: on a real cluster a missing RBAC verb or IAM action shows up as a
+//! 403 in the middle of a run, with the cluster half torn down. Before the first write the tool
+//! asks the API server (`SelfSubjectAccessReview`) about every verb and resource the chosen plan
+//! uses, and EC2 (`DryRun`) about its mutating calls; a gap refuses the run with exit 2, naming
+//! each missing permission and the shipped file that grants it.
+//!
+//! What the plan needs is decided here, from the plan alone ([`kubernetes_needs`],
+//! [`ec2_needs`]); the asking is a thin loop around it.
+
+use std::collections::BTreeSet;
+
+use futures::{StreamExt, stream};
+use k8s_openapi::api::authorization::v1::{ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec};
+use kube::api::{Api, PostParams};
+
+use crate::aws::AwsClients;
+use crate::aws::ec2::DryRun;
+use crate::k8s::{KubeError, status_code};
+use crate::plan::{Action, OnDeadline, Plan};
+
+/// One Kubernetes permission, in RBAC's terms.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct KubePermission {
+    /// `get`, `list`, `watch`, `create`, `patch`, `delete`.
+    pub verb: &'static str,
+    /// API group (`""` for core).
+    pub group: &'static str,
+    /// Resource.
+    pub resource: &'static str,
+    /// Subresource (`eviction`, `scale`), or empty.
+    pub subresource: &'static str,
+    /// The object name, for rules limited by `resourceNames`.
+    pub name: &'static str,
+}
+
+impl std::fmt::Display for KubePermission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let group = if self.group.is_empty() { "core" } else { self.group };
+        write!(f, "{} {}", self.verb, self.resource)?;
+        if !self.subresource.is_empty() {
+            write!(f, "/{}", self.subresource)?;
+        }
+        if !self.name.is_empty() {
+            write!(f, " {}", self.name)?;
+        }
+        write!(f, " ({group})")
+    }
+}
+
+const fn p(verb: &'static str, group: &'static str, resource: &'static str) -> KubePermission {
+    KubePermission { verb, group, resource, subresource: "", name: "" }
+}
+
+const KARPENTER_CRDS: [&str; 3] =
+    ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"];
+
+/// Every Kubernetes permission a run of `plan` uses. `delete_pods` says whether pods may be
+/// deleted at the drain deadline (`--on-drain-deadline delete` or a plan's `on_deadline`).
+pub fn kubernetes_needs(plan: &Plan, delete_pods: bool) -> BTreeSet<KubePermission> {
+    // the inventory, the pod index and the node watch, whatever the plan
+    let mut need: BTreeSet<KubePermission> = [
+        p("list", "", "nodes"),
+        p("watch", "", "nodes"),
+        p("list", "", "pods"),
+        p("watch", "", "pods"),
+        p("list", "apps", "deployments"),
+        p("list", "karpenter.sh", "nodeclaims"),
+        p("list", "karpenter.sh", "nodepools"),
+        p("list", "karpenter.k8s.aws", "ec2nodeclasses"),
+    ]
+    .into();
+    for step in plan.steps() {
+        match step.action {
+            Action::Preflight | Action::Verify | Action::WaitNodeclaimsGone => {}
+            Action::Fence => {
+                need.extend([p("get", "karpenter.sh", "nodepools"), p("patch", "karpenter.sh", "nodepools")])
+            }
+            Action::Cordon => need.extend([p("get", "", "nodes"), p("patch", "", "nodes")]),
+            Action::Drain => {
+                need.extend([
+                    p("get", "", "nodes"),
+                    p("patch", "", "nodes"),
+                    p("get", "karpenter.sh", "nodeclaims"),
+                    p("get", "", "pods"),
+                    p("list", "policy", "poddisruptionbudgets"),
+                    KubePermission { subresource: "eviction", ..p("create", "", "pods") },
+                ]);
+                if delete_pods || step.params.on_deadline == OnDeadline::Delete {
+                    need.insert(p("delete", "", "pods"));
+                }
+            }
+            Action::RemoveController => {
+                need.extend([
+                    p("get", "apps", "deployments"),
+                    KubePermission { subresource: "scale", ..p("patch", "apps", "deployments") },
+                ]);
+                for name in KARPENTER_CRDS {
+                    need.insert(KubePermission {
+                        name,
+                        ..p("get", "apiextensions.k8s.io", "customresourcedefinitions")
+                    });
+                    need.insert(KubePermission {
+                        name,
+                        ..p("patch", "apiextensions.k8s.io", "customresourcedefinitions")
+                    });
+                }
+            }
+            Action::DischargeFinalizers => need.extend([
+                p("get", "karpenter.sh", "nodeclaims"),
+                p("patch", "karpenter.sh", "nodeclaims"),
+                p("delete", "karpenter.sh", "nodeclaims"),
+                p("get", "", "nodes"),
+                p("patch", "", "nodes"),
+                p("delete", "", "nodes"),
+            ]),
+            Action::DeleteNodepools => need.extend([p("delete", "karpenter.sh", "nodepools")]),
+            Action::DeleteNodeclasses => need.extend([
+                p("get", "karpenter.k8s.aws", "ec2nodeclasses"),
+                p("patch", "karpenter.k8s.aws", "ec2nodeclasses"),
+                p("delete", "karpenter.k8s.aws", "ec2nodeclasses"),
+            ]),
+        }
+    }
+    need
+}
+
+/// A mutating EC2 call a run of the plan makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Ec2Need {
+    /// `ec2:TerminateInstances` (discharge-finalizers, `--reclaim`).
+    TerminateInstances,
+    /// `ec2:DeleteLaunchTemplate` (delete-nodeclasses, `--reclaim`).
+    DeleteLaunchTemplate,
+}
+
+/// The mutating EC2 calls a run of `plan` makes. (IAM's calls have no `DryRun`; they are covered
+/// by the same shipped policy and named in the README.)
+pub fn ec2_needs(plan: &Plan, reclaim: bool) -> BTreeSet<Ec2Need> {
+    let mut need = BTreeSet::new();
+    for step in plan.steps() {
+        match step.action {
+            Action::DischargeFinalizers => {
+                need.insert(Ec2Need::TerminateInstances);
+            }
+            Action::DeleteNodeclasses => {
+                need.insert(Ec2Need::DeleteLaunchTemplate);
+            }
+            Action::Verify if reclaim => {
+                need.extend([Ec2Need::TerminateInstances, Ec2Need::DeleteLaunchTemplate]);
+            }
+            _ => {}
+        }
+    }
+    need
+}
+
+/// Asks the API server about each permission (a handful at a time). A permission the server
+/// denies is returned; `Ok(None)` when the server cannot answer reviews at all (then the run
+/// goes on, as it would have without the check).
+pub async fn missing_kubernetes(
+    client: &kube::Client,
+    need: &BTreeSet<KubePermission>,
+) -> Result<Option<Vec<KubePermission>>, KubeError> {
+    let api: Api<SelfSubjectAccessReview> = Api::all(client.clone());
+    let answers: Vec<(KubePermission, Result<bool, KubeError>)> = stream::iter(need.iter().cloned())
+        .map(|perm| {
+            let api = api.clone();
+            async move {
+                let review = SelfSubjectAccessReview {
+                    spec: SelfSubjectAccessReviewSpec {
+                        resource_attributes: Some(ResourceAttributes {
+                            verb: Some(perm.verb.into()),
+                            group: Some(perm.group.into()),
+                            resource: Some(perm.resource.into()),
+                            subresource: (!perm.subresource.is_empty()).then(|| perm.subresource.into()),
+                            name: (!perm.name.is_empty()).then(|| perm.name.into()),
+                            ..ResourceAttributes::default()
+                        }),
+                        ..SelfSubjectAccessReviewSpec::default()
+                    },
+                    ..SelfSubjectAccessReview::default()
+                };
+                // throttling and server errors are retried (honouring Retry-After), like every
+                // read before the first write
+                let allowed = crate::k8s::retry_transient(|| async {
+                    api.create(&PostParams::default(), &review)
+                        .await
+                        .map_err(|e| KubeError::api("ask the API server about permissions (SelfSubjectAccessReview)", e))
+                })
+                .await
+                .map(|r| r.status.is_some_and(|s| s.allowed));
+                (perm, allowed)
+            }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    let mut missing = Vec::new();
+    for (perm, answer) in answers {
+        match answer {
+            Ok(true) => {}
+            Ok(false) => missing.push(perm),
+            // no SelfSubjectAccessReview on this server (or not for us): nothing to learn here
+            Err(KubeError::Api { source, .. }) if matches!(status_code(&source), Some(403..=405)) => {
+                tracing::warn!(error = %crate::k8s::describe_error(&source), "the API server answers no access reviews: permissions are not checked before the run");
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    missing.sort();
+    Ok(Some(missing))
+}
+
+/// Asks EC2 (`DryRun`) about each mutating call, on resources of this cluster (`instances`: the
+/// inventory's instance ids, since the shipped policy allows termination by tag): the IAM
+/// actions the credentials lack. A call that cannot be tried on a real resource (no instance or
+/// launch template left) is not asked about.
+pub async fn missing_ec2(
+    aws: &AwsClients,
+    cluster: &str,
+    need: &BTreeSet<Ec2Need>,
+    instances: &[String],
+) -> Result<Vec<&'static str>, crate::aws::AwsError> {
+    let mut missing = Vec::new();
+    for n in need {
+        let (action, answer) = match n {
+            Ec2Need::TerminateInstances if !instances.is_empty() => {
+                let ids = &instances[..instances.len().min(crate::aws::ec2::FILTER_VALUES_MAX)];
+                ("ec2:TerminateInstances", aws.ec2.terminate_dry_run(ids).await?)
+            }
+            Ec2Need::DeleteLaunchTemplate => match aws.ec2.launch_templates(cluster).await?.first() {
+                Some(lt) => ("ec2:DeleteLaunchTemplate", aws.ec2.delete_launch_template_dry_run(&lt.id).await?),
+                None => continue,
+            },
+            Ec2Need::TerminateInstances => continue,
+        };
+        match answer {
+            DryRun::Allowed => {}
+            DryRun::Denied(why) => {
+                tracing::warn!(action, why = %why, "EC2 refuses a dry run");
+                missing.push(action);
+            }
+            DryRun::Inconclusive(code) => {
+                tracing::info!(action, code = %code, "EC2's dry run answered neither yes nor no; not counted as missing");
+            }
+        }
+    }
+    Ok(missing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn has(set: &BTreeSet<KubePermission>, verb: &str, resource: &str, sub: &str) -> bool {
+        set.iter().any(|p| p.verb == verb && p.resource == resource && p.subresource == sub)
+    }
+
+    #[test]
+    fn the_default_plan_needs_evictions_cordons_and_finalizer_writes_but_not_pod_deletes() {
+        let need = kubernetes_needs(&Plan::builtin_default(), false);
+        assert!(has(&need, "create", "pods", "eviction"));
+        assert!(has(&need, "patch", "nodes", ""));
+        assert!(has(&need, "patch", "deployments", "scale"));
+        assert!(has(&need, "delete", "nodeclaims", ""));
+        assert!(!has(&need, "delete", "pods", ""), "pods are deleted only with --on-drain-deadline delete");
+        assert!(has(&kubernetes_needs(&Plan::builtin_default(), true), "delete", "pods", ""));
+        let crd = need.iter().find(|p| p.resource == "customresourcedefinitions" && p.verb == "patch").unwrap();
+        assert!(KARPENTER_CRDS.contains(&crd.name), "CRD writes are asked by name: {crd}");
+    }
+
+    #[test]
+    fn ec2_calls_follow_the_plan_and_reclaim() {
+        let plan = Plan::builtin_default();
+        assert_eq!(ec2_needs(&plan, false), [Ec2Need::TerminateInstances, Ec2Need::DeleteLaunchTemplate].into());
+        let text = "version = 1\nname = \"p\"\n[[step]]\nid = \"preflight\"\naction = \"preflight\"\n[[step]]\nid = \"verify\"\naction = \"verify\"\nafter = [\"preflight\"]\n";
+        let verify_only = Plan::from_str(text, "test").unwrap();
+        assert!(ec2_needs(&verify_only, false).is_empty());
+        assert_eq!(ec2_needs(&verify_only, true).len(), 2);
+    }
+}
