@@ -13,6 +13,7 @@ use karpenter_teardown::sandbox::apiserver::ErrorRule;
 use karpenter_teardown::sandbox::ec2proxy::{Ec2Proxy, ProxyFaults};
 use karpenter_teardown::sandbox::sim::generate;
 use safety::*;
+use serde_json::Value;
 
 /// 10% of every verb's requests fail, spread over 429, 500 and 503; 30 ms on each request;
 /// watches cut every 3 s.
@@ -44,6 +45,14 @@ async fn kubernetes_errors_latency_and_watch_drops() {
     assert!(b.server.requests().total() > served_before, "the run made no requests");
     let calls = run.report["api_calls"].as_object().expect("api_calls in the report");
     assert!(calls.keys().any(|k| k.starts_with("kubernetes:")), "{calls:?}");
+    // issue 15.7: the injected 429s are API Priority and Fairness's (plain text, Retry-After):
+    // counted as throttling, and never reported as a PodDisruptionBudget blocking anything
+    assert!(calls.get("kubernetes:throttled").and_then(Value::as_u64).unwrap_or(0) > 0, "{calls:?}");
+    let blockers = run.report["blockers"].as_array().expect("blockers in the report");
+    assert!(
+        !blockers.iter().any(|b| b["kind"] == "pdb" || b["kind"] == "pod"),
+        "throttling taken for a PDB: {blockers:?}"
+    );
     // a tenth of the requests failed: some tasks needed more than one attempt, and the report says so
     let steps = run.report["steps"].as_array().expect("steps in the report");
     let retries: u64 = steps.iter().map(|st| st["attempts"].as_u64().unwrap_or(1).saturating_sub(1)).sum();

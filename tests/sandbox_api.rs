@@ -352,6 +352,40 @@ async fn eviction_respects_pod_disruption_budgets() {
     s.shutdown().await;
 }
 
+/// Issue 15.7, on the wire through the tool's own client: a PodDisruptionBudget's 429 is a
+/// block, API Priority and Fairness's 429 (plain text, `Retry-After`) is throttling with the
+/// server's delay, and two budgets over one pod (500) are named as such.
+#[tokio::test]
+async fn the_tool_tells_a_budget_from_throttling_and_from_two_budgets() {
+    use karpenter_teardown::k8s::Kube;
+    use karpenter_teardown::k8s::pods::{EvictionOutcome, drainable, evict as tool_evict};
+    let (s, c) = server(true).await;
+    let kube = Kube::from_config(s.kube_config(), None).unwrap();
+    Api::<Node>::all(c.clone()).create(&PostParams::default(), &node("n1")).await.unwrap();
+    running_pods(&c, &["a", "b"], json!({"app": "web"})).await;
+    let pdbs = budget(&c, "web", json!({"minAvailable": 2, "selector": {"matchLabels": {"app": "web"}}})).await;
+    eventually("pdb status", || async {
+        pdbs.get("web").await.unwrap().status.is_some_and(|s| s.current_healthy == 2)
+    })
+    .await;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    let a = drainable(&pods.get("a").await.unwrap()).unwrap();
+    match tool_evict(&kube.client, &a).await.unwrap() {
+        EvictionOutcome::Blocked(why) => assert!(why.contains("web"), "the budget is named: {why}"),
+        other => panic!("a PDB refusal is a block, got {other:?}"),
+    }
+    s.set_faults(FaultConfig {
+        errors: vec![ErrorRule { verb: Some("evict".into()), resource: None, code: 429, rate: 1.0 }],
+        ..FaultConfig::default()
+    });
+    assert_eq!(tool_evict(&kube.client, &a).await.unwrap(), EvictionOutcome::Throttled(Duration::from_secs(1)));
+    assert_eq!(kube.calls.snapshot().get("kubernetes:throttled"), Some(&1));
+    s.set_faults(FaultConfig::default());
+    budget(&c, "web2", json!({"maxUnavailable": 1, "selector": {"matchLabels": {"app": "web"}}})).await;
+    assert!(matches!(tool_evict(&kube.client, &a).await.unwrap(), EvictionOutcome::MultipleBudgets(_)));
+    s.shutdown().await;
+}
+
 /// A StatefulSet recreates an evicted pod under the same name, and `disruptedPods` is keyed by
 /// name: like the disruption controller, the server forgets an entry after its deletion timeout
 /// (2 minutes, scaled), or the budget would count the new pod as disrupted and block for ever.

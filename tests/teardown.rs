@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::e2e::{REGION, assert_torn_down, bed, scale_controller, spec, states, teardown, untouchable_nodes};
 use karpenter_teardown::aws::InstanceState;
-use karpenter_teardown::sandbox::sim::{SimController, SimSettings, generate};
+use karpenter_teardown::sandbox::sim::{SimController, SimSettings, WorldSpec, generate};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_plan_tears_down_a_generated_cluster_with_a_live_controller() {
@@ -98,5 +98,44 @@ async fn max_nodes_refuses_a_larger_blast_radius() {
     let run = teardown(&b, &world.cluster, &["--yes", "--max-nodes", "2"]).await;
     assert_eq!(run.code, 3, "{}", run.stderr);
     assert!(run.stderr.contains("--max-nodes 2"), "{}", run.stderr);
+    b.server.shutdown().await;
+}
+
+/// Issue 15.3: a GovCloud cluster (four-part region, `aws-us-gov` partition, the kube context
+/// named by its EKS ARN as `aws eks update-kubeconfig` names it) is torn down like any other.
+/// On the old zone-to-region rule every such cluster was refused (exit 3, region `us-gov-`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_govcloud_cluster_is_torn_down_from_its_arn_context() {
+    const GOV: &str = "us-gov-west-1";
+    let s = WorldSpec {
+        region: GOV.into(),
+        zones: vec![format!("{GOV}a"), format!("{GOV}b")],
+        decoys: 0,
+        ..spec("e2e-gov", 3)
+    };
+    let b = bed(&s.cluster).await;
+    let aws = common::localstack(GOV).await;
+    let world = generate(&s, &b.client, &aws).await.unwrap();
+    let arn = format!("arn:aws-us-gov:eks:{GOV}:000000000000:cluster/{}", world.cluster);
+    let kubeconfig = b.dir.path().join("gov-kubeconfig");
+    b.server.write_kubeconfig(&kubeconfig, &arn).unwrap();
+    let report = b.dir.path().join("gov-report.json");
+
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .args(["run", "--yes", "--cluster", &world.cluster, "--region", GOV, "--kubeconfig"])
+        .arg(&kubeconfig)
+        .arg("--report")
+        .arg(&report)
+        .envs(common::localstack_env())
+        .output()
+        .await
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}\n{report:#}");
+    assert_eq!(report["outcome"], "clean");
+    let left = states(&aws, &world.karpenter_instance_ids()).await;
+    assert!(left.values().all(|st| *st == InstanceState::Terminated), "{left:?}");
+    assert!(aws.iam.cluster_instance_profiles(GOV, &world.cluster).await.unwrap().is_empty());
     b.server.shutdown().await;
 }

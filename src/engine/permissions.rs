@@ -183,9 +183,9 @@ pub async fn missing_kubernetes(
                 // throttling and server errors are retried (honouring Retry-After), like every
                 // read before the first write
                 let allowed = crate::k8s::retry_transient(|| async {
-                    api.create(&PostParams::default(), &review)
-                        .await
-                        .map_err(|e| KubeError::api("ask the API server about permissions (SelfSubjectAccessReview)", e))
+                    api.create(&PostParams::default(), &review).await.map_err(|e| {
+                        KubeError::api("ask the API server about permissions (SelfSubjectAccessReview)", e)
+                    })
                 })
                 .await
                 .map(|r| r.status.is_some_and(|s| s.allowed));

@@ -510,6 +510,25 @@ pub(crate) struct NodeLaunch<'a> {
 /// Launches one Karpenter node in Karpenter's order: the NodeClaim with its finalizer first (an
 /// instance never exists unguarded), then the instance with the §3 tags, then the Node (owned
 /// by the NodeClaim, with the termination finalizer), then the statuses.
+/// Launches in `zone`. LocalStack knows the zones of the commercial regions only; for a region
+/// of another partition (us-gov-west-1, cn-north-1) it refuses the zone, and the instance is
+/// launched without one. The NodeClaim and Node still name the spec's zone, as on a real cluster
+/// in that region: the tool reads the region from them, never from LocalStack's placement.
+async fn launch_in_zone(
+    aws: &AwsClients,
+    instance_type: &str,
+    zone: &str,
+    count: i32,
+    tags: &BTreeMap<String, String>,
+) -> Result<Vec<crate::aws::InstanceInfo>, crate::aws::AwsError> {
+    match aws.ec2.launch_tagged(IMAGE_ID, instance_type, Some(zone), count, tags).await {
+        Err(e) if e.code() == Some("InvalidParameterValue") && e.to_string().contains("Availability Zone") => {
+            aws.ec2.launch_tagged(IMAGE_ID, instance_type, None, count, tags).await
+        }
+        other => other,
+    }
+}
+
 pub(crate) async fn launch_karpenter_node(
     client: &Client,
     aws: &AwsClients,
@@ -527,9 +546,7 @@ pub(crate) async fn launch_karpenter_node(
     let claim_uid =
         claim.uid().ok_or_else(|| SimError::Malformed { what: format!("NodeClaim {claim_name}"), field: "uid" })?;
     let tags = naming::instance_tags(l.cluster, pool, l.pool.class, &claim_name, l.node_name);
-    let launched = aws
-        .ec2
-        .launch_tagged(IMAGE_ID, INSTANCE_TYPE, Some(l.zone), 1, &tags)
+    let launched = launch_in_zone(aws, INSTANCE_TYPE, l.zone, 1, &tags)
         .await
         .map_err(SimError::aws(format!("launching the instance of NodeClaim {claim_name}")))?;
     let instance = launched.into_iter().next().ok_or_else(|| SimError::ShortLaunch {
@@ -580,9 +597,7 @@ async fn create_system_nodes(
         // One RunInstances per zone: managed node group instances share all their tags.
         let tags = naming::nodegroup_instance_tags(&spec.cluster, &nodegroup);
         let wanted = i32::try_from(count).unwrap_or(i32::MAX);
-        let got = aws
-            .ec2
-            .launch_tagged(IMAGE_ID, "m5.large", Some(&zone), wanted, &tags)
+        let got = launch_in_zone(aws, "m5.large", &zone, wanted, &tags)
             .await
             .map_err(SimError::aws("launching the managed node group"))?;
         if got.len() != count {
@@ -858,9 +873,7 @@ async fn launch_decoys(spec: &WorldSpec, aws: &AwsClients, decoy: &str) -> Resul
         let zone = &spec.zones[i % spec.zones.len()];
         let node = ip_node_name(&spec.region, 0x7f_0000, i);
         let tags = naming::instance_tags(decoy, &pool, &spec.class_name(0), &claim, &node);
-        let got = aws
-            .ec2
-            .launch_tagged(IMAGE_ID, INSTANCE_TYPE, Some(zone), 1, &tags)
+        let got = launch_in_zone(aws, INSTANCE_TYPE, zone, 1, &tags)
             .await
             .map_err(SimError::aws("launching decoy instances"))?;
         out.extend(got.into_iter().map(|i| i.id));
