@@ -22,6 +22,7 @@ use clap::Parser;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use karpenter_teardown::aws::AwsClients;
 use karpenter_teardown::k8s::{self, Kube};
+use karpenter_teardown::sandbox::ec2proxy::{Ec2Proxy, ProxyFaults};
 use karpenter_teardown::sandbox::sim::{SimController, SimSettings, World, WorldSpec, generate};
 use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::Client;
@@ -114,6 +115,9 @@ struct Measured {
     /// Requests of the simulated Karpenter controller during the run.
     sim_k8s: u64,
     ec2_tool: Option<u64>,
+    /// The tool's EC2 requests the enforcing proxy answered `RequestLimitExceeded` (EC2's token
+    /// buckets) or refused as malformed.
+    ec2_throttled: Option<(u64, u64)>,
     ec2_sim: u64,
     /// Peak memory and CPU time of the contender's processes.
     usage: Usage,
@@ -262,15 +266,15 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
 
     let t = Instant::now();
     let limit = Duration::from_secs(args.run_timeout);
-    let (outcome, ec2_tool, usage) = match contender {
+    let (outcome, ec2_tool, ec2_throttled, usage) = match contender {
         Contender::Default | Contender::Delegate => {
             let plan = if contender == Contender::Default { "default" } else { "delegate" };
             let r = run_tool(bin, &world.cluster, &account, &kubeconfig, dir.path(), plan, limit).await?;
-            (r.0, Some(r.1), r.2)
+            (r.0, Some(r.1), Some(r.3), r.2)
         }
         Contender::Kubectl => {
             let r = run_kubectl(args, &world, &kubeconfig, dir.path(), limit).await?;
-            (r.0, None, r.1)
+            (r.0, None, None, r.1)
         }
     };
     let makespan_s = t.elapsed().as_secs_f64();
@@ -315,6 +319,7 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
         k8s,
         sim_k8s,
         ec2_tool,
+        ec2_throttled,
         ec2_sim,
         usage,
     })
@@ -461,7 +466,9 @@ fn localstack_env(cmd: &mut tokio::process::Command, account: &str) {
         .env("AWS_EC2_METADATA_DISABLED", "true");
 }
 
-/// Runs a plan; returns the report's outcome, the tool's EC2 calls and its peak memory.
+/// Runs a plan with its EC2 calls through the enforcing EC2 proxy (AWS's request limits and
+/// token buckets, one budget per run like one account); returns the report's outcome, the tool's
+/// EC2 calls, its peak memory, and what the proxy throttled and refused.
 async fn run_tool(
     bin: &Path,
     cluster: &str,
@@ -470,8 +477,9 @@ async fn run_tool(
     dir: &Path,
     plan: &str,
     limit: Duration,
-) -> anyhow::Result<(String, u64, Usage)> {
+) -> anyhow::Result<(String, u64, Usage, (u64, u64))> {
     let report = dir.join(format!("report-{plan}.json"));
+    let proxy = Ec2Proxy::start(LOCALSTACK, ProxyFaults::default()).await?;
     let log = std::fs::File::create(dir.join(format!("{plan}.log")))?;
     let mut cmd = tokio::process::Command::new(bin);
     cmd.args(["run", "--yes", "--plan", plan, "--cluster", cluster, "--region", REGION, "--kubeconfig"])
@@ -483,7 +491,10 @@ async fn run_tool(
         .stdout(Stdio::null())
         .stderr(log.try_clone()?);
     localstack_env(&mut cmd, account);
+    cmd.env("AWS_ENDPOINT_URL", proxy.url());
     let usage = run_measured(cmd, limit).await?;
+    let counts = proxy.counts();
+    proxy.shutdown().await;
     let code = usage.code;
     let report: Value =
         std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
@@ -506,7 +517,7 @@ async fn run_tool(
             eprintln!("  {l}");
         }
     }
-    Ok((outcome, ec2, usage))
+    Ok((outcome, ec2, usage, (counts.over_budget, counts.refused)))
 }
 
 /// The script users write today: drain the nodes one after another, delete the NodePools, and
@@ -593,7 +604,12 @@ fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
             m.k8s_total(),
             per_pod,
             verbs,
-            m.ec2_tool.map(|n| n.to_string()).unwrap_or_else(|| "-".into()),
+            match (m.ec2_tool, m.ec2_throttled) {
+                (Some(n), Some((0, 0))) => n.to_string(),
+                (Some(n), Some((throttled, refused))) => format!("{n} ({throttled} throttled, {refused} refused)"),
+                (Some(n), None) => n.to_string(),
+                (None, _) => "-".into(),
+            },
             m.sim_k8s,
             m.ec2_sim,
             m.usage.peak_kib as f64 / 1024.0,

@@ -142,6 +142,34 @@ fn is_legacy_profile_name(name: &str, cluster: &str) -> bool {
         .is_some_and(|h| !h.is_empty() && h.len() <= 20 && h.bytes().all(|b| b.is_ascii_digit()))
 }
 
+/// The `spec.limits` that fence a NodePool (merged over its own, so every limit it has becomes
+/// zero and nothing new can launch):
+///
+/// - a dynamic NodePool: each of its limits and `cpu` at "0" (every node needs some cpu, so a
+///   zero cpu limit stops every launch whatever else the pool limits);
+/// - a static NodePool (Karpenter ≥ 1.8, `spec.replicas` set): only `nodes` at "0". The CRD's
+///   CEL rule refuses any other limit on a static pool ("only 'limits.nodes' is supported on
+///   static NodePools"), and `limits.nodes` is what the static provisioner reserves capacity
+///   against. `replicas` is left as it is: lowering it makes the live controller's static
+///   deprovisioner delete NodeClaims itself, without consulting disruption budgets, racing the
+///   tool's ordered drain; with `nodes` at zero it neither adds nor removes nodes, and the tool
+///   drains and terminates them in its own order.
+pub fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    let zero = || serde_json::Value::String("0".into());
+    let mut limits = serde_json::Map::new();
+    if nodepool_spec.get("replicas").is_some_and(|r| !r.is_null()) {
+        limits.insert("nodes".into(), zero());
+        return limits;
+    }
+    if let Some(m) = nodepool_spec["limits"].as_object() {
+        for k in m.keys() {
+            limits.insert(k.clone(), zero());
+        }
+    }
+    limits.insert("cpu".into(), zero());
+    limits
+}
+
 /// A parsed `aws:///<zone>/<instance-id>` provider id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProviderId {
@@ -246,5 +274,19 @@ mod tests {
         assert!(!cni_interface_is_settled(Some("2026-11-23T11:58:00Z"), now), "2 minutes old: the CNI may attach it");
         assert!(!cni_interface_is_settled(None, now));
         assert!(!cni_interface_is_settled(Some("yesterday"), now));
+    }
+
+    #[test]
+    fn static_nodepools_are_fenced_on_nodes_only_and_dynamic_ones_on_every_limit_and_cpu() {
+        let static_pool = serde_json::json!({"replicas": 3, "limits": {"nodes": "10"}});
+        assert_eq!(serde_json::Value::Object(fence_limits(&static_pool)), serde_json::json!({"nodes": "0"}));
+        let zero_replicas = serde_json::json!({"replicas": 0});
+        assert_eq!(serde_json::Value::Object(fence_limits(&zero_replicas)), serde_json::json!({"nodes": "0"}));
+        let dynamic = serde_json::json!({"limits": {"memory": "100Gi", "nodes": "5"}});
+        assert_eq!(
+            serde_json::Value::Object(fence_limits(&dynamic)),
+            serde_json::json!({"memory": "0", "nodes": "0", "cpu": "0"})
+        );
+        assert_eq!(serde_json::Value::Object(fence_limits(&serde_json::json!({}))), serde_json::json!({"cpu": "0"}));
     }
 }

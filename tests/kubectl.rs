@@ -127,6 +127,50 @@ async fn get_nodes_cordon_taint_and_scale() {
     s.shutdown().await;
 }
 
+/// Issue 15.4: the real CRDs' schemas hold as on a real server. A NodePool applied without
+/// `disruption` or `expireAfter` comes back with the defaults kube-apiserver fills in, and the
+/// CEL rules refuse what they refuse on EKS: limits other than `nodes` on a static NodePool,
+/// and turning a static NodePool dynamic.
+#[tokio::test]
+async fn real_crds_default_and_their_cel_rules_refuse_like_the_real_server() {
+    let Some(shared) = shared_karpenter() else { return };
+    let s = start().await;
+    let k = Kubectl::new(&s);
+    let before = karpenter_teardown::sandbox::apiserver::schema::unevaluated_rules();
+    k.ok(&["apply", "-f", shared.join("crds-v1.14.1").to_str().unwrap()]).await;
+    k.ok(&["apply", "-f", shared.join("examples/general-purpose.yaml").to_str().unwrap()]).await;
+    let pool: serde_json::Value =
+        serde_json::from_str(&k.ok(&["get", "nodepool", "general-purpose", "-o", "json"]).await).unwrap();
+    assert_eq!(pool["spec"]["disruption"]["budgets"], json!([{"nodes": "10%"}]), "{pool:#}");
+    assert_eq!(pool["spec"]["disruption"]["consolidationPolicy"], "WhenEmptyOrUnderutilized");
+    assert_eq!(pool["spec"]["template"]["spec"]["expireAfter"], "720h");
+
+    let static_pool = |limits: serde_json::Value| {
+        json!({"apiVersion": "karpenter.sh/v1", "kind": "NodePool", "metadata": {"name": "static"},
+            "spec": {"replicas": 2, "limits": limits, "template": {"spec": {"requirements": [],
+                "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"}}}}})
+    };
+    let path = |name: &str| k._dir.path().join(name).to_str().unwrap().to_string();
+    std::fs::write(path("cpu.json"), static_pool(json!({"cpu": "0"})).to_string()).unwrap();
+    let refused = k.run(&["apply", "-f", &path("cpu.json")]).await;
+    assert!(
+        !refused.ok && refused.stderr.contains("only 'limits.nodes' is supported on static NodePools"),
+        "{}",
+        refused.stderr
+    );
+    k.apply_json(static_pool(json!({"nodes": "0"}))).await;
+    let to_dynamic = k
+        .run(&["patch", "nodepool", "static", "--type=json", "-p", r#"[{"op":"remove","path":"/spec/replicas"}]"#])
+        .await;
+    assert!(!to_dynamic.ok && to_dynamic.stderr.contains("Cannot transition NodePool"), "{}", to_dynamic.stderr);
+    assert_eq!(
+        karpenter_teardown::sandbox::apiserver::schema::unevaluated_rules(),
+        before,
+        "every rule of the real CRDs met here was evaluated"
+    );
+    s.shutdown().await;
+}
+
 #[tokio::test]
 async fn apply_karpenter_crds_and_examples_then_delete_with_finalizer() {
     let Some(shared) = shared_karpenter() else { return };

@@ -284,6 +284,7 @@ fn spec(prefix: &str, nodes: usize, version: KarpenterVersion) -> WorldSpec {
         managed_nodes: 1,
         decoys: 0,
         version,
+        karpenter_crds: Some(common::e2e::real_crds(version)),
         concurrency: 8,
         settle_timeout: Duration::from_secs(30),
         ..WorldSpec::default()

@@ -51,6 +51,7 @@ fn small_spec(prefix: &str) -> WorldSpec {
         decoys: 1,
         concurrency: 8,
         settle_timeout: Duration::from_secs(20),
+        karpenter_crds: Some(common::e2e::real_crds(KarpenterVersion::V1_14)),
         ..WorldSpec::default()
     }
 }
@@ -219,6 +220,7 @@ async fn karpenter_1_0_worlds_use_the_old_tags_paths_and_crds() {
     let b = bed().await;
     let spec = WorldSpec {
         version: KarpenterVersion::V1_0,
+        karpenter_crds: Some(common::e2e::real_crds(KarpenterVersion::V1_0)),
         nodes: 1,
         node_pools: 1,
         node_classes: 1,
@@ -457,6 +459,36 @@ async fn a_strict_pdb_blocks_the_drain_until_it_is_relaxed() {
     })
     .await;
     assert!(ctl.stats().pods_evicted >= 1);
+    ctl.shutdown().await;
+    cleanup(b, &world, &[]).await;
+}
+
+/// Like the static provisioning controller (Karpenter ≥ 1.8), the simulator keeps a static
+/// NodePool at `spec.replicas`: a NodeClaim deleted under it is replaced, unless `limits.nodes`
+/// forbids it.
+#[tokio::test]
+async fn a_static_pool_is_kept_at_its_replicas_within_limits_nodes() {
+    let b = bed().await;
+    let spec = WorldSpec { nodes: 2, node_pools: 1, node_classes: 1, static_pool: true, ..small_spec("sim-static") };
+    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    claims(&b.client).delete(&world.nodes[0].nodeclaim, &DeleteParams::default()).await.unwrap();
+    eventually("a replacement NodeClaim", Duration::from_secs(60), || async { ctl.stats().nodeclaims_launched >= 1 })
+        .await;
+    let pools = Api::<DynamicObject>::all_with(b.client.clone(), &objects::nodepool_resource());
+    let pool = &world.node_pools[0];
+    pools
+        .patch(pool, &PatchParams::default(), &Patch::Merge(json!({"spec": {"limits": {"nodes": "0"}}})))
+        .await
+        .unwrap();
+    let launched = ctl.stats().nodeclaims_launched;
+    claims(&b.client).delete(&world.nodes[1].nodeclaim, &DeleteParams::default()).await.unwrap();
+    eventually("the deleted claim is gone", Duration::from_secs(60), || async {
+        claims(&b.client).get_opt(&world.nodes[1].nodeclaim).await.unwrap().is_none()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(ctl.stats().nodeclaims_launched, launched, "limits.nodes 0 stops the static provisioner");
     ctl.shutdown().await;
     cleanup(b, &world, &[]).await;
 }

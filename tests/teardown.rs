@@ -5,27 +5,32 @@ mod common;
 
 use std::time::Duration;
 
-use common::e2e::{REGION, assert_torn_down, bed, scale_controller, spec, states, teardown, untouchable_nodes};
+use common::e2e::{Bed, REGION, assert_torn_down, bed, scale_controller, spec, states, teardown, untouchable_nodes};
 use karpenter_teardown::aws::InstanceState;
-use karpenter_teardown::sandbox::sim::{SimController, SimSettings, WorldSpec, generate};
+use karpenter_teardown::sandbox::sim::{SimController, SimSettings, World, WorldSpec, generate};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn default_plan_tears_down_a_generated_cluster_with_a_live_controller() {
-    let s = spec("e2e-default", 20);
+/// Generates `s`, starts the simulated controller on it, and tears it down with `--yes`: the run
+/// must end clean with every end-state check passed and no capacity launched meanwhile.
+async fn torn_down_with_a_live_controller(s: &WorldSpec) -> (Bed, World, SimController) {
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(s, &b.client, &b.aws).await.unwrap();
     let sim = SimController::start(
         b.client.clone(),
         b.aws.clone(),
         SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
     );
     let before = untouchable_nodes(&b.client, &world).await;
-
     let run = teardown(&b, &world.cluster, &["--yes"]).await;
     assert_eq!(run.code, 0, "stdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
     assert_eq!(run.report["outcome"], "clean");
     assert_torn_down(&b, &world, &before).await;
     assert_eq!(sim.stats().nodeclaims_launched, 0, "the fence kept Karpenter from launching replacements");
+    (b, world, sim)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_plan_tears_down_a_generated_cluster_with_a_live_controller() {
+    let (b, world, sim) = torn_down_with_a_live_controller(&spec("e2e-default", 20)).await;
     // issue 15.5: a live Karpenter removes karpenter.sh/disrupted from nodes it is not disrupting
     // itself; a tool that writes that taint fights it on every node
     assert_eq!(sim.stats().disrupted_taints_removed, 0, "the tool wrote a taint the live controller owns");
@@ -137,5 +142,16 @@ async fn a_govcloud_cluster_is_torn_down_from_its_arn_context() {
     let left = states(&aws, &world.karpenter_instance_ids()).await;
     assert!(left.values().all(|st| *st == InstanceState::Terminated), "{left:?}");
     assert!(aws.iam.cluster_instance_profiles(GOV, &world.cluster).await.unwrap().is_empty());
+    b.server.shutdown().await;
+}
+
+/// Issue 15.4: a static NodePool (Karpenter ≥ 1.8, `spec.replicas`) under the real CRD's CEL
+/// rules, with a live controller that keeps static pools at their replicas. The fence writes
+/// `limits.nodes` (the only limit a static pool may have; the old `limits.cpu` fence got 422 and
+/// failed the run), so the controller launches no replacement while the tool takes the nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_nodepool_is_fenced_on_nodes_and_torn_down_with_a_live_controller() {
+    let (b, _, sim) = torn_down_with_a_live_controller(&WorldSpec { static_pool: true, ..spec("e2e-static", 6) }).await;
+    sim.shutdown().await;
     b.server.shutdown().await;
 }

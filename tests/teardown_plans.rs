@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::e2e::{
-    Bed, REGION, Run, assert_torn_down, bed, bed_with, count, scale_controller, spec, states, teardown,
+    Bed, REGION, Run, assert_torn_down, bed, bed_with, count, real_crds, scale_controller, spec, states, teardown,
     untouchable_nodes,
 };
 use k8s_openapi::api::core::v1::Pod;
@@ -227,19 +227,6 @@ async fn with_the_cordon_step_every_pod_is_evicted_exactly_once() {
 
 /// Installs Karpenter 1.0.14's own CRDs (served v1 and v1beta1, conversion through the
 /// controller's webhook) before the generator, which keeps CRDs that exist.
-async fn install_real_v1_0_crds(client: &kube::Client) {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let dir = PathBuf::from(format!("{MANIFEST}/../shared/karpenter/crds-v1.0.14"));
-    let mut n = 0;
-    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-        let path = entry.unwrap().path();
-        let crd: CustomResourceDefinition = serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        api.create(&PostParams::default(), &crd).await.unwrap();
-        n += 1;
-    }
-    assert_eq!(n, 3);
-}
-
 fn karpenter_resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
 }
@@ -279,9 +266,12 @@ async fn wait_controller_pods_gone(client: &kube::Client) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn karpenter_1_0_default_plan_leaves_nothing_unreachable() {
-    let s = karpenter_teardown::sandbox::sim::WorldSpec { version: KarpenterVersion::V1_0, ..spec("plans-v10", 5) };
+    let s = karpenter_teardown::sandbox::sim::WorldSpec {
+        version: KarpenterVersion::V1_0,
+        karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
+        ..spec("plans-v10", 5)
+    };
     let b = bed(&s.cluster).await;
-    install_real_v1_0_crds(&b.client).await;
     let world = generate(&s, &b.client, &b.aws).await.unwrap();
     assert_eq!(conversion_strategies(&b.client).await, ["Webhook"; 3]);
     let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
@@ -311,13 +301,13 @@ async fn karpenter_1_0_default_plan_leaves_nothing_unreachable() {
 async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
     let s = karpenter_teardown::sandbox::sim::WorldSpec {
         version: KarpenterVersion::V1_0,
+        karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
         node_pools: 1,
         node_classes: 1,
         decoys: 0,
         ..spec("plans-conv", 1)
     };
     let b = bed(&s.cluster).await;
-    install_real_v1_0_crds(&b.client).await;
     let world = generate(&s, &b.client, &b.aws).await.unwrap();
     let v1beta1 = Api::<DynamicObject>::all_with(
         b.client.clone(),

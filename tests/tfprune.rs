@@ -58,7 +58,7 @@ fn state_rm_lines(stdout: &str) -> Vec<&str> {
 async fn cluster(dir: &Path) -> (ApiServer, PathBuf) {
     let server = ApiServer::start(ServerOptions::default()).await.unwrap();
     let client = Client::try_from(server.kube_config()).unwrap();
-    install_crds(&client, KarpenterVersion::V1_14).await.unwrap();
+    install_crds(&client, KarpenterVersion::V1_14, None).await.unwrap();
     let nodes: Api<Node> = Api::all(client.clone());
     let node: Node = serde_json::from_value(json!({"metadata": {"name": "node-live"}})).unwrap();
     nodes.create(&PostParams::default(), &node).await.unwrap();

@@ -111,7 +111,8 @@ async fn pause(ctx: &Ctx, d: Duration) -> bool {
 // ---------------------------------------------------------------- fence
 
 /// NodePool limits to zero and disruption budgets to zero nodes, originals kept in an
-/// annotation; a NodePool already fenced is left alone.
+/// annotation; a NodePool already fenced is left alone. Static NodePools are fenced on
+/// `limits.nodes` only (see [`karpenter::fence_limits`]); their `replicas` stay as they are.
 pub async fn fence(ctx: &Ctx) -> TaskOutcome {
     let ar = k8s::nodepool_resource();
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
@@ -133,13 +134,7 @@ pub async fn fence(ctx: &Ctx) -> TaskOutcome {
             }
             let limits = current.data.pointer("/spec/limits").cloned().unwrap_or(Value::Null);
             let budgets = current.data.pointer("/spec/disruption/budgets").cloned().unwrap_or(Value::Null);
-            let mut zero: serde_json::Map<String, Value> = serde_json::Map::new();
-            if let Some(m) = limits.as_object() {
-                for k in m.keys() {
-                    zero.insert(k.clone(), json!("0"));
-                }
-            }
-            zero.insert("cpu".into(), json!("0"));
+            let zero = karpenter::fence_limits(&current.data["spec"]);
             let original = json!({"limits": limits, "budgets": budgets}).to_string();
             let patch = json!({
                 "metadata": {

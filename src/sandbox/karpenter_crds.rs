@@ -1,5 +1,8 @@
-//! Karpenter's CustomResourceDefinitions, written by us with the parts the sandbox and kubectl
-//! use: names, scope, the status subresource and printer columns. Schemas are permissive.
+//! Karpenter's CustomResourceDefinitions: written by us with the parts the sandbox and kubectl
+//! use (names, scope, the status subresource and printer columns, permissive schemas), or read
+//! from Karpenter's own CRD files, whose schemas (defaults and CEL rules) the sandbox API server
+//! then applies to every write. The tests use the real files (`../shared/karpenter/crds-v*`);
+//! they are another project's files and are never copied into this repository.
 
 use serde_json::{Value, json};
 
@@ -113,4 +116,33 @@ pub fn karpenter_crds(conversion_webhook: bool) -> Vec<Value> {
             conversion_webhook,
         ),
     ]
+}
+
+/// A directory of Karpenter's CRD files that could not be used.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "cannot use Karpenter's CRDs from {dir}: {reason}; point at a directory holding karpenter.sh_nodepools.yaml, karpenter.sh_nodeclaims.yaml and karpenter.k8s.aws_ec2nodeclasses.yaml"
+)]
+pub struct CrdFilesError {
+    /// The directory.
+    pub dir: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+/// Karpenter's own NodePool, NodeClaim and EC2NodeClass CRDs, read from the release's files in
+/// `dir` (as `kubectl apply -f` would send them).
+pub fn karpenter_crds_from(dir: &std::path::Path) -> Result<Vec<Value>, CrdFilesError> {
+    let bad = |reason: String| CrdFilesError { dir: dir.display().to_string(), reason };
+    ["karpenter.sh_nodepools.yaml", "karpenter.sh_nodeclaims.yaml", "karpenter.k8s.aws_ec2nodeclasses.yaml"]
+        .iter()
+        .map(|f| {
+            let text = std::fs::read_to_string(dir.join(f)).map_err(|e| bad(format!("{f}: {e}")))?;
+            let crd: Value = serde_yaml::from_str(&text).map_err(|e| bad(format!("{f}: {e}")))?;
+            if crd["kind"] != "CustomResourceDefinition" {
+                return Err(bad(format!("{f} is not a CustomResourceDefinition")));
+            }
+            Ok(crd)
+        })
+        .collect()
 }

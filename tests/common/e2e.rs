@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Node;
 use karpenter_teardown::aws::{AwsClients, InstanceState};
 use karpenter_teardown::k8s;
 use karpenter_teardown::sandbox::apiserver::authz::Rbac;
-use karpenter_teardown::sandbox::sim::{World, WorldSpec, naming};
+use karpenter_teardown::sandbox::sim::{KarpenterVersion, World, WorldSpec, naming};
 use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::Client;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
@@ -54,9 +54,27 @@ pub async fn bed_with(cluster: &str, mut opts: ServerOptions) -> Bed {
     Bed { server, client, aws, dir, kubeconfig }
 }
 
-/// A small world: 3 pools, 2 classes, 2 pods per node, managed nodes, a control-plane node, decoys.
+/// Karpenter's own CRD files of a release, from `../shared` beside the repository (another
+/// project's files: loaded from there, never copied in).
+pub fn real_crds(version: KarpenterVersion) -> PathBuf {
+    let dir = match version {
+        KarpenterVersion::V1_0 => "crds-v1.0.14",
+        KarpenterVersion::V1_14 => "crds-v1.14.1",
+    };
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/karpenter").join(dir);
+    assert!(
+        path.is_dir(),
+        "Karpenter's CRDs are not at {}: the test bed needs ../shared beside the repository",
+        path.display()
+    );
+    path
+}
+
+/// A small world: 3 pools, 2 classes, 2 pods per node, managed nodes, a control-plane node, decoys,
+/// on Karpenter's real CRDs (their defaults and CEL rules hold, as on a real cluster).
 pub fn spec(prefix: &str, nodes: usize) -> WorldSpec {
     WorldSpec {
+        karpenter_crds: Some(real_crds(KarpenterVersion::default())),
         cluster: super::unique_cluster(prefix),
         nodes,
         node_pools: 3,

@@ -11,6 +11,7 @@ mod kinds;
 mod openapi;
 mod patch;
 mod scale;
+pub mod schema;
 mod select;
 mod status;
 mod store;

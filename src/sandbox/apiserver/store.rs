@@ -12,6 +12,7 @@ use tokio::sync::broadcast;
 
 use super::kinds::{Registry, ResourceInfo};
 use super::patch::{self, PatchType, WriteRecord};
+use super::schema;
 use super::select::{FieldSelector, LabelSelector};
 use super::status::ApiError;
 
@@ -711,6 +712,7 @@ impl Inner {
             }
         }
         prepare_create(&info, &mut obj);
+        self.admit_custom(&info, &name, &mut obj, None)?;
         if *gr == crd_gr() {
             let registered = self.registry.register_crd(&obj)?;
             let mut f = finalizers(&obj);
@@ -846,6 +848,7 @@ impl Inner {
                 ));
             }
         }
+        self.admit_custom(&info, name, &mut obj, Some(&old))?;
         if *gr == crd_gr() {
             let registered = self.registry.register_crd(&obj)?;
             let mut st = crd_status(&obj, &registered);
@@ -882,6 +885,46 @@ impl Inner {
             return Ok(self.after_deleting_write(&key).unwrap_or(out));
         }
         Ok(out)
+    }
+
+    /// A custom resource's write, as the real server admits it: its CRD's schema defaults, then
+    /// its CEL rules (transition rules against `old`); a failed rule is a 422 naming the field
+    /// and the rule's message.
+    fn admit_custom(
+        &self,
+        info: &ResourceInfo,
+        name: &str,
+        obj: &mut Value,
+        old: Option<&Value>,
+    ) -> Result<(), ApiError> {
+        if info.builtin {
+            return Ok(());
+        }
+        let Some(crd) = self.find(&crd_gr(), "", &format!("{}.{}", info.resource, info.group)) else {
+            return Ok(());
+        };
+        let version = obj["apiVersion"].as_str().and_then(|v| v.rsplit('/').next()).unwrap_or_default().to_string();
+        let Some(schema) = schema::schema_of(crd, &version) else {
+            return Ok(());
+        };
+        schema::apply_defaults(schema, obj);
+        let violations = schema::validate(schema, obj, old);
+        let Some(first) = violations.first() else {
+            return Ok(());
+        };
+        // kube-apiserver's wording: `<field>: Invalid value: "object": <message>` per rule
+        let detail = violations.iter().enumerate().map(|(i, v)| {
+            let field = if i == 0 { String::new() } else { format!("{}: ", v.field) };
+            format!("{field}Invalid value: \"object\": {}", v.message)
+        });
+        Err(ApiError::invalid(
+            &info.group,
+            &info.kind,
+            name,
+            &first.field,
+            "FieldValueInvalid",
+            &detail.collect::<Vec<_>>().join(", "),
+        ))
     }
 
     /// After a write to an object under deletion: remove it when no finalizer and no grace

@@ -873,6 +873,8 @@ struct Candidate {
     /// Nodes its limits still allow (`None`: unlimited), less what this pass planned.
     room: Option<u64>,
     weight: i64,
+    /// A static pool: the NodeClaims it is short of `spec.replicas` (it takes no pending pods).
+    static_deficit: Option<u64>,
 }
 
 fn pod_fits_labels(pod: &Pod, labels: &BTreeMap<String, String>, taints: &[serde_json::Value]) -> bool {
@@ -920,6 +922,10 @@ fn candidates(ctx: &Ctx) -> Vec<Candidate> {
         }
         let name = pool.name_any();
         let existing = claims.iter().filter(|c| objects::claim_pool(c) == Some(name.as_str())).count() as u64;
+        // like the static provisioning controller: NodeClaims being deleted do not count as running
+        let running =
+            claims.iter().filter(|c| objects::claim_pool(c) == Some(name.as_str()) && !is_deleting(c.as_ref())).count()
+                as u64;
         let mut labels: BTreeMap<String, String> = pool.data["spec"]["template"]["metadata"]["labels"]
             .as_object()
             .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
@@ -943,6 +949,7 @@ fn candidates(ctx: &Ctx) -> Vec<Candidate> {
             taints: pool.data["spec"]["template"]["spec"]["taints"].as_array().cloned().unwrap_or_default(),
             room: objects::nodes_allowed_by_limits(&pool, existing),
             weight: pool.data["spec"]["weight"].as_i64().unwrap_or(0),
+            static_deficit: objects::static_replicas(&pool).map(|r| r.saturating_sub(running)),
         });
     }
     out.sort_by(|a, b| b.weight.cmp(&a.weight).then_with(|| a.name.cmp(&b.name)));
@@ -1035,13 +1042,25 @@ async fn provision(ctx: &Ctx, state: &mut State) {
             p.1 -= 1;
             continue;
         }
-        let Some(i) = cands.iter().position(|c| c.room != Some(0) && pod_fits_labels(pod, &c.labels, &c.taints)) else {
+        // static pools take no pending pods: Karpenter provisions them to their replicas only
+        let Some(i) = cands.iter().position(|c| {
+            c.static_deficit.is_none() && c.room != Some(0) && pod_fits_labels(pod, &c.labels, &c.taints)
+        }) else {
             continue;
         };
         if let Some(r) = cands[i].room.as_mut() {
             *r -= 1;
         }
         planned.push((i, ctx.settings.pods_per_node.saturating_sub(1)));
+    }
+    // Static pools (the static provisioning controller): up to `replicas`, within `limits.nodes`.
+    for (i, c) in cands.iter_mut().enumerate() {
+        let Some(deficit) = c.static_deficit else { continue };
+        let n = c.room.map_or(deficit, |r| r.min(deficit));
+        if let Some(r) = c.room.as_mut() {
+            *r -= n;
+        }
+        planned.extend((0..n).map(|_| (i, ctx.settings.pods_per_node)));
     }
     if planned.is_empty() {
         return;

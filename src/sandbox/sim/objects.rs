@@ -350,6 +350,19 @@ pub fn parse_quantity(v: &Value) -> Option<f64> {
     Some(n * mult)
 }
 
+/// A static NodePool (Karpenter ≥ 1.8): Karpenter keeps `replicas` NodeClaims of it, whatever
+/// the pods need; no weight and no limits but `nodes` (the CRD's CEL rules).
+pub fn static_nodepool(name: &str, class: &str, replicas: u64) -> Value {
+    let mut pool = nodepool(name, class, None, None);
+    pool["spec"]["replicas"] = json!(replicas);
+    pool
+}
+
+/// `spec.replicas` of a static NodePool; `None` for a dynamic one.
+pub fn static_replicas(pool: &DynamicObject) -> Option<u64> {
+    pool.data["spec"]["replicas"].as_u64()
+}
+
 /// How many more nodes of the sandbox's one instance type a NodePool's `spec.limits` allow, given
 /// the NodeClaims it already has. `None` means unlimited.
 pub fn nodes_allowed_by_limits(pool: &DynamicObject, existing: u64) -> Option<u64> {

@@ -21,7 +21,7 @@ use super::ops;
 use super::{KarpenterVersion, SimError};
 use crate::aws::AwsClients;
 use crate::karpenter;
-use crate::sandbox::karpenter_crds::karpenter_crds;
+use crate::sandbox::karpenter_crds::{karpenter_crds, karpenter_crds_from};
 
 /// What to build. `Default` gives the design's reference cluster: 20 Karpenter nodes over 3
 /// NodePools and 2 EC2NodeClasses, 4 pods per node, a managed node group of 2, a control-plane
@@ -47,6 +47,9 @@ pub struct WorldSpec {
     pub replicas_per_workload: usize,
     /// Make the first workload's PDB strict (`minAvailable == replicas`): it blocks every eviction.
     pub strict_pdb: bool,
+    /// Make the last NodePool static (Karpenter ≥ 1.8): `spec.replicas` set to the nodes dealt to
+    /// it, no weight, limits only on `nodes` (the CRD's CEL rules refuse anything else).
+    pub static_pool: bool,
     /// Managed node group nodes (not Karpenter's), hosting the controller and CoreDNS.
     pub managed_nodes: usize,
     /// Give the first managed node the taint `dedicated=system:NoSchedule`.
@@ -82,6 +85,10 @@ pub struct WorldSpec {
     pub grace_periods: Vec<(i64, u32)>,
     /// Seed of the grace period draw: the same seed gives the same periods to the same workloads.
     pub grace_seed: u64,
+    /// A directory of Karpenter's own CRD files for the release (`karpenter.sh_nodepools.yaml`,
+    /// ...); `None` installs the sandbox's permissive CRDs. With the real files the API server
+    /// applies their schema defaults and CEL rules, as a real cluster does.
+    pub karpenter_crds: Option<std::path::PathBuf>,
 }
 
 impl Default for WorldSpec {
@@ -110,6 +117,8 @@ impl Default for WorldSpec {
             settle_timeout: Duration::from_secs(60),
             grace_periods: Vec::new(),
             grace_seed: 0,
+            karpenter_crds: None,
+            static_pool: false,
         }
     }
 }
@@ -311,7 +320,7 @@ pub(crate) fn ip_node_name(region: &str, base: u64, i: usize) -> String {
 pub async fn generate(spec: &WorldSpec, client: &Client, aws: &AwsClients) -> Result<World, SimError> {
     spec.validate()?;
     let conc = spec.concurrency.max(1);
-    install_crds(client, spec.version).await?;
+    install_crds(client, spec.version, spec.karpenter_crds.as_deref()).await?;
     let mut namespaces = vec![KARPENTER_NAMESPACE.to_string(), "default".to_string()];
     namespaces.extend(spec.namespaces());
     for ns in &namespaces {
@@ -381,10 +390,20 @@ pub async fn generate(spec: &WorldSpec, client: &Client, aws: &AwsClients) -> Re
     })
 }
 
-/// Creates (or keeps) the Karpenter CRDs of the release.
-pub async fn install_crds(client: &Client, version: KarpenterVersion) -> Result<(), SimError> {
+/// Creates (or keeps) the Karpenter CRDs of the release: Karpenter's own files from
+/// `real_crds` when given (their defaults and CEL rules then hold for every write), else the
+/// sandbox's permissive ones.
+pub async fn install_crds(
+    client: &Client,
+    version: KarpenterVersion,
+    real_crds: Option<&std::path::Path>,
+) -> Result<(), SimError> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for crd in karpenter_crds(version.has_conversion_webhook()) {
+    let crds = match real_crds {
+        Some(dir) => karpenter_crds_from(dir).map_err(|e| SimError::BadSpec(e.to_string()))?,
+        None => karpenter_crds(version.has_conversion_webhook()),
+    };
+    for crd in crds {
         let name = crd["metadata"]["name"].as_str().unwrap_or_default().to_string();
         let obj: CustomResourceDefinition = typed("CRD", crd)?;
         ops::create_or_get(&api, &obj).await.map_err(SimError::kube(format!("creating CRD {name}")))?;
@@ -483,8 +502,14 @@ async fn create_pools(spec: &WorldSpec, client: &Client) -> Result<Vec<(String, 
     for p in 0..spec.node_pools {
         let name = spec.pool_name(p);
         let class = spec.class_name(p % spec.node_classes);
-        let weight = (p == 0).then_some(10);
-        let obj: DynamicObject = typed("NodePool", objects::nodepool(&name, &class, spec.pool_cpu_limit, weight))?;
+        let is_static = spec.static_pool && p + 1 == spec.node_pools;
+        let body = if is_static {
+            let replicas = (0..spec.nodes).filter(|i| i % spec.node_pools == p).count();
+            objects::static_nodepool(&name, &class, replicas as u64)
+        } else {
+            objects::nodepool(&name, &class, spec.pool_cpu_limit, (p == 0).then_some(10))
+        };
+        let obj: DynamicObject = typed("NodePool", body)?;
         let created =
             ops::create_or_get(&api, &obj).await.map_err(SimError::kube(format!("creating NodePool {name}")))?;
         let uid =
