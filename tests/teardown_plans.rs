@@ -195,7 +195,7 @@ async fn with_the_fence_karpenter_launches_nothing_under_the_same_pressure() {
 /// concurrency below the node count on a large cluster).
 fn default_sequential() -> String {
     let text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
-    let drain = "after = [\"cordon\"]\ndescription = \"Cordon, taint and evict each Karpenter node, respecting \
+    let drain = "after = [\"cordon\"]\ndescription = \"Cordon each Karpenter node and evict its pods, respecting \
                  PodDisruptionBudgets.\"\n[step.params]\ndeadline = \"10m\"\non_deadline = \"fail\"\nconcurrency = 5000";
     assert!(text.contains(drain), "plans/default.toml changed: update this test");
     text.replacen(drain, &drain.replace("concurrency = 5000", "concurrency = 1"), 1)

@@ -33,7 +33,7 @@ pub enum Action {
     Fence,
     /// Cordon Karpenter nodes (all of them, or one per task) before any is drained.
     Cordon,
-    /// Cordon, taint and evict the pods of one Karpenter node.
+    /// Cordon one Karpenter node and evict its pods.
     Drain,
     /// Scale the Karpenter controller to zero and keep it there.
     RemoveController,
