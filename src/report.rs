@@ -212,7 +212,12 @@ impl Report {
             s.push_str(&format!("\n  {} {what}: {}", st.result, st.detail));
         }
         for b in &self.blockers {
-            s.push_str(&format!("\n  blocked by {} {}: {}", b.kind, b.name, b.reason));
+            if b.kind == "pod-goes-with-node" {
+                // it blocked nothing: it tolerates the fence and went with its node
+                s.push_str(&format!("\n  went with its node: pod {}: {}", b.name, b.reason));
+            } else {
+                s.push_str(&format!("\n  blocked by {} {}: {}", b.kind, b.name, b.reason));
+            }
         }
         for line in self.leftovers.describe() {
             s.push_str(&format!("\n  left: {line}"));

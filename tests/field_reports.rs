@@ -406,6 +406,8 @@ async fn pods_tolerating_everything_go_with_their_node() {
         "the report names the shipper pods:\n{}",
         run.dump()
     );
+    assert!(run.stdout.contains("went with its node: pod default/log-shipper-"), "{}", run.dump());
+    assert!(!run.stdout.contains("blocked by"), "a pod that went with its node blocked nothing:\n{}", run.dump());
     assert_torn_down(&b, &world, &before).await;
     b.server.shutdown().await;
 }
