@@ -360,7 +360,9 @@ async fn pods_tolerating_everything_go_with_their_node() {
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.aws).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
-    let pool = world.node_pools[0].clone();
+    // a pool of one node: each evicted replica comes straight back to the same cordoned node
+    let pool = world.node_pools[1].clone();
+    assert_eq!(world.nodes_of_pool(&pool).count(), 1, "the shipper's pool has one node");
     let shipper: Deployment = serde_json::from_value(json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "log-shipper", "namespace": "default"},
@@ -372,7 +374,10 @@ async fn pods_tolerating_everything_go_with_their_node() {
                 "spec": {
                     "nodeSelector": {"karpenter.sh/nodepool": pool},
                     "tolerations": [{"operator": "Exists"}],
-                    "terminationGracePeriodSeconds": 1,
+                    // long enough (0.6 s at the bed's time scale) for the ReplicaSet's
+                    // replacement to be bound before the evicted pod is gone, as on a real
+                    // cluster: the node is never empty, so a drain that evicts it never ends
+                    "terminationGracePeriodSeconds": 60,
                     "containers": [{"name": "shipper", "image": "fluent-bit"}]
                 }
             }
