@@ -48,8 +48,8 @@ impl Iam {
         AwsError::from_sdk("iam", op, &self.endpoint, e)
     }
 
-    /// The cluster's Karpenter instance profiles, each on evidence (design: README "Instance
-    /// profiles"): located where this cluster's Karpenter puts them
+    /// The cluster's Karpenter instance profiles, each on evidence (README, "What a run does",
+    /// verify): located where this cluster's Karpenter puts them
     /// ([`karpenter::instance_profile_location`]) and carrying every tag Karpenter's own IAM
     /// policy requires to delete one ([`karpenter::missing_instance_profile_tags`]), read with
     /// `ListInstanceProfileTags` because `ListInstanceProfiles` returns no tags. A candidate that
