@@ -212,10 +212,9 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         Ok(b) => b,
         Err(e) => return plain(StatusCode::BAD_REQUEST, format!("cannot read the request body: {e}")),
     };
-    let is_ec2 = String::from_utf8_lossy(&body).contains(EC2_API_VERSION)
-        || parts.uri.query().is_some_and(|q| q.contains(EC2_API_VERSION));
+    let text = String::from_utf8_lossy(&body);
+    let is_ec2 = text.contains(EC2_API_VERSION) || parts.uri.query().is_some_and(|q| q.contains(EC2_API_VERSION));
     if is_ec2 {
-        let text = String::from_utf8_lossy(&body);
         let denied = super::ec2limits::action_of(&text)
             .is_some_and(|a| shared.denied.lock().unwrap_or_else(|p| p.into_inner()).contains(&a));
         if denied {
