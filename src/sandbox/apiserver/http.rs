@@ -302,6 +302,11 @@ pub(crate) async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> R
         if parts.method != Method::POST {
             return error_response(&ApiError::method_not_allowed("selfsubjectaccessreviews only take create"));
         }
+        // like every other request here: JSON only (kubectl auth can-i sends protobuf)
+        let ct = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        if ct.contains("protobuf") {
+            return error_response(&ApiError::unsupported_media_type(ct));
+        }
         let body = match axum::body::to_bytes(body, 1 << 20).await {
             Ok(b) => b,
             Err(e) => return error_response(&ApiError::bad_request(format!("reading the body: {e}"))),
