@@ -64,6 +64,7 @@ pub enum Command {
     #[command(after_long_help = EXIT_CODES_HELP)]
     Verify(VerifyArgs),
     /// A simulated Karpenter cluster on this machine, for trying the tool and for tests.
+    #[cfg(feature = "sandbox")]
     #[command(subcommand)]
     Sandbox(SandboxCommand),
     /// Find Terraform state entries that point at cluster objects now gone (node taints, labels,
@@ -239,6 +240,7 @@ pub struct VerifyArgs {
 }
 
 /// `sandbox ...`.
+#[cfg(feature = "sandbox")]
 #[derive(Debug, Subcommand)]
 pub enum SandboxCommand {
     /// Serve an empty sandbox Kubernetes API server until interrupted.
@@ -252,6 +254,7 @@ pub enum SandboxCommand {
 }
 
 /// `sandbox up` / `sandbox demo`.
+#[cfg(feature = "sandbox")]
 #[derive(Debug, Args)]
 pub struct SandboxUpArgs {
     /// Cluster name (instance tags, kubeconfig context).
@@ -289,6 +292,7 @@ pub enum KarpenterVersionArg {
 }
 
 /// `sandbox serve`.
+#[cfg(feature = "sandbox")]
 #[derive(Debug, Args)]
 pub struct SandboxServeArgs {
     /// Port on 127.0.0.1 (0 picks a free one).

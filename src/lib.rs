@@ -17,6 +17,7 @@ pub mod logging;
 pub mod plan;
 pub mod progress;
 pub mod report;
+#[cfg(feature = "sandbox")]
 pub mod sandbox;
 pub mod tfprune;
 pub mod verify;

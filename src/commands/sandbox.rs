@@ -1,0 +1,188 @@
+//! `sandbox serve|up|demo`: the built-in sandbox (emulated API server, simulated Karpenter,
+//! LocalStack) from the command line. Built only with the `sandbox` feature (on by default); a
+//! lean build of the tool leaves it, and its HTTP server and CEL dependencies, out.
+
+use std::io::Write;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{fail, watch_signals};
+use crate::aws::AwsClients;
+use crate::cli::SandboxCommand;
+use crate::exit::Exit;
+
+/// Runs a `sandbox` subcommand.
+pub(super) async fn sandbox_command(cmd: SandboxCommand) -> Exit {
+    match cmd {
+        SandboxCommand::Serve(args) => {
+            let opts = crate::sandbox::ServerOptions { port: args.port, ..Default::default() };
+            let server = match crate::sandbox::ApiServer::start(opts).await {
+                Ok(s) => s,
+                Err(e) => return fail(&e.into()),
+            };
+            if let Err(e) = server.write_kubeconfig(&args.kubeconfig_out, &args.cluster) {
+                server.shutdown().await;
+                return fail(&e.into());
+            }
+            println!("{}", server.url());
+            println!("kubeconfig: {} (context {})", args.kubeconfig_out.display(), args.cluster);
+            let _ = std::io::stdout().flush();
+            let stop = CancellationToken::new();
+            let signals = watch_signals(stop.clone());
+            stop.cancelled().await;
+            signals.abort();
+            server.shutdown().await;
+            Exit::Clean
+        }
+        SandboxCommand::Up(args) => sandbox_up(&args, false).await,
+        SandboxCommand::Demo(args) => sandbox_up(&args, true).await,
+    }
+}
+
+/// The region the sandbox plays in.
+const SANDBOX_REGION: &str = "us-west-2";
+
+async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
+    use crate::sandbox::sim::{KarpenterVersion, SimController, SimSettings, WorldSpec, generate};
+    let version = match args.karpenter {
+        crate::cli::KarpenterVersionArg::V1_14 => KarpenterVersion::V1_14,
+        crate::cli::KarpenterVersionArg::V1_0 => KarpenterVersion::V1_0,
+    };
+    let aws = match crate::sandbox::localstack::clients(SANDBOX_REGION).await {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Exit::BadInput;
+        }
+    };
+    let opts = crate::sandbox::ServerOptions { port: args.port, time_scale: args.time_scale, ..Default::default() };
+    let server = match crate::sandbox::ApiServer::start(opts).await {
+        Ok(s) => s,
+        Err(e) => return fail(&e.into()),
+    };
+    let tmp = std::env::temp_dir().join(format!("karpenter-teardown-sandbox-{}.kubeconfig", std::process::id()));
+    let kubeconfig = args.kubeconfig_out.clone().unwrap_or(tmp);
+    if let Err(e) = server.write_kubeconfig(&kubeconfig, &args.cluster) {
+        server.shutdown().await;
+        return fail(&e.into());
+    }
+    let client = match kube::Client::try_from(server.kube_config()) {
+        Ok(c) => c,
+        Err(e) => {
+            server.shutdown().await;
+            eprintln!("error: cannot build a client for the sandbox: {e}");
+            return Exit::Failure;
+        }
+    };
+    let spec = WorldSpec {
+        cluster: args.cluster.clone(),
+        nodes: args.nodes,
+        pods_per_node: args.pods_per_node,
+        version,
+        ..WorldSpec::named(&args.cluster)
+    };
+    println!(
+        "sandbox: generating cluster {} ({} Karpenter nodes, Karpenter {})...",
+        spec.cluster,
+        spec.nodes,
+        version.as_str()
+    );
+    let world = match generate(&spec, &client, &aws).await {
+        Ok(w) => w,
+        Err(e) => {
+            server.shutdown().await;
+            eprintln!("error: cannot generate the sandbox cluster: {e}");
+            return Exit::Failure;
+        }
+    };
+    let sim = SimController::start(
+        client.clone(),
+        aws.clone(),
+        SimSettings { version, time_scale: args.time_scale, ..SimSettings::new(&world.cluster, SANDBOX_REGION) },
+    );
+    println!("sandbox: API server {} ; kubeconfig {} (context {})", server.url(), kubeconfig.display(), args.cluster);
+    let exit = if demo {
+        sandbox_demo(&kubeconfig, &world, &aws).await
+    } else {
+        println!("sandbox: serving until interrupted (Ctrl-C)");
+        let _ = std::io::stdout().flush();
+        let stop = CancellationToken::new();
+        let signals = watch_signals(stop.clone());
+        stop.cancelled().await;
+        signals.abort();
+        Exit::Clean
+    };
+    sim.shutdown().await;
+    server.shutdown().await;
+    if args.kubeconfig_out.is_none() {
+        let _ = std::fs::remove_file(&kubeconfig);
+    }
+    exit
+}
+
+/// Runs this very binary against the sandbox, as a user would, and shows what is left.
+async fn sandbox_demo(kubeconfig: &std::path::Path, world: &crate::sandbox::sim::World, aws: &AwsClients) -> Exit {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("error: cannot find this program's own path to run the teardown: {e}");
+            return Exit::Failure;
+        }
+    };
+    let report = kubeconfig.with_extension("report.json");
+    println!(
+        "sandbox: $ karpenter-teardown run --cluster {} --region {SANDBOX_REGION} --kubeconfig {} --yes --report {}",
+        world.cluster,
+        kubeconfig.display(),
+        report.display()
+    );
+    let _ = std::io::stdout().flush();
+    let status = tokio::process::Command::new(exe)
+        .args(["run", "--cluster", &world.cluster, "--region", SANDBOX_REGION, "--yes", "--kubeconfig"])
+        .envs(crate::sandbox::localstack::child_env(SANDBOX_REGION))
+        .arg(kubeconfig)
+        .arg("--report")
+        .arg(&report)
+        .kill_on_drop(true)
+        .status()
+        .await;
+    let code = match status {
+        Ok(s) => s.code().unwrap_or(1),
+        Err(e) => {
+            eprintln!("error: cannot run the teardown: {e}");
+            return Exit::Failure;
+        }
+    };
+    if let Ok(text) = std::fs::read_to_string(&report) {
+        println!("sandbox: the report ({}):\n{text}", report.display());
+    }
+    let mut ids = world.karpenter_instance_ids();
+    let managed = world.managed_instance_ids();
+    ids.extend(managed.iter().cloned());
+    ids.extend(world.decoy_instances.iter().cloned());
+    match aws.ec2.instances_by_id(&ids).await {
+        Ok(found) => {
+            println!("sandbox: instances in LocalStack after the teardown:");
+            for i in found {
+                let role = if managed.contains(&i.id) {
+                    "managed node group (must survive)"
+                } else if world.decoy_instances.contains(&i.id) {
+                    "other cluster's decoy (must survive)"
+                } else {
+                    "Karpenter (must be terminated)"
+                };
+                println!("  {:<22} {:<14} {role}", i.id, format!("{:?}", i.state).to_lowercase());
+            }
+        }
+        Err(e) => eprintln!("warning: cannot list the instances: {e}"),
+    }
+    match code {
+        0 => Exit::Clean,
+        2 => Exit::BadInput,
+        3 => Exit::Refused,
+        4 => Exit::Leftovers,
+        5 => Exit::Blocked,
+        130 => Exit::Interrupted,
+        _ => Exit::Failure,
+    }
+}
