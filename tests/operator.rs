@@ -123,6 +123,36 @@ fn schema_errors(report: &Value) -> Vec<String> {
     errs
 }
 
+/// A report the tool itself serialises, with every kind of leftover and `would_reclaim`, is valid
+/// against the shipped schema (a field added to a leftover type must be added to the schema too).
+#[test]
+fn a_report_with_every_kind_of_leftover_matches_the_schema() {
+    use karpenter_teardown::aws::InstanceProfileInfo;
+    use karpenter_teardown::aws::ec2::{DetachedResource, LaunchTemplateInfo};
+    use karpenter_teardown::exit::Exit;
+    use karpenter_teardown::karpenter::ProfileEvidence;
+    use karpenter_teardown::report::Report;
+    let (mut report, started) = Report::start("verify", "c", "us-west-2", "");
+    report.leftovers.launch_templates = vec![LaunchTemplateInfo {
+        id: "lt-1".into(),
+        name: "karpenter.k8s.aws/1".into(),
+        nodeclass: Some("default".into()),
+    }];
+    report.leftovers.instance_profiles = vec![InstanceProfileInfo {
+        name: "c_123".into(),
+        path: "/".into(),
+        roles: vec!["KarpenterNodeRole-c".into()],
+        evidence: ProfileEvidence::LegacyName,
+        nodeclass: "default".into(),
+    }];
+    report.leftovers.network_interfaces = vec![DetachedResource { id: "eni-1".into(), status: "available".into() }];
+    report.leftovers.objects = vec!["NodeClaim/x".into()];
+    report.would_reclaim = report.leftovers.reclaimable();
+    report.finish(started, Exit::Leftovers, false);
+    let v = serde_json::to_value(&report).unwrap();
+    assert_eq!(schema_errors(&v), Vec::<String>::new(), "{v:#}");
+}
+
 #[test]
 fn the_validator_rejects_what_the_schema_forbids() {
     let good = json!({
