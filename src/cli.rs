@@ -190,6 +190,17 @@ pub struct RunArgs {
     /// Refuse (exit 3) when the run would act on more Karpenter nodes than this.
     #[arg(long, env = "KARPENTER_TEARDOWN_MAX_NODES", value_name = "N")]
     pub max_nodes: Option<u32>,
+
+    /// Suspend the Argo CD Applications and Flux Kustomizations/HelmReleases that apply the
+    /// NodePools, EC2NodeClasses or the Karpenter controller (and their parents) before the
+    /// fence; they are never resumed. Without it, a run that finds an active owner refuses (exit 3).
+    #[arg(long, env = "KARPENTER_TEARDOWN_PAUSE_GITOPS")]
+    pub pause_gitops: bool,
+
+    /// The GitOps owners outside this cluster (an Argo CD in a management cluster, a field
+    /// manager no owner here accounts for) are paused: go on. Without it such objects refuse the run.
+    #[arg(long, env = "KARPENTER_TEARDOWN_GITOPS_PAUSED_ELSEWHERE")]
+    pub gitops_paused_elsewhere: bool,
 }
 
 /// `--on-drain-deadline`.

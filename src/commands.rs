@@ -285,6 +285,7 @@ async fn run_command(args: &RunArgs) -> Exit {
             drain: DrainOverrides { deadline: config.drain_deadline, policy: config.on_drain_deadline },
             max_nodes: config.max_nodes,
             reclaim: target.reclaim,
+            gitops: config.gitops,
         };
         let cancel = CancellationToken::new();
         let signals = watch_signals(cancel.clone());
@@ -317,6 +318,7 @@ async fn run_command(args: &RunArgs) -> Exit {
             report.leftovers = r.leftovers;
             report.reclaimed = r.reclaimed;
             report.error = r.error;
+            report.gitops = r.gitops;
             r.exit
         }
         Err(e) => {

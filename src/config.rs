@@ -130,6 +130,8 @@ pub struct RunConfig {
     pub on_drain_deadline: Option<DrainPolicy>,
     /// Blast-radius limit.
     pub max_nodes: Option<u32>,
+    /// What may be done about GitOps owners of the Karpenter objects.
+    pub gitops: crate::gitops::GitopsConsent,
 }
 
 impl Target {
@@ -174,6 +176,7 @@ impl RunConfig {
             drain_deadline,
             on_drain_deadline: a.on_drain_deadline.map(Into::into),
             max_nodes: a.max_nodes,
+            gitops: crate::gitops::GitopsConsent { pause: a.pause_gitops, paused_elsewhere: a.gitops_paused_elsewhere },
         })
     }
 }

@@ -11,6 +11,7 @@ pub mod commands;
 pub mod config;
 pub mod engine;
 pub mod exit;
+pub mod gitops;
 pub mod k8s;
 pub mod karpenter;
 pub mod logging;

@@ -9,6 +9,7 @@ use std::time::SystemTime;
 use serde::Serialize;
 
 use crate::exit::Exit;
+use crate::gitops::Survey;
 use crate::verify::Leftovers;
 
 /// Version of the report schema; bumped on any incompatible change.
@@ -121,6 +122,9 @@ pub struct Report {
     /// API calls made, by `service:verb` (e.g. `kubernetes:patch`, `ec2:TerminateInstances`); AWS
     /// keys are the IAM actions the calls need.
     pub api_calls: BTreeMap<String, u64>,
+    /// The GitOps owners (Argo CD, Flux) of the Karpenter objects and what the run did with them.
+    #[serde(skip_serializing_if = "Survey::is_empty")]
+    pub gitops: Survey,
     /// The error, when the outcome is `failed` or `refused`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -150,6 +154,7 @@ impl Report {
                 reclaimed: Vec::new(),
                 would_reclaim: Vec::new(),
                 api_calls: BTreeMap::new(),
+                gitops: Survey::default(),
                 error: None,
             },
             now,
@@ -218,6 +223,10 @@ impl Report {
             } else {
                 s.push_str(&format!("\n  blocked by {} {}: {}", b.kind, b.name, b.reason));
             }
+        }
+        for f in &self.gitops.owners {
+            let done = if f.paused_by_run { "paused (not resumed)" } else if f.state.is_active() { "active" } else { "left paused" };
+            s.push_str(&format!("\n  gitops: {}: {done}", f.owner));
         }
         for line in self.leftovers.describe() {
             s.push_str(&format!("\n  left: {line}"));

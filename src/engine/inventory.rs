@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams};
 use kube::core::DynamicObject;
 
+use crate::gitops;
 use crate::k8s::{self, KubeError};
 use crate::karpenter::{self, ProviderId};
 use crate::plan::ObjectSets;
@@ -40,6 +41,8 @@ pub struct Controller {
     pub replicas: i32,
     /// The cluster name it is configured for (env CLUSTER_NAME), identity evidence.
     pub cluster_name: Option<String>,
+    /// What its metadata says about who applies it (a GitOps owner scales it back up).
+    pub tracked: gitops::Tracked,
 }
 
 /// Everything of Karpenter in the cluster.
@@ -56,6 +59,8 @@ pub struct Inventory {
     /// Instance profiles named by an EC2NodeClass's `spec.instanceProfile`: the user's, which
     /// Karpenter never deletes and the tool never reports or deletes.
     pub user_instance_profiles: BTreeSet<String>,
+    /// The NodePools and EC2NodeClasses with the metadata that names their GitOps owners.
+    pub tracked: Vec<gitops::Tracked>,
 }
 
 impl Inventory {
@@ -150,7 +155,13 @@ impl Inventory {
                 }
             }
         }
+        let tracked = pools
+            .iter()
+            .map(|p| tracked(karpenter::KARPENTER_GROUP, "NodePool", p))
+            .chain(classes.iter().map(|c| tracked(karpenter::AWS_GROUP, "EC2NodeClass", c)))
+            .collect();
         Ok(Inventory {
+            tracked,
             machines,
             nodepools: names(&pools),
             nodeclasses: names(&classes),
@@ -161,6 +172,13 @@ impl Inventory {
                 .collect(),
             controller: find_controller(client).await?,
         })
+    }
+
+    /// Every object whose GitOps owners matter: the pools, the classes and the controller.
+    pub fn gitops_subjects(&self) -> Vec<gitops::Tracked> {
+        let mut out = self.tracked.clone();
+        out.extend(self.controller.as_ref().map(|c| c.tracked.clone()));
+        out
     }
 
     /// The object sets a plan expands over.
@@ -192,6 +210,11 @@ impl Inventory {
         out.extend(self.nodeclasses.iter().map(|c| format!("EC2NodeClass/{c}")));
         out
     }
+}
+
+fn tracked(group: &str, kind: &str, obj: &DynamicObject) -> gitops::Tracked {
+    // serialising an object just read cannot fail; Null would only lose the owner evidence
+    gitops::Tracked::from_json(group, kind, &serde_json::to_value(obj).unwrap_or_default())
 }
 
 fn names(objs: &[DynamicObject]) -> Vec<String> {
@@ -244,6 +267,11 @@ pub async fn find_controller(client: &kube::Client) -> Result<Option<Controller>
                 name: d.metadata.name.clone().unwrap_or_default(),
                 replicas: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
                 cluster_name,
+                tracked: gitops::Tracked::from_json(
+                    "apps",
+                    "Deployment",
+                    &serde_json::to_value(d).unwrap_or_default(),
+                ),
             }
         })
         .collect();

@@ -27,6 +27,7 @@ use self::inventory::Inventory;
 use crate::aws::AwsClients;
 use crate::config::DrainPolicy;
 use crate::exit::Exit;
+use crate::gitops::{GitopsConsent, Survey};
 use crate::k8s::Kube;
 use crate::plan::{Action, Plan, ReadyTracker, TaskGraph, TaskId, TaskNode};
 use crate::report::{Blocker, StepRecord, rfc3339};
@@ -51,6 +52,8 @@ pub struct RunSettings {
     pub max_nodes: Option<u32>,
     /// `--reclaim`.
     pub reclaim: bool,
+    /// `--pause-gitops`, `--gitops-paused-elsewhere`.
+    pub gitops: GitopsConsent,
 }
 
 /// What a run produced, for the report and the exit code.
@@ -70,11 +73,14 @@ pub struct RunResult {
     pub error: Option<String>,
     /// The concrete plan, for a dry run (and the log of a real one).
     pub plan_text: String,
+    /// The GitOps owners of the Karpenter objects, and what the run did with them.
+    pub gitops: Survey,
 }
 
 impl RunResult {
     fn early(exit: Exit, error: String, plan_text: String) -> RunResult {
         RunResult {
+            gitops: Survey::default(),
             exit,
             steps: Vec::new(),
             blockers: Vec::new(),
@@ -96,7 +102,7 @@ async fn check_permissions(
     plan_text: &str,
 ) -> Result<(), RunResult> {
     let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
-    let k8s_need = permissions::kubernetes_needs(&settings.plan, delete_pods);
+    let k8s_need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
     let fail = |e: String| RunResult::early(Exit::Failure, e, plan_text.to_string());
     let k8s_missing = match permissions::missing_kubernetes(&kube.client, &k8s_need).await {
         Ok(m) => m.unwrap_or_default(),
@@ -203,9 +209,21 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
         );
     }
     let graph = settings.plan.expand(&inv.object_sets());
-    let plan_text = describe_plan(&graph, &inv, &evidence);
+    let mut plan_text = describe_plan(&graph, &inv, &evidence);
     if let Err(early) = check_permissions(&kube, &aws, &settings, &inv, &plan_text).await {
         return early;
+    }
+    let owners = match crate::k8s::retry_transient(|| crate::k8s::gitops::list_owners(&kube.client)).await {
+        Ok(o) => o,
+        Err(e) => return RunResult::early(Exit::Failure, e.to_string(), plan_text),
+    };
+    let mut gitops = crate::gitops::survey(&inv.gitops_subjects(), &owners.objects);
+    for line in gitops.plan_lines(settings.gitops) {
+        plan_text.push_str(&line);
+        plan_text.push('\n');
+    }
+    if let Some(refusal) = gitops.refusal(settings.gitops) {
+        return RunResult { gitops, ..RunResult::early(Exit::Refused, refusal, plan_text) };
     }
     if settings.dry_run {
         return RunResult {
@@ -216,7 +234,16 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
             reclaimed: Vec::new(),
             error: None,
             plan_text,
+            gitops,
         };
+    }
+    let mut early_steps = Vec::new();
+    if gitops.active().next().is_some() {
+        let (record, failed) = pause_gitops(&kube, &owners, &mut gitops).await;
+        early_steps.push(record);
+        if let Some(error) = failed {
+            return RunResult { steps: early_steps, gitops, ..RunResult::early(Exit::Failure, error, plan_text) };
+        }
     }
     tracing::info!(tasks = graph.task_count(), machines = inv.machines.len(), "starting the teardown");
 
@@ -241,13 +268,73 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
         leftovers: Mutex::new(None),
         reclaimed: Mutex::new(Vec::new()),
     });
-    let (exit, steps) = execute(&graph, ctx.clone()).await;
+    let (exit, mut steps) = execute(&graph, ctx.clone()).await;
+    steps.splice(0..0, early_steps);
     background.shutdown().await;
     let blockers = ctx.notes.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let leftovers = ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
     let reclaimed = ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let error = steps.iter().find(|s| s.result == "failed").map(|s| format!("{}: {}", label(s), s.detail));
-    RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text }
+    RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text, gitops }
+}
+
+/// How long an Argo CD sync already running may take to finish once automated sync is off.
+const ARGO_SYNC_WAIT: Duration = Duration::from_secs(120);
+
+/// Pauses every active GitOps owner, parents first, and waits for an Argo CD sync in flight to
+/// end; returns the step record and the error that stops the run, if any. Never resumed: the
+/// cluster is going away, and a resumed owner would put everything back.
+async fn pause_gitops(kube: &Kube, owners: &crate::k8s::gitops::Owners, survey: &mut Survey) -> (StepRecord, Option<String>) {
+    use crate::k8s::gitops::{PauseOutcome, mark_paused, pause, wait_argo_idle};
+    let started = SystemTime::now();
+    let active: Vec<crate::gitops::OwnerId> = survey.active().map(|f| f.owner.clone()).collect();
+    let mut paused = Vec::new();
+    let mut error = None;
+    for id in &active {
+        let span = tracing::info_span!("task", step = "pause-gitops", object = %id);
+        let outcome = async {
+            let outcome = crate::k8s::retry_transient(|| pause(&kube.client, owners, id)).await?;
+            if outcome == PauseOutcome::Paused && !wait_argo_idle(&kube.client, owners, id, ARGO_SYNC_WAIT).await? {
+                return Err(crate::k8s::KubeError::NotPaused {
+                    owner: id.to_string(),
+                    detail: format!(
+                        "automated sync is off, but a sync it started was still running after {}s; wait for it to end (argocd app wait), then run again",
+                        ARGO_SYNC_WAIT.as_secs()
+                    ),
+                });
+            }
+            Ok(outcome)
+        }
+        .instrument(span)
+        .await;
+        match outcome {
+            Ok(PauseOutcome::Paused) => {
+                tracing::warn!(owner = %id, "paused a GitOps owner; it is not resumed (the cluster is going away)");
+                mark_paused(&mut survey.owners, id);
+                paused.push(id.to_string());
+            }
+            Ok(o) => tracing::info!(owner = %id, outcome = ?o, "GitOps owner needed no pause"),
+            Err(e) => {
+                error = Some(format!("pause-gitops: {e}. The owners paused so far stay paused: {}", paused.join(", ")));
+                break;
+            }
+        }
+    }
+    let detail = match &error {
+        Some(e) => e.clone(),
+        None => format!("paused {} GitOps owner(s), never resumed: {}", paused.len(), paused.join(", ")),
+    };
+    let record = StepRecord {
+        step: "pause-gitops".into(),
+        action: "pause-gitops".into(),
+        object: None,
+        started: rfc3339(started),
+        finished: rfc3339(SystemTime::now()),
+        attempts: 1,
+        result: if error.is_some() { "failed" } else { "done" }.into(),
+        detail,
+    };
+    (record, error)
 }
 
 /// Proves identity from the nodes and controller alone, then sets the Karpenter CRDs' conversion

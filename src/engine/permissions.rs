@@ -55,8 +55,9 @@ const KARPENTER_CRDS: [&str; 3] =
     ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"];
 
 /// Every Kubernetes permission a run of `plan` uses. `delete_pods` says whether pods may be
-/// deleted at the drain deadline (`--on-drain-deadline delete` or a plan's `on_deadline`).
-pub fn kubernetes_needs(plan: &Plan, delete_pods: bool) -> BTreeSet<KubePermission> {
+/// deleted at the drain deadline (`--on-drain-deadline delete` or a plan's `on_deadline`);
+/// `pause_gitops` whether GitOps owners may be paused (`--pause-gitops`).
+pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> BTreeSet<KubePermission> {
     // the inventory, the pod index and the node watch, whatever the plan
     let mut need: BTreeSet<KubePermission> = [
         p("list", "", "nodes"),
@@ -67,8 +68,22 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool) -> BTreeSet<KubePermissi
         p("list", "karpenter.sh", "nodeclaims"),
         p("list", "karpenter.sh", "nodepools"),
         p("list", "karpenter.k8s.aws", "ec2nodeclasses"),
+        // the GitOps owners of the Karpenter objects, whatever the plan: without them a run
+        // cannot tell whether Argo CD or Flux will put back what it removes
+        p("list", "argoproj.io", "applications"),
+        p("list", "kustomize.toolkit.fluxcd.io", "kustomizations"),
+        p("list", "helm.toolkit.fluxcd.io", "helmreleases"),
     ]
     .into();
+    if pause_gitops {
+        for (group, resource) in [
+            ("argoproj.io", "applications"),
+            ("kustomize.toolkit.fluxcd.io", "kustomizations"),
+            ("helm.toolkit.fluxcd.io", "helmreleases"),
+        ] {
+            need.extend([p("get", group, resource), p("patch", group, resource)]);
+        }
+    }
     for step in plan.steps() {
         match step.action {
             Action::Preflight | Action::Verify | Action::WaitNodeclaimsGone => {}
@@ -259,13 +274,13 @@ mod tests {
 
     #[test]
     fn the_default_plan_needs_evictions_cordons_and_finalizer_writes_but_not_pod_deletes() {
-        let need = kubernetes_needs(&Plan::builtin_default(), false);
+        let need = kubernetes_needs(&Plan::builtin_default(), false, false);
         assert!(has(&need, "create", "pods", "eviction"));
         assert!(has(&need, "patch", "nodes", ""));
         assert!(has(&need, "patch", "deployments", "scale"));
         assert!(has(&need, "delete", "nodeclaims", ""));
         assert!(!has(&need, "delete", "pods", ""), "pods are deleted only with --on-drain-deadline delete");
-        assert!(has(&kubernetes_needs(&Plan::builtin_default(), true), "delete", "pods", ""));
+        assert!(has(&kubernetes_needs(&Plan::builtin_default(), true, false), "delete", "pods", ""));
         let crd = need.iter().find(|p| p.resource == "customresourcedefinitions" && p.verb == "patch").unwrap();
         assert!(KARPENTER_CRDS.contains(&crd.name), "CRD writes are asked by name: {crd}");
     }

@@ -3,6 +3,7 @@
 
 pub mod apf;
 pub mod calls;
+pub mod gitops;
 pub mod nodes;
 pub mod objects;
 pub mod pods;
@@ -50,6 +51,14 @@ pub enum KubeError {
         /// The CRD's name.
         crd: String,
         /// The server's message.
+        detail: String,
+    },
+    /// A GitOps owner would not stay paused.
+    #[error("{owner} could not be paused: {detail}")]
+    NotPaused {
+        /// The owner.
+        owner: String,
+        /// What happened.
         detail: String,
     },
     /// The server refused or failed a request.

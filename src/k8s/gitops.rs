@@ -1,0 +1,164 @@
+//! Reading GitOps owners (Argo CD Applications, Flux Kustomizations and HelmReleases) and
+//! pausing them. What counts as an owner, and whether a run may start, is decided in
+//! [`crate::gitops`].
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kube::api::{Api, ListParams, Patch};
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use serde_json::{Value, json};
+
+use super::objects::patch_params;
+use super::{KubeError, status_code};
+use crate::gitops::{Finding, OwnerId, OwnerKind, OwnerObject, OwnerState, PAUSED_AUTOMATED_ANNOTATION};
+
+/// The owner objects in the cluster, and the version each kind is served at.
+#[derive(Debug, Clone, Default)]
+pub struct Owners {
+    /// Every Application, Kustomization and HelmRelease, judged.
+    pub objects: Vec<OwnerObject>,
+    /// The served version of each installed kind; a kind that is not installed is absent.
+    pub versions: BTreeMap<OwnerKind, &'static str>,
+}
+
+fn resource(kind: OwnerKind, version: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(kind.group(), version, kind.kind()), kind.plural())
+}
+
+/// Lists every owner object in every namespace. A kind whose CRD is not installed (404 at
+/// every version the tool knows) is simply absent.
+pub async fn list_owners(client: &kube::Client) -> Result<Owners, KubeError> {
+    let mut out = Owners::default();
+    for kind in OwnerKind::ALL {
+        for version in kind.versions() {
+            let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource(kind, version));
+            match api.list(&ListParams::default()).await {
+                Ok(list) => {
+                    for o in &list.items {
+                        let value = serde_json::to_value(o)
+                            .map_err(|e| KubeError::api(format!("read {}", kind.plural()), kube::Error::SerdeError(e)))?;
+                        out.objects.push(OwnerObject::from_json(kind, &value));
+                    }
+                    out.versions.insert(kind, version);
+                    break;
+                }
+                Err(e) if status_code(&e) == Some(404) => continue,
+                Err(e) => {
+                    return Err(KubeError::api(
+                        format!("list {}.{} (looking for GitOps owners of the Karpenter objects)", kind.plural(), kind.group()),
+                        e,
+                    ));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// What pausing one owner did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PauseOutcome {
+    /// It reconciled and now does not.
+    Paused,
+    /// It was already paused (a re-run, or someone else).
+    AlreadyPaused,
+    /// It is gone.
+    Gone,
+}
+
+/// Pauses one owner: Flux `spec.suspend: true` (what `flux suspend` writes); Argo CD automated
+/// sync off, the original `spec.syncPolicy.automated` kept in an annotation. Conflict-safe
+/// (the write carries the resourceVersion it was decided on) and idempotent; read back after.
+pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Result<PauseOutcome, KubeError> {
+    let Some(version) = owners.versions.get(&id.kind) else { return Ok(PauseOutcome::Gone) };
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &id.namespace, &resource(id.kind, version));
+    for _ in 0..8 {
+        let Some(obj) = api.get_opt(&id.name).await.map_err(|e| KubeError::api(format!("read {id}"), e))? else {
+            return Ok(PauseOutcome::Gone);
+        };
+        let value = serde_json::to_value(&obj).map_err(|e| KubeError::api(format!("read {id}"), kube::Error::SerdeError(e)))?;
+        if !OwnerObject::from_json(id.kind, &value).state.is_active() {
+            return Ok(PauseOutcome::AlreadyPaused);
+        }
+        let rv = obj.metadata.resource_version.clone().unwrap_or_default();
+        let patch = match id.kind {
+            OwnerKind::Application => {
+                let original = value["spec"]["syncPolicy"]["automated"].to_string();
+                json!({
+                    "metadata": {"resourceVersion": rv, "annotations": {PAUSED_AUTOMATED_ANNOTATION: original}},
+                    "spec": {"syncPolicy": {"automated": null}},
+                })
+            }
+            OwnerKind::Kustomization | OwnerKind::HelmRelease => {
+                json!({"metadata": {"resourceVersion": rv}, "spec": {"suspend": true}})
+            }
+        };
+        match api.patch(&id.name, &patch_params(), &Patch::Merge(patch)).await {
+            Ok(_) => {}
+            Err(e) if status_code(&e) == Some(404) => return Ok(PauseOutcome::Gone),
+            // changed since it was read: decide again on the new version
+            Err(e) if status_code(&e) == Some(409) => continue,
+            Err(e) => return Err(KubeError::api(format!("pause {id}"), e)),
+        }
+        let after = api.get_opt(&id.name).await.map_err(|e| KubeError::api(format!("read {id}"), e))?;
+        let still = after
+            .map(|o| serde_json::to_value(&o).map(|v| OwnerObject::from_json(id.kind, &v).state))
+            .transpose()
+            .map_err(|e| KubeError::api(format!("read {id}"), kube::Error::SerdeError(e)))?;
+        return match still {
+            None => Ok(PauseOutcome::Gone),
+            Some(OwnerState::Paused(_)) => Ok(PauseOutcome::Paused),
+            Some(OwnerState::Active(d)) => Err(KubeError::NotPaused {
+                owner: id.to_string(),
+                detail: format!(
+                    "the write was accepted but it still reconciles ({d}); something turned it back on (a parent \
+                     Application or Kustomization, an ApplicationSet): pause that owner and run again"
+                ),
+            }),
+        };
+    }
+    Err(KubeError::NotPaused {
+        owner: id.to_string(),
+        detail: "it kept changing under the tool (8 conflicts in a row); run again".into(),
+    })
+}
+
+/// Waits until an Argo CD Application has no sync operation in flight: turning automated sync
+/// off does not stop a sync already running, which would still apply the NodePools as Git has
+/// them (and undo the fence). Flux has no equivalent to wait on: a suspended object's
+/// in-flight reconcile is one apply, over before the next step.
+pub async fn wait_argo_idle(
+    client: &kube::Client,
+    owners: &Owners,
+    id: &OwnerId,
+    timeout: Duration,
+) -> Result<bool, KubeError> {
+    let Some(version) = owners.versions.get(&id.kind) else { return Ok(true) };
+    if id.kind != OwnerKind::Application {
+        return Ok(true);
+    }
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &id.namespace, &resource(id.kind, version));
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let Some(obj) = api.get_opt(&id.name).await.map_err(|e| KubeError::api(format!("read {id}"), e))? else {
+            return Ok(true);
+        };
+        let requested = obj.data.get("operation").is_some_and(|o| !o.is_null());
+        let running = obj.data.pointer("/status/operationState/phase").and_then(Value::as_str) == Some("Running");
+        if !requested && !running {
+            return Ok(true);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Marks the findings this run paused.
+pub fn mark_paused(findings: &mut [Finding], id: &OwnerId) {
+    for f in findings.iter_mut().filter(|f| f.owner == *id) {
+        f.paused_by_run = true;
+    }
+}
