@@ -426,15 +426,10 @@ impl Survey {
     /// Why a run must not start, given what the user consented to; `None` when it may.
     pub fn refusal(&self, consent: GitopsConsent) -> Option<String> {
         let mut reasons = Vec::new();
-        let stuck: Vec<String> = self
-            .active()
-            .filter_map(|f| f.unpausable.as_ref().map(|why| format!("{}: {why}", f.owner)))
-            .collect();
+        let stuck: Vec<String> =
+            self.active().filter_map(|f| f.unpausable.as_ref().map(|why| format!("{}: {why}", f.owner))).collect();
         if !stuck.is_empty() {
-            reasons.push(format!(
-                "owners the tool cannot pause reconcile the Karpenter objects: {}",
-                stuck.join("; ")
-            ));
+            reasons.push(format!("owners the tool cannot pause reconcile the Karpenter objects: {}", stuck.join("; ")));
         }
         if !self.unreachable.is_empty() && !consent.paused_elsewhere {
             let list: Vec<String> =
@@ -557,10 +552,8 @@ fn owners_of<'a>(obj: &Tracked, listed: &'a [OwnerObject], out: &mut Survey) -> 
             None => out.set_aside.push(format!("{}: {ARGO_TRACKING_ANNOTATION}={value} is not a tracking id", obj.key)),
         }
     } else if let Some(app) = obj.labels.get(ARGO_INSTANCE_LABEL) {
-        let apps: Vec<&OwnerObject> = listed
-            .iter()
-            .filter(|o| o.id.kind == OwnerKind::Application && o.id.name == *app && lists_it(o))
-            .collect();
+        let apps: Vec<&OwnerObject> =
+            listed.iter().filter(|o| o.id.kind == OwnerKind::Application && o.id.name == *app && lists_it(o)).collect();
         match apps.as_slice() {
             [] => out.set_aside.push(format!(
                 "{}: label {ARGO_INSTANCE_LABEL}={app} (no Application {app} lists it; Helm charts set this label too)",
@@ -570,10 +563,9 @@ fn owners_of<'a>(obj: &Tracked, listed: &'a [OwnerObject], out: &mut Survey) -> 
         }
     }
 
-    for (kind, (name_label, ns_label)) in [
-        (OwnerKind::Kustomization, FLUX_KUSTOMIZATION_LABELS),
-        (OwnerKind::HelmRelease, FLUX_HELMRELEASE_LABELS),
-    ] {
+    for (kind, (name_label, ns_label)) in
+        [(OwnerKind::Kustomization, FLUX_KUSTOMIZATION_LABELS), (OwnerKind::HelmRelease, FLUX_HELMRELEASE_LABELS)]
+    {
         let (Some(name), Some(ns)) = (obj.labels.get(name_label), obj.labels.get(ns_label)) else { continue };
         let evidence = format!("labels {name_label}={name}, {ns_label}={ns}");
         match listed.iter().find(|o| o.id.kind == kind && o.id.name == *name && o.id.namespace == *ns) {
@@ -647,21 +639,30 @@ mod tests {
 
     #[test]
     fn an_annotation_tracked_pool_names_its_application_and_refuses_without_consent() {
-        let objs = [pool("default", json!({}), json!({ARGO_TRACKING_ANNOTATION: "karpenter:karpenter.sh/NodePool:/default"}), &["argocd-controller"])];
+        let objs = [pool(
+            "default",
+            json!({}),
+            json!({ARGO_TRACKING_ANNOTATION: "karpenter:karpenter.sh/NodePool:/default"}),
+            &["argocd-controller"],
+        )];
         let listed = [app("argocd", "karpenter", json!({"selfHeal": true}), json!([]), json!({}))];
         let s = survey(&objs, &listed);
         assert_eq!(s.owners.len(), 1, "{s:?}");
         assert!(s.unreachable.is_empty(), "the field manager is accounted for: {s:?}");
         assert_eq!(s.owners[0].state, OwnerState::Active("automated sync, self-heal".into()));
         let refusal = s.refusal(GitopsConsent::default()).expect("refused");
-        assert!(refusal.contains("Argo CD Application argocd/karpenter") && refusal.contains("--pause-gitops"), "{refusal}");
+        assert!(
+            refusal.contains("Argo CD Application argocd/karpenter") && refusal.contains("--pause-gitops"),
+            "{refusal}"
+        );
         assert!(refusal.contains("NodePool/default"), "{refusal}");
         assert_eq!(s.refusal(GitopsConsent { pause: true, paused_elsewhere: false }), None);
     }
 
     #[test]
     fn an_application_outside_argo_cds_namespace_is_matched_by_its_prefixed_name() {
-        let objs = [pool("a", json!({}), json!({ARGO_TRACKING_ANNOTATION: "team-a_pools:karpenter.sh/NodePool:/a"}), &[])];
+        let objs =
+            [pool("a", json!({}), json!({ARGO_TRACKING_ANNOTATION: "team-a_pools:karpenter.sh/NodePool:/a"}), &[])];
         let listed = [
             app("argocd", "pools", json!({}), json!([]), json!({})),
             app("team-a", "pools", json!({}), json!([]), json!({})),
@@ -729,7 +730,11 @@ mod tests {
         assert_eq!(s.owners.len(), 2, "{s:?}");
         let active: Vec<String> = s.active().map(|f| f.owner.name.clone()).collect();
         assert_eq!(active, ["pools"]);
-        assert_eq!(s.owners.iter().find(|f| f.owner.name == "pools").unwrap().owns, ["NodePool/a"], "one entry per object");
+        assert_eq!(
+            s.owners.iter().find(|f| f.owner.name == "pools").unwrap().owns,
+            ["NodePool/a"],
+            "one entry per object"
+        );
         assert!(s.refusal(GitopsConsent::default()).is_some());
         assert_eq!(s.refusal(GitopsConsent { pause: true, paused_elsewhere: false }), None);
     }
@@ -779,9 +784,19 @@ mod tests {
 
     #[test]
     fn inventory_ids_round_trip_for_cluster_scoped_and_core_objects() {
-        let key = ObjectKey { group: "apps".into(), kind: "Deployment".into(), namespace: "kube-system".into(), name: "karpenter".into() };
+        let key = ObjectKey {
+            group: "apps".into(),
+            kind: "Deployment".into(),
+            namespace: "kube-system".into(),
+            name: "karpenter".into(),
+        };
         assert_eq!(parse_inventory_id(&inventory_id(&key)), Some(key));
-        let pool = ObjectKey { group: "karpenter.sh".into(), kind: "NodePool".into(), namespace: String::new(), name: "a".into() };
+        let pool = ObjectKey {
+            group: "karpenter.sh".into(),
+            kind: "NodePool".into(),
+            namespace: String::new(),
+            name: "a".into(),
+        };
         assert_eq!(inventory_id(&pool), "_a_karpenter.sh_NodePool");
         assert_eq!(parse_inventory_id("bad"), None);
     }

@@ -225,7 +225,13 @@ impl Report {
             }
         }
         for f in &self.gitops.owners {
-            let done = if f.paused_by_run { "paused (not resumed)" } else if f.state.is_active() { "active" } else { "left paused" };
+            let done = if f.paused_by_run {
+                "paused (not resumed)"
+            } else if f.state.is_active() {
+                "active"
+            } else {
+                "left paused"
+            };
             s.push_str(&format!("\n  gitops: {}: {done}", f.owner));
         }
         for line in self.leftovers.describe() {

@@ -123,6 +123,49 @@ fn schema_errors(report: &Value) -> Vec<String> {
     errs
 }
 
+/// A survey with an owner of each kind (one paused by the run, one unpausable), an object managed
+/// from elsewhere and a label set aside: every shape the report's `gitops` section takes.
+fn gitops_survey() -> karpenter_teardown::gitops::Survey {
+    use karpenter_teardown::gitops::{OwnerKind, OwnerObject, Tracked, survey};
+    let pool = |name: &str, meta: Value| {
+        let mut m = json!({"name": name});
+        m.as_object_mut().unwrap().extend(meta.as_object().unwrap().clone());
+        Tracked::from_json("karpenter.sh", "NodePool", &json!({"metadata": m}))
+    };
+    let objects = [
+        pool("a", json!({"annotations": {"argocd.argoproj.io/tracking-id": "apps:karpenter.sh/NodePool:/a"}})),
+        pool(
+            "b",
+            json!({"labels": {"kustomize.toolkit.fluxcd.io/name": "k", "kustomize.toolkit.fluxcd.io/namespace": "flux-system"}}),
+        ),
+        pool(
+            "c",
+            json!({"labels": {"helm.toolkit.fluxcd.io/name": "h", "helm.toolkit.fluxcd.io/namespace": "flux-system"}}),
+        ),
+        pool("d", json!({"managedFields": [{"manager": "argocd-controller"}]})),
+        pool("e", json!({"labels": {"app.kubernetes.io/instance": "karpenter"}})),
+    ];
+    let listed = [
+        OwnerObject::from_json(
+            OwnerKind::Application,
+            &json!({"metadata": {"name": "apps", "namespace": "argocd", "ownerReferences": [{"kind": "ApplicationSet", "name": "set"}]},
+                    "spec": {"syncPolicy": {"automated": {"selfHeal": true}}}}),
+        ),
+        OwnerObject::from_json(
+            OwnerKind::Kustomization,
+            &json!({"metadata": {"name": "k", "namespace": "flux-system"}, "spec": {"interval": "10m"}}),
+        ),
+        OwnerObject::from_json(
+            OwnerKind::HelmRelease,
+            &json!({"metadata": {"name": "h", "namespace": "flux-system"}, "spec": {"suspend": true}}),
+        ),
+    ];
+    let mut s = survey(&objects, &listed);
+    s.owners[1].paused_by_run = true;
+    assert_eq!((s.owners.len(), s.unreachable.len(), s.set_aside.len()), (3, 1, 1), "{s:#?}");
+    s
+}
+
 /// A report the tool itself serialises, with every kind of leftover and `would_reclaim`, is valid
 /// against the shipped schema (a field added to a leftover type must be added to the schema too).
 #[test]
@@ -148,6 +191,7 @@ fn a_report_with_every_kind_of_leftover_matches_the_schema() {
     report.leftovers.network_interfaces = vec![DetachedResource { id: "eni-1".into(), status: "available".into() }];
     report.leftovers.objects = vec!["NodeClaim/x".into()];
     report.would_reclaim = report.leftovers.reclaimable();
+    report.gitops = gitops_survey();
     report.finish(started, Exit::Leftovers, false);
     let v = serde_json::to_value(&report).unwrap();
     assert_eq!(schema_errors(&v), Vec::<String>::new(), "{v:#}");
@@ -242,6 +286,9 @@ fn group_of(resource: &str) -> Option<&'static str> {
         "customresourcedefinitions" => "apiextensions.k8s.io",
         "selfsubjectaccessreviews" => "authorization.k8s.io",
         "nodepools" | "nodeclaims" => "karpenter.sh",
+        "applications" => "argoproj.io",
+        "kustomizations" => "kustomize.toolkit.fluxcd.io",
+        "helmreleases" => "helm.toolkit.fluxcd.io",
         "ec2nodeclasses" => "karpenter.k8s.aws",
         _ => return None,
     })

@@ -566,3 +566,79 @@ async fn an_applied_nodeclass_gets_its_finalizer_launch_template_and_instance_pr
     ctl.shutdown().await;
     cleanup(b, &world, &[]).await;
 }
+
+/// Issue 18: the simulated Argo CD and Flux put back what is deleted or changed while they are
+/// not paused (a NodePool, an EC2NodeClass, the controller's replicas, a child Application's
+/// automated sync), and nothing once paused: the refusal and `--pause-gitops` are tested
+/// against reconcilers with teeth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulated_argo_cd_and_flux_put_back_what_is_removed_until_paused() {
+    use karpenter_teardown::sandbox::sim::gitops::{self, GitopsSettings, GitopsSim};
+    let b = bed().await;
+    // Git holds the pools' cpu limit: that is the field a fence changes and self-heal sets back
+    let spec = WorldSpec { pool_cpu_limit: Some(1000), ..small_spec("sim-gitops") };
+    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let sim = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
+    let pool = world.node_pools[0].clone();
+    let class = world.node_classes[0].name.clone();
+
+    // Argo CD (self-heal) re-creates a deleted NodePool with its tracking id, and sets a fenced
+    // limit back
+    pools(&b.client).delete(&pool, &DeleteParams::default()).await.unwrap();
+    eventually("the NodePool re-created", Duration::from_secs(10), || async {
+        pools(&b.client)
+            .get_opt(&pool)
+            .await
+            .unwrap()
+            .is_some_and(|p| p.annotations().get(karpenter_teardown::gitops::ARGO_TRACKING_ANNOTATION).is_some())
+    })
+    .await;
+    pools(&b.client)
+        .patch(&pool, &PatchParams::default(), &Patch::Merge(json!({"spec": {"limits": {"cpu": "0"}}})))
+        .await
+        .unwrap();
+    eventually("the NodePool's limits set back", Duration::from_secs(10), || async {
+        pools(&b.client).get(&pool).await.unwrap().data["spec"]["limits"]["cpu"] != "0"
+    })
+    .await;
+    // Flux re-creates a deleted EC2NodeClass; the HelmRelease scales the controller back up
+    classes(&b.client).delete(&class, &DeleteParams::default()).await.unwrap();
+    // no simulated Karpenter runs here to discharge the class's termination finalizer
+    let no_finalizers = json!({"metadata": {"finalizers": null}});
+    classes(&b.client).patch(&class, &PatchParams::default(), &Patch::Merge(no_finalizers)).await.unwrap();
+    scale_controller(&b.client, 0).await;
+    let deployments: Api<Deployment> = Api::namespaced(b.client.clone(), naming::KARPENTER_NAMESPACE);
+    eventually("the class re-created and the controller scaled back up", Duration::from_secs(10), || async {
+        let class_back =
+            classes(&b.client).get_opt(&class).await.unwrap().is_some_and(|c| c.metadata.deletion_timestamp.is_none());
+        let replicas = deployments.get(naming::KARPENTER_NAME).await.unwrap().spec.unwrap().replicas;
+        class_back && replicas == Some(1)
+    })
+    .await;
+    assert!(sim.stats().recreated >= 2 && sim.stats().reverted >= 2, "{:?}", sim.stats());
+
+    // the app-of-apps parent turns a child's automated sync back on
+    let apps_ar = kube::core::ApiResource::from_gvk_with_plural(
+        &kube::core::GroupVersionKind::gvk("argoproj.io", "v1alpha1", "Application"),
+        "applications",
+    );
+    let apps: Api<DynamicObject> = Api::namespaced_with(b.client.clone(), gitops::ARGOCD_NAMESPACE, &apps_ar);
+    let off = json!({"spec": {"syncPolicy": {"automated": null}}});
+    apps.patch("karpenter-nodepools", &PatchParams::default(), &Patch::Merge(off.clone())).await.unwrap();
+    eventually("the parent turned the child's automated sync back on", Duration::from_secs(10), || async {
+        apps.get("karpenter-nodepools").await.unwrap().data["spec"]["syncPolicy"]["automated"].is_object()
+    })
+    .await;
+
+    // paused (parent first), a deleted NodePool stays deleted
+    apps.patch("platform", &PatchParams::default(), &Patch::Merge(off.clone())).await.unwrap();
+    apps.patch("karpenter-nodepools", &PatchParams::default(), &Patch::Merge(off)).await.unwrap();
+    let before = sim.stats();
+    pools(&b.client).delete(&pool, &DeleteParams::default()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(pools(&b.client).get_opt(&pool).await.unwrap().is_none(), "a paused Application re-created the pool");
+    assert_eq!(sim.stats(), before);
+    sim.shutdown().await;
+    cleanup(b, &world, &[]).await;
+}

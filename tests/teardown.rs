@@ -155,3 +155,115 @@ async fn a_static_nodepool_is_fenced_on_nodes_and_torn_down_with_a_live_controll
     sim.shutdown().await;
     b.server.shutdown().await;
 }
+
+/// Issue 18: NodePools under Argo CD (self-heal, with an app-of-apps parent), EC2NodeClasses
+/// under a Flux Kustomization and the controller under a Flux HelmRelease (itself applied by a
+/// Kustomization), with the simulated reconcilers running. Without --pause-gitops, a run (and a
+/// dry run) refuses with exit 3 naming every owner and the flag, and changes nothing; the dry
+/// run with the flag lists the owners it would pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
+    use karpenter_teardown::sandbox::sim::gitops::{self, GitopsSettings, GitopsSim};
+    let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-refuse", 4) };
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let sim = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rv = b.server.store().resource_version();
+
+    for args in [&["--yes"][..], &[][..]] {
+        let run = teardown(&b, &world.cluster, args).await;
+        if std::env::var_os("KT_SHOW").is_some() {
+            eprintln!("{}", run.dump());
+        }
+        assert_eq!(run.code, 3, "{args:?}: {}", run.dump());
+        assert_eq!(run.report["outcome"], "refused");
+        for owner in &g.owners {
+            assert!(run.stderr.contains(&owner.to_string()), "{owner} is named:\n{}", run.stderr);
+        }
+        assert!(run.stderr.contains("--pause-gitops"), "the flag is named:\n{}", run.stderr);
+        assert!(run.stderr.contains(&format!("NodePool/{}", world.node_pools[0])), "{}", run.stderr);
+        let owners = run.report["gitops"]["owners"].as_array().expect("report.gitops.owners");
+        assert_eq!(owners.len(), g.owners.len(), "{:#}", run.report["gitops"]);
+        assert!(owners.iter().all(|o| o["state"] == "active" && o["paused_by_run"] == false));
+    }
+    let dry = teardown(&b, &world.cluster, &["--pause-gitops"]).await;
+    assert_eq!(dry.code, 0, "{}", dry.dump());
+    for owner in &g.owners {
+        assert!(
+            dry.stdout.contains(&format!("GitOps: {owner}")) && dry.stdout.contains("paused before the fence"),
+            "the dry run lists {owner}:\n{}",
+            dry.stdout
+        );
+    }
+    assert_eq!(b.server.store().resource_version(), rv, "a refused or dry run wrote to the cluster");
+    assert_eq!(sim.stats(), Default::default(), "nothing was removed, so nothing was put back");
+    let after = states(&b.aws, &world.karpenter_instance_ids()).await;
+    assert!(after.values().all(|s| *s == InstanceState::Running), "{after:?}");
+    sim.shutdown().await;
+    b.server.shutdown().await;
+}
+
+/// Issue 18: the same world with a live Karpenter and the reconcilers running; with
+/// --pause-gitops the owners are suspended (parents first) before the fence and the teardown ends
+/// clean with nothing put back. They stay paused; a second run has nothing to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() {
+    use karpenter_teardown::sandbox::sim::gitops::{self, GitopsSettings, GitopsSim};
+    let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-pause", 6) };
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let reconcilers = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
+    let sim = SimController::start(
+        b.client.clone(),
+        b.aws.clone(),
+        SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
+    );
+    let before = untouchable_nodes(&b.client, &world).await;
+    let run = teardown(&b, &world.cluster, &["--yes", "--pause-gitops"]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert_torn_down(&b, &world, &before).await;
+    assert_eq!(reconcilers.stats(), Default::default(), "a GitOps owner put something back");
+    assert_eq!(sim.stats().nodeclaims_launched, 0);
+    let first = &run.report["steps"][0];
+    assert_eq!((first["step"].as_str(), first["result"].as_str()), (Some("pause-gitops"), Some("done")), "{first:#}");
+    let paused: Vec<&str> = run.report["gitops"]["owners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o["paused_by_run"] == true)
+        .map(|o| o["owner"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        paused,
+        ["platform", "infrastructure", "karpenter-nodepools", "karpenter-nodeclasses", "karpenter"],
+        "parents first"
+    );
+
+    // what is on the owners now: Flux suspended, Argo CD automated sync off with the original kept
+    for owner in &g.owners {
+        let ar = kube::core::ApiResource::from_gvk_with_plural(
+            &kube::core::GroupVersionKind::gvk(owner.kind.group(), owner.kind.versions()[0], owner.kind.kind()),
+            owner.kind.plural(),
+        );
+        let api: kube::Api<kube::api::DynamicObject> =
+            kube::Api::namespaced_with(b.client.clone(), &owner.namespace, &ar);
+        let o = api.get(&owner.name).await.unwrap();
+        match owner.kind {
+            karpenter_teardown::gitops::OwnerKind::Application => {
+                assert!(o.data["spec"]["syncPolicy"]["automated"].is_null(), "{owner}: {:?}", o.data);
+                let kept =
+                    &o.metadata.annotations.as_ref().unwrap()[karpenter_teardown::gitops::PAUSED_AUTOMATED_ANNOTATION];
+                assert!(kept.contains("selfHeal"), "{owner}: {kept}");
+            }
+            _ => assert_eq!(o.data["spec"]["suspend"], true, "{owner}"),
+        }
+    }
+    let again = teardown(&b, &world.cluster, &["--yes"]).await;
+    assert_eq!(again.code, 0, "paused owners do not refuse a re-run: {}", again.dump());
+    reconcilers.shutdown().await;
+    sim.shutdown().await;
+    b.server.shutdown().await;
+}

@@ -267,11 +267,7 @@ pub async fn find_controller(client: &kube::Client) -> Result<Option<Controller>
                 name: d.metadata.name.clone().unwrap_or_default(),
                 replicas: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
                 cluster_name,
-                tracked: gitops::Tracked::from_json(
-                    "apps",
-                    "Deployment",
-                    &serde_json::to_value(d).unwrap_or_default(),
-                ),
+                tracked: gitops::Tracked::from_json("apps", "Deployment", &serde_json::to_value(d).unwrap_or_default()),
             }
         })
         .collect();

@@ -284,7 +284,11 @@ const ARGO_SYNC_WAIT: Duration = Duration::from_secs(120);
 /// Pauses every active GitOps owner, parents first, and waits for an Argo CD sync in flight to
 /// end; returns the step record and the error that stops the run, if any. Never resumed: the
 /// cluster is going away, and a resumed owner would put everything back.
-async fn pause_gitops(kube: &Kube, owners: &crate::k8s::gitops::Owners, survey: &mut Survey) -> (StepRecord, Option<String>) {
+async fn pause_gitops(
+    kube: &Kube,
+    owners: &crate::k8s::gitops::Owners,
+    survey: &mut Survey,
+) -> (StepRecord, Option<String>) {
     use crate::k8s::gitops::{PauseOutcome, mark_paused, pause, wait_argo_idle};
     let started = SystemTime::now();
     let active: Vec<crate::gitops::OwnerId> = survey.active().map(|f| f.owner.clone()).collect();

@@ -36,8 +36,9 @@ pub async fn list_owners(client: &kube::Client) -> Result<Owners, KubeError> {
             match api.list(&ListParams::default()).await {
                 Ok(list) => {
                     for o in &list.items {
-                        let value = serde_json::to_value(o)
-                            .map_err(|e| KubeError::api(format!("read {}", kind.plural()), kube::Error::SerdeError(e)))?;
+                        let value = serde_json::to_value(o).map_err(|e| {
+                            KubeError::api(format!("read {}", kind.plural()), kube::Error::SerdeError(e))
+                        })?;
                         out.objects.push(OwnerObject::from_json(kind, &value));
                     }
                     out.versions.insert(kind, version);
@@ -46,7 +47,11 @@ pub async fn list_owners(client: &kube::Client) -> Result<Owners, KubeError> {
                 Err(e) if status_code(&e) == Some(404) => continue,
                 Err(e) => {
                     return Err(KubeError::api(
-                        format!("list {}.{} (looking for GitOps owners of the Karpenter objects)", kind.plural(), kind.group()),
+                        format!(
+                            "list {}.{} (looking for GitOps owners of the Karpenter objects)",
+                            kind.plural(),
+                            kind.group()
+                        ),
                         e,
                     ));
                 }
@@ -77,7 +82,8 @@ pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Resu
         let Some(obj) = api.get_opt(&id.name).await.map_err(|e| KubeError::api(format!("read {id}"), e))? else {
             return Ok(PauseOutcome::Gone);
         };
-        let value = serde_json::to_value(&obj).map_err(|e| KubeError::api(format!("read {id}"), kube::Error::SerdeError(e)))?;
+        let value =
+            serde_json::to_value(&obj).map_err(|e| KubeError::api(format!("read {id}"), kube::Error::SerdeError(e)))?;
         if !OwnerObject::from_json(id.kind, &value).state.is_active() {
             return Ok(PauseOutcome::AlreadyPaused);
         }

@@ -7,6 +7,7 @@
 //! visible to the tool under test the same way as on a real cluster.
 
 pub mod controller;
+pub mod gitops;
 pub mod naming;
 pub mod objects;
 pub mod ops;

@@ -1,0 +1,498 @@
+//! Simulated Argo CD and Flux: what they write on the objects they apply, and a reconciler that
+//! puts back what is removed or changed while they are not paused (issue 18).
+//!
+//! The CRDs are ours, with just the fields these controllers use. The "Git repository" is the
+//! manifests of the adopted objects as they were when adopted, held in memory. What the
+//! reconciler does, per owner kind, follows the real controllers:
+//!
+//! - Argo CD Application with automated sync and self-heal: a missing object is created again, a
+//!   changed field it manages is set back (NodePool limits and disruption, Deployment replicas,
+//!   a child Application's sync policy). Automated sync off (`spec.syncPolicy.automated` absent or
+//!   `enabled: false`) or `argocd.argoproj.io/skip-reconcile: "true"`: nothing. While it applies,
+//!   the Application carries `status.operationState.phase: Running`, as Argo CD's sync does.
+//! - Flux Kustomization: re-applies its inventory every interval unless `spec.suspend: true`.
+//! - Flux HelmRelease with `spec.driftDetection.mode: enabled`: corrects drift and re-creates
+//!   deleted objects unless suspended.
+//!
+//! Before every write it reads its owner again: a pause that lands while a pass is under way is
+//! honoured from the next write on, the way a controller's next reconcile honours it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::naming::{KARPENTER_NAME, KARPENTER_NAMESPACE};
+use super::{SimError, World, objects, ops};
+use crate::gitops::{
+    ARGO_TRACKING_ANNOTATION, FLUX_HELMRELEASE_LABELS, FLUX_KUSTOMIZATION_LABELS, ObjectKey, OwnerId, OwnerKind,
+    OwnerObject, inventory_id, tracking_id,
+};
+
+/// Argo CD's namespace in the sandbox.
+pub const ARGOCD_NAMESPACE: &str = "argocd";
+/// Flux's namespace in the sandbox.
+pub const FLUX_NAMESPACE: &str = "flux-system";
+
+/// The served version of each owner kind in the sandbox (the newest the tool knows).
+fn owner_resource(kind: OwnerKind) -> ApiResource {
+    let version = kind.versions()[0];
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(kind.group(), version, kind.kind()), kind.plural())
+}
+
+/// Our CRDs for Application, Kustomization and HelmRelease: the fields the reconcilers and the
+/// tool use, everything else preserved as given.
+pub fn crds() -> Vec<Value> {
+    let open = json!({"type": "object", "x-kubernetes-preserve-unknown-fields": true});
+    let application = json!({
+        "type": "object",
+        "properties": {
+            "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": {
+                "project": {"type": "string"},
+                "source": open,
+                "destination": {"type": "object", "properties": {"server": {"type": "string"}, "namespace": {"type": "string"}}},
+                "syncPolicy": {"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": {
+                    "automated": {"type": "object", "properties": {
+                        "enabled": {"type": "boolean"}, "prune": {"type": "boolean"},
+                        "selfHeal": {"type": "boolean"}, "allowEmpty": {"type": "boolean"}}}}}}},
+            "operation": open,
+            "status": open,
+        },
+    });
+    let flux_spec = |extra: Value| {
+        let mut props = json!({"interval": {"type": "string"}, "suspend": {"type": "boolean"}});
+        if let (Some(p), Some(e)) = (props.as_object_mut(), extra.as_object()) {
+            p.extend(e.clone());
+        }
+        json!({"type": "object", "properties": {
+            "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": props},
+            "status": open}})
+    };
+    let kustomization =
+        flux_spec(json!({"path": {"type": "string"}, "prune": {"type": "boolean"}, "sourceRef": open.clone()}));
+    let helmrelease = flux_spec(json!({"chart": open.clone(), "releaseName": {"type": "string"},
+        "driftDetection": {"type": "object", "properties": {"mode": {"type": "string"}}}}));
+    [
+        (OwnerKind::Application, application, false),
+        (OwnerKind::Kustomization, kustomization, true),
+        (OwnerKind::HelmRelease, helmrelease, true),
+    ]
+    .into_iter()
+    .map(|(kind, schema, status)| {
+        let mut version = json!({"name": kind.versions()[0], "served": true, "storage": true,
+            "schema": {"openAPIV3Schema": schema}});
+        // Argo CD's Application CRD has no status subresource; Flux's have one
+        if status {
+            version["subresources"] = json!({"status": {}});
+        }
+        json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": format!("{}.{}", kind.plural(), kind.group())},
+            "spec": {"group": kind.group(), "scope": "Namespaced",
+                "names": {"plural": kind.plural(), "singular": kind.kind().to_lowercase(), "kind": kind.kind(),
+                          "listKind": format!("{}List", kind.kind())},
+                "versions": [version]},
+        })
+    })
+    .collect()
+}
+
+/// One object in the simulated Git repository.
+#[derive(Debug, Clone)]
+pub struct Desired {
+    /// The owner that applies it.
+    pub owner: OwnerId,
+    /// Where it goes.
+    pub key: ObjectKey,
+    /// How to reach its kind.
+    pub resource: ApiResource,
+    /// The manifest as Git has it.
+    pub manifest: Value,
+}
+
+/// The GitOps side of a world: its owners, parents first, and what each applies.
+#[derive(Debug, Clone, Default)]
+pub struct GitopsWorld {
+    /// Every owner object created.
+    pub owners: Vec<OwnerId>,
+    /// The repository.
+    pub repo: Vec<Desired>,
+}
+
+fn pools_app() -> OwnerId {
+    OwnerId { kind: OwnerKind::Application, namespace: ARGOCD_NAMESPACE.into(), name: "karpenter-nodepools".into() }
+}
+fn root_app() -> OwnerId {
+    OwnerId { kind: OwnerKind::Application, namespace: ARGOCD_NAMESPACE.into(), name: "platform".into() }
+}
+fn classes_ks() -> OwnerId {
+    OwnerId { kind: OwnerKind::Kustomization, namespace: FLUX_NAMESPACE.into(), name: "karpenter-nodeclasses".into() }
+}
+fn infra_ks() -> OwnerId {
+    OwnerId { kind: OwnerKind::Kustomization, namespace: FLUX_NAMESPACE.into(), name: "infrastructure".into() }
+}
+fn controller_hr() -> OwnerId {
+    OwnerId { kind: OwnerKind::HelmRelease, namespace: FLUX_NAMESPACE.into(), name: "karpenter".into() }
+}
+
+fn key_of(group: &str, kind: &str, namespace: &str, name: &str) -> ObjectKey {
+    ObjectKey { group: group.into(), kind: kind.into(), namespace: namespace.into(), name: name.into() }
+}
+
+fn key_of_owner(id: &OwnerId) -> ObjectKey {
+    key_of(id.kind.group(), id.kind.kind(), &id.namespace, &id.name)
+}
+
+/// What a GitOps controller writes on an object it applies, and the field manager it writes as.
+fn marks(owner: &OwnerId, key: &ObjectKey) -> (Value, &'static str) {
+    match owner.kind {
+        // annotation tracking (Argo CD 3.x default); the Application lives in Argo CD's namespace,
+        // so the tracking id carries its bare name
+        OwnerKind::Application => (
+            json!({"metadata": {"annotations": {ARGO_TRACKING_ANNOTATION: tracking_id(&owner.name, key)}}}),
+            "argocd-controller",
+        ),
+        OwnerKind::Kustomization => (
+            json!({"metadata": {"labels": {FLUX_KUSTOMIZATION_LABELS.0: owner.name, FLUX_KUSTOMIZATION_LABELS.1: owner.namespace}}}),
+            "kustomize-controller",
+        ),
+        OwnerKind::HelmRelease => (
+            json!({"metadata": {"labels": {FLUX_HELMRELEASE_LABELS.0: owner.name, FLUX_HELMRELEASE_LABELS.1: owner.namespace}}}),
+            "helm-controller",
+        ),
+    }
+}
+
+fn dynamic_api(client: &Client, resource: &ApiResource, namespace: &str) -> Api<DynamicObject> {
+    if namespace.is_empty() {
+        Api::all_with(client.clone(), resource)
+    } else {
+        Api::namespaced_with(client.clone(), namespace, resource)
+    }
+}
+
+/// The manifest Git would hold for a live object: what a user writes, none of what the server adds.
+fn manifest_of(obj: &DynamicObject, resource: &ApiResource) -> Value {
+    let mut metadata = json!({"name": obj.name_any()});
+    if let Some(ns) = &obj.metadata.namespace {
+        metadata["namespace"] = json!(ns);
+    }
+    if let Some(l) = &obj.metadata.labels {
+        metadata["labels"] = json!(l);
+    }
+    if let Some(a) = &obj.metadata.annotations {
+        metadata["annotations"] = json!(a);
+    }
+    json!({"apiVersion": resource.api_version, "kind": resource.kind, "metadata": metadata,
+           "spec": obj.data.get("spec").cloned().unwrap_or(Value::Null)})
+}
+
+/// Marks one object as applied by `owner`, and records its manifest in the repository.
+async fn adopt_one(
+    client: &Client,
+    repo: &mut Vec<Desired>,
+    owner: &OwnerId,
+    resource: ApiResource,
+    key: ObjectKey,
+) -> Result<(), SimError> {
+    let api = dynamic_api(client, &resource, &key.namespace);
+    let (patch, manager) = marks(owner, &key);
+    let pp = PatchParams { field_manager: Some(manager.into()), ..PatchParams::default() };
+    let live =
+        api.patch(&key.name, &pp, &Patch::Merge(patch)).await.map_err(SimError::kube(format!("marking {key}")))?;
+    repo.push(Desired { owner: owner.clone(), manifest: manifest_of(&live, &resource), key, resource });
+    Ok(())
+}
+
+/// Creates an owner object (status included) and returns its manifest for its parent.
+async fn create_owner(client: &Client, id: &OwnerId, spec: Value, status: Value) -> Result<(), SimError> {
+    let resource = owner_resource(id.kind);
+    let api = dynamic_api(client, &resource, &id.namespace);
+    let mut body = json!({"apiVersion": resource.api_version, "kind": resource.kind,
+        "metadata": {"name": id.name, "namespace": id.namespace}, "spec": spec});
+    if id.kind == OwnerKind::Application {
+        // no status subresource on Application: the controller writes it with the object
+        body["status"] = status.clone();
+    }
+    let obj: DynamicObject = serde_json::from_value(body)
+        .map_err(|e| SimError::BadSpec(format!("generated {} does not parse: {e}", id.kind.kind())))?;
+    ops::create_or_get(&api, &obj).await.map_err(SimError::kube(format!("creating {id}")))?;
+    if id.kind != OwnerKind::Application {
+        ops::patch_status(&api, &id.name, status)
+            .await
+            .map_err(SimError::kube(format!("writing the status of {id}")))?;
+    }
+    Ok(())
+}
+
+/// Puts the world's Karpenter objects under GitOps, the way a platform team typically has them:
+///
+/// - Argo CD Application `argocd/karpenter-nodepools` (automated, self-heal, prune) applies every
+///   NodePool; it is itself applied by the app-of-apps `argocd/platform` (automated, self-heal);
+/// - Flux Kustomization `flux-system/karpenter-nodeclasses` applies every EC2NodeClass;
+/// - Flux HelmRelease `flux-system/karpenter` (drift detection on) renders the controller
+///   Deployment; it is itself applied by Kustomization `flux-system/infrastructure`.
+pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimError> {
+    let crd_api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in crds() {
+        let obj: CustomResourceDefinition =
+            serde_json::from_value(crd).map_err(|e| SimError::BadSpec(format!("GitOps CRD does not parse: {e}")))?;
+        ops::create_or_get(&crd_api, &obj).await.map_err(SimError::kube("creating the GitOps CRDs"))?;
+    }
+    let ns_api: Api<Namespace> = Api::all(client.clone());
+    for ns in [ARGOCD_NAMESPACE, FLUX_NAMESPACE] {
+        let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))
+            .map_err(|e| SimError::BadSpec(format!("namespace does not parse: {e}")))?;
+        ops::create_or_get(&ns_api, &obj).await.map_err(SimError::kube(format!("creating namespace {ns}")))?;
+    }
+    let mut repo = Vec::new();
+    for pool in &world.node_pools {
+        let key = key_of(crate::karpenter::KARPENTER_GROUP, "NodePool", "", pool);
+        adopt_one(client, &mut repo, &pools_app(), objects::nodepool_resource(), key).await?;
+    }
+    for class in &world.node_classes {
+        let key = key_of(crate::karpenter::AWS_GROUP, "EC2NodeClass", "", &class.name);
+        adopt_one(client, &mut repo, &classes_ks(), objects::ec2nodeclass_resource(), key).await?;
+    }
+    let deploy = ApiResource::erase::<Deployment>(&());
+    let key = key_of("apps", "Deployment", KARPENTER_NAMESPACE, KARPENTER_NAME);
+    adopt_one(client, &mut repo, &controller_hr(), deploy, key).await?;
+
+    fn owned(repo: &[Desired], owner: &OwnerId) -> Vec<ObjectKey> {
+        repo.iter().filter(|d| d.owner == *owner).map(|d| d.key.clone()).collect()
+    }
+    let resources = |keys: Vec<ObjectKey>| -> Value {
+        keys.iter()
+            .map(|k| json!({"group": k.group, "kind": k.kind, "namespace": k.namespace, "name": k.name, "status": "Synced"}))
+            .collect()
+    };
+    let inventory = |keys: Vec<ObjectKey>| -> Value {
+        json!({"inventory": {"entries": keys.iter().map(|k| json!({"id": inventory_id(k), "v": "v1"})).collect::<Vec<_>>()}})
+    };
+    let automated = json!({"automated": {"selfHeal": true, "prune": true}});
+    let app_spec = |path: &str| {
+        json!({"project": "default", "source": {"repoURL": "https://git.example.com/platform.git", "path": path},
+               "destination": {"server": "https://kubernetes.default.svc"}, "syncPolicy": automated})
+    };
+    let ks_spec = |path: &str| json!({"interval": "1m", "path": path, "prune": true, "sourceRef": {"kind": "GitRepository", "name": "platform"}});
+
+    // leaves first, then their parents: a parent's repository holds its children as created
+    create_owner(
+        client,
+        &pools_app(),
+        app_spec("karpenter/nodepools"),
+        json!({"resources": resources(owned(&repo, &pools_app()))}),
+    )
+    .await?;
+    create_owner(client, &classes_ks(), ks_spec("./karpenter/nodeclasses"), inventory(owned(&repo, &classes_ks())))
+        .await?;
+    let hr_spec = json!({"interval": "5m", "releaseName": "karpenter", "driftDetection": {"mode": "enabled"},
+        "chart": {"spec": {"chart": "karpenter", "version": world.version.as_str()}}});
+    create_owner(client, &controller_hr(), hr_spec, json!({})).await?;
+
+    let app_resource = owner_resource(OwnerKind::Application);
+    adopt_one(client, &mut repo, &root_app(), app_resource, key_of_owner(&pools_app())).await?;
+    let hr_resource = owner_resource(OwnerKind::HelmRelease);
+    adopt_one(client, &mut repo, &infra_ks(), hr_resource, key_of_owner(&controller_hr())).await?;
+    create_owner(client, &root_app(), app_spec("apps"), json!({"resources": resources(owned(&repo, &root_app()))}))
+        .await?;
+    create_owner(client, &infra_ks(), ks_spec("./infrastructure"), inventory(owned(&repo, &infra_ks()))).await?;
+
+    Ok(GitopsWorld { owners: vec![root_app(), infra_ks(), pools_app(), classes_ks(), controller_hr()], repo })
+}
+
+/// The fields an owner sets back when they drift, per kind of object it applies.
+fn drift_fields(kind: &str) -> &'static [&'static str] {
+    match kind {
+        "NodePool" => &["limits", "disruption"],
+        "Deployment" => &["replicas"],
+        "Application" => &["syncPolicy"],
+        "Kustomization" | "HelmRelease" => &["suspend"],
+        _ => &[],
+    }
+}
+
+/// How the reconcilers run.
+#[derive(Debug, Clone)]
+pub struct GitopsSettings {
+    /// Period of a pass (the sandbox's scaled time; Argo CD's self-heal and Flux's interval are
+    /// minutes on a real cluster, which would only make the tests slower).
+    pub interval: Duration,
+}
+
+impl Default for GitopsSettings {
+    fn default() -> Self {
+        GitopsSettings { interval: Duration::from_millis(100) }
+    }
+}
+
+/// Counters of what the reconcilers put back.
+#[derive(Debug, Default)]
+struct Stats {
+    recreated: AtomicU64,
+    reverted: AtomicU64,
+}
+
+/// A snapshot of the counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GitopsStats {
+    /// Objects created again after they were deleted.
+    pub recreated: u64,
+    /// Fields set back after they were changed.
+    pub reverted: u64,
+}
+
+/// The running reconcilers.
+pub struct GitopsSim {
+    tasks: JoinSet<()>,
+    cancel: CancellationToken,
+    stats: Arc<Stats>,
+}
+
+impl GitopsSim {
+    /// Starts one reconciler per owner.
+    pub fn start(client: Client, world: &GitopsWorld, settings: GitopsSettings) -> GitopsSim {
+        let cancel = CancellationToken::new();
+        let stats = Arc::new(Stats::default());
+        let mut tasks = JoinSet::new();
+        for owner in &world.owners {
+            let repo: Vec<Desired> = world.repo.iter().filter(|d| d.owner == *owner).cloned().collect();
+            let (client, cancel, stats, owner, interval) =
+                (client.clone(), cancel.clone(), stats.clone(), owner.clone(), settings.interval);
+            let span = tracing::info_span!("gitops-sim", owner = %owner);
+            tasks.spawn(
+                async move {
+                    loop {
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(interval) => {}
+                        }
+                        if let Err(e) = reconcile(&client, &owner, &repo, &stats).await {
+                            tracing::debug!(error = %e, "pass failed; trying again next interval");
+                        }
+                    }
+                }
+                .instrument(span),
+            );
+        }
+        GitopsSim { tasks, cancel, stats }
+    }
+
+    /// What was put back so far.
+    pub fn stats(&self) -> GitopsStats {
+        GitopsStats {
+            recreated: self.stats.recreated.load(Ordering::Relaxed),
+            reverted: self.stats.reverted.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stops the reconcilers.
+    pub async fn shutdown(mut self) {
+        self.cancel.cancel();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Reads an owner: `None` when it is gone. Whether it puts things back, and whether it
+/// recreates and reverts (Argo CD without self-heal does neither on live changes; a HelmRelease
+/// only with drift detection).
+async fn acting(client: &Client, owner: &OwnerId) -> Result<Option<(DynamicObject, bool)>, kube::Error> {
+    let api = dynamic_api(client, &owner_resource(owner.kind), &owner.namespace);
+    let Some(obj) = api.get_opt(&owner.name).await? else { return Ok(None) };
+    let value = serde_json::to_value(&obj).map_err(kube::Error::SerdeError)?;
+    let judged = OwnerObject::from_json(owner.kind, &value);
+    let heals = match owner.kind {
+        OwnerKind::Application => value["spec"]["syncPolicy"]["automated"]["selfHeal"] == Value::Bool(true),
+        OwnerKind::Kustomization => true,
+        OwnerKind::HelmRelease => value["spec"]["driftDetection"]["mode"] == "enabled",
+    };
+    Ok(Some((obj, judged.state.is_active() && heals)))
+}
+
+async fn still_acting(client: &Client, owner: &OwnerId) -> Result<bool, kube::Error> {
+    Ok(acting(client, owner).await?.is_some_and(|(_, a)| a))
+}
+
+/// Sets an Application's `status.operationState.phase` (no status subresource on Application).
+async fn operation_phase(client: &Client, owner: &OwnerId, phase: &str) -> Result<(), kube::Error> {
+    if owner.kind != OwnerKind::Application {
+        return Ok(());
+    }
+    let api = dynamic_api(client, &owner_resource(owner.kind), &owner.namespace);
+    let pp = PatchParams { field_manager: Some("argocd-application-controller".into()), ..PatchParams::default() };
+    api.patch(&owner.name, &pp, &Patch::Merge(json!({"status": {"operationState": {"phase": phase}}}))).await?;
+    Ok(())
+}
+
+/// One pass of one owner: what differs from Git is put back, re-reading the owner before each
+/// write.
+async fn reconcile(client: &Client, owner: &OwnerId, repo: &[Desired], stats: &Stats) -> Result<(), kube::Error> {
+    if !acting(client, owner).await?.is_some_and(|(_, a)| a) {
+        return Ok(());
+    }
+    let mut syncing = false;
+    let mut result = Ok(());
+    for d in repo {
+        let api = dynamic_api(client, &d.resource, &d.key.namespace);
+        let live = api.get_opt(&d.key.name).await?;
+        let change = match &live {
+            None => Some(None),
+            // Argo CD and Flux wait for a deletion to finish before they apply again
+            Some(l) if l.metadata.deletion_timestamp.is_some() => None,
+            Some(l) => {
+                let spec = l.data.get("spec").cloned().unwrap_or(Value::Null);
+                let mut patch = serde_json::Map::new();
+                for f in drift_fields(&d.key.kind) {
+                    let want = &d.manifest["spec"][*f];
+                    if !want.is_null() && spec.get(*f) != Some(want) {
+                        patch.insert((*f).to_string(), want.clone());
+                    }
+                }
+                (!patch.is_empty()).then_some(Some(json!({"spec": patch})))
+            }
+        };
+        let Some(change) = change else { continue };
+        if !still_acting(client, owner).await? {
+            break;
+        }
+        if !syncing {
+            operation_phase(client, owner, "Running").await?;
+            syncing = true;
+        }
+        let (_, manager) = marks(owner, &d.key);
+        let pp = PatchParams { field_manager: Some(manager.into()), ..PatchParams::default() };
+        let written = match change {
+            None => {
+                let obj: DynamicObject = serde_json::from_value(d.manifest.clone()).map_err(kube::Error::SerdeError)?;
+                let pp = PostParams { field_manager: Some(manager.into()), ..PostParams::default() };
+                api.create(&pp, &obj).await.map(|_| &stats.recreated)
+            }
+            Some(patch) => api.patch(&d.key.name, &pp, &Patch::Merge(patch)).await.map(|_| &stats.reverted),
+        };
+        match written {
+            Ok(counter) => {
+                counter.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(object = %d.key, "put back what Git has");
+            }
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    if syncing {
+        operation_phase(client, owner, "Succeeded").await?;
+    }
+    result
+}
