@@ -289,6 +289,11 @@ pub struct SandboxUpArgs {
     /// Multiplies pod grace periods and controller delays (1.0 = real time).
     #[arg(long, default_value_t = 0.05)]
     pub time_scale: f64,
+    /// Put the NodePools under a simulated Argo CD Application (self-heal, with an app-of-apps
+    /// parent), the EC2NodeClasses under a Flux Kustomization and the controller under a Flux
+    /// HelmRelease, with their reconcilers running (`demo` then runs with --pause-gitops).
+    #[arg(long)]
+    pub gitops: bool,
 }
 
 /// `--karpenter`.

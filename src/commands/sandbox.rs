@@ -95,6 +95,23 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
             return Exit::Failure;
         }
     };
+    let reconcilers = if args.gitops {
+        match crate::sandbox::sim::gitops::adopt(&client, &world).await {
+            Ok(g) => {
+                for o in &g.owners {
+                    println!("sandbox: GitOps owner {o} reconciles (simulated)");
+                }
+                Some(crate::sandbox::sim::gitops::GitopsSim::start(client.clone(), &g, Default::default()))
+            }
+            Err(e) => {
+                server.shutdown().await;
+                eprintln!("error: cannot put the sandbox cluster under GitOps: {e}");
+                return Exit::Failure;
+            }
+        }
+    } else {
+        None
+    };
     let sim = SimController::start(
         client.clone(),
         aws.clone(),
@@ -102,7 +119,7 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
     );
     println!("sandbox: API server {} ; kubeconfig {} (context {})", server.url(), kubeconfig.display(), args.cluster);
     let exit = if demo {
-        sandbox_demo(&kubeconfig, &world, &aws).await
+        sandbox_demo(&kubeconfig, &world, &aws, args.gitops).await
     } else {
         println!("sandbox: serving until interrupted (Ctrl-C)");
         let _ = std::io::stdout().flush();
@@ -113,6 +130,9 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
         Exit::Clean
     };
     sim.shutdown().await;
+    if let Some(r) = reconcilers {
+        r.shutdown().await;
+    }
     server.shutdown().await;
     if args.kubeconfig_out.is_none() {
         let _ = std::fs::remove_file(&kubeconfig);
@@ -121,7 +141,12 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
 }
 
 /// Runs this very binary against the sandbox, as a user would, and shows what is left.
-async fn sandbox_demo(kubeconfig: &std::path::Path, world: &crate::sandbox::sim::World, aws: &AwsClients) -> Exit {
+async fn sandbox_demo(
+    kubeconfig: &std::path::Path,
+    world: &crate::sandbox::sim::World,
+    aws: &AwsClients,
+    gitops: bool,
+) -> Exit {
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
@@ -130,11 +155,13 @@ async fn sandbox_demo(kubeconfig: &std::path::Path, world: &crate::sandbox::sim:
         }
     };
     let report = kubeconfig.with_extension("report.json");
+    let extra: &[&str] = if gitops { &["--pause-gitops"] } else { &[] };
     println!(
-        "sandbox: $ karpenter-teardown run --cluster {} --region {SANDBOX_REGION} --kubeconfig {} --yes --report {}",
+        "sandbox: $ karpenter-teardown run --cluster {} --region {SANDBOX_REGION} --kubeconfig {} --yes --report {}{}",
         world.cluster,
         kubeconfig.display(),
-        report.display()
+        report.display(),
+        extra.iter().map(|a| format!(" {a}")).collect::<String>()
     );
     let _ = std::io::stdout().flush();
     let status = tokio::process::Command::new(exe)
@@ -143,6 +170,7 @@ async fn sandbox_demo(kubeconfig: &std::path::Path, world: &crate::sandbox::sim:
         .arg(kubeconfig)
         .arg("--report")
         .arg(&report)
+        .args(extra)
         .kill_on_drop(true)
         .status()
         .await;
