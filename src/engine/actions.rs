@@ -2,6 +2,7 @@
 //! condition). Each treats "already gone" as "done", so a re-run finishes what a killed run began.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{StreamExt, stream};
@@ -14,6 +15,7 @@ use kube::core::DynamicObject;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+use super::budgets::{self, Admission};
 use super::context::Ctx;
 use super::inventory::{Inventory, Machine, find_controller, list_dynamic};
 use crate::config::DrainPolicy;
@@ -258,7 +260,13 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
         Err(e) => return e.into(),
     }
     ctx.pods.synced().await;
+    ctx.budgets.synced().await;
     let mut changes = ctx.pods.subscribe(&node);
+    // woken when a budget this drain waits on changes its status
+    let budget_changed = Arc::new(tokio::sync::Notify::new());
+    // pods held back by a budget (by the watched status or the server's refusal)
+    let mut held_by_budget: HashSet<String> = HashSet::new();
+    let mut waiting_since: HashMap<String, Instant> = HashMap::new();
     let started = Instant::now();
     let mut next_try: HashMap<String, Instant> = HashMap::new();
     // UIDs whose eviction the server accepted (or that were already gone)
@@ -326,7 +334,33 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
             {
                 continue;
             }
-            match evict(&ctx.kube.client, p).await {
+            let reserved = match ctx.budgets.admit(&p.namespace, &p.labels, p.ready, &budget_changed) {
+                Admission::Ask(reserved) => reserved,
+                // the budget allows nothing now: no request until its status changes, except a
+                // probe now and then in case the watch is behind the server
+                Admission::Wait(budget) => {
+                    let since = *waiting_since.entry(p.uid.clone()).or_insert(now);
+                    if now.duration_since(since) < budgets::PROBE {
+                        blocked.entry(p.uid.clone()).or_insert_with(|| {
+                            (p.clone(), format!("PodDisruptionBudget {budget} allows no disruption now (status.disruptionsAllowed is 0)"))
+                        });
+                        next_try.insert(p.uid.clone(), since + budgets::PROBE);
+                        held_by_budget.insert(p.uid.clone());
+                        continue;
+                    }
+                    waiting_since.insert(p.uid.clone(), now);
+                    None
+                }
+            };
+            let outcome = evict(&ctx.kube.client, p).await;
+            if let Some(key) = &reserved {
+                match &outcome {
+                    Ok(EvictionOutcome::Evicted) => {}
+                    Ok(EvictionOutcome::Blocked(_)) => ctx.budgets.refused(key),
+                    _ => ctx.budgets.release(key),
+                }
+            }
+            match outcome {
                 // An accepted eviction is a delete of that very pod (the UID precondition): it
                 // only has to leave now. Evicting it again when the watch is slow to show its
                 // deletionTimestamp would double the requests on a busy API server.
@@ -338,9 +372,11 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
                 Ok(EvictionOutcome::Gone) => {
                     accepted.insert(p.uid.clone());
                 }
+                // the budget's status is behind the server's: wait for the next one, probing
                 Ok(EvictionOutcome::Blocked(msg)) => {
                     blocked.insert(p.uid.clone(), (p.clone(), msg));
-                    next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
+                    next_try.insert(p.uid.clone(), now + budgets::PROBE);
+                    held_by_budget.insert(p.uid.clone());
                 }
                 // nothing changes until someone removes a budget: ask again now and then, and
                 // name the pod and its budgets at the deadline
@@ -390,6 +426,12 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
         tokio::select! {
             _ = ctx.cancel.cancelled() => return TaskOutcome::Interrupted,
             _ = changes.changed() => {}
+            _ = budget_changed.notified() => {
+                // a budget this drain waits on has a new status: ask again now
+                for uid in held_by_budget.drain() {
+                    next_try.remove(&uid);
+                }
+            }
             _ = tokio::time::sleep(Duration::from_millis(1000)) => {}
         }
     }
@@ -442,22 +484,7 @@ async fn matching_pdbs(ctx: &Ctx, p: &PodRef) -> Result<Vec<(String, i32)>, kube
         .into_iter()
         .filter(|pdb| {
             let sel = pdb.spec.as_ref().and_then(|s| s.selector.as_ref());
-            sel.is_some_and(|s| {
-                s.match_labels.as_ref().is_none_or(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)))
-                    && s.match_expressions.as_ref().is_none_or(|es| {
-                        es.iter().all(|e| {
-                            let v = labels.get(&e.key);
-                            let vals = e.values.clone().unwrap_or_default();
-                            match e.operator.as_str() {
-                                "In" => v.is_some_and(|v| vals.contains(v)),
-                                "NotIn" => v.is_none_or(|v| !vals.contains(v)),
-                                "Exists" => v.is_some(),
-                                "DoesNotExist" => v.is_none(),
-                                _ => false,
-                            }
-                        })
-                    })
-            })
+            sel.is_some_and(|s| budgets::selects(s, &labels))
         })
         .map(|pdb| {
             let allowed = pdb.status.as_ref().map(|s| s.disruptions_allowed).unwrap_or(0);

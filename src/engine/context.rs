@@ -35,6 +35,8 @@ pub struct Ctx {
     pub region: String,
     /// Pods by node, from one watch.
     pub pods: PodIndex,
+    /// PodDisruptionBudgets and what they allow now, from one watch.
+    pub budgets: super::budgets::Budgets,
     /// Batched EC2 terminations and state polls.
     pub ec2: Ec2Batcher,
     /// CLI overrides for drain steps.

@@ -5,6 +5,7 @@
 
 pub mod actions;
 pub mod batcher;
+pub mod budgets;
 pub mod context;
 pub mod inventory;
 pub mod permissions;
@@ -250,6 +251,8 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
     let mut background = JoinSet::new();
     let (pods, pod_watch) = podindex::PodIndex::start(kube.client.clone());
     background.spawn(pod_watch.instrument(tracing::info_span!("pod-watch")));
+    let (budgets, budget_watch) = budgets::Budgets::start(kube.client.clone());
+    background.spawn(budget_watch.instrument(tracing::info_span!("pdb-watch")));
     let (ec2, batcher) = batcher::Ec2Batcher::start(aws.ec2.clone());
     background.spawn(batcher.instrument(tracing::info_span!("ec2-batcher")));
     let ctx = Arc::new(Ctx {
@@ -258,6 +261,7 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
         cluster: settings.cluster.clone(),
         region: settings.region.clone(),
         pods,
+        budgets,
         ec2,
         drain: settings.drain,
         reclaim: settings.reclaim,

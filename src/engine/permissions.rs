@@ -64,6 +64,8 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
         p("watch", "", "nodes"),
         p("list", "", "pods"),
         p("watch", "", "pods"),
+        p("list", "policy", "poddisruptionbudgets"),
+        p("watch", "policy", "poddisruptionbudgets"),
         p("list", "apps", "deployments"),
         p("list", "karpenter.sh", "nodeclaims"),
         p("list", "karpenter.sh", "nodepools"),

@@ -30,6 +30,10 @@ pub struct PodRef {
     /// The fence taint the pod tolerates, when it does: such a pod is not evicted but goes with
     /// its node (see [`tolerated_fence`]).
     pub rides_with_node: Option<&'static str>,
+    /// Its labels, to find the PodDisruptionBudget that selects it.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Its `Ready` condition is true: it counts as healthy for its budget.
+    pub ready: bool,
 }
 
 impl PodRef {
@@ -59,6 +63,12 @@ pub fn drainable(pod: &Pod) -> Option<PodRef> {
         terminating: meta.deletion_timestamp.is_some(),
         grace_seconds: spec.and_then(|s| s.termination_grace_period_seconds),
         rides_with_node: tolerated_fence(spec.and_then(|s| s.tolerations.as_deref()).unwrap_or_default()),
+        labels: meta.labels.clone().unwrap_or_default(),
+        ready: pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")),
     })
 }
 
@@ -206,6 +216,8 @@ mod tests {
             terminating: false,
             grace_seconds: grace,
             rides_with_node: None,
+            labels: Default::default(),
+            ready: true,
         }
     }
 

@@ -39,6 +39,9 @@ enum Timer {
     PdbRefresh,
     /// Run the scheduling pass that was held back by [`SCHEDULE_EVERY`].
     Schedule,
+    /// Recompute a namespace's PDBs when an entry of their `disruptedPods` expires, like the
+    /// disruption controller's `enqueuePdbForRecheck`.
+    PdbRecheck(String),
 }
 
 #[derive(Default)]
@@ -122,6 +125,8 @@ struct ControlPlane {
     pdb_pending_pods: PodLabels,
     /// Whether a [`Timer::PdbRefresh`] is queued.
     pdb_armed: bool,
+    /// namespace → when its queued [`Timer::PdbRecheck`] fires.
+    pdb_recheck: HashMap<String, Instant>,
     /// When the scheduler last ran, and whether a [`Timer::Schedule`] is queued.
     scheduled_at: Option<Instant>,
     schedule_armed: bool,
@@ -247,6 +252,7 @@ pub async fn run(store: Store, time_scale: f64, cancel: CancellationToken) {
         pdb_pending: BTreeSet::new(),
         pdb_pending_pods: BTreeMap::new(),
         pdb_armed: false,
+        pdb_recheck: HashMap::new(),
         scheduled_at: None,
         schedule_armed: false,
     };
@@ -397,6 +403,11 @@ impl ControlPlane {
                     self.start_pod(&ns, &name, &uid, d);
                 }
                 Timer::PdbRefresh => self.refresh_pdbs(),
+                Timer::PdbRecheck(ns) => {
+                    self.pdb_recheck.remove(&ns);
+                    self.pdb_pending.insert(ns);
+                    self.refresh_pdbs();
+                }
                 Timer::Schedule => {
                     self.schedule_armed = false;
                     d.schedule = true;
@@ -560,7 +571,16 @@ impl ControlPlane {
             // are recomputed; the status they get is the same as from a full refresh.
             let timeout = deletion_timeout(self.scale);
             for n in names {
-                self.store.with(|inner| refresh_pdb(inner, &ns, &n, timeout));
+                // a pod evicted and re-created under the same name (a StatefulSet's) counts as
+                // disrupted until its entry expires; the real controller re-queues the budget for
+                // that moment, or its status would stay at zero allowed until something else changes
+                let Some(after) = self.store.with(|inner| refresh_pdb(inner, &ns, &n, timeout)) else { continue };
+                let at = Instant::now() + after;
+                if self.pdb_recheck.get(&ns).is_none_or(|queued| at < *queued) {
+                    self.pdb_recheck.insert(ns.clone(), at);
+                    self.seq += 1;
+                    self.timers.insert((at, self.seq), Timer::PdbRecheck(ns.clone()));
+                }
             }
         }
     }

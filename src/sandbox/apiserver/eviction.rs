@@ -156,18 +156,31 @@ pub(crate) fn pdb_status(inner: &Inner, pdb: &Value, timeout: std::time::Duratio
 }
 
 /// Writes a PDB's recomputed status if it changed.
-pub(crate) fn refresh_pdb(inner: &mut Inner, ns: &str, name: &str, timeout: std::time::Duration) {
-    let Some(pdb) = inner.find(&pdb_gr(), ns, name).cloned() else {
-        return;
-    };
+/// Recomputes one PDB's status; returns how long until its earliest `disruptedPods` entry
+/// expires, when it holds one (the status must be computed again then).
+pub(crate) fn refresh_pdb(
+    inner: &mut Inner,
+    ns: &str,
+    name: &str,
+    timeout: std::time::Duration,
+) -> Option<std::time::Duration> {
+    let pdb = inner.find(&pdb_gr(), ns, name).cloned()?;
     let st = pdb_status(inner, &pdb, timeout);
-    if pdb["status"] == st {
-        return;
+    let now = std::time::SystemTime::now();
+    let recheck = st["disruptedPods"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(_, at)| humantime::parse_rfc3339(at.as_str()?).ok())
+        .map(|at| (at + timeout + std::time::Duration::from_secs(1)).duration_since(now).unwrap_or_default())
+        .min();
+    if pdb["status"] != st {
+        let mut o = (*pdb).clone();
+        o["status"] = st;
+        let key = ObjectKey { gr: pdb_gr(), namespace: ns.into(), name: name.into() };
+        inner.put(&key, o, "controller-manager", "status");
     }
-    let mut o = (*pdb).clone();
-    o["status"] = st;
-    let key = ObjectKey { gr: pdb_gr(), namespace: ns.into(), name: name.into() };
-    inner.put(&key, o, "controller-manager", "status");
+    recheck
 }
 
 /// POST pods/NAME/eviction.

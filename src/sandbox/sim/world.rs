@@ -47,6 +47,10 @@ pub struct WorldSpec {
     pub replicas_per_workload: usize,
     /// Make the first workload's PDB strict (`minAvailable == replicas`): it blocks every eviction.
     pub strict_pdb: bool,
+    /// Give every other workload's PDB `maxUnavailable: n` (a PDB-heavy cluster) instead of a
+    /// budget that never refuses. Once the pools are fenced such a budget only allows the next
+    /// eviction when a replacement is ready somewhere else.
+    pub pdb_max_unavailable: Option<u32>,
     /// Make the last NodePool static (Karpenter ≥ 1.8): `spec.replicas` set to the nodes dealt to
     /// it, no weight, limits only on `nodes` (the CRD's CEL rules refuse anything else).
     pub static_pool: bool,
@@ -103,6 +107,7 @@ impl Default for WorldSpec {
             pods_per_node: 4,
             replicas_per_workload: 4,
             strict_pdb: false,
+            pdb_max_unavailable: None,
             managed_nodes: 2,
             taint_managed_node: true,
             control_plane_node: true,
@@ -831,6 +836,8 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
                 // exactly like the strict one: that is field report 4, covered by `strict_pdb`.
                 let budget = if w.strict_pdb {
                     json!({"minAvailable": w.replicas})
+                } else if let Some(n) = spec.pdb_max_unavailable {
+                    json!({"maxUnavailable": n})
                 } else if w.kind == "StatefulSet" {
                     json!({"minAvailable": 0})
                 } else {
