@@ -14,6 +14,7 @@ use crate::cli::{
 };
 use crate::config::{ConfigError, Consent, PlanSource, RunConfig, Target};
 use crate::engine::context::DrainOverrides;
+use crate::engine::events::{EngineEvent, Events};
 use crate::engine::{self, RunSettings};
 use crate::exit::Exit;
 use crate::k8s::{Kube, KubeError};
@@ -240,24 +241,76 @@ fn plan_command(args: &PlanArgs) -> Exit {
 
 /// Cancels `token` on Ctrl-C or SIGTERM; the returned task is aborted when the run ends.
 fn watch_signals(token: CancellationToken) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        #[cfg(unix)]
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
+    watch_run_signals(token, None)
+}
+
+/// Waits for one Ctrl-C or SIGTERM.
+async fn interrupted() {
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
             }
-        };
-        #[cfg(not(unix))]
-        let term = std::future::pending::<()>();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term => {}
+            Err(_) => std::future::pending::<()>().await,
         }
-        tracing::warn!("interrupted: no new work starts; in-flight writes finish; run again to resume");
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
+/// [`watch_signals`] for a teardown: the first signal stops new work and lets in-flight writes
+/// finish; a second one ends the process at once with exit 130, naming the tasks that were in
+/// flight (each is idempotent: a re-run picks them up from the cluster and EC2).
+fn watch_run_signals(token: CancellationToken, in_flight: Option<InFlight>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        interrupted().await;
+        tracing::warn!(
+            "interrupted: no new work starts; in-flight writes finish; run again to resume (interrupt again to stop at once)"
+        );
         token.cancel();
+        let Some(in_flight) = in_flight else { return };
+        interrupted().await;
+        let tasks: Vec<String> = in_flight.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
+        crate::progress::finish();
+        let what = if tasks.is_empty() { "nothing".to_string() } else { tasks.join(", ") };
+        eprintln!(
+            "interrupted twice: stopping at once with {} task(s) in flight: {what}. Nothing is left half-done that a re-run \
+             does not finish: run the same command again to resume",
+            tasks.len()
+        );
+        std::process::exit(i32::from(Exit::Interrupted.code()));
+    })
+}
+
+/// The tasks running now, by label, from the engine's events.
+type InFlight = std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>;
+
+/// Reads the engine's events: the live view (on a terminal) and what is in flight.
+fn consume_events(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+    in_flight: InFlight,
+) -> tokio::task::JoinHandle<()> {
+    let view = crate::progress::active();
+    tokio::spawn(async move {
+        while let Some(ev) = rx.recv().await {
+            match &ev {
+                EngineEvent::TaskStarted(t) => {
+                    in_flight.lock().unwrap_or_else(|p| p.into_inner()).insert(t.label());
+                }
+                EngineEvent::TaskEnded { task, .. } => {
+                    in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&task.label());
+                }
+                _ => {}
+            }
+            if let Some(v) = &view {
+                v.on_engine_event(&ev);
+            }
+        }
     })
 }
 
@@ -288,19 +341,26 @@ async fn run_command(args: &RunArgs) -> Exit {
             gitops: config.gitops,
         };
         let cancel = CancellationToken::new();
-        let signals = watch_signals(cancel.clone());
+        let in_flight = InFlight::default();
+        let signals = watch_run_signals(cancel.clone(), Some(in_flight.clone()));
+        let (events, rx) = Events::channel();
+        let consumer = consume_events(rx, in_flight);
         // the report counts every call, Kubernetes and AWS, however the run ends
         let calls = (kube.calls.clone(), aws.calls.clone());
-        let mut result = engine::run(kube.clone(), aws.clone(), settings.clone(), cancel.clone()).await;
+        let mut result = engine::run(kube.clone(), aws.clone(), settings.clone(), cancel.clone(), events.clone()).await;
         if dry_run && result.error.is_none() {
             println!("{}", result.plan_text);
             if confirm_on_terminal(&target.cluster) {
                 dry_run = false;
-                result = engine::run(kube.clone(), aws, RunSettings { dry_run: false, ..settings }, cancel).await;
+                let settings = RunSettings { dry_run: false, ..settings };
+                result = engine::run(kube.clone(), aws, settings, cancel, events.clone()).await;
             } else {
                 println!("Dry run: nothing was changed. Run again with --yes to do it.");
             }
         }
+        // the engine's senders are gone with its runs: the consumer ends once it has read all
+        drop(events);
+        let _ = consumer.await;
         signals.abort();
         report.api_calls = calls.0.snapshot();
         report.api_calls.extend(calls.1.snapshot());

@@ -1,7 +1,8 @@
 //! Structured logs: human text on a terminal, plain text or JSON lines without one, never
 //! colour or cursor codes when stderr is not a terminal (CI logs, Terraform output). On a
 //! terminal with text logs, the live progress view ([`crate::progress`]) is drawn below the log
-//! lines; the lines are written with the view suspended so the two never mix.
+//! lines, which are then warnings and errors only; they are written with the view suspended so
+//! the two never mix.
 
 use std::io::{IsTerminal, Write};
 
@@ -30,18 +31,17 @@ pub fn init_with(format: LogFormat, filter: &str, progress: bool) {
     let tty = std::io::stderr().is_terminal();
     let view = progress.then(Progress::stderr);
     let writer = LogWriter { view: view.clone() };
-    // the view reads the engine's own events, debug included ("started"), whatever the log level
-    let view_layer =
-        view.clone().map(|v| v.with_filter(Targets::new().with_target("karpenter_teardown", Level::DEBUG)));
+    // under the live view only warnings and errors are printed (above it): the view shows the rest
+    let quiet = view.is_some().then(|| Targets::new().with_default(Level::WARN));
     let fmt = tracing_subscriber::fmt::layer().with_writer(writer).with_target(false);
     let fmt_layer = match format {
         LogFormat::Json => {
             fmt.json().flatten_event(true).with_current_span(true).with_span_list(false).with_filter(filter).boxed()
         }
-        LogFormat::Text => fmt.with_ansi(tty).with_filter(filter).boxed(),
+        LogFormat::Text => fmt.with_ansi(tty).with_filter(filter).with_filter(quiet).boxed(),
     };
     // try_init: a second initialisation (tests calling into the CLI twice) is harmless
-    let installed = Registry::default().with(fmt_layer).with(view_layer).try_init().is_ok();
+    let installed = Registry::default().with(fmt_layer).try_init().is_ok();
     if installed && let Some(v) = &view {
         v.install();
     }

@@ -62,8 +62,7 @@ async fn run_until(
     b: &Bed,
     cluster: &str,
     mut det: Detector,
-    signal: &str,
-    delay: Duration,
+    signals: &[(&str, Duration)],
 ) -> (Option<i32>, Vec<String>) {
     let inv = Invocation { args: vec!["--yes", "--log-level", LOG_LEVEL], ..Invocation::default() };
     let mut cmd = command(b, "run", cluster, &inv);
@@ -81,10 +80,12 @@ async fn run_until(
         }
     }
     assert!(fired, "the run ended before {:?}:\n{}", det.point, seen.join("\n"));
-    tokio::time::sleep(delay).await;
     let pid = child.id().unwrap().to_string();
-    let killed = std::process::Command::new("kill").args([signal, &pid]).status().unwrap();
-    assert!(killed.success(), "kill {signal} {pid} failed");
+    for (signal, delay) in signals {
+        tokio::time::sleep(*delay).await;
+        let killed = std::process::Command::new("kill").args([*signal, pid.as_str()]).status().unwrap();
+        assert!(killed.success(), "kill {signal} {pid} failed");
+    }
     // keep reading so the tool never blocks on a full pipe while it shuts down
     let drain = tokio::spawn(async move {
         let mut rest = Vec::new();
@@ -105,7 +106,7 @@ async fn kill_and_resume(point: KillPoint) {
     let before = untouchable_nodes(&b.client, &world).await;
     let det = Detector { point, pools: world.node_pools.len(), pools_ended: 0 };
     let delay = if matches!(point, KillPoint::MidVerify) { Duration::from_secs(1) } else { Duration::ZERO };
-    let (code, lines) = run_until(&b, &world.cluster, det, "-KILL", delay).await;
+    let (code, lines) = run_until(&b, &world.cluster, det, &[("-KILL", delay)]).await;
     assert_eq!(code, None, "{point:?}: the run was not killed by the signal:\n{}", lines.join("\n"));
 
     let run = teardown(&b, &world.cluster, &[]).await;
@@ -141,9 +142,28 @@ async fn sigterm_mid_drain_exits_130() {
     let world = generate(&s, &b.client, &b.aws).await.unwrap();
     let det = Detector { point: KillPoint::DrainStarted, pools: 0, pools_ended: 0 };
     // a second later the drain is evicting, and the strict PDB's pods keep it from ending
-    let (code, lines) = run_until(&b, &world.cluster, det, "-TERM", Duration::from_secs(1)).await;
+    let (code, lines) = run_until(&b, &world.cluster, det, &[("-TERM", Duration::from_secs(1))]).await;
     assert_eq!(code, Some(130), "{}", lines.join("\n"));
     let report = read_report(&b, "run");
     assert_eq!(report["outcome"], "interrupted", "{report:#}");
+    b.server.shutdown().await;
+}
+
+/// Issue 16: a second interrupt ends the run at once (exit 130), naming what was in flight. The
+/// first one, during verification's settle, would let the verify task finish its two reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_interrupt_stops_at_once_naming_the_tasks_in_flight() {
+    let s = spec("resume-twice", 2);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let det = Detector { point: KillPoint::MidVerify, pools: world.node_pools.len(), pools_ended: 0 };
+    let signals = [("-TERM", Duration::ZERO), ("-TERM", Duration::from_millis(300))];
+    let (code, lines) = run_until(&b, &world.cluster, det, &signals).await;
+    assert_eq!(code, Some(130), "{}", lines.join("\n"));
+    let said = lines.iter().find(|l| l.contains("interrupted twice")).unwrap_or_else(|| panic!("{}", lines.join("\n")));
+    assert!(said.contains("1 task(s) in flight: verify"), "{said}");
+    // the run is resumable: a re-run verifies and ends clean
+    let run = teardown(&b, &world.cluster, &[]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
     b.server.shutdown().await;
 }

@@ -267,3 +267,53 @@ async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() 
     sim.shutdown().await;
     b.server.shutdown().await;
 }
+
+/// Issue 16: the engine speaks in typed events on one channel: the run's size, every task's
+/// start and end, and each drain's pods left (what the live view shows as "N pod(s) left"),
+/// counting down from the node's drainable pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_reports_typed_events_with_the_pods_each_drain_has_left() {
+    use karpenter_teardown::engine::events::{EngineEvent, Events};
+    use karpenter_teardown::engine::{self, RunSettings};
+    let s = spec("e2e-events", 4);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let kube = karpenter_teardown::k8s::Kube::from_config(b.server.kube_config(), None).unwrap();
+    let settings = RunSettings {
+        cluster: world.cluster.clone(),
+        region: REGION.into(),
+        account: None,
+        plan: karpenter_teardown::plan::Plan::builtin_default(),
+        dry_run: false,
+        drain: Default::default(),
+        max_nodes: None,
+        reclaim: false,
+        gitops: Default::default(),
+    };
+    let (events, mut rx) = Events::channel();
+    let aws = common::localstack_as_aws(REGION).await;
+    let result = engine::run(kube, aws, settings, tokio_util::sync::CancellationToken::new(), events).await;
+    assert_eq!(result.exit, karpenter_teardown::exit::Exit::Clean, "{:?}", result.error);
+    let mut seen = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        seen.push(ev);
+    }
+    let Some(EngineEvent::RunStarted { tasks, .. }) = seen.first() else { panic!("{seen:?}") };
+    let started = seen.iter().filter(|e| matches!(e, EngineEvent::TaskStarted(_))).count();
+    let ended = seen.iter().filter(|e| matches!(e, EngineEvent::TaskEnded { .. })).count();
+    assert_eq!((started as u64, ended as u64), (*tasks, *tasks), "every task starts and ends once");
+    for n in &world.nodes {
+        let left: Vec<u64> = seen
+            .iter()
+            .filter_map(|e| match e {
+                EngineEvent::DrainProgress { task, pods_left, .. } if task.object.as_deref() == Some(&n.nodeclaim) => {
+                    Some(*pods_left)
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(left.first(), Some(&(s.pods_per_node as u64)), "drain of {}: {left:?}", n.nodeclaim);
+        assert!(left.windows(2).all(|w| w[1] <= w[0]), "pods left only go down: {left:?}");
+    }
+    b.server.shutdown().await;
+}

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 
 use super::budgets::{self, Admission};
 use super::context::Ctx;
+use super::events::{EngineEvent, TaskRef, Waiting};
 use super::inventory::{Inventory, Machine, find_controller, list_dynamic};
 use crate::config::DrainPolicy;
 use crate::k8s::nodes::cordon_node;
@@ -239,7 +240,7 @@ async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
 
 /// Cordons the machine's node, evicts its pods in Karpenter's order respecting
 /// PodDisruptionBudgets, waits for them by watch, and applies the deadline policy.
-pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
+pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) -> TaskOutcome {
     // Only a NodeClaim that names no node (or is gone) means there is nothing to drain; an error
     // reading it must never be taken for that, or the instance would be terminated undrained.
     let node = match node_of(ctx, machine).await {
@@ -265,7 +266,8 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
     // woken when a budget this drain waits on changes its status
     let budget_changed = Arc::new(tokio::sync::Notify::new());
     // pods held back by a budget (by the watched status or the server's refusal)
-    let mut held_by_budget: HashSet<String> = HashSet::new();
+    let mut held_by_budget: HashMap<String, String> = HashMap::new();
+    let mut shown: Option<(u64, Waiting)> = None;
     let mut waiting_since: HashMap<String, Instant> = HashMap::new();
     let started = Instant::now();
     let mut next_try: HashMap<String, Instant> = HashMap::new();
@@ -345,7 +347,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
                             (p.clone(), format!("PodDisruptionBudget {budget} allows no disruption now (status.disruptionsAllowed is 0)"))
                         });
                         next_try.insert(p.uid.clone(), since + budgets::PROBE);
-                        held_by_budget.insert(p.uid.clone());
+                        held_by_budget.insert(p.uid.clone(), budget);
                         continue;
                     }
                     waiting_since.insert(p.uid.clone(), now);
@@ -376,7 +378,8 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
                 Ok(EvictionOutcome::Blocked(msg)) => {
                     blocked.insert(p.uid.clone(), (p.clone(), msg));
                     next_try.insert(p.uid.clone(), now + budgets::PROBE);
-                    held_by_budget.insert(p.uid.clone());
+                    held_by_budget
+                        .insert(p.uid.clone(), reserved.clone().unwrap_or_else(|| "a PodDisruptionBudget".into()));
                 }
                 // nothing changes until someone removes a budget: ask again now and then, and
                 // name the pod and its budgets at the deadline
@@ -396,6 +399,21 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
                 }
                 Err(e) => return e.into(),
             }
+        }
+        let waiting = match left.iter().find_map(|p| held_by_budget.get(&p.uid).filter(|_| !accepted.contains(&p.uid)))
+        {
+            Some(budget) => Waiting::Budget(budget.clone()),
+            None if left.iter().all(|p| p.terminating || accepted.contains(&p.uid)) => Waiting::GracePeriods,
+            None => Waiting::Evicting,
+        };
+        let now_shown = (left.len() as u64, waiting);
+        if shown.as_ref() != Some(&now_shown) {
+            ctx.events.send(EngineEvent::DrainProgress {
+                task: task.clone(),
+                pods_left: now_shown.0,
+                waiting: now_shown.1.clone(),
+            });
+            shown = Some(now_shown);
         }
         // Something may undo the cordon meanwhile (design §1.6). The node watch shows it as it
         // happens; a read is needed only when the watch says so (at most once a second, while the
@@ -428,7 +446,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
             _ = changes.changed() => {}
             _ = budget_changed.notified() => {
                 // a budget this drain waits on has a new status: ask again now
-                for uid in held_by_budget.drain() {
+                for (uid, _) in held_by_budget.drain() {
                     next_try.remove(&uid);
                 }
             }
@@ -861,7 +879,9 @@ async fn sweep_machine(ctx: &Ctx, machine: &str) -> TaskOutcome {
         concurrency: std::num::NonZeroUsize::MIN,
         settle: Duration::ZERO,
     };
-    match drain(ctx, machine, &params).await {
+    // shown as a drain of its own: it is not a task of the graph
+    let task = TaskRef { step: "sweep".into(), action: "drain", object: Some(machine.to_string()) };
+    match drain(ctx, machine, &params, &task).await {
         TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
         TaskOutcome::Blocked(d) => {
             return TaskOutcome::Blocked(format!("NodeClaim {machine} launched during the run: {d}"));

@@ -52,6 +52,8 @@ pub struct Ctx {
     pub user_instance_profiles: BTreeSet<String>,
     /// Set on Ctrl-C / SIGTERM: stop starting work, finish or abandon in-flight work safely.
     pub cancel: CancellationToken,
+    /// Where the run's typed events go (the live view, the interrupt handler).
+    pub events: super::events::Events,
     /// Things that blocked or fought the run, for the report.
     pub notes: Mutex<Vec<Blocker>>,
     /// The leftovers verification found, for the report.
@@ -66,7 +68,9 @@ impl Ctx {
         let b = Blocker { kind: kind.into(), name: name.into(), reason: reason.into() };
         let mut notes = self.notes.lock().unwrap_or_else(|p| p.into_inner());
         if !notes.contains(&b) {
-            notes.push(b);
+            notes.push(b.clone());
+            drop(notes);
+            self.events.send(super::events::EngineEvent::Blocker(b));
         }
     }
 }

@@ -7,6 +7,7 @@ pub mod actions;
 pub mod batcher;
 pub mod budgets;
 pub mod context;
+pub mod events;
 pub mod inventory;
 pub mod permissions;
 pub mod podindex;
@@ -24,6 +25,7 @@ use tracing::Instrument;
 
 use self::actions::TaskOutcome;
 use self::context::{Ctx, DrainOverrides};
+use self::events::{EngineEvent, TaskRef};
 use self::inventory::Inventory;
 use crate::aws::AwsClients;
 use crate::config::DrainPolicy;
@@ -154,7 +156,13 @@ async fn check_permissions(
 
 /// Runs a teardown. Errors before the first write come back as `BadInput` or `Refused` with
 /// nothing changed; `cancel` is the Ctrl-C / SIGTERM signal.
-pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: CancellationToken) -> RunResult {
+pub async fn run(
+    kube: Kube,
+    aws: AwsClients,
+    settings: RunSettings,
+    cancel: CancellationToken,
+    events: events::Events,
+) -> RunResult {
     if let Err(e) = crate::k8s::retry_transient(|| kube.check_reachable()).await {
         let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
         return RunResult::early(exit, e.to_string(), String::new());
@@ -247,6 +255,10 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
         }
     }
     tracing::info!(tasks = graph.task_count(), machines = inv.machines.len(), "starting the teardown");
+    events.send(EngineEvent::RunStarted {
+        tasks: graph.task_count() as u64,
+        steps: graph.summary().steps.into_iter().map(|s| (s.step, s.tasks as u64)).collect(),
+    });
 
     let mut background = JoinSet::new();
     let (pods, pod_watch) = podindex::PodIndex::start(kube.client.clone());
@@ -268,6 +280,7 @@ pub async fn run(kube: Kube, aws: AwsClients, settings: RunSettings, cancel: Can
         inventoried: inv.machines.keys().cloned().collect(),
         user_instance_profiles: inv.user_instance_profiles.clone(),
         cancel,
+        events,
         notes: Mutex::new(Vec::new()),
         leftovers: Mutex::new(None),
         reclaimed: Mutex::new(Vec::new()),
@@ -410,8 +423,16 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                     // closed only if the semaphore is dropped, which happens after every task ends
                     let _permit = limit.acquire_owned().await;
                     let started = SystemTime::now();
+                    let task =
+                        TaskRef { step: node.step.clone(), action: node.action.name(), object: node.object.clone() };
+                    ctx.events.send(EngineEvent::TaskStarted(task.clone()));
                     tracing::debug!("started");
                     let (outcome, attempts) = run_with_retries(&ctx, &node).await;
+                    ctx.events.send(EngineEvent::TaskEnded {
+                        task,
+                        result: outcome.word(),
+                        detail: outcome.detail().to_string(),
+                    });
                     match &outcome {
                         TaskOutcome::Failed(d) => tracing::error!(result = outcome.word(), detail = %d, "task ended"),
                         TaskOutcome::Blocked(d) | TaskOutcome::Leftovers(d) => {
@@ -512,7 +533,10 @@ async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
         Action::Fence => actions::fence(ctx).await,
         Action::Cordon => actions::cordon(ctx, object, &node.params).await,
         Action::Drain => match object {
-            Some(m) => actions::drain(ctx, m, &node.params).await,
+            Some(m) => {
+                let task = TaskRef { step: node.step.clone(), action: node.action.name(), object: node.object.clone() };
+                actions::drain(ctx, m, &node.params, &task).await
+            }
             None => TaskOutcome::Skipped("no machine".into()),
         },
         Action::RemoveController => actions::remove_controller(ctx, &node.params).await,
