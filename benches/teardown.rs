@@ -78,6 +78,14 @@ struct Args {
     /// Give up on one run after this many seconds (the run is then reported as timed out).
     #[arg(long, default_value_t = 1800)]
     run_timeout: u64,
+    /// A PDB-heavy cluster: every workload's budget is `maxUnavailable: N` (default: budgets that
+    /// never refuse). Use with --spare-nodes, or every budget blocks once the pools are fenced.
+    #[arg(long)]
+    pdb_max_unavailable: Option<u32>,
+    /// Nodes outside Karpenter the workloads may use, 110 pods each: where evicted pods become
+    /// ready again, so budgets that count ready pods let the drain go on.
+    #[arg(long, default_value_t = 0)]
+    spare_nodes: usize,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -229,6 +237,8 @@ fn spec(args: &Args, size: usize) -> WorldSpec {
         settle_timeout: Duration::from_secs(60 + size as u64 / 2),
         grace_periods: GRACE_PERIODS.to_vec(),
         grace_seed: args.seed,
+        pdb_max_unavailable: args.pdb_max_unavailable,
+        spare_nodes: args.spare_nodes,
         ..WorldSpec::default()
     }
 }
@@ -582,6 +592,13 @@ fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
         args.seed,
         bin.display(),
     ));
+    if let Some(n) = args.pdb_max_unavailable {
+        out.push_str(&format!(
+            "PDB-heavy: every workload's budget is `maxUnavailable: {n}`; {} spare node(s) outside Karpenter take the \
+             evicted pods.\n\n",
+            args.spare_nodes
+        ));
+    }
     out.push_str(
         "| nodes | pods | contender | outcome | makespan (s) | critical path (s) | ratio | k8s requests | \
          requests/pod | requests by verb | EC2 calls (tool) | sim Karpenter k8s / EC2 | peak RSS (MiB) | CPU (s) | world generated in (s) |\n",

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::engine::events::{EngineEvent, TaskRef, Waiting};
+use crate::report::{BlockerKind, TaskResult};
 
 /// How many running tasks get a line of their own; the rest are counted in the header.
 const MAX_TASK_LINES: usize = 12;
@@ -24,8 +25,8 @@ const MAX_BLOCKER_LINES: usize = 4;
 pub enum TaskState {
     /// Running since the instant.
     Running(Instant),
-    /// Over, with the engine's result word (`done`, `blocked`, ...).
-    Ended(&'static str),
+    /// Over, with how it ended.
+    Ended(TaskResult),
 }
 
 /// A task of the plan, by step and object.
@@ -90,15 +91,15 @@ impl Board {
             }
             EngineEvent::TaskEnded { task, result, detail } => {
                 let key = TaskKey::of(task);
-                if !matches!(*result, "done" | "skipped") {
+                if !result.is_ok() {
                     self.push_blocker(format!("{}: {result}: {detail}", key.label()));
                 }
                 if let Some(line) = self.tasks.get_mut(&key) {
-                    line.state = TaskState::Ended(result);
+                    line.state = TaskState::Ended(*result);
                 }
             }
             EngineEvent::Blocker(b) => {
-                let line = if b.kind == "pod-goes-with-node" {
+                let line = if b.kind == BlockerKind::PodGoesWithNode {
                     format!("goes with its node: pod {}", b.name)
                 } else {
                     format!("{} {}: {}", b.kind, b.name, b.reason)
@@ -119,11 +120,11 @@ impl Board {
     pub fn header(&self) -> String {
         let mut parts = Vec::new();
         for (step, all) in &self.steps {
-            let (mut ended, mut bad) = (0, BTreeMap::<&str, u32>::new());
+            let (mut ended, mut bad) = (0, BTreeMap::<TaskResult, u32>::new());
             for line in self.tasks.iter().filter(|(k, _)| &k.step == step).map(|(_, l)| l) {
                 if let TaskState::Ended(r) = line.state {
                     ended += 1;
-                    if r != "done" && r != "skipped" {
+                    if !r.is_ok() {
                         *bad.entry(r).or_default() += 1;
                     }
                 }
@@ -391,11 +392,15 @@ mod tests {
         for ev in [
             EngineEvent::RunStarted { tasks: 3, steps: vec![("stop".into(), 1), ("drain".into(), 2)] },
             EngineEvent::TaskStarted(c.clone()),
-            EngineEvent::TaskEnded { task: c, result: "done", detail: "fenced".into() },
+            EngineEvent::TaskEnded { task: c, result: TaskResult::Done, detail: "fenced".into() },
             EngineEvent::TaskStarted(a.clone()),
             EngineEvent::DrainProgress { task: a.clone(), pods_left: 4, waiting: Waiting::Budget("ns/web".into()) },
             EngineEvent::TaskStarted(b.clone()),
-            EngineEvent::TaskEnded { task: b, result: "blocked", detail: "pod a/p blocked by PDB a/pdb".into() },
+            EngineEvent::TaskEnded {
+                task: b,
+                result: TaskResult::Blocked,
+                detail: "pod a/p blocked by PDB a/pdb".into(),
+            },
         ] {
             progress.on_engine_event(&ev);
         }
@@ -415,7 +420,7 @@ mod tests {
     fn only_the_latest_blockers_are_kept() {
         let mut b = Board::default();
         for i in 0..10 {
-            let blocker = Blocker { kind: "pod".into(), name: format!("p{i}"), reason: "r".into() };
+            let blocker = Blocker { kind: BlockerKind::Pod, name: format!("p{i}"), reason: "r".into() };
             b.on_event(&EngineEvent::Blocker(blocker), Instant::now());
         }
         assert_eq!(b.blockers, vec!["pod p6: r", "pod p7: r", "pod p8: r", "pod p9: r"]);

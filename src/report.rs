@@ -49,6 +49,87 @@ impl Outcome {
     }
 }
 
+/// How a task ended, as the report's `steps[].result` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TaskResult {
+    /// It did what it is for (or found it done).
+    Done,
+    /// Nothing to do, or skipped by policy.
+    Skipped,
+    /// Blocked past its deadline (pods, PDBs).
+    Blocked,
+    /// Verification found leftovers.
+    Leftovers,
+    /// It failed.
+    Failed,
+    /// Stopped by Ctrl-C / SIGTERM.
+    Interrupted,
+}
+
+impl TaskResult {
+    /// The word, as in the report.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskResult::Done => "done",
+            TaskResult::Skipped => "skipped",
+            TaskResult::Blocked => "blocked",
+            TaskResult::Leftovers => "leftovers",
+            TaskResult::Failed => "failed",
+            TaskResult::Interrupted => "interrupted",
+        }
+    }
+
+    /// Whether it went as planned (done or skipped).
+    pub fn is_ok(self) -> bool {
+        matches!(self, TaskResult::Done | TaskResult::Skipped)
+    }
+}
+
+impl std::fmt::Display for TaskResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What kind of thing blocked or fought a run, as the report's `blockers[].kind` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BlockerKind {
+    /// A pod that was still on its node at the deadline.
+    Pod,
+    /// A PodDisruptionBudget that allowed no disruption.
+    Pdb,
+    /// A field manager that undid the tool's write (a cordon, the controller's replicas).
+    FieldManager,
+    /// A leftover `--reclaim` could not remove.
+    Reclaim,
+    /// A NodeClaim launched during the run.
+    Nodeclaim,
+    /// A pod that tolerates the fence and went with its node (blocked nothing).
+    PodGoesWithNode,
+}
+
+impl BlockerKind {
+    /// The word, as in the report.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BlockerKind::Pod => "pod",
+            BlockerKind::Pdb => "pdb",
+            BlockerKind::FieldManager => "field-manager",
+            BlockerKind::Reclaim => "reclaim",
+            BlockerKind::Nodeclaim => "nodeclaim",
+            BlockerKind::PodGoesWithNode => "pod-goes-with-node",
+        }
+    }
+}
+
+impl std::fmt::Display for BlockerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One step or per-object task of the plan, as it ran.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct StepRecord {
@@ -65,8 +146,8 @@ pub struct StepRecord {
     pub finished: String,
     /// How many attempts it took (1 when nothing was retried).
     pub attempts: u32,
-    /// `done`, `skipped`, `blocked`, `leftovers`, `failed` or `interrupted`.
-    pub result: String,
+    /// How it ended.
+    pub result: TaskResult,
     /// What happened, in a sentence.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub detail: String,
@@ -75,8 +156,8 @@ pub struct StepRecord {
 /// Something that kept the run from going on.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct Blocker {
-    /// `pod`, `pdb`, `field-manager`, ...
-    pub kind: String,
+    /// What kind of thing it is.
+    pub kind: BlockerKind,
     /// `namespace/name` or name.
     pub name: String,
     /// Why it blocks.
@@ -193,9 +274,9 @@ impl Report {
             self.exit_code
         );
         if !self.steps.is_empty() {
-            let mut results: BTreeMap<&str, usize> = BTreeMap::new();
+            let mut results: BTreeMap<TaskResult, usize> = BTreeMap::new();
             for st in &self.steps {
-                *results.entry(st.result.as_str()).or_default() += 1;
+                *results.entry(st.result).or_default() += 1;
             }
             let parts: Vec<String> = results.iter().map(|(r, n)| format!("{n} {r}")).collect();
             s.push_str(&format!("\n  tasks: {}", parts.join(", ")));
@@ -212,12 +293,12 @@ impl Report {
             let parts: Vec<String> = by_service.iter().map(|(svc, n)| format!("{svc} {n}")).collect();
             s.push_str(&format!("\n  api calls: {}", parts.join(", ")));
         }
-        for st in self.steps.iter().filter(|st| matches!(st.result.as_str(), "blocked" | "failed")) {
+        for st in self.steps.iter().filter(|st| matches!(st.result, TaskResult::Blocked | TaskResult::Failed)) {
             let what = st.object.as_ref().map(|o| format!("{}[{o}]", st.step)).unwrap_or_else(|| st.step.clone());
             s.push_str(&format!("\n  {} {what}: {}", st.result, st.detail));
         }
         for b in &self.blockers {
-            if b.kind == "pod-goes-with-node" {
+            if b.kind == BlockerKind::PodGoesWithNode {
                 // it blocked nothing: it tolerates the fence and went with its node
                 s.push_str(&format!("\n  went with its node: pod {}: {}", b.name, b.reason));
             } else {

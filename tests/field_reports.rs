@@ -426,6 +426,9 @@ async fn pods_tolerating_everything_go_with_their_node() {
 async fn a_pdb_heavy_cluster_is_drained_with_one_eviction_request_per_pod() {
     let s = WorldSpec {
         pdb_max_unavailable: Some(1),
+        // spare on-demand capacity outside Karpenter (no NodePool label): where replacements go
+        spare_nodes: 2,
+        spare_pods: 40,
         pods_per_node: 4,
         replicas_per_workload: 4,
         node_pools: 2,
@@ -433,18 +436,8 @@ async fn a_pdb_heavy_cluster_is_drained_with_one_eviction_request_per_pod() {
     };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.aws).await.unwrap();
-    // spare on-demand capacity outside Karpenter (no NodePool label): where replacements go
     let nodes: Api<Node> = Api::all(b.client.clone());
-    let spare: Vec<String> = (0..2).map(|i| format!("spare-{i}.{}.compute.internal", REGION)).collect();
-    for name in &spare {
-        let labels = json!({naming::LABEL_CAPACITY_TYPE: "on-demand", "kubernetes.io/hostname": name});
-        let node: Node =
-            serde_json::from_value(karpenter_teardown::sandbox::sim::objects::plain_node(name, labels, vec![], None))
-                .unwrap();
-        nodes.create(&PostParams::default(), &node).await.unwrap();
-        let status = karpenter_teardown::sandbox::sim::objects::node_status(40, "10.9.9.9");
-        nodes.patch_status(name, &PatchParams::default(), &Patch::Merge(json!({"status": status}))).await.unwrap();
-    }
+    let spare: Vec<String> = (0..s.spare_nodes).map(|i| format!("spare-{i}.{REGION}.compute.internal")).collect();
     let before = untouchable_nodes(&b.client, &world).await;
 
     let run = teardown(&b, &world.cluster, &["--drain-deadline", "60s"]).await;

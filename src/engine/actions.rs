@@ -26,6 +26,7 @@ use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict, eviction_wave
 use crate::k8s::{self, KubeError, status_code};
 use crate::karpenter::{self, ProviderId};
 use crate::plan::{OnDeadline, Params};
+use crate::report::{BlockerKind, TaskResult};
 use crate::verify;
 
 /// How a task ended.
@@ -49,15 +50,15 @@ pub enum TaskOutcome {
 }
 
 impl TaskOutcome {
-    /// The report's `result` word.
-    pub fn word(&self) -> &'static str {
+    /// The report's `result`.
+    pub fn result(&self) -> TaskResult {
         match self {
-            TaskOutcome::Done(_) => "done",
-            TaskOutcome::Skipped(_) => "skipped",
-            TaskOutcome::Blocked(_) => "blocked",
-            TaskOutcome::Leftovers(_) => "leftovers",
-            TaskOutcome::Failed(_) | TaskOutcome::Transient(_) => "failed",
-            TaskOutcome::Interrupted => "interrupted",
+            TaskOutcome::Done(_) => TaskResult::Done,
+            TaskOutcome::Skipped(_) => TaskResult::Skipped,
+            TaskOutcome::Blocked(_) => TaskResult::Blocked,
+            TaskOutcome::Leftovers(_) => TaskResult::Leftovers,
+            TaskOutcome::Failed(_) | TaskOutcome::Transient(_) => TaskResult::Failed,
+            TaskOutcome::Interrupted => TaskResult::Interrupted,
         }
     }
 
@@ -288,7 +289,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             let fence = p.rides_with_node.unwrap_or_default();
             tracing::info!(pod = %p.key(), node = %node, tolerates = fence, "not evicted: it tolerates the fence and goes with its node");
             ctx.note(
-                "pod-goes-with-node",
+                BlockerKind::PodGoesWithNode,
                 &p.key(),
                 format!(
                     "tolerates {fence}: evicting it would only put it back on a fenced node, so, as Karpenter does, it is not evicted and goes with node {node}"
@@ -431,7 +432,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
                     if let Some(who) = o.reverted_by {
                         tracing::warn!(node = %node, field_manager = %who, "the cordon was reverted; re-asserted it");
                         ctx.note(
-                            "field-manager",
+                            BlockerKind::FieldManager,
                             &who,
                             format!("uncordoned node {node} during the drain; re-asserted"),
                         );
@@ -475,14 +476,18 @@ async fn describe_blockers(ctx: &Ctx, left: &[PodRef], blocked: &BTreeMap<String
         let pdbs = match matching_pdbs(ctx, p).await {
             Ok(found) => found,
             Err(e) => {
-                ctx.note("pdb", &format!("{}/?", p.namespace), format!("could not be read for pod {}: {e}", p.key()));
+                ctx.note(
+                    BlockerKind::Pdb,
+                    &format!("{}/?", p.namespace),
+                    format!("could not be read for pod {}: {e}", p.key()),
+                );
                 Vec::new()
             }
         };
         for (pdb, allowed) in &pdbs {
-            ctx.note("pdb", pdb, format!("allows {allowed} disruption(s); blocks pod {}", p.key()));
+            ctx.note(BlockerKind::Pdb, pdb, format!("allows {allowed} disruption(s); blocks pod {}", p.key()));
         }
-        ctx.note("pod", &p.key(), why.clone());
+        ctx.note(BlockerKind::Pod, &p.key(), why.clone());
         let pdb_names: Vec<&str> = pdbs.iter().map(|(n, _)| n.as_str()).collect();
         parts.push(if pdb_names.is_empty() { p.key() } else { format!("{} (PDB {})", p.key(), pdb_names.join(", ")) });
     }
@@ -551,7 +556,7 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> TaskOutcome {
                 let who = last_manager_in(&managed, &["spec", "replicas"]).unwrap_or_else(|| "unknown".into());
                 tracing::warn!(field_manager = %who, replicas, "the Karpenter controller was scaled back up; scaling it down again");
                 ctx.note(
-                    "field-manager",
+                    BlockerKind::FieldManager,
                     &who,
                     format!("scaled {}/{} back to {replicas}", controller.namespace, controller.name),
                 );
@@ -869,7 +874,7 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
 async fn sweep_machine(ctx: &Ctx, machine: &str) -> TaskOutcome {
     tracing::warn!(nodeclaim = %machine, "a NodeClaim launched during the run: draining and terminating it too");
     ctx.note(
-        "nodeclaim",
+        BlockerKind::Nodeclaim,
         machine,
         "launched during the run (not in the inventory): a controller that was not fenced chased the drain; drained and terminated it too",
     );
@@ -911,7 +916,7 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> TaskOutcome {
         match verify::reclaim(&ctx.aws, &left).await {
             Ok(failures) => {
                 for f in failures {
-                    ctx.note("reclaim", &f, "could not be reclaimed");
+                    ctx.note(BlockerKind::Reclaim, &f, "could not be reclaimed");
                 }
             }
             Err(e) => return e.into(),

@@ -12,7 +12,7 @@ use super::podindex::PodIndex;
 use crate::aws::AwsClients;
 use crate::config::DrainPolicy;
 use crate::k8s::Kube;
-use crate::report::Blocker;
+use crate::report::{Blocker, BlockerKind};
 
 /// Overrides of the plan's drain params from the command line.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -64,8 +64,8 @@ pub struct Ctx {
 
 impl Ctx {
     /// Records a blocker or an actor that fought the run.
-    pub fn note(&self, kind: &str, name: &str, reason: impl Into<String>) {
-        let b = Blocker { kind: kind.into(), name: name.into(), reason: reason.into() };
+    pub fn note(&self, kind: BlockerKind, name: &str, reason: impl Into<String>) {
+        let b = Blocker { kind, name: name.into(), reason: reason.into() };
         let mut notes = self.notes.lock().unwrap_or_else(|p| p.into_inner());
         if !notes.contains(&b) {
             notes.push(b.clone());

@@ -4,7 +4,7 @@
 
 use tokio::sync::mpsc;
 
-use crate::report::Blocker;
+use crate::report::{Blocker, TaskResult};
 
 /// One task of the plan, as the events name it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -66,8 +66,8 @@ pub enum EngineEvent {
     TaskEnded {
         /// The task.
         task: TaskRef,
-        /// The result word (`done`, `skipped`, `blocked`, `leftovers`, `failed`, `interrupted`).
-        result: &'static str,
+        /// How it ended.
+        result: TaskResult,
         /// What happened.
         detail: String,
     },

@@ -33,7 +33,7 @@ use crate::exit::Exit;
 use crate::gitops::{GitopsConsent, Survey};
 use crate::k8s::Kube;
 use crate::plan::{Action, Plan, ReadyTracker, TaskGraph, TaskId, TaskNode};
-use crate::report::{Blocker, StepRecord, rfc3339};
+use crate::report::{Blocker, StepRecord, TaskResult, rfc3339};
 use crate::verify::Leftovers;
 
 /// What a run needs beyond the clients.
@@ -291,7 +291,7 @@ pub async fn run(
     let blockers = ctx.notes.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let leftovers = ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
     let reclaimed = ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let error = steps.iter().find(|s| s.result == "failed").map(|s| format!("{}: {}", label(s), s.detail));
+    let error = steps.iter().find(|s| s.result == TaskResult::Failed).map(|s| format!("{}: {}", label(s), s.detail));
     RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text, gitops }
 }
 
@@ -352,7 +352,7 @@ async fn pause_gitops(
         started: rfc3339(started),
         finished: rfc3339(SystemTime::now()),
         attempts: 1,
-        result: if error.is_some() { "failed" } else { "done" }.into(),
+        result: if error.is_some() { TaskResult::Failed } else { TaskResult::Done },
         detail,
     };
     (record, error)
@@ -430,15 +430,19 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                     let (outcome, attempts) = run_with_retries(&ctx, &node).await;
                     ctx.events.send(EngineEvent::TaskEnded {
                         task,
-                        result: outcome.word(),
+                        result: outcome.result(),
                         detail: outcome.detail().to_string(),
                     });
                     match &outcome {
-                        TaskOutcome::Failed(d) => tracing::error!(result = outcome.word(), detail = %d, "task ended"),
-                        TaskOutcome::Blocked(d) | TaskOutcome::Leftovers(d) => {
-                            tracing::warn!(result = outcome.word(), detail = %d, "task ended")
+                        TaskOutcome::Failed(d) => {
+                            tracing::error!(result = outcome.result().as_str(), detail = %d, "task ended")
                         }
-                        _ => tracing::info!(result = outcome.word(), detail = outcome.detail(), "task ended"),
+                        TaskOutcome::Blocked(d) | TaskOutcome::Leftovers(d) => {
+                            tracing::warn!(result = outcome.result().as_str(), detail = %d, "task ended")
+                        }
+                        _ => {
+                            tracing::info!(result = outcome.result().as_str(), detail = outcome.detail(), "task ended")
+                        }
                     }
                     let record = StepRecord {
                         step: node.step.clone(),
@@ -447,7 +451,7 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                         started: rfc3339(started),
                         finished: rfc3339(SystemTime::now()),
                         attempts,
-                        result: outcome.word().to_string(),
+                        result: outcome.result(),
                         detail: outcome.detail().to_string(),
                     };
                     (id, record, outcome)

@@ -56,6 +56,14 @@ pub struct WorldSpec {
     pub static_pool: bool,
     /// Managed node group nodes (not Karpenter's), hosting the controller and CoreDNS.
     pub managed_nodes: usize,
+    /// Nodes outside Karpenter that the workloads may use (labelled
+    /// `karpenter.sh/capacity-type: on-demand`, as a self-managed group can be, with no NodePool),
+    /// with room for `spare_pods` pods each: once the pools are fenced, evicted pods become ready
+    /// there, so PodDisruptionBudgets that count ready pods let the drain go on. Added after the
+    /// workloads are running, so nothing starts on them.
+    pub spare_nodes: usize,
+    /// Pods each spare node has room for.
+    pub spare_pods: u32,
     /// Give the first managed node the taint `dedicated=system:NoSchedule`.
     pub taint_managed_node: bool,
     /// Add a node tainted `node-role.kubernetes.io/control-plane:NoSchedule`, with no instance.
@@ -108,6 +116,8 @@ impl Default for WorldSpec {
             replicas_per_workload: 4,
             strict_pdb: false,
             pdb_max_unavailable: None,
+            spare_nodes: 0,
+            spare_pods: 110,
             managed_nodes: 2,
             taint_managed_node: true,
             control_plane_node: true,
@@ -376,6 +386,7 @@ pub async fn generate(spec: &WorldSpec, client: &Client, aws: &AwsClients) -> Re
     if spec.pods_per_node > 0 && spec.nodes > 0 {
         wait_for_pods(spec, client).await?;
     }
+    create_spare_nodes(spec, client).await?;
 
     let mut nodes = nodes;
     nodes.sort_by(|a, b| a.node.cmp(&b.node));
@@ -609,6 +620,27 @@ pub(crate) async fn launch_karpenter_node(
         instance_id: instance.id,
         provider_id,
     })
+}
+
+async fn create_spare_nodes(spec: &WorldSpec, client: &Client) -> Result<(), SimError> {
+    let api: Api<Node> = Api::all(client.clone());
+    for i in 0..spec.spare_nodes {
+        let name = format!("spare-{i}.{}.compute.internal", spec.region);
+        let zone = &spec.zones[i % spec.zones.len()];
+        let labels = json!({
+            naming::LABEL_CAPACITY_TYPE: "on-demand",
+            naming::LABEL_ZONE: zone,
+            naming::LABEL_REGION: spec.region,
+            "kubernetes.io/hostname": name,
+            "kubernetes.io/os": "linux",
+        });
+        let node: Node = typed("Node", objects::plain_node(&name, labels, Vec::new(), None))?;
+        ops::create_or_get(&api, &node).await.map_err(SimError::kube(format!("creating Node {name}")))?;
+        ops::patch_status(&api, &name, objects::node_status(spec.spare_pods, &objects::internal_ip(&name)))
+            .await
+            .map_err(SimError::kube(format!("reporting Node {name} ready")))?;
+    }
+    Ok(())
 }
 
 async fn create_system_nodes(
