@@ -96,6 +96,31 @@ impl From<crate::aws::AwsError> for TaskOutcome {
     }
 }
 
+/// Why a task could not do its work. The engine turns it into a `failed` task, or runs the task
+/// again when it is transient (actions are idempotent functions of the live state).
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    /// A Kubernetes call failed.
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+    /// An EC2 or IAM call failed.
+    #[error(transparent)]
+    Aws(#[from] crate::aws::AwsError),
+}
+
+impl From<TaskError> for TaskOutcome {
+    fn from(e: TaskError) -> Self {
+        match e {
+            TaskError::Kube(e) => e.into(),
+            TaskError::Aws(e) => e.into(),
+        }
+    }
+}
+
+/// What an action returns: how it ended, or the error that stopped it, so that a failed call
+/// propagates with `?` and the engine alone decides between `failed` and another attempt.
+pub type Outcome = Result<TaskOutcome, TaskError>;
+
 /// A batched EC2 call's failure: throttling that outlasted the SDK's retries runs the task again.
 fn batch_failure(detail: String, e: &super::batcher::BatchError) -> TaskOutcome {
     if e.transient { TaskOutcome::Transient(detail) } else { TaskOutcome::Failed(detail) }
@@ -117,13 +142,10 @@ async fn pause(ctx: &Ctx, d: Duration) -> bool {
 /// NodePool limits to zero and disruption budgets to zero nodes, originals kept in an
 /// annotation; a NodePool already fenced is left alone. Static NodePools are fenced on
 /// `limits.nodes` only (see [`karpenter::fence_limits`]); their `replicas` stay as they are.
-pub async fn fence(ctx: &Ctx) -> TaskOutcome {
+pub async fn fence(ctx: &Ctx) -> Outcome {
     let ar = k8s::nodepool_resource();
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
-    let pools = match list_dynamic(&ctx.kube.client, &ar).await {
-        Ok(p) => p,
-        Err(e) => return e.into(),
-    };
+    let pools = list_dynamic(&ctx.kube.client, &ar).await?;
     let mut fenced = 0;
     for pool in pools {
         let name = pool.metadata.name.clone().unwrap_or_default();
@@ -131,7 +153,7 @@ pub async fn fence(ctx: &Ctx) -> TaskOutcome {
             let current = match if attempt == 0 { Ok(Some(pool.clone())) } else { api.get_opt(&name).await } {
                 Ok(Some(p)) => p,
                 Ok(None) => break,
-                Err(e) => return KubeError::api(format!("read NodePool {name}"), e).into(),
+                Err(e) => return Err(KubeError::api(format!("read NodePool {name}"), e).into()),
             };
             if current.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(FENCE_ANNOTATION)) {
                 break;
@@ -154,11 +176,11 @@ pub async fn fence(ctx: &Ctx) -> TaskOutcome {
                 }
                 Err(e) if status_code(&e) == Some(404) => break,
                 Err(e) if status_code(&e) == Some(409) => continue,
-                Err(e) => return KubeError::api(format!("fence NodePool {name}"), e).into(),
+                Err(e) => return Err(KubeError::api(format!("fence NodePool {name}"), e).into()),
             }
         }
     }
-    TaskOutcome::Done(format!("{fenced} NodePool(s) fenced"))
+    Ok(TaskOutcome::Done(format!("{fenced} NodePool(s) fenced")))
 }
 
 // ---------------------------------------------------------------- cordon
@@ -167,17 +189,13 @@ pub async fn fence(ctx: &Ctx) -> TaskOutcome {
 /// drained. Drains run in parallel but not all at once: a pod evicted from one node would
 /// otherwise be scheduled onto a node that is drained later and be evicted again, once per
 /// node it lands on, which multiplies evictions and the makespan on a large cluster.
-pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> TaskOutcome {
+pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> Outcome {
     let nodes = match machine {
-        Some(m) => match node_of(ctx, m).await {
-            Ok(Some(n)) => vec![n],
-            Ok(None) => return TaskOutcome::Skipped("no node".into()),
-            Err(e) => return e.into(),
+        Some(m) => match node_of(ctx, m).await? {
+            Some(n) => vec![n],
+            None => return Ok(TaskOutcome::Skipped("no node".into())),
         },
-        None => match inventoried_nodes(ctx).await {
-            Ok(n) => n,
-            Err(e) => return e.into(),
-        },
+        None => inventoried_nodes(ctx).await?,
     };
     let api: Api<Node> = Api::all(ctx.kube.client.clone());
     let total = nodes.len();
@@ -193,27 +211,24 @@ pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> TaskOu
     let (mut wrote, mut gone) = (0, 0);
     loop {
         let next = tokio::select! {
-            _ = ctx.cancel.cancelled() => return TaskOutcome::Interrupted,
+            _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
             next = results.next() => next,
         };
         let Some((node, out)) = next else { break };
-        match out {
-            Ok(o) if o.gone => gone += 1,
-            Ok(o) => {
-                if o.wrote {
-                    wrote += 1;
-                    tracing::debug!(node = %node, "cordoned");
-                }
-            }
-            // the engine runs the task again on a transient error; nodes done so far are no-ops
-            Err(e) => return e.into(),
+        // the engine runs the task again on a transient error; nodes done so far are no-ops
+        let o = out?;
+        if o.gone {
+            gone += 1;
+        } else if o.wrote {
+            wrote += 1;
+            tracing::debug!(node = %node, "cordoned");
         }
     }
-    TaskOutcome::Done(format!(
+    Ok(TaskOutcome::Done(format!(
         "{} node(s) cordoned ({wrote} written now){}",
         total - gone,
         if gone > 0 { format!(", {gone} already gone") } else { String::new() }
-    ))
+    )))
 }
 
 /// The nodes of the inventoried machines that still exist as NodeClaims (or bare nodes), read
@@ -241,13 +256,11 @@ async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
 
 /// Cordons the machine's node, evicts its pods in Karpenter's order respecting
 /// PodDisruptionBudgets, waits for them by watch, and applies the deadline policy.
-pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) -> TaskOutcome {
+pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) -> Outcome {
     // Only a NodeClaim that names no node (or is gone) means there is nothing to drain; an error
     // reading it must never be taken for that, or the instance would be terminated undrained.
-    let node = match node_of(ctx, machine).await {
-        Ok(Some(n)) => n,
-        Ok(None) => return TaskOutcome::Skipped("no node".into()),
-        Err(e) => return e.into(),
+    let Some(node) = node_of(ctx, machine).await? else {
+        return Ok(TaskOutcome::Skipped("no node".into()));
     };
     let deadline = ctx.drain.deadline.or(params.deadline).unwrap_or(Duration::from_secs(600));
     let policy = ctx.drain.policy.unwrap_or(match params.on_deadline {
@@ -256,10 +269,8 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
         OnDeadline::Fail => DrainPolicy::Fail,
     });
     let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
-    match cordon_node(&nodes, &node, false).await {
-        Ok(o) if o.gone => return TaskOutcome::Done("node already gone".into()),
-        Ok(_) => {}
-        Err(e) => return e.into(),
+    if cordon_node(&nodes, &node, false).await?.gone {
+        return Ok(TaskOutcome::Done("node already gone".into()));
     }
     ctx.pods.synced().await;
     ctx.budgets.synced().await;
@@ -281,7 +292,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
     let mut riders_noted: HashSet<String> = HashSet::new();
     loop {
         if ctx.cancel.is_cancelled() {
-            return TaskOutcome::Interrupted;
+            return Ok(TaskOutcome::Interrupted);
         }
         let (riders, left): (Vec<PodRef>, Vec<PodRef>) =
             ctx.pods.pods_on(&node).into_iter().partition(|p| p.rides_with_node.is_some());
@@ -302,31 +313,29 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             } else {
                 format!("; {} pod(s) that tolerate the fence go with the node", riders.len())
             };
-            return TaskOutcome::Done(format!("{evicted} pod(s) evicted{riding}"));
+            return Ok(TaskOutcome::Done(format!("{evicted} pod(s) evicted{riding}")));
         }
         let now = Instant::now();
         if now >= started + deadline && !deleting {
             match policy {
                 DrainPolicy::Fail => {
                     let names = describe_blockers(ctx, &left, &blocked).await;
-                    return TaskOutcome::Blocked(format!(
+                    return Ok(TaskOutcome::Blocked(format!(
                         "{} pod(s) still on node {node} after {}: {names}",
                         left.len(),
                         humantime::format_duration(deadline)
-                    ));
+                    )));
                 }
                 DrainPolicy::Skip => {
-                    return TaskOutcome::Skipped(format!(
+                    return Ok(TaskOutcome::Skipped(format!(
                         "drain deadline passed with {} pod(s) on node {node}; skipped by policy",
                         left.len()
-                    ));
+                    )));
                 }
                 DrainPolicy::Delete => {
                     deleting = true;
                     for p in &left {
-                        if let Err(e) = delete_pod(&ctx.kube.client, p).await {
-                            return e.into();
-                        }
+                        delete_pod(&ctx.kube.client, p).await?;
                     }
                     tracing::warn!(node = %node, pods = left.len(), "drain deadline passed: deleting the remaining pods (policy delete)");
                 }
@@ -398,7 +407,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
                 Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {
                     next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
                 }
-                Err(e) => return e.into(),
+                Err(e) => return Err(e.into()),
             }
         }
         let waiting = match left.iter().find_map(|p| held_by_budget.get(&p.uid).filter(|_| !accepted.contains(&p.uid)))
@@ -427,7 +436,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
         if recheck_after.is_some_and(|after| last_cordon_check.elapsed() >= after) {
             last_cordon_check = Instant::now();
             match cordon_node(&nodes, &node, true).await {
-                Ok(o) if o.gone => return TaskOutcome::Done("node went away during the drain".into()),
+                Ok(o) if o.gone => return Ok(TaskOutcome::Done("node went away during the drain".into())),
                 Ok(o) => {
                     if let Some(who) = o.reverted_by {
                         tracing::warn!(node = %node, field_manager = %who, "the cordon was reverted; re-asserted it");
@@ -439,11 +448,11 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
                     }
                 }
                 Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {}
-                Err(e) => return e.into(),
+                Err(e) => return Err(e.into()),
             }
         }
         tokio::select! {
-            _ = ctx.cancel.cancelled() => return TaskOutcome::Interrupted,
+            _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
             _ = changes.changed() => {}
             _ = budget_changed.notified() => {
                 // a budget this drain waits on has a new status: ask again now
@@ -521,20 +530,15 @@ async fn matching_pdbs(ctx: &Ctx, p: &PodRef) -> Result<Vec<(String, i32)>, kube
 /// Makes Karpenter 1.0.x CRDs independent of the conversion webhook (served by the controller
 /// about to go away), scales the controller to zero, waits for its pods to go, and scales it
 /// down again (naming who) if something scaled it back meanwhile.
-pub async fn remove_controller(ctx: &Ctx, params: &Params) -> TaskOutcome {
+pub async fn remove_controller(ctx: &Ctx, params: &Params) -> Outcome {
     let mut detail = Vec::new();
-    match drop_conversion_webhooks(&ctx.kube.client).await {
-        Ok(0) => {}
-        Ok(n) => detail.push(format!("conversion webhook removed from {n} Karpenter CRD(s)")),
-        Err(e) => return e.into(),
+    match drop_conversion_webhooks(&ctx.kube.client).await? {
+        0 => {}
+        n => detail.push(format!("conversion webhook removed from {n} Karpenter CRD(s)")),
     }
-    let controller = match find_controller(&ctx.kube.client).await {
-        Ok(Some(c)) => c,
-        Ok(None) => {
-            detail.push("no Karpenter controller Deployment found (already removed)".into());
-            return TaskOutcome::Done(detail.join("; "));
-        }
-        Err(e) => return e.into(),
+    let Some(controller) = find_controller(&ctx.kube.client).await? else {
+        detail.push("no Karpenter controller Deployment found (already removed)".into());
+        return Ok(TaskOutcome::Done(detail.join("; ")));
     };
     let deployments: Api<Deployment> = Api::namespaced(ctx.kube.client.clone(), &controller.namespace);
     let pods: Api<Pod> = Api::namespaced(ctx.kube.client.clone(), &controller.namespace);
@@ -545,9 +549,9 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> TaskOutcome {
             Ok(Some(d)) => d,
             Ok(None) => {
                 detail.push(format!("Deployment {}/{} is gone", controller.namespace, controller.name));
-                return TaskOutcome::Done(detail.join("; "));
+                return Ok(TaskOutcome::Done(detail.join("; ")));
             }
-            Err(e) => return KubeError::api("read the Karpenter Deployment", e).into(),
+            Err(e) => return Err(KubeError::api("read the Karpenter Deployment", e).into()),
         };
         let replicas = dep.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
         if replicas > 0 {
@@ -565,7 +569,7 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> TaskOutcome {
             if let Err(e) = deployments.patch_scale(&controller.name, &patch_params(), &Patch::Merge(&patch)).await
                 && status_code(&e) != Some(404)
             {
-                return KubeError::api("scale the Karpenter controller to zero", e).into();
+                return Err(KubeError::api("scale the Karpenter controller to zero", e).into());
             }
             scaled_once = true;
             detail.push(format!("scaled {}/{} from {replicas} to 0", controller.namespace, controller.name));
@@ -576,21 +580,23 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> TaskOutcome {
             .and_then(|s| s.selector.match_labels.as_ref())
             .map(|m| m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","))
             .unwrap_or_else(|| "app.kubernetes.io/name=karpenter".into());
-        let running = match pods.list(&ListParams::default().labels(&selector)).await {
-            Ok(l) => l.items.len(),
-            Err(e) => return KubeError::api("list the Karpenter controller's pods", e).into(),
-        };
+        let running = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| KubeError::api("list the Karpenter controller's pods", e))?
+            .items
+            .len();
         if running == 0 && replicas == 0 {
-            return TaskOutcome::Done(detail.join("; "));
+            return Ok(TaskOutcome::Done(detail.join("; ")));
         }
         if Instant::now() >= deadline {
-            return TaskOutcome::Failed(format!(
+            return Ok(TaskOutcome::Failed(format!(
                 "the Karpenter controller still has {running} pod(s) after {}",
                 humantime::format_duration(params.deadline.unwrap_or_default())
-            ));
+            )));
         }
         if !pause(ctx, Duration::from_millis(500)).await {
-            return TaskOutcome::Interrupted;
+            return Ok(TaskOutcome::Interrupted);
         }
     }
 }
@@ -631,7 +637,7 @@ pub async fn drop_conversion_webhooks(client: &kube::Client) -> Result<usize, Ku
 /// Does what `karpenter.sh/termination` guards for one machine: terminate its instance, confirm
 /// `terminated` through EC2, then delete the Node and NodeClaim and remove exactly that
 /// finalizer from each. Never strips a finalizer before the instance is gone.
-pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> TaskOutcome {
+pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> Outcome {
     let claims: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
     let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
     let (claim_name, mut node_name) = match machine.strip_prefix("node/") {
@@ -653,7 +659,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
                     .or_else(|| obj.data.pointer("/status/nodeName").and_then(Value::as_str).map(str::to_string));
             }
             Ok(None) => {}
-            Err(e) => return KubeError::api(format!("read NodeClaim {c}"), e).into(),
+            Err(e) => return Err(KubeError::api(format!("read NodeClaim {c}"), e).into()),
         }
     }
     if let Some(n) = &node_name {
@@ -668,25 +674,25 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
                 }
             }
             Ok(None) => node_name = None,
-            Err(e) => return KubeError::api(format!("read Node {n}"), e).into(),
+            Err(e) => return Err(KubeError::api(format!("read Node {n}"), e).into()),
         }
     }
     if provider.is_none() && node_name.is_none() && !claim_exists {
         // Karpenter (or an earlier run) finished this machine: nothing is left to guard
-        return TaskOutcome::Skipped("already gone".into());
+        return Ok(TaskOutcome::Skipped("already gone".into()));
     }
     let mut what = Vec::new();
     if let Some(p) = &provider {
         if let Err(e) = ctx.ec2.terminate(&p.instance_id).await {
-            return batch_failure(format!("terminate instance {}: {e}", p.instance_id), &e);
+            return Ok(batch_failure(format!("terminate instance {}: {e}", p.instance_id), &e));
         }
         let limit = params.deadline.unwrap_or(Duration::from_secs(600));
         tokio::select! {
-            _ = ctx.cancel.cancelled() => return TaskOutcome::Interrupted,
+            _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
             r = tokio::time::timeout(limit, ctx.ec2.wait_terminated(&p.instance_id)) => match r {
                 Ok(Ok(())) => what.push(format!("instance {} terminated", p.instance_id)),
-                Ok(Err(e)) => return batch_failure(format!("confirm termination of {}: {e}", p.instance_id), &e),
-                Err(_) => return TaskOutcome::Failed(format!("instance {} not terminated after {}", p.instance_id, humantime::format_duration(limit))),
+                Ok(Err(e)) => return Ok(batch_failure(format!("confirm termination of {}: {e}", p.instance_id), &e)),
+                Err(_) => return Ok(TaskOutcome::Failed(format!("instance {} not terminated after {}", p.instance_id, humantime::format_duration(limit)))),
             },
         }
     } else {
@@ -694,99 +700,83 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     }
     // The instance is gone: now, and only now, the objects may go.
     if let Some(n) = &node_name {
-        if let Err(e) = delete_if_present(&nodes, n).await {
-            return e.into();
-        }
-        if let Err(e) = remove_finalizer(&nodes, n, karpenter::FINALIZER_TERMINATION).await {
-            return e.into();
-        }
+        delete_if_present(&nodes, n).await?;
+        remove_finalizer(&nodes, n, karpenter::FINALIZER_TERMINATION).await?;
         what.push(format!("Node {n} released"));
     }
     if let Some(c) = &claim_name {
-        if let Err(e) = delete_if_present(&claims, c).await {
-            return e.into();
-        }
-        if let Err(e) = remove_finalizer(&claims, c, karpenter::FINALIZER_TERMINATION).await {
-            return e.into();
-        }
+        delete_if_present(&claims, c).await?;
+        remove_finalizer(&claims, c, karpenter::FINALIZER_TERMINATION).await?;
         what.push(format!("NodeClaim {c} released"));
     }
-    TaskOutcome::Done(what.join("; "))
+    Ok(TaskOutcome::Done(what.join("; ")))
 }
 
 // ---------------------------------------------------------------- pools, classes, waits
 
 /// Deletes one NodePool, or all of them.
-pub async fn delete_nodepools(ctx: &Ctx, object: Option<&str>) -> TaskOutcome {
+pub async fn delete_nodepools(ctx: &Ctx, object: Option<&str>) -> Outcome {
     let ar = k8s::nodepool_resource();
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
     let names = match object {
         Some(o) => vec![o.to_string()],
-        None => match list_dynamic(&ctx.kube.client, &ar).await {
-            Ok(l) => l.into_iter().filter_map(|o| o.metadata.name).collect(),
-            Err(e) => return e.into(),
-        },
+        None => list_dynamic(&ctx.kube.client, &ar).await?.into_iter().filter_map(|o| o.metadata.name).collect(),
     };
     let mut deleted = 0;
     for n in &names {
-        match delete_if_present(&api, n).await {
-            Ok(true) => deleted += 1,
-            Ok(false) => {}
-            Err(e) => return e.into(),
+        if delete_if_present(&api, n).await? {
+            deleted += 1;
         }
     }
-    TaskOutcome::Done(format!("{deleted} NodePool(s) deleted"))
+    Ok(TaskOutcome::Done(format!("{deleted} NodePool(s) deleted")))
 }
 
 /// Waits until no NodeClaim is left (Karpenter doing the work), up to the deadline; then
 /// either fails or lets the later steps do what is left.
-pub async fn wait_nodeclaims_gone(ctx: &Ctx, params: &Params) -> TaskOutcome {
+pub async fn wait_nodeclaims_gone(ctx: &Ctx, params: &Params) -> Outcome {
     let limit = params.deadline.unwrap_or(Duration::from_secs(900));
     let start = Instant::now();
     loop {
         let left = match list_dynamic(&ctx.kube.client, &k8s::nodeclaim_resource()).await {
             Ok(l) => l.len(),
             // a passing error must not restart the wait (and its deadline): look again shortly
-            Err(e) => match TaskOutcome::from(e) {
-                TaskOutcome::Transient(_) => {
-                    if !pause(ctx, Duration::from_millis(500)).await {
-                        return TaskOutcome::Interrupted;
-                    }
-                    continue;
+            Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {
+                if !pause(ctx, Duration::from_millis(500)).await {
+                    return Ok(TaskOutcome::Interrupted);
                 }
-                other => return other,
-            },
+                continue;
+            }
+            Err(e) => return Err(e.into()),
         };
         if left == 0 {
-            return TaskOutcome::Done(format!(
+            return Ok(TaskOutcome::Done(format!(
                 "Karpenter removed every NodeClaim in {:.1}s",
                 start.elapsed().as_secs_f64()
-            ));
+            )));
         }
         if start.elapsed() >= limit {
             let msg = format!("{left} NodeClaim(s) left after {}", humantime::format_duration(limit));
-            return match params.on_deadline {
+            return Ok(match params.on_deadline {
                 OnDeadline::Fail => TaskOutcome::Blocked(msg),
                 _ => TaskOutcome::Done(format!("{msg}; the next steps take over")),
-            };
+            });
         }
         if !pause(ctx, Duration::from_secs(1)).await {
-            return TaskOutcome::Interrupted;
+            return Ok(TaskOutcome::Interrupted);
         }
     }
 }
 
 /// Deletes one EC2NodeClass (or all): waits until no NodeClaim references it, deletes its
 /// launch templates and instance profiles, then removes `karpenter.k8s.aws/termination`.
-pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params) -> TaskOutcome {
+pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params) -> Outcome {
     let ar = k8s::nodeclass_resource();
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
-    let classes = match list_dynamic(&ctx.kube.client, &ar).await {
-        Ok(l) => {
-            l.into_iter().filter(|c| object.is_none_or(|o| c.metadata.name.as_deref() == Some(o))).collect::<Vec<_>>()
-        }
-        Err(e) => return e.into(),
-    };
+    let classes = list_dynamic(&ctx.kube.client, &ar)
+        .await?
+        .into_iter()
+        .filter(|c| object.is_none_or(|o| c.metadata.name.as_deref() == Some(o)))
+        .collect::<Vec<_>>();
     let limit = params.deadline.unwrap_or(Duration::from_secs(300));
     let mut done = Vec::new();
     let mut swept: BTreeSet<String> = BTreeSet::new();
@@ -794,10 +784,7 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
         let name = class.metadata.name.clone().unwrap_or_default();
         let start = Instant::now();
         loop {
-            let inv = match Inventory::read(&ctx.kube.client).await {
-                Ok(i) => i,
-                Err(e) => return e.into(),
-            };
+            let inv = Inventory::read(&ctx.kube.client).await?;
             let users: Vec<&Machine> = inv
                 .machines
                 .values()
@@ -808,43 +795,33 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
             }
             for m in users.iter().filter(|m| !ctx.inventoried.contains(&m.name)) {
                 if swept.insert(m.name.clone()) {
-                    match sweep_machine(ctx, &m.name).await {
+                    match sweep_machine(ctx, &m.name).await? {
                         TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
-                        other => return other,
+                        other => return Ok(other),
                     }
                 }
             }
             let users = users.len();
             if start.elapsed() >= limit {
-                return TaskOutcome::Failed(format!("EC2NodeClass {name} is still used by {users} NodeClaim(s)"));
+                return Ok(TaskOutcome::Failed(format!("EC2NodeClass {name} is still used by {users} NodeClaim(s)")));
             }
             if !pause(ctx, Duration::from_secs(1)).await {
-                return TaskOutcome::Interrupted;
+                return Ok(TaskOutcome::Interrupted);
             }
         }
-        if let Err(e) = delete_if_present(&api, &name).await {
-            return e.into();
-        }
+        delete_if_present(&api, &name).await?;
         let uid = class.metadata.uid.clone().unwrap_or_default();
         // A class with spec.instanceProfile runs on a profile the user manages: status names it
         // too, and Karpenter never deletes it, so neither does the tool.
         let user_managed = class.data.pointer("/spec/instanceProfile").and_then(Value::as_str).is_some();
         let status_profile = class.data.pointer("/status/instanceProfile").and_then(Value::as_str).map(str::to_string);
-        let lts = match ctx.aws.ec2.launch_templates(&ctx.cluster).await {
-            Ok(l) => l,
-            Err(e) => return e.into(),
-        };
+        let lts = ctx.aws.ec2.launch_templates(&ctx.cluster).await?;
         let mut removed = 0;
         for lt in lts.iter().filter(|l| l.nodeclass.as_deref() == Some(&name)) {
-            if let Err(e) = ctx.aws.ec2.delete_launch_template(&lt.id).await {
-                return e.into();
-            }
+            ctx.aws.ec2.delete_launch_template(&lt.id).await?;
             removed += 1;
         }
-        let profiles = match ctx.aws.iam.cluster_instance_profiles(&ctx.region, &ctx.cluster).await {
-            Ok(p) => p,
-            Err(e) => return e.into(),
-        };
+        let profiles = ctx.aws.iam.cluster_instance_profiles(&ctx.region, &ctx.cluster).await?;
         let of_this_class = |p: &&crate::aws::InstanceProfileInfo| {
             !user_managed
                 && !ctx.user_instance_profiles.contains(&p.name)
@@ -853,17 +830,13 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
                     || status_profile.as_deref() == Some(&p.name))
         };
         for p in profiles.iter().filter(of_this_class) {
-            if let Err(e) = ctx.aws.iam.delete_instance_profile(p).await {
-                return e.into();
-            }
+            ctx.aws.iam.delete_instance_profile(p).await?;
             removed += 1;
         }
-        if let Err(e) = remove_finalizer(&api, &name, karpenter::FINALIZER_NODECLASS).await {
-            return e.into();
-        }
+        remove_finalizer(&api, &name, karpenter::FINALIZER_NODECLASS).await?;
         done.push(format!("{name} ({removed} launch template(s)/instance profile(s))"));
     }
-    TaskOutcome::Done(format!("EC2NodeClass(es) deleted: {}", done.join(", ")))
+    Ok(TaskOutcome::Done(format!("EC2NodeClass(es) deleted: {}", done.join(", "))))
 }
 
 /// A NodeClaim that appeared after the inventory (launched by a controller that was not fenced,
@@ -871,7 +844,7 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
 /// EC2NodeClass cannot go while it exists. It gets what every inventoried machine got: a drain
 /// with the default policy (PDBs respected, `--drain-deadline` / `--on-drain-deadline` apply),
 /// then its instance terminated and confirmed before its finalizers are released.
-async fn sweep_machine(ctx: &Ctx, machine: &str) -> TaskOutcome {
+async fn sweep_machine(ctx: &Ctx, machine: &str) -> Outcome {
     tracing::warn!(nodeclaim = %machine, "a NodeClaim launched during the run: draining and terminating it too");
     ctx.note(
         BlockerKind::Nodeclaim,
@@ -886,52 +859,40 @@ async fn sweep_machine(ctx: &Ctx, machine: &str) -> TaskOutcome {
     };
     // shown as a drain of its own: it is not a task of the graph
     let task = TaskRef { step: "sweep".into(), action: "drain", object: Some(machine.to_string()) };
-    match drain(ctx, machine, &params, &task).await {
+    // An error is taken as its outcome here rather than propagated, so that a failure names the
+    // NodeClaim that no task of the graph knows.
+    match drain(ctx, machine, &params, &task).await.unwrap_or_else(TaskOutcome::from) {
         TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
         TaskOutcome::Blocked(d) => {
-            return TaskOutcome::Blocked(format!("NodeClaim {machine} launched during the run: {d}"));
+            return Ok(TaskOutcome::Blocked(format!("NodeClaim {machine} launched during the run: {d}")));
         }
         TaskOutcome::Failed(d) => {
-            return TaskOutcome::Failed(format!("NodeClaim {machine} launched during the run: {d}"));
+            return Ok(TaskOutcome::Failed(format!("NodeClaim {machine} launched during the run: {d}")));
         }
-        other => return other,
+        other => return Ok(other),
     }
-    match discharge_finalizers(ctx, machine, &params).await {
+    Ok(match discharge_finalizers(ctx, machine, &params).await.unwrap_or_else(TaskOutcome::from) {
         TaskOutcome::Failed(d) => TaskOutcome::Failed(format!("NodeClaim {machine} launched during the run: {d}")),
         other => other,
-    }
+    })
 }
 
 // ---------------------------------------------------------------- verify
 
 /// Proves through EC2 (two reads `settle` apart) and the API that nothing is left; reclaims the
 /// AWS leftovers when asked and verifies again.
-pub async fn verify_step(ctx: &Ctx, params: &Params) -> TaskOutcome {
-    let mut left = match verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle).await {
-        Ok(l) => l,
-        Err(e) => return e.into(),
-    };
+pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
+    let mut left = verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle).await?;
     if !left.is_clean() && ctx.reclaim {
         ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).extend(left.describe());
-        match verify::reclaim(&ctx.aws, &left).await {
-            Ok(failures) => {
-                for f in failures {
-                    ctx.note(BlockerKind::Reclaim, &f, "could not be reclaimed");
-                }
-            }
-            Err(e) => return e.into(),
+        for f in verify::reclaim(&ctx.aws, &left).await? {
+            ctx.note(BlockerKind::Reclaim, &f, "could not be reclaimed");
         }
-        left = match verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle).await {
-            Ok(l) => l,
-            Err(e) => return e.into(),
-        };
+        left = verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle).await?;
     }
-    match Inventory::read(&ctx.kube.client).await {
-        Ok(inv) => left.objects = inv.object_names(),
-        Err(e) => return e.into(),
-    }
+    left.objects = Inventory::read(&ctx.kube.client).await?.object_names();
     let clean = left.is_clean();
     let lines = left.describe();
     *ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()) = Some(left);
-    if clean { TaskOutcome::Done("nothing left".into()) } else { TaskOutcome::Leftovers(lines.join("; ")) }
+    Ok(if clean { TaskOutcome::Done("nothing left".into()) } else { TaskOutcome::Leftovers(lines.join("; ")) })
 }

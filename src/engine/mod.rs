@@ -530,10 +530,10 @@ async fn run_with_retries(ctx: &Ctx, node: &TaskNode) -> (TaskOutcome, u32) {
 
 async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
     let object = node.object.as_deref();
-    match node.action {
+    let outcome = match node.action {
         // the preflight ran before the graph was expanded: identity and inventory decide what
         // the graph is, so there is nothing left for its task to do but to mark the point
-        Action::Preflight => TaskOutcome::Done("identity proven and inventory taken before expansion".into()),
+        Action::Preflight => Ok(TaskOutcome::Done("identity proven and inventory taken before expansion".into())),
         Action::Fence => actions::fence(ctx).await,
         Action::Cordon => actions::cordon(ctx, object, &node.params).await,
         Action::Drain => match object {
@@ -541,18 +541,20 @@ async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
                 let task = TaskRef { step: node.step.clone(), action: node.action.name(), object: node.object.clone() };
                 actions::drain(ctx, m, &node.params, &task).await
             }
-            None => TaskOutcome::Skipped("no machine".into()),
+            None => Ok(TaskOutcome::Skipped("no machine".into())),
         },
         Action::RemoveController => actions::remove_controller(ctx, &node.params).await,
         Action::DischargeFinalizers => match object {
             Some(m) => actions::discharge_finalizers(ctx, m, &node.params).await,
-            None => TaskOutcome::Skipped("no machine".into()),
+            None => Ok(TaskOutcome::Skipped("no machine".into())),
         },
         Action::DeleteNodepools => actions::delete_nodepools(ctx, object).await,
         Action::WaitNodeclaimsGone => actions::wait_nodeclaims_gone(ctx, &node.params).await,
         Action::DeleteNodeclasses => actions::delete_nodeclasses(ctx, object, &node.params).await,
         Action::Verify => actions::verify_step(ctx, &node.params).await,
-    }
+    };
+    // a transient error becomes `Transient`, which the caller runs again; any other, `Failed`
+    outcome.unwrap_or_else(TaskOutcome::from)
 }
 
 /// The concrete plan for this cluster: steps with their task counts and the objects they act on.
