@@ -156,12 +156,15 @@ async fn main() -> anyhow::Result<()> {
             eprintln!("bench: {size} nodes, {}", c.label());
             let m = run_one(&args, &bin, size, c).await?;
             eprintln!(
-                "bench: {size} nodes, {}: {} in {:.1}s (critical path {:.1}s, generated in {:.1}s)",
+                "bench: {size} nodes, {}: {} in {:.1}s (critical path {:.1}s, generated in {:.1}s); this process \
+                 (sandbox, simulated Karpenter) now {} MiB resident, {} MiB at its peak",
                 c.label(),
                 m.outcome,
                 m.makespan_s,
                 m.critical_s,
-                m.generate_s
+                m.generate_s,
+                own_memory_kib("VmRSS") / 1024,
+                own_memory_kib("VmHWM") / 1024,
             );
             rows.push(m);
         }
@@ -387,6 +390,20 @@ async fn leftovers(client: &Client) -> usize {
     let n =
         nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.map(|l| l.items.len()).unwrap_or(0);
     c + n
+}
+
+/// A memory figure of this process (`VmRSS`, `VmHWM`) in KiB, 0 when /proc cannot say: the
+/// sandbox runs in here, and its growth from run to run is what shows a leak.
+fn own_memory_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 /// What sampling a child process tree found.

@@ -346,7 +346,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             {
                 continue;
             }
-            let reserved = match ctx.budgets.admit(&p.namespace, &p.labels, p.ready, &budget_changed) {
+            let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &p.labels, p.ready, &budget_changed) {
                 Admission::Ask(reserved) => reserved,
                 // the budget allows nothing now: no request until its status changes, except a
                 // probe now and then in case the watch is behind the server
@@ -368,8 +368,8 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             if let Some(key) = &reserved {
                 match &outcome {
                     Ok(EvictionOutcome::Evicted) => {}
-                    Ok(EvictionOutcome::Blocked(_)) => ctx.budgets.refused(key),
-                    _ => ctx.budgets.release(key),
+                    Ok(EvictionOutcome::Blocked(_)) => ctx.budgets.refused(key, &p.name),
+                    _ => ctx.budgets.release(key, &p.name),
                 }
             }
             match outcome {

@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -34,17 +34,34 @@ pub type BudgetKey = String;
 #[derive(Debug, Clone)]
 struct Budget {
     selector: Option<LabelSelector>,
-    /// The evictions the tool may still ask for: the last status's `disruptionsAllowed`, minus
-    /// the ones granted to the tool since.
+    /// The last status's `disruptionsAllowed` (0 while the status is not current, or after the
+    /// server refused an eviction until the next status).
     allowed: i64,
+    /// Pods whose eviction the tool asked for (or the server granted) that the last status does
+    /// not list in `disruptedPods` yet: the server counted them, the status the tool has not.
+    pending: HashMap<String, Instant>,
 }
+
+impl Budget {
+    /// Evictions the tool may still ask for.
+    fn left(&self) -> i64 {
+        self.allowed - self.pending.len() as i64
+    }
+}
+
+/// How long a granted eviction counts against its budget while no status lists it: the API
+/// server keeps a disrupted pod in `disruptedPods` until the pod is gone or two minutes pass.
+const PENDING_FOR: Duration = Duration::from_secs(120);
+
+/// A budget as a (re)list shows it, with the pods its status lists in `disruptedPods`.
+type Listed = (Budget, Vec<String>);
 
 #[derive(Default)]
 struct Index {
     /// namespace → name → budget
     by_ns: HashMap<String, BTreeMap<String, Budget>>,
-    /// during a (re)list: what was seen so far
-    relisting: Option<HashMap<String, BTreeMap<String, Budget>>>,
+    /// during a (re)list: what was seen so far, with each budget's `disruptedPods`
+    relisting: Option<HashMap<String, BTreeMap<String, Listed>>>,
     /// budget → the drains waiting for its next status
     waiters: HashMap<BudgetKey, Vec<Arc<Notify>>>,
 }
@@ -100,12 +117,20 @@ impl Budgets {
         match ev {
             watcher::Event::Init => idx.relisting = Some(HashMap::new()),
             watcher::Event::InitApply(p) => {
-                if let (Some((ns, name, b)), Some(seen)) = (entry(&p), idx.relisting.as_mut()) {
-                    seen.entry(ns).or_default().insert(name, b);
+                if let (Some((ns, name, b, disrupted)), Some(seen)) = (entry(&p), idx.relisting.as_mut()) {
+                    seen.entry(ns).or_default().insert(name, (b, disrupted));
                 }
             }
             watcher::Event::InitDone => {
-                idx.by_ns = idx.relisting.take().unwrap_or_default();
+                let listed = idx.relisting.take().unwrap_or_default();
+                let mut by_ns: HashMap<String, BTreeMap<String, Budget>> = HashMap::new();
+                for (ns, budgets) in listed {
+                    for (name, (b, disrupted)) in budgets {
+                        let old = idx.by_ns.get_mut(&ns).and_then(|m| m.remove(&name));
+                        by_ns.entry(ns.clone()).or_default().insert(name, carry_pending(b, old, &disrupted));
+                    }
+                }
+                idx.by_ns = by_ns;
                 // anything may have changed while the watch was down
                 for (_, ws) in idx.waiters.drain() {
                     ws.iter().for_each(|w| w.notify_one());
@@ -114,16 +139,18 @@ impl Budgets {
                 self.synced.send_replace(true);
             }
             watcher::Event::Apply(p) => {
-                if let Some((ns, name, b)) = entry(&p) {
+                if let Some((ns, name, b, disrupted)) = entry(&p) {
                     let key = format!("{ns}/{name}");
-                    idx.by_ns.entry(ns).or_default().insert(name, b);
+                    let m = idx.by_ns.entry(ns).or_default();
+                    let old = m.remove(&name);
+                    m.insert(name, carry_pending(b, old, &disrupted));
                     for w in idx.waiters.remove(&key).unwrap_or_default() {
                         w.notify_one();
                     }
                 }
             }
             watcher::Event::Delete(p) => {
-                if let Some((ns, name, _)) = entry(&p) {
+                if let Some((ns, name, _, _)) = entry(&p) {
                     let key = format!("{ns}/{name}");
                     if let Some(m) = idx.by_ns.get_mut(&ns) {
                         m.remove(&name);
@@ -142,12 +169,13 @@ impl Budgets {
         let _ = rx.wait_for(|s| *s).await;
     }
 
-    /// Decides whether to ask the server to evict a pod in `namespace` with `labels` now; `ready`
-    /// says whether the pod counts as healthy for its budget. A `Wait` registers `wake` to be
-    /// notified at the budget's next status change.
+    /// Decides whether to ask the server to evict pod `pod` in `namespace` with `labels` now;
+    /// `ready` says whether the pod counts as healthy for its budget. A `Wait` registers `wake`
+    /// to be notified at the budget's next status change.
     pub fn admit(
         &self,
         namespace: &str,
+        pod: &str,
         labels: &BTreeMap<String, String>,
         ready: bool,
         wake: &Arc<Notify>,
@@ -164,8 +192,8 @@ impl Budgets {
             // an unhealthy pod does not spend the allowance and may be evictable anyway
             return Admission::Ask(None);
         }
-        if budget.allowed > 0 {
-            budget.allowed -= 1;
+        if budget.left() > 0 {
+            budget.pending.insert(pod.to_string(), Instant::now());
             return Admission::Ask(Some(key));
         }
         idx.waiters.entry(key.clone()).or_default().push(wake.clone());
@@ -173,13 +201,18 @@ impl Budgets {
     }
 
     /// Gives back an allowance the server did not spend (the pod was gone, the request failed).
-    pub fn release(&self, key: &BudgetKey) {
-        self.with_budget(key, |b| b.allowed += 1);
+    pub fn release(&self, key: &BudgetKey, pod: &str) {
+        self.with_budget(key, |b| {
+            b.pending.remove(pod);
+        });
     }
 
     /// The server refused on this budget: it allows nothing until its next status says so.
-    pub fn refused(&self, key: &BudgetKey) {
-        self.with_budget(key, |b| b.allowed = 0);
+    pub fn refused(&self, key: &BudgetKey, pod: &str) {
+        self.with_budget(key, |b| {
+            b.pending.remove(pod);
+            b.allowed = 0;
+        });
     }
 
     fn with_budget(&self, key: &BudgetKey, f: impl FnOnce(&mut Budget)) {
@@ -191,7 +224,7 @@ impl Budgets {
     }
 }
 
-fn entry(p: &PodDisruptionBudget) -> Option<(String, String, Budget)> {
+fn entry(p: &PodDisruptionBudget) -> Option<(String, String, Budget, Vec<String>)> {
     let ns = p.metadata.namespace.clone()?;
     let name = p.metadata.name.clone()?;
     let status = p.status.as_ref();
@@ -199,7 +232,26 @@ fn entry(p: &PodDisruptionBudget) -> Option<(String, String, Budget)> {
     // spec (`observedGeneration < generation`): so does the tool
     let current = status.and_then(|s| s.observed_generation).unwrap_or(0) >= p.metadata.generation.unwrap_or(0);
     let allowed = if current { status.map(|s| i64::from(s.disruptions_allowed)).unwrap_or(0) } else { 0 };
-    Some((ns, name, Budget { selector: p.spec.as_ref().and_then(|s| s.selector.clone()), allowed }))
+    let disrupted =
+        status.and_then(|s| s.disrupted_pods.as_ref()).map(|d| d.keys().cloned().collect()).unwrap_or_default();
+    let budget =
+        Budget { selector: p.spec.as_ref().and_then(|s| s.selector.clone()), allowed, pending: HashMap::new() };
+    Some((ns, name, budget, disrupted))
+}
+
+/// A new status replaces the old one, but evictions the tool was granted that it does not list
+/// in `disruptedPods` yet still count: the watch can deliver a status written before the
+/// server granted them (without this, parallel drains spent the same allowance twice and about
+/// one eviction in five was refused).
+fn carry_pending(mut new: Budget, old: Option<Budget>, disrupted: &[String]) -> Budget {
+    if let Some(old) = old {
+        new.pending = old
+            .pending
+            .into_iter()
+            .filter(|(pod, at)| !disrupted.contains(pod) && at.elapsed() < PENDING_FOR)
+            .collect();
+    }
+    new
 }
 
 /// Kubernetes label-selector matching (`metav1.LabelSelectorAsSelector`): every `matchLabels`
@@ -228,10 +280,23 @@ mod tests {
     use serde_json::json;
 
     fn pdb(name: &str, app: &str, allowed: i32, generation: i64, observed: i64) -> PodDisruptionBudget {
+        disrupted(name, app, allowed, generation, observed, &[])
+    }
+
+    fn disrupted(
+        name: &str,
+        app: &str,
+        allowed: i32,
+        generation: i64,
+        observed: i64,
+        pods: &[&str],
+    ) -> PodDisruptionBudget {
+        let disrupted: serde_json::Map<String, serde_json::Value> =
+            pods.iter().map(|p| (p.to_string(), json!("2026-11-23T18:00:00Z"))).collect();
         serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": "ns", "generation": generation},
             "spec": {"selector": {"matchLabels": {"app": app}}, "maxUnavailable": 1},
-            "status": {"disruptionsAllowed": allowed, "observedGeneration": observed,
+            "status": {"disruptionsAllowed": allowed, "observedGeneration": observed, "disruptedPods": disrupted,
                        "currentHealthy": 3, "desiredHealthy": 2, "expectedPods": 3},
         }))
         .unwrap()
@@ -245,36 +310,51 @@ mod tests {
     fn an_allowance_is_spent_once_and_then_the_drain_waits_for_the_next_status() {
         let b = Budgets::from_list(&[pdb("web", "web", 1, 1, 1)]);
         let wake = Arc::new(Notify::new());
-        assert_eq!(b.admit("ns", &labels("web"), true, &wake), Admission::Ask(Some("ns/web".into())));
-        assert_eq!(b.admit("ns", &labels("web"), true, &wake), Admission::Wait("ns/web".into()));
-        // the next status (a replacement became ready) wakes the waiter and allows one more
+        assert_eq!(b.admit("ns", "web-0", &labels("web"), true, &wake), Admission::Ask(Some("ns/web".into())));
+        assert_eq!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait("ns/web".into()));
+        // a status written before the server granted web-0 (delivered late) still allows one:
+        // web-0 is not in its disruptedPods, so it still counts, and nothing more is allowed
         b.apply(watcher::Event::Apply(pdb("web", "web", 1, 1, 1)));
-        let woken = futures::FutureExt::now_or_never(wake.notified());
-        assert!(woken.is_some(), "the waiting drain was woken");
-        assert_eq!(b.admit("ns", &labels("web"), true, &wake), Admission::Ask(Some("ns/web".into())));
+        assert!(futures::FutureExt::now_or_never(wake.notified()).is_some(), "the waiting drain was woken");
+        assert!(matches!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait(_)));
+        // the status that lists web-0 as disrupted, then the one after its replacement is ready
+        b.apply(watcher::Event::Apply(disrupted("web", "web", 0, 1, 1, &["web-0"])));
+        assert!(matches!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait(_)));
+        b.apply(watcher::Event::Apply(pdb("web", "web", 1, 1, 1)));
+        assert_eq!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Ask(Some("ns/web".into())));
     }
 
     #[test]
     fn a_refusal_zeroes_the_allowance_and_a_release_gives_it_back() {
         let b = Budgets::from_list(&[pdb("web", "web", 2, 1, 1)]);
         let wake = Arc::new(Notify::new());
-        let Admission::Ask(Some(key)) = b.admit("ns", &labels("web"), true, &wake) else { panic!() };
-        b.release(&key);
-        b.refused(&key);
-        assert!(matches!(b.admit("ns", &labels("web"), true, &wake), Admission::Wait(_)));
+        let Admission::Ask(Some(key)) = b.admit("ns", "web-0", &labels("web"), true, &wake) else { panic!() };
+        b.release(&key, "web-0");
+        let Admission::Ask(Some(_)) = b.admit("ns", "web-1", &labels("web"), true, &wake) else { panic!() };
+        let Admission::Ask(Some(_)) = b.admit("ns", "web-2", &labels("web"), true, &wake) else { panic!() };
+        b.refused(&key, "web-2");
+        assert!(matches!(b.admit("ns", "web-3", &labels("web"), true, &wake), Admission::Wait(_)));
     }
 
     #[test]
     fn the_server_decides_for_unready_pods_unbudgeted_pods_two_budgets_and_stale_status() {
         let b = Budgets::from_list(&[pdb("a", "a", 0, 1, 1), pdb("b1", "b", 1, 1, 1), pdb("b2", "b", 1, 1, 1)]);
         let wake = Arc::new(Notify::new());
-        assert_eq!(b.admit("ns", &labels("a"), false, &wake), Admission::Ask(None), "unready: the server may allow it");
-        assert_eq!(b.admit("ns", &labels("none"), true, &wake), Admission::Ask(None));
-        assert_eq!(b.admit("other", &labels("a"), true, &wake), Admission::Ask(None), "budgets are per namespace");
-        assert_eq!(b.admit("ns", &labels("b"), true, &wake), Admission::Ask(None), "two budgets: the server's 500");
-        assert!(matches!(b.admit("ns", &labels("a"), true, &wake), Admission::Wait(_)));
+        assert_eq!(
+            b.admit("ns", "p", &labels("a"), false, &wake),
+            Admission::Ask(None),
+            "unready: the server may allow it"
+        );
+        assert_eq!(b.admit("ns", "p", &labels("none"), true, &wake), Admission::Ask(None));
+        assert_eq!(b.admit("other", "p", &labels("a"), true, &wake), Admission::Ask(None), "budgets are per namespace");
+        assert_eq!(
+            b.admit("ns", "p", &labels("b"), true, &wake),
+            Admission::Ask(None),
+            "two budgets: the server's 500"
+        );
+        assert!(matches!(b.admit("ns", "p", &labels("a"), true, &wake), Admission::Wait(_)));
         let stale = Budgets::from_list(&[pdb("s", "s", 5, 2, 1)]);
-        assert!(matches!(stale.admit("ns", &labels("s"), true, &wake), Admission::Wait(_)), "not yet observed");
+        assert!(matches!(stale.admit("ns", "p", &labels("s"), true, &wake), Admission::Wait(_)), "not yet observed");
     }
 
     #[test]
