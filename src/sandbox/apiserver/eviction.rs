@@ -183,6 +183,9 @@ pub(crate) fn refresh_pdb(
     recheck
 }
 
+/// kube-apiserver refuses evictions while a budget lists more disrupted pods than this.
+const MAX_DISRUPTED_PODS: usize = 2000;
+
 /// POST pods/NAME/eviction.
 pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> Result<Value, ApiError> {
     if let Some(n) = eviction["metadata"]["name"].as_str()
@@ -224,33 +227,57 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
                 ));
             }
             if let Some(pdb) = pdbs.first() {
+                // Like kube-apiserver (`checkAndDecrement` in pkg/registry/core/pod/storage/
+                // eviction.go), the decision is made on the budget's stored status, which the
+                // disruption controller (the control plane here) keeps up to date asynchronously,
+                // never on a fresh count of the pods: a client that reads the same status from a
+                // watch sees exactly what the server will decide.
                 let pdb_name = pdb["metadata"]["name"].as_str().unwrap_or_default().to_string();
-                let mut st = pdb_status(inner, pdb, deletion_timeout(shared.time_scale));
+                let mut st = pdb["status"].clone();
                 let current = st["currentHealthy"].as_i64().unwrap_or(0);
                 let desired = st["desiredHealthy"].as_i64().unwrap_or(0);
-                let blocked = || {
-                    let mut e = ApiError::too_many_requests(
-                        "Cannot evict pod as it would violate the pod's disruption budget.",
-                    );
-                    e.details = Some(json!({"causes": [{"reason": "DisruptionBudget",
-                        "message": format!("The disruption budget {pdb_name} needs {desired} healthy pods and has {current} currently")}]}));
+                let too_many = |cause: String| {
+                    let mut e = ApiError::too_many_requests("Cannot evict pod as it would violate the pod's disruption budget.");
+                    e.details = Some(json!({"causes": [{"reason": "DisruptionBudget", "message": cause}]}));
                     e
                 };
-                if pod_healthy(&pod) {
-                    if st["disruptionsAllowed"].as_i64().unwrap_or(0) <= 0 {
-                        return Err(blocked());
+                let unhealthy_may_go = !pod_healthy(&pod)
+                    && (pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow" || (current >= desired && desired > 0));
+                if !unhealthy_may_go {
+                    let generation = pdb["metadata"]["generation"].as_i64().unwrap_or(1);
+                    if st["observedGeneration"].as_i64().unwrap_or(0) < generation {
+                        return Err(too_many(format!(
+                            "The disruption budget {pdb_name} is still being processed by the server."
+                        )));
                     }
-                    st["disruptionsAllowed"] = json!(st["disruptionsAllowed"].as_i64().unwrap_or(1) - 1);
+                    let allowed = st["disruptionsAllowed"].as_i64().unwrap_or(0);
+                    if allowed < 0 {
+                        return Err(ApiError::forbidden(
+                            "policy",
+                            "poddisruptionbudgets",
+                            &pdb_name,
+                            "pdb disruptions allowed is negative",
+                        ));
+                    }
+                    if st["disruptedPods"].as_object().is_some_and(|d| d.len() > MAX_DISRUPTED_PODS) {
+                        return Err(ApiError::forbidden(
+                            "policy",
+                            "poddisruptionbudgets",
+                            &pdb_name,
+                            "DisruptedPods map too big - too many evictions not confirmed by PDB controller",
+                        ));
+                    }
+                    if allowed == 0 {
+                        return Err(too_many(format!(
+                            "The disruption budget {pdb_name} needs {desired} healthy pods and has {current} currently"
+                        )));
+                    }
+                    st["disruptionsAllowed"] = json!(allowed - 1);
                     st["disruptedPods"][name] = json!(now_rfc3339());
                     let mut o = pdb.clone();
                     o["status"] = st;
                     let key = ObjectKey { gr: pdb_gr(), namespace: ns.into(), name: pdb_name.clone() };
                     inner.put(&key, o, "kube-apiserver", "status");
-                } else {
-                    let always = pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow";
-                    if !always && current < desired {
-                        return Err(blocked());
-                    }
                 }
             }
         }
