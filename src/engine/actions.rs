@@ -280,7 +280,6 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
     // pods held back by a budget (by the watched status or the server's refusal)
     let mut held_by_budget: HashMap<String, String> = HashMap::new();
     let mut shown: Option<(u64, Waiting)> = None;
-    let mut waiting_since: HashMap<String, Instant> = HashMap::new();
     let started = Instant::now();
     let mut next_try: HashMap<String, Instant> = HashMap::new();
     // UIDs whose eviction the server accepted (or that were already gone)
@@ -348,27 +347,34 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             }
             let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &p.labels, p.ready, &budget_changed) {
                 Admission::Ask(reserved) => reserved,
-                // the budget allows nothing now: no request until its status changes, except a
-                // probe now and then in case the watch is behind the server
-                Admission::Wait(budget) => {
-                    let since = *waiting_since.entry(p.uid.clone()).or_insert(now);
-                    if now.duration_since(since) < budgets::PROBE {
-                        blocked.entry(p.uid.clone()).or_insert_with(|| {
-                            (p.clone(), format!("PodDisruptionBudget {budget} allows no disruption now (status.disruptionsAllowed is 0)"))
-                        });
-                        next_try.insert(p.uid.clone(), since + budgets::PROBE);
-                        held_by_budget.insert(p.uid.clone(), budget);
-                        continue;
-                    }
-                    waiting_since.insert(p.uid.clone(), now);
+                // nothing heard of the budget for a while: the watch may be behind the server
+                Admission::Probe(budget) => {
+                    tracing::debug!(pod = %p.key(), budget = %budget, "asking the server although the budget shows no allowance");
                     None
+                }
+                // the budget allows nothing now: no request until its status changes
+                Admission::Wait(budget) => {
+                    blocked.entry(p.uid.clone()).or_insert_with(|| {
+                        (
+                            p.clone(),
+                            format!(
+                                "PodDisruptionBudget {budget} allows no disruption now (status.disruptionsAllowed is 0)"
+                            ),
+                        )
+                    });
+                    next_try.insert(p.uid.clone(), now + budgets::PROBE);
+                    held_by_budget.insert(p.uid.clone(), budget);
+                    continue;
                 }
             };
             let outcome = evict(&ctx.kube.client, p).await;
             if let Some(key) = &reserved {
                 match &outcome {
                     Ok(EvictionOutcome::Evicted) => {}
-                    Ok(EvictionOutcome::Blocked(_)) => ctx.budgets.refused(key, &p.name),
+                    Ok(EvictionOutcome::Blocked(_)) => {
+                        tracing::debug!(pod = %p.key(), budget = %key, "the server refused what the watched budget allowed");
+                        ctx.budgets.refused(key, &p.name)
+                    }
                     _ => ctx.budgets.release(key, &p.name),
                 }
             }

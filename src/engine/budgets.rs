@@ -25,7 +25,8 @@ use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Notify, watch};
 
-/// How often a pod held back by a budget is put to the server anyway.
+/// How long a budget that allows nothing may stay silent (no status change) before one pod it
+/// holds is put to the server anyway.
 pub const PROBE: Duration = Duration::from_secs(10);
 
 /// A budget's key, `namespace/name`.
@@ -40,6 +41,8 @@ struct Budget {
     /// Pods whose eviction the tool asked for (or the server granted) that the last status does
     /// not list in `disruptedPods` yet: the server counted them, the status the tool has not.
     pending: HashMap<String, Instant>,
+    /// When the tool last learned something about it: a status arrived, or a probe was sent.
+    heard: Instant,
 }
 
 impl Budget {
@@ -71,6 +74,9 @@ struct Index {
 pub enum Admission {
     /// Ask the server; the budget's allowance (if one was counted) is reserved under this key.
     Ask(Option<BudgetKey>),
+    /// Ask the server although the budget shows no allowance: nothing was heard of the budget
+    /// for [`PROBE`], and the watch may be behind. One pod per budget probes at a time.
+    Probe(BudgetKey),
     /// The budget allows no disruption now (`status.disruptionsAllowed` is 0): the drain is woken
     /// when its status changes.
     Wait(BudgetKey),
@@ -196,6 +202,10 @@ impl Budgets {
             budget.pending.insert(pod.to_string(), Instant::now());
             return Admission::Ask(Some(key));
         }
+        if budget.heard.elapsed() >= PROBE {
+            budget.heard = Instant::now();
+            return Admission::Probe(key);
+        }
         idx.waiters.entry(key.clone()).or_default().push(wake.clone());
         Admission::Wait(key)
     }
@@ -212,6 +222,7 @@ impl Budgets {
         self.with_budget(key, |b| {
             b.pending.remove(pod);
             b.allowed = 0;
+            b.heard = Instant::now();
         });
     }
 
@@ -234,8 +245,12 @@ fn entry(p: &PodDisruptionBudget) -> Option<(String, String, Budget, Vec<String>
     let allowed = if current { status.map(|s| i64::from(s.disruptions_allowed)).unwrap_or(0) } else { 0 };
     let disrupted =
         status.and_then(|s| s.disrupted_pods.as_ref()).map(|d| d.keys().cloned().collect()).unwrap_or_default();
-    let budget =
-        Budget { selector: p.spec.as_ref().and_then(|s| s.selector.clone()), allowed, pending: HashMap::new() };
+    let budget = Budget {
+        selector: p.spec.as_ref().and_then(|s| s.selector.clone()),
+        allowed,
+        pending: HashMap::new(),
+        heard: Instant::now(),
+    };
     Some((ns, name, budget, disrupted))
 }
 
@@ -322,6 +337,19 @@ mod tests {
         assert!(matches!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait(_)));
         b.apply(watcher::Event::Apply(pdb("web", "web", 1, 1, 1)));
         assert_eq!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Ask(Some("ns/web".into())));
+    }
+
+    #[test]
+    fn a_silent_budget_is_probed_by_one_pod_at_a_time() {
+        let b = Budgets::from_list(&[pdb("web", "web", 0, 1, 1)]);
+        let wake = Arc::new(Notify::new());
+        assert!(matches!(b.admit("ns", "web-0", &labels("web"), true, &wake), Admission::Wait(_)));
+        b.with_budget(&"ns/web".to_string(), |budget| budget.heard -= PROBE);
+        assert_eq!(b.admit("ns", "web-0", &labels("web"), true, &wake), Admission::Probe("ns/web".into()));
+        assert!(
+            matches!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait(_)),
+            "one probe per budget"
+        );
     }
 
     #[test]

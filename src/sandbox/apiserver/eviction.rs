@@ -201,20 +201,23 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
         dopts.propagation = Propagation::Background;
     }
     shared.store.with(|inner| {
-        let pod = inner
-            .find(&pods_gr(), ns, name)
-            .cloned()
-            .ok_or_else(|| ApiError::not_found("", "pods", name))?;
+        let pod = inner.find(&pods_gr(), ns, name).cloned().ok_or_else(|| ApiError::not_found("", "pods", name))?;
         if let Some(uid) = &dopts.precondition_uid
             && pod["metadata"]["uid"].as_str() != Some(uid.as_str())
         {
-            return Err(ApiError::conflict("", "pods", name, &format!(
-                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
-                pod["metadata"]["uid"].as_str().unwrap_or_default())));
+            return Err(ApiError::conflict(
+                "",
+                "pods",
+                name,
+                &format!(
+                    "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                    pod["metadata"]["uid"].as_str().unwrap_or_default()
+                ),
+            ));
         }
         let phase = pod["status"]["phase"].as_str().unwrap_or_default();
-        let ignore_pdb = !pod["metadata"]["deletionTimestamp"].is_null()
-            || matches!(phase, "Succeeded" | "Failed" | "Pending");
+        let ignore_pdb =
+            !pod["metadata"]["deletionTimestamp"].is_null() || matches!(phase, "Succeeded" | "Failed" | "Pending");
         if !ignore_pdb {
             let pdbs: Vec<Value> = inner
                 .iter_ns(&pdb_gr(), Some(ns))
@@ -237,12 +240,15 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
                 let current = st["currentHealthy"].as_i64().unwrap_or(0);
                 let desired = st["desiredHealthy"].as_i64().unwrap_or(0);
                 let too_many = |cause: String| {
-                    let mut e = ApiError::too_many_requests("Cannot evict pod as it would violate the pod's disruption budget.");
+                    let mut e = ApiError::too_many_requests(
+                        "Cannot evict pod as it would violate the pod's disruption budget.",
+                    );
                     e.details = Some(json!({"causes": [{"reason": "DisruptionBudget", "message": cause}]}));
                     e
                 };
                 let unhealthy_may_go = !pod_healthy(&pod)
-                    && (pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow" || (current >= desired && desired > 0));
+                    && (pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+                        || (current >= desired && desired > 0));
                 if !unhealthy_may_go {
                     let generation = pdb["metadata"]["generation"].as_i64().unwrap_or(1);
                     if st["observedGeneration"].as_i64().unwrap_or(0) < generation {
