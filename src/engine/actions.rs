@@ -126,6 +126,9 @@ fn batch_failure(detail: String, e: &super::batcher::BatchError) -> TaskOutcome 
     if e.transient { TaskOutcome::Transient(detail) } else { TaskOutcome::Failed(detail) }
 }
 
+/// How long a drain waits for the first list of the PodDisruptionBudgets.
+const BUDGETS_SYNC_WAIT: Duration = Duration::from_secs(30);
+
 /// Annotation on a fenced NodePool holding its original limits and budgets.
 pub const FENCE_ANNOTATION: &str = "karpenter-teardown.io/original-limits-and-budgets";
 
@@ -273,7 +276,11 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
         return Ok(TaskOutcome::Done("node already gone".into()));
     }
     ctx.pods.synced().await;
-    ctx.budgets.synced().await;
+    // Without a first list of the budgets every pod goes straight to the server, which decides
+    // anyway: a budget watch that cannot start must not hold the drain past its deadline.
+    if tokio::time::timeout(BUDGETS_SYNC_WAIT, ctx.budgets.synced()).await.is_err() {
+        tracing::warn!(node = %node, "no PodDisruptionBudget list yet; evicting without reading budgets first");
+    }
     let mut changes = ctx.pods.subscribe(&node);
     // woken when a budget this drain waits on changes its status
     let budget_changed = Arc::new(tokio::sync::Notify::new());
