@@ -82,6 +82,9 @@ struct Args {
     /// never refuse). Use with --spare-nodes, or every budget blocks once the pools are fenced.
     #[arg(long)]
     pdb_max_unavailable: Option<u32>,
+    /// Watch events the sandbox API server keeps for resuming watches (default: the server's).
+    #[arg(long)]
+    watch_history: Option<usize>,
     /// Nodes outside Karpenter the workloads may use, 110 pods each: where evicted pods become
     /// ready again, so budgets that count ready pods let the drain go on.
     #[arg(long, default_value_t = 0)]
@@ -248,7 +251,11 @@ fn spec(args: &Args, size: usize) -> WorldSpec {
 
 async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> anyhow::Result<Measured> {
     let dir = tempfile::tempdir()?;
-    let server = ApiServer::start(ServerOptions { time_scale: args.time_scale, ..ServerOptions::default() }).await?;
+    let mut opts = ServerOptions { time_scale: args.time_scale, ..ServerOptions::default() };
+    if let Some(n) = args.watch_history {
+        opts.watch_history = n;
+    }
+    let server = ApiServer::start(opts).await?;
     let client = Client::try_from(server.kube_config())?;
     let account = fresh_account();
     let aws = localstack(&account).await?;
