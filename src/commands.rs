@@ -240,6 +240,7 @@ fn plan_command(args: &PlanArgs) -> Exit {
 }
 
 /// Cancels `token` on Ctrl-C or SIGTERM; the returned task is aborted when the run ends.
+#[cfg(feature = "sandbox")]
 fn watch_signals(token: CancellationToken) -> tokio::task::JoinHandle<()> {
     watch_run_signals(token, None)
 }

@@ -597,7 +597,10 @@ impl ControlPlane {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a pod's template, name, owner, labels, node and tolerations are each what a controller decides"
+    )]
     fn create_pod(
         &self,
         ns: &str,
@@ -1005,11 +1008,6 @@ pub(crate) fn hash_str(v: &str) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     v.hash(&mut h);
     h.finish()
-}
-
-#[allow(dead_code)]
-fn selector_matches(sel: &Value, o: &Value) -> bool {
-    LabelSelector::from_object(sel).is_some_and(|s| s.matches(o))
 }
 
 #[cfg(test)]

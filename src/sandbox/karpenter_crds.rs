@@ -10,7 +10,6 @@ fn col(name: &str, ty: &str, path: &str, priority: i64) -> Value {
     json!({"name": name, "type": ty, "jsonPath": path, "priority": priority})
 }
 
-#[allow(clippy::too_many_arguments)]
 fn crd(
     group: &str,
     kind: &str,

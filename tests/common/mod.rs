@@ -1,5 +1,5 @@
 //! Test-bed helpers shared by the integration tests: LocalStack clients and unique names.
-#![allow(dead_code)]
+#![allow(dead_code, reason = "each test binary uses its own subset of these helpers")]
 
 pub mod e2e;
 

@@ -1,7 +1,7 @@
 //! Helpers of the safety and reliability tests (field reports, bad input, resume, faults): their
 //! world, a runner of the real binary for any subcommand, and what they check in reports; the
 //! test bed and end-state checks are `common::e2e`'s. Included with `#[path]` next to `mod common;`.
-#![allow(dead_code)]
+#![allow(dead_code, reason = "each test binary uses its own subset of these helpers")]
 
 use std::path::PathBuf;
 
@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::common;
 // each test file uses its own subset of these
-#[allow(unused_imports)]
+#[allow(unused_imports, reason = "each test file uses its own subset of these")]
 pub use crate::common::e2e::{
     Bed, REGION, Run, assert_torn_down, bed, bed_with, count, states, untouchable_names, untouchable_nodes,
 };

@@ -382,7 +382,10 @@ impl Store {
 
     /// Patches an object (`subresource` `""` or `"status"`). Apply patches create the object if
     /// it does not exist.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a write's key, body, preconditions and options, as the HTTP layer passes them"
+    )]
     pub fn patch(
         &self,
         gr: &GroupResource,
@@ -417,7 +420,10 @@ impl Store {
     /// Events after `rv` for a resource (`None`: synthetic ADDED events of the current state),
     /// plus a receiver for what follows and the current resourceVersion, taken atomically.
     /// Err(410) when `rv` is too old.
-    #[allow(clippy::type_complexity)]
+    #[expect(
+        clippy::type_complexity,
+        reason = "the replay, the live receiver and the resourceVersion are taken together under one lock; a named type would hide that"
+    )]
     pub fn watch_from(
         &self,
         gr: &GroupResource,
@@ -739,7 +745,10 @@ impl Inner {
         Ok(self.commit(key, obj, None))
     }
 
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a write's key, body, preconditions and options, as the HTTP layer passes them"
+    )]
     pub(crate) fn update(
         &mut self,
         gr: &GroupResource,
@@ -942,7 +951,10 @@ impl Inner {
         None
     }
 
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a write's key, body, preconditions and options, as the HTTP layer passes them"
+    )]
     pub(crate) fn patch(
         &mut self,
         gr: &GroupResource,
