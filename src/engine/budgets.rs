@@ -18,11 +18,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use tokio::sync::{Notify, watch};
 
 /// How long a budget that allows nothing may stay silent (no status change) before one pod it
@@ -96,15 +95,7 @@ impl Budgets {
         let budgets = Budgets { inner: Arc::new(Mutex::new(Index::default())), synced: tx };
         let to = budgets.clone();
         let api: Api<PodDisruptionBudget> = Api::all(client);
-        let fut = async move {
-            let mut stream = watcher(api, watcher::Config::default().page_size(500)).default_backoff().boxed();
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Ok(ev) => to.apply(ev),
-                    Err(e) => tracing::warn!(error = %e, "PodDisruptionBudget watch interrupted; resuming"),
-                }
-            }
-        };
+        let fut = super::podindex::follow(api, "PodDisruptionBudget", move |ev| to.apply(ev));
         (budgets, fut)
     }
 

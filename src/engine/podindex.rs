@@ -178,7 +178,7 @@ impl PodIndex {
 }
 
 /// Feeds one watch's events to `apply` for as long as it runs, resuming after errors.
-async fn follow<K>(api: Api<K>, what: &'static str, apply: impl Fn(watcher::Event<K>))
+pub(super) async fn follow<K>(api: Api<K>, what: &'static str, apply: impl Fn(watcher::Event<K>))
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {

@@ -100,26 +100,24 @@ pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Resu
                 json!({"metadata": {"resourceVersion": rv}, "spec": {"suspend": true}})
             }
         };
-        match api.patch(&id.name, &patch_params(), &Patch::Merge(patch)).await {
-            Ok(_) => {}
+        // the patch answers with the object as written: judged again, it says whether the pause held
+        let written = match api.patch(&id.name, &patch_params(), &Patch::Merge(patch)).await {
+            Ok(o) => o,
             Err(e) if status_code(&e) == Some(404) => return Ok(PauseOutcome::Gone),
             // changed since it was read: decide again on the new version
             Err(e) if status_code(&e) == Some(409) => continue,
             Err(e) => return Err(KubeError::api(format!("pause {id}"), e)),
-        }
-        let after = api.get_opt(&id.name).await.map_err(|e| KubeError::api(format!("read {id}"), e))?;
-        let still = after
-            .map(|o| serde_json::to_value(&o).map(|v| OwnerObject::from_json(id.kind, &v).state))
-            .transpose()
+        };
+        let value = serde_json::to_value(&written)
             .map_err(|e| KubeError::api(format!("read {id}"), kube::Error::SerdeError(e)))?;
-        return match still {
-            None => Ok(PauseOutcome::Gone),
-            Some(OwnerState::Paused(_)) => Ok(PauseOutcome::Paused),
-            Some(OwnerState::Active(d)) => Err(KubeError::NotPaused {
+        return match OwnerObject::from_json(id.kind, &value).state {
+            OwnerState::Paused(_) => Ok(PauseOutcome::Paused),
+            OwnerState::Active(d) => Err(KubeError::NotPaused {
                 owner: id.to_string(),
                 detail: format!(
-                    "the write was accepted but it still reconciles ({d}); something turned it back on (a parent \
-                     Application or Kustomization, an ApplicationSet): pause that owner and run again"
+                    "the write was accepted but the object still reconciles ({d}); something keeps it on (an \
+                     admission webhook, a parent Application or Kustomization, an ApplicationSet): pause that owner \
+                     and run again"
                 ),
             }),
         };
