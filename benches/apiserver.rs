@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use karpenter_teardown::sandbox::apiserver::{GroupResource, WriteOptions};
-use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
+use sandbox_apiserver::{ApiServer, ServerOptions};
+use sandbox_apiserver::{GroupResource, WriteOptions};
 use serde_json::json;
 
 /// Resident and peak memory of this process, from /proc (kB).

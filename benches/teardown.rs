@@ -20,13 +20,13 @@ use aws_config::{BehaviorVersion, Region};
 use aws_credential_types::Credentials;
 use clap::Parser;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use karpenter_teardown::aws::AwsClients;
 use karpenter_teardown::k8s::{self, Kube};
-use karpenter_teardown::sandbox::ec2proxy::{Ec2Proxy, ProxyFaults};
-use karpenter_teardown::sandbox::sim::{SimController, SimSettings, World, WorldSpec, generate};
-use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::Client;
 use kube::api::{Api, DynamicObject, ListParams};
+use sandbox_apiserver::{ApiServer, ServerOptions};
+use sandbox_sim::cloud::Cloud;
+use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
+use sandbox_sim::{SimController, SimSettings, World, WorldSpec, generate};
 use serde_json::Value;
 
 const LOCALSTACK: &str = "http://127.0.0.1:4566";
@@ -211,14 +211,13 @@ fn fresh_account() -> String {
     format!("{:012}", (nanos / 1000) % 1_000_000_000_000)
 }
 
-async fn localstack(account: &str) -> anyhow::Result<AwsClients> {
-    let config = aws_config::defaults(BehaviorVersion::latest())
+async fn localstack_config(account: &str) -> aws_config::SdkConfig {
+    aws_config::defaults(BehaviorVersion::latest())
         .region(Region::new(REGION))
         .endpoint_url(LOCALSTACK)
         .credentials_provider(Credentials::new(account, "test", None, None, "bench"))
         .load()
-        .await;
-    Ok(AwsClients::from_config(&config).await?)
+        .await
 }
 
 /// Workloads per namespace: large clusters spread their workloads over many namespaces.
@@ -258,10 +257,9 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
     let server = ApiServer::start(opts).await?;
     let client = Client::try_from(server.kube_config())?;
     let account = fresh_account();
-    let aws = localstack(&account).await?;
     let s = spec(args, size);
     let t = Instant::now();
-    let world = generate(&s, &client, &aws).await?;
+    let world = generate(&s, &client, &Cloud::from_config(&localstack_config(&account).await)).await?;
     let generate_s = t.elapsed().as_secs_f64();
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig, &world.cluster)?;
@@ -269,7 +267,7 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
 
     // The simulated Karpenter gets its own clients so its requests can be told apart.
     let sim_kube = Kube::from_config(server.kube_config(), None)?;
-    let sim_aws = localstack(&account).await?;
+    let sim_aws = Cloud::from_config(&localstack_config(&account).await);
     let sim = SimController::start(
         sim_kube.client.clone(),
         sim_aws.clone(),
@@ -282,7 +280,7 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
     );
     let before = server.requests().snapshot();
     let sim_before = sim_kube.calls.snapshot();
-    let sim_ec2_before = ec2_total(&sim_aws.calls.snapshot());
+    let sim_ec2_before = sim_aws.ec2_requests();
 
     let t = Instant::now();
     let limit = Duration::from_secs(args.run_timeout);
@@ -304,7 +302,7 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
 
     let after = server.requests().snapshot();
     let sim_after = sim_kube.calls.snapshot();
-    let ec2_sim = ec2_total(&sim_aws.calls.snapshot()).saturating_sub(sim_ec2_before);
+    let ec2_sim = sim_aws.ec2_requests().saturating_sub(sim_ec2_before);
     sim.shutdown().await;
     let left = leftovers(&client).await;
     let outcome = match (outcome.as_str(), left) {
@@ -359,10 +357,6 @@ fn keep_artifacts(dir: &Path, keep: &Path, size: usize, contender: Contender) ->
         std::fs::copy(entry.path(), &to).with_context(|| format!("copying {name} to {}", to.display()))?;
     }
     Ok(())
-}
-
-fn ec2_total(calls: &BTreeMap<String, u64>) -> u64 {
-    calls.iter().filter(|(k, _)| k.starts_with("ec2:")).map(|(_, n)| n).sum()
 }
 
 /// The longest unavoidable chain of waits: every node can drain in parallel, but none is empty

@@ -40,7 +40,7 @@ pub enum CommandError {
     /// The sandbox could not start.
     #[cfg(feature = "sandbox")]
     #[error(transparent)]
-    Sandbox(#[from] crate::sandbox::SandboxError),
+    Sandbox(#[from] sandbox_apiserver::SandboxError),
     /// `tf-prune` could not read the state or ask the cluster.
     #[error(transparent)]
     TfPrune(#[from] crate::tfprune::TfPruneError),

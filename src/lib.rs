@@ -18,7 +18,5 @@ pub mod logging;
 pub mod plan;
 pub mod progress;
 pub mod report;
-#[cfg(feature = "sandbox")]
-pub mod sandbox;
 pub mod tfprune;
 pub mod verify;

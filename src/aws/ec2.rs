@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName, ResourceType, Tag, TagSpecification};
+use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName};
 
 use super::AwsError;
 use crate::karpenter;
@@ -177,11 +177,6 @@ pub struct Ec2 {
 impl Ec2 {
     pub(crate) fn new(client: aws_sdk_ec2::Client, endpoint: String) -> Ec2 {
         Ec2 { client, endpoint }
-    }
-
-    /// The SDK client, for tests that set up or inspect EC2 directly.
-    pub fn sdk(&self) -> &aws_sdk_ec2::Client {
-        &self.client
     }
 
     fn err<E, R>(&self, op: &'static str, e: aws_sdk_ec2::error::SdkError<E, R>) -> AwsError
@@ -423,58 +418,6 @@ impl Ec2 {
             }
         }
         Ok(out)
-    }
-
-    /// Launches `count` instances carrying `tags` (used by the sandbox to play Karpenter and by
-    /// tests; the teardown itself never launches anything).
-    pub async fn launch_tagged(
-        &self,
-        image_id: &str,
-        instance_type: &str,
-        zone: Option<&str>,
-        count: i32,
-        tags: &BTreeMap<String, String>,
-    ) -> Result<Vec<InstanceInfo>, AwsError> {
-        let spec = TagSpecification::builder()
-            .resource_type(ResourceType::Instance)
-            .set_tags(Some(tags.iter().map(|(k, v)| Tag::builder().key(k).value(v).build()).collect()))
-            .build();
-        let mut req = self
-            .client
-            .run_instances()
-            .image_id(image_id)
-            .instance_type(instance_type.into())
-            .min_count(count)
-            .max_count(count)
-            .tag_specifications(spec);
-        if let Some(z) = zone {
-            req = req.placement(aws_sdk_ec2::types::Placement::builder().availability_zone(z).build());
-        }
-        let out = req.send().await.map_err(|e| self.err("RunInstances", e))?;
-        Ok(out.instances().iter().map(InstanceInfo::from_sdk).collect())
-    }
-
-    /// Creates a launch template with tags (sandbox only).
-    pub async fn create_launch_template(
-        &self,
-        name: &str,
-        image_id: &str,
-        tags: &BTreeMap<String, String>,
-    ) -> Result<String, AwsError> {
-        let spec = TagSpecification::builder()
-            .resource_type(ResourceType::LaunchTemplate)
-            .set_tags(Some(tags.iter().map(|(k, v)| Tag::builder().key(k).value(v).build()).collect()))
-            .build();
-        let out = self
-            .client
-            .create_launch_template()
-            .launch_template_name(name)
-            .launch_template_data(aws_sdk_ec2::types::RequestLaunchTemplateData::builder().image_id(image_id).build())
-            .tag_specifications(spec)
-            .send()
-            .await
-            .map_err(|e| self.err("CreateLaunchTemplate", e))?;
-        Ok(out.launch_template().and_then(|l| l.launch_template_id()).unwrap_or_default().to_string())
     }
 }
 

@@ -35,11 +35,6 @@ impl Iam {
         Iam { client, endpoint }
     }
 
-    /// The SDK client, for tests that inspect IAM directly.
-    pub fn sdk(&self) -> &aws_sdk_iam::Client {
-        &self.client
-    }
-
     fn err<E, R>(&self, op: &'static str, e: aws_sdk_iam::error::SdkError<E, R>) -> AwsError
     where
         E: aws_sdk_iam::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
@@ -159,40 +154,5 @@ impl Iam {
                 if e.code() == Some("NoSuchEntity") { Ok(()) } else { Err(e) }
             }
         }
-    }
-
-    /// Creates an instance profile at `path` with `tags` (sandbox only: it plays Karpenter).
-    pub async fn create_instance_profile(
-        &self,
-        name: &str,
-        path: &str,
-        tags: &BTreeMap<String, String>,
-        role: Option<&str>,
-    ) -> Result<(), AwsError> {
-        let tags = tags.iter().map(|(k, v)| {
-            aws_sdk_iam::types::Tag::builder().key(k).value(v).build().map_err(|e| AwsError::Api {
-                operation: "CreateInstanceProfile",
-                code: "InvalidTag".into(),
-                message: e.to_string(),
-            })
-        });
-        self.client
-            .create_instance_profile()
-            .instance_profile_name(name)
-            .path(path)
-            .set_tags(Some(tags.collect::<Result<Vec<_>, _>>()?))
-            .send()
-            .await
-            .map_err(|e| self.err("CreateInstanceProfile", e))?;
-        if let Some(role) = role {
-            self.client
-                .add_role_to_instance_profile()
-                .instance_profile_name(name)
-                .role_name(role)
-                .send()
-                .await
-                .map_err(|e| self.err("AddRoleToInstanceProfile", e))?;
-        }
-        Ok(())
     }
 }

@@ -7,16 +7,18 @@ use std::io::Write;
 use tokio_util::sync::CancellationToken;
 
 use super::{fail, watch_signals};
-use crate::aws::AwsClients;
 use crate::cli::SandboxCommand;
 use crate::exit::Exit;
+use sandbox_apiserver::{ApiServer, ServerOptions};
+use sandbox_sim::cloud::Cloud;
+use sandbox_sim::localstack;
 
 /// Runs a `sandbox` subcommand.
 pub(super) async fn sandbox_command(cmd: SandboxCommand) -> Exit {
     match cmd {
         SandboxCommand::Serve(args) => {
-            let opts = crate::sandbox::ServerOptions { port: args.port, ..Default::default() };
-            let server = match crate::sandbox::ApiServer::start(opts).await {
+            let opts = ServerOptions { port: args.port, ..Default::default() };
+            let server = match ApiServer::start(opts).await {
                 Ok(s) => s,
                 Err(e) => return fail(&e.into()),
             };
@@ -43,20 +45,20 @@ pub(super) async fn sandbox_command(cmd: SandboxCommand) -> Exit {
 const SANDBOX_REGION: &str = "us-west-2";
 
 async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
-    use crate::sandbox::sim::{KarpenterVersion, SimController, SimSettings, WorldSpec, generate};
+    use sandbox_sim::{KarpenterVersion, SimController, SimSettings, WorldSpec, generate};
     let version = match args.karpenter {
         crate::cli::KarpenterVersionArg::V1_14 => KarpenterVersion::V1_14,
         crate::cli::KarpenterVersionArg::V1_0 => KarpenterVersion::V1_0,
     };
-    let aws = match crate::sandbox::localstack::clients(SANDBOX_REGION).await {
-        Ok(a) => a,
+    let aws = match localstack::config(SANDBOX_REGION).await {
+        Ok(config) => Cloud::from_config(&config),
         Err(e) => {
             eprintln!("error: {e}");
             return Exit::BadInput;
         }
     };
-    let opts = crate::sandbox::ServerOptions { port: args.port, time_scale: args.time_scale, ..Default::default() };
-    let server = match crate::sandbox::ApiServer::start(opts).await {
+    let opts = ServerOptions { port: args.port, time_scale: args.time_scale, ..Default::default() };
+    let server = match ApiServer::start(opts).await {
         Ok(s) => s,
         Err(e) => return fail(&e.into()),
     };
@@ -96,12 +98,12 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
         }
     };
     let reconcilers = if args.gitops {
-        match crate::sandbox::sim::gitops::adopt(&client, &world).await {
+        match sandbox_sim::gitops::adopt(&client, &world).await {
             Ok(g) => {
                 for o in &g.owners {
                     println!("sandbox: GitOps owner {o} reconciles (simulated)");
                 }
-                Some(crate::sandbox::sim::gitops::GitopsSim::start(client.clone(), &g, Default::default()))
+                Some(sandbox_sim::gitops::GitopsSim::start(client.clone(), &g, Default::default()))
             }
             Err(e) => {
                 server.shutdown().await;
@@ -141,12 +143,7 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
 }
 
 /// Runs this very binary against the sandbox, as a user would, and shows what is left.
-async fn sandbox_demo(
-    kubeconfig: &std::path::Path,
-    world: &crate::sandbox::sim::World,
-    aws: &AwsClients,
-    gitops: bool,
-) -> Exit {
+async fn sandbox_demo(kubeconfig: &std::path::Path, world: &sandbox_sim::World, aws: &Cloud, gitops: bool) -> Exit {
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
@@ -166,7 +163,7 @@ async fn sandbox_demo(
     let _ = std::io::stdout().flush();
     let status = tokio::process::Command::new(exe)
         .args(["run", "--cluster", &world.cluster, "--region", SANDBOX_REGION, "--yes", "--kubeconfig"])
-        .envs(crate::sandbox::localstack::child_env(SANDBOX_REGION))
+        .envs(localstack::child_env(SANDBOX_REGION))
         .arg(kubeconfig)
         .arg("--report")
         .arg(&report)
@@ -188,7 +185,7 @@ async fn sandbox_demo(
     let managed = world.managed_instance_ids();
     ids.extend(managed.iter().cloned());
     ids.extend(world.decoy_instances.iter().cloned());
-    match aws.ec2.instances_by_id(&ids).await {
+    match aws.instances_by_id(&ids).await {
         Ok(found) => {
             println!("sandbox: instances in LocalStack after the teardown:");
             for i in found {
@@ -199,7 +196,7 @@ async fn sandbox_demo(
                 } else {
                     "Karpenter (must be terminated)"
                 };
-                println!("  {:<22} {:<14} {role}", i.id, format!("{:?}", i.state).to_lowercase());
+                println!("  {:<22} {:<14} {role}", i.id, i.state);
             }
         }
         Err(e) => eprintln!("warning: cannot list the instances: {e}"),

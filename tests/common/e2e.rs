@@ -10,11 +10,11 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Node;
 use karpenter_teardown::aws::{AwsClients, InstanceState};
 use karpenter_teardown::k8s;
-use karpenter_teardown::sandbox::apiserver::authz::Rbac;
-use karpenter_teardown::sandbox::sim::{KarpenterVersion, World, WorldSpec, naming};
-use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::Client;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
+use sandbox_apiserver::authz::Rbac;
+use sandbox_apiserver::{ApiServer, ServerOptions};
+use sandbox_sim::{KarpenterVersion, World, WorldSpec, naming};
 use serde_json::{Value, json};
 
 /// The region of every end-to-end world.
@@ -25,6 +25,8 @@ pub struct Bed {
     pub server: ApiServer,
     pub client: Client,
     pub aws: AwsClients,
+    /// The test bed's own EC2/IAM calls (the simulated Karpenter's).
+    pub cloud: sandbox_sim::cloud::Cloud,
     pub dir: tempfile::TempDir,
     pub kubeconfig: PathBuf,
 }
@@ -46,12 +48,13 @@ pub fn shipped_rbac() -> Rbac {
 pub async fn bed_with(cluster: &str, mut opts: ServerOptions) -> Bed {
     opts.rbac = opts.rbac.or_else(|| Some(shipped_rbac()));
     let aws = super::localstack(REGION).await;
+    let cloud = super::cloud(REGION).await;
     let server = ApiServer::start(opts).await.unwrap();
     let client = Client::try_from(server.kube_config()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig, cluster).unwrap();
-    Bed { server, client, aws, dir, kubeconfig }
+    Bed { server, client, aws, cloud, dir, kubeconfig }
 }
 
 /// Karpenter's own CRD files of a release, from `../shared` beside the repository (another

@@ -2,6 +2,7 @@
 #![allow(dead_code, reason = "each test binary uses its own subset of these helpers")]
 
 pub mod e2e;
+pub mod safety;
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -10,7 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use aws_config::{BehaviorVersion, Region};
 use aws_credential_types::Credentials;
 use karpenter_teardown::aws::AwsClients;
-use karpenter_teardown::sandbox::ec2proxy::{Ec2Proxy, ProxyFaults};
+use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
 
 /// Where `localstack/up` serves LocalStack.
 pub const LOCALSTACK: &str = "http://127.0.0.1:4566";
@@ -37,6 +38,13 @@ pub async fn localstack(region: &str) -> AwsClients {
         .load()
         .await;
     AwsClients::from_config(&config).await.expect("LocalStack clients")
+}
+
+/// The test bed's own EC2/IAM calls (playing Karpenter: launching instances, creating templates
+/// and profiles) against LocalStack directly.
+pub async fn cloud(region: &str) -> sandbox_sim::cloud::Cloud {
+    require_localstack();
+    sandbox_sim::cloud::Cloud::from_config(&sandbox_sim::localstack::config_as(region, "test").await)
 }
 
 /// SDK clients for the code under test: through the enforcing EC2 proxy ([`ec2_proxy`]), so

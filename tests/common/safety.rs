@@ -1,11 +1,11 @@
 //! Helpers of the safety and reliability tests (field reports, bad input, resume, faults): their
 //! world, a runner of the real binary for any subcommand, and what they check in reports; the
-//! test bed and end-state checks are `common::e2e`'s. Included with `#[path]` next to `mod common;`.
+//! test bed and end-state checks are `common::e2e`'s.
 #![allow(dead_code, reason = "each test binary uses its own subset of these helpers")]
 
 use std::path::PathBuf;
 
-use karpenter_teardown::sandbox::sim::WorldSpec;
+use sandbox_sim::WorldSpec;
 use serde_json::Value;
 
 use crate::common;

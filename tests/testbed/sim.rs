@@ -2,7 +2,7 @@
 //! world looks like §3 says, and the controller launches, terminates and finalizes like the real
 //! one — and does nothing once its Deployment is scaled to zero.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -14,13 +14,13 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use karpenter_teardown::aws::{AwsClients, InstanceState};
 use karpenter_teardown::karpenter;
-use karpenter_teardown::sandbox::sim::naming;
-use karpenter_teardown::sandbox::sim::objects;
-use karpenter_teardown::sandbox::sim::world::expected_instance_tags;
-use karpenter_teardown::sandbox::sim::{KarpenterVersion, SimController, SimSettings, World, WorldSpec, generate};
-use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use sandbox_apiserver::{ApiServer, ServerOptions};
+use sandbox_sim::naming;
+use sandbox_sim::objects;
+use sandbox_sim::world::expected_instance_tags;
+use sandbox_sim::{KarpenterVersion, SimController, SimSettings, World, WorldSpec, generate};
 use serde_json::json;
 
 const REGION: &str = "us-west-2";
@@ -29,13 +29,15 @@ struct Bed {
     server: ApiServer,
     client: Client,
     aws: AwsClients,
+    cloud: sandbox_sim::cloud::Cloud,
 }
 
 async fn bed() -> Bed {
     let aws = common::localstack(REGION).await;
     let server = ApiServer::start(ServerOptions { time_scale: 0.01, ..ServerOptions::default() }).await.unwrap();
     let client = Client::try_from(server.kube_config()).unwrap();
-    Bed { server, client, aws }
+    let cloud = common::cloud(REGION).await;
+    Bed { server, client, aws, cloud }
 }
 
 /// A few nodes, one pod each, so every drain can proceed (single-replica workloads).
@@ -138,7 +140,7 @@ async fn scale_controller(c: &Client, replicas: i32) {
 async fn generated_world_carries_exactly_the_karpenter_tags() {
     let b = bed().await;
     let spec = small_spec("sim-tags");
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     assert_eq!(world.nodes.len(), 3);
 
     // every Karpenter instance: exactly the §3 tags, nothing more, nothing less
@@ -226,7 +228,7 @@ async fn karpenter_1_0_worlds_use_the_old_tags_paths_and_crds() {
         node_classes: 1,
         ..small_spec("sim-v10")
     };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let crds: Api<CustomResourceDefinition> = Api::all(b.client.clone());
     let crd = crds.get("nodeclaims.karpenter.sh").await.unwrap();
     let conversion = crd.spec.conversion.unwrap();
@@ -249,8 +251,8 @@ async fn karpenter_1_0_worlds_use_the_old_tags_paths_and_crds() {
 async fn deleted_nodepools_cascade_and_deleted_classes_release_their_aws_resources() {
     let b = bed().await;
     let spec = small_spec("sim-cascade");
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
-    let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
     assert!(ctl.wait_active(true, Duration::from_secs(10)).await, "controller never saw its ready Deployment");
 
     for p in &world.node_pools {
@@ -302,8 +304,8 @@ async fn deleted_nodepools_cascade_and_deleted_classes_release_their_aws_resourc
 async fn a_controller_scaled_to_zero_leaves_finalizers_and_instances_until_it_returns() {
     let b = bed().await;
     let spec = WorldSpec { nodes: 2, node_pools: 1, node_classes: 1, ..small_spec("sim-stuck") };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
-    let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
     assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
 
     scale_controller(&b.client, 0).await;
@@ -346,8 +348,8 @@ async fn pending_pods_get_capacity_up_to_the_nodepool_limit_and_no_further() {
         pool_cpu_limit: Some(8),
         ..small_spec("sim-limit")
     };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
-    let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
     assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
 
     let labels = json!({"app": "inflate"});
@@ -402,16 +404,16 @@ async fn pending_pods_get_capacity_up_to_the_nodepool_limit_and_no_further() {
 async fn garbage_collection_terminates_orphans_of_this_cluster_only() {
     let b = bed().await;
     let spec = WorldSpec { nodes: 1, node_pools: 1, node_classes: 1, ..small_spec("sim-gc") };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     // an instance with this cluster's Karpenter tags and no NodeClaim: a leaked launch
     let tags =
         naming::instance_tags(&world.cluster, &world.node_pools[0], &world.node_classes[0].name, "gone-x", "ip-x");
     let orphan =
-        b.aws.ec2.launch_tagged(naming::IMAGE_ID, naming::INSTANCE_TYPE, Some("us-west-2a"), 1, &tags).await.unwrap();
+        b.cloud.launch_tagged(naming::IMAGE_ID, naming::INSTANCE_TYPE, Some("us-west-2a"), 1, &tags).await.unwrap();
     let orphan = vec![orphan[0].id.clone()];
 
     let gc = SimSettings { gc_interval: Duration::from_secs(5), ..settings(&world) };
-    let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), gc);
+    let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), gc);
     assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
     eventually("the orphan terminated", Duration::from_secs(90), || async { ctl.stats().orphans_terminated >= 1 })
         .await;
@@ -428,14 +430,14 @@ async fn garbage_collection_terminates_orphans_of_this_cluster_only() {
 async fn a_strict_pdb_blocks_the_drain_until_it_is_relaxed() {
     let b = bed().await;
     let spec = WorldSpec { nodes: 2, node_pools: 1, node_classes: 1, strict_pdb: true, ..small_spec("sim-pdb") };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let strict = world.workloads.iter().find(|w| w.strict_pdb).unwrap();
     let pods: Api<Pod> = Api::namespaced(b.client.clone(), &strict.namespace);
     let pod = pods.list(&ListParams::default().labels(&format!("app={}", strict.name))).await.unwrap().items.remove(0);
     let node_name = pod.spec.unwrap().node_name.unwrap();
     let victim = world.nodes.iter().find(|n| n.node == node_name).unwrap();
 
-    let ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
     claims(&b.client).delete(&victim.nodeclaim, &DeleteParams::default()).await.unwrap();
     eventually("evictions refused by the strict PDB", Duration::from_secs(90), || async {
         ctl.stats().evictions_blocked >= 2
@@ -470,8 +472,8 @@ async fn a_strict_pdb_blocks_the_drain_until_it_is_relaxed() {
 async fn a_static_pool_is_kept_at_its_replicas_within_limits_nodes() {
     let b = bed().await;
     let spec = WorldSpec { nodes: 2, node_pools: 1, node_classes: 1, static_pool: true, ..small_spec("sim-static") };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
-    let ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
     claims(&b.client).delete(&world.nodes[0].nodeclaim, &DeleteParams::default()).await.unwrap();
     eventually("a replacement NodeClaim", Duration::from_secs(60), || async { ctl.stats().nodeclaims_launched >= 1 })
         .await;
@@ -499,12 +501,12 @@ async fn a_static_pool_is_kept_at_its_replicas_within_limits_nodes() {
 async fn a_live_controller_strips_a_disrupted_taint_it_did_not_put_there_and_keeps_cordons() {
     let b = bed().await;
     let spec = WorldSpec { nodes: 2, node_pools: 1, node_classes: 1, ..small_spec("sim-untaint") };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let nodes: Api<Node> = Api::all(b.client.clone());
     let target = &world.nodes[0].node;
     let patch = json!({"spec": {"unschedulable": true, "taints": [{"key": karpenter::TAINT_DISRUPTED, "effect": "NoSchedule"}]}});
     nodes.patch(target, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
-    let ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
     eventually("the disrupted taint is removed", Duration::from_secs(30), || async {
         let n = nodes.get(target).await.unwrap();
         !n.spec.and_then(|s| s.taints).unwrap_or_default().iter().any(|t| t.key == karpenter::TAINT_DISRUPTED)
@@ -521,8 +523,8 @@ async fn a_live_controller_strips_a_disrupted_taint_it_did_not_put_there_and_kee
 async fn deleting_a_node_takes_its_nodeclaim_and_instance_with_it() {
     let b = bed().await;
     let spec = WorldSpec { nodes: 2, node_pools: 1, node_classes: 1, ..small_spec("sim-node") };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
-    let ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
     let victim = &world.nodes[1];
     Api::<Node>::all(b.client.clone()).delete(&victim.node, &DeleteParams::default()).await.unwrap();
     eventually("node, claim and instance gone", Duration::from_secs(90), || async {
@@ -540,8 +542,8 @@ async fn deleting_a_node_takes_its_nodeclaim_and_instance_with_it() {
 async fn an_applied_nodeclass_gets_its_finalizer_launch_template_and_instance_profile() {
     let b = bed().await;
     let spec = WorldSpec { nodes: 0, pods_per_node: 0, node_pools: 1, node_classes: 1, ..small_spec("sim-apply") };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
-    let mut ctl = SimController::start(b.client.clone(), b.aws.clone(), settings(&world));
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
     assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
     // as `kubectl apply` would create it: no finalizer, no status
     let class: DynamicObject = serde_json::from_value(json!({
@@ -573,11 +575,11 @@ async fn an_applied_nodeclass_gets_its_finalizer_launch_template_and_instance_pr
 /// against reconcilers with teeth.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulated_argo_cd_and_flux_put_back_what_is_removed_until_paused() {
-    use karpenter_teardown::sandbox::sim::gitops::{self, GitopsSettings, GitopsSim};
+    use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim};
     let b = bed().await;
     // Git holds the pools' cpu limit: that is the field a fence changes and self-heal sets back
     let spec = WorldSpec { pool_cpu_limit: Some(1000), ..small_spec("sim-gitops") };
-    let world = generate(&spec, &b.client, &b.aws).await.unwrap();
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let g = gitops::adopt(&b.client, &world).await.unwrap();
     let sim = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
     let pool = world.node_pools[0].clone();
@@ -591,7 +593,7 @@ async fn simulated_argo_cd_and_flux_put_back_what_is_removed_until_paused() {
             .get_opt(&pool)
             .await
             .unwrap()
-            .is_some_and(|p| p.annotations().get(karpenter_teardown::gitops::ARGO_TRACKING_ANNOTATION).is_some())
+            .is_some_and(|p| p.annotations().get(sandbox_sim::gitops::ARGO_TRACKING_ANNOTATION).is_some())
     })
     .await;
     pools(&b.client)

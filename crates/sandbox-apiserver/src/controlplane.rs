@@ -14,7 +14,7 @@ use tokio::sync::broadcast::error::TryRecvError;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::apiserver::{
+use crate::{
     DeleteOptions, EventType, GroupResource, LabelSelector, ListOptions, PatchType, Store, StoreEvent, WriteOptions,
     deletion_timeout, now_rfc3339, pdb_gr, pod_healthy, pods_gr, refresh_pdb,
 };
@@ -442,7 +442,7 @@ impl ControlPlane {
             .and_then(|a| a.iter().find(|x| x["type"] == "InternalIP"))
             .map(|x| s(&x["address"]))
             .unwrap_or_else(|| "10.0.0.1".into());
-        let octet = |i: u64| (crate::sandbox::controlplane::hash_str(uid) >> i) % 250 + 2;
+        let octet = |i: u64| (crate::controlplane::hash_str(uid) >> i) % 250 + 2;
         let pod_ip = format!("10.{}.{}.{}", octet(0) % 200, octet(8), octet(16));
         let containers: Vec<Value> = p["spec"]["containers"].as_array().into_iter().flatten().map(|c| json!({
             "name": c["name"], "image": c["image"], "ready": true, "started": true, "restartCount": 0,

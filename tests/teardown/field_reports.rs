@@ -3,23 +3,19 @@
 //! the controller removed first, a strict PodDisruptionBudget, and an instance that launched but
 //! never registered.
 
-mod common;
-#[path = "common/safety.rs"]
-mod safety;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::common::safety::*;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Taint};
 use karpenter_teardown::aws::InstanceState;
 use karpenter_teardown::k8s;
-use karpenter_teardown::sandbox::sim::{World, WorldSpec, generate, naming};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use safety::*;
+use sandbox_sim::{World, WorldSpec, generate, naming};
 use serde_json::{Value, json};
 
 const NOT_READY: &str = "node.kubernetes.io/not-ready";
@@ -39,7 +35,7 @@ async fn remove_node_underneath(client: &Client, name: &str) {
 async fn vanished_underneath() {
     let s = spec("fr-vanished", 4);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     // node 0: its Node object and its instance are gone, its NodeClaim still holds the finalizer
     let gone = &world.nodes[0];
@@ -106,7 +102,7 @@ fn written_by(old: &Value, new: &Value, manager: &str) -> bool {
 async fn stale_taint_writer() {
     let s = spec("fr-stale", 4);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let names: BTreeSet<String> = world.nodes.iter().map(|n| n.node.clone()).collect();
 
@@ -203,7 +199,7 @@ async fn slow_pod(client: &Client, node: &str, name: &str, grace_seconds: i64) {
 async fn cordon_reverter_is_named() {
     let s = spec("fr-reverter", 2);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     // 800 s at time scale 0.01: 8 s of termination, longer than two of the tool's 3 s re-checks
     slow_pod(&b.client, &world.nodes[0].node, "slow-to-leave", 800).await;
@@ -226,7 +222,7 @@ async fn platform_owned_taints() {
     let mut s = spec("fr-platform", 2);
     s.managed_nodes = 4;
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     // taints and a cordon the platform owns (OS configuration, --register-with-taints), written
     // by their own field managers
     let nodes: Api<Node> = Api::all(b.client.clone());
@@ -265,7 +261,7 @@ async fn platform_owned_taints() {
 async fn controller_gone_first() {
     let s = spec("fr-helm-uninstall", 3);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let deployments: Api<Deployment> = Api::namespaced(b.client.clone(), naming::KARPENTER_NAMESPACE);
     deployments.delete(naming::KARPENTER_NAME, &DeleteParams::default()).await.unwrap();
@@ -281,7 +277,7 @@ async fn strict_pdb() {
     let mut s = spec("fr-strict-pdb", 3);
     s.strict_pdb = true;
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let strict = world.workloads.iter().find(|w| w.strict_pdb).unwrap();
     let pdb = format!("{}/{}", strict.namespace, strict.name);
@@ -319,7 +315,7 @@ async fn launch_orphan(b: &Bed, world: &World) -> String {
     let n = &world.nodes[0];
     let tags: BTreeMap<String, String> =
         naming::instance_tags(&world.cluster, &n.pool, &n.class, &format!("{}-orphan", n.pool), "never-registered");
-    let got = b.aws.ec2.launch_tagged(naming::IMAGE_ID, naming::INSTANCE_TYPE, Some(&n.zone), 1, &tags).await.unwrap();
+    let got = b.cloud.launch_tagged(naming::IMAGE_ID, naming::INSTANCE_TYPE, Some(&n.zone), 1, &tags).await.unwrap();
     got[0].id.clone()
 }
 
@@ -327,7 +323,7 @@ async fn launch_orphan(b: &Bed, world: &World) -> String {
 async fn launched_never_registered() {
     let s = spec("fr-orphan", 2);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let orphan = launch_orphan(&b, &world).await;
 
@@ -358,7 +354,7 @@ async fn pods_tolerating_everything_go_with_their_node() {
     // room for the shipper's pods next to the workloads
     let s = WorldSpec { max_pods_per_node: Some(8), ..spec("fr-tolerate-all", 3) };
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     // a pool of one node: each evicted replica comes straight back to the same cordoned node
     let pool = world.node_pools[1].clone();
@@ -435,7 +431,7 @@ async fn a_pdb_heavy_cluster_is_drained_with_one_eviction_request_per_pod() {
         ..spec("fr-pdb-heavy", 6)
     };
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let nodes: Api<Node> = Api::all(b.client.clone());
     let spare: Vec<String> = (0..s.spare_nodes).map(|i| format!("spare-{i}.{REGION}.compute.internal")).collect();
     let before = untouchable_nodes(&b.client, &world).await;

@@ -1,7 +1,14 @@
-//! An in-memory Kubernetes API server over HTTP/1.1 on loopback, generic over kinds, with the
-//! semantics our tool depends on (design §4) and what kubectl needs (design §5).
+//! The test bed's Kubernetes: an in-memory API server over HTTP/1.1 on loopback, generic over
+//! kinds, with the semantics karpenter-teardown depends on (design §4) and what kubectl needs
+//! (design §5), and a simulated control plane ([`controlplane`]: scheduler, kubelet, workload and
+//! disruption controllers).
+//!
+//! It knows nothing of Karpenter or AWS: those are `sandbox-sim`'s, which talks to this server
+//! only over HTTP, like a real controller talks to EKS.
+#![forbid(unsafe_code)]
 
 pub mod authz;
+pub mod controlplane;
 mod conversion;
 mod discovery;
 mod eviction;
@@ -39,7 +46,26 @@ pub use store::{
 
 pub(crate) use eviction::{deletion_timeout, pdb_gr, pods_gr, refresh_pdb};
 
-use super::SandboxError;
+/// Errors of starting the server.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// The listening socket could not be opened.
+    #[error("cannot listen on 127.0.0.1:{port}: {source}; pick another port or use 0 for any")]
+    Bind {
+        /// Requested port.
+        port: u16,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The kubeconfig could not be written.
+    #[error("cannot write kubeconfig {path}: {reason}; check that the directory exists and is writable")]
+    Kubeconfig {
+        /// Target path.
+        path: std::path::PathBuf,
+        /// Cause.
+        reason: String,
+    },
+}
 
 /// How to run the server.
 #[derive(Debug, Clone)]
@@ -127,7 +153,7 @@ impl ApiServer {
             let cancel = shared.cancel.clone();
             let scale = opts.time_scale;
             tasks.spawn(async move {
-                super::controlplane::run(store, scale, cancel).await;
+                controlplane::run(store, scale, cancel).await;
             });
         }
         Ok(ApiServer { shared, tasks, port })

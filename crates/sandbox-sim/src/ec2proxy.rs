@@ -196,7 +196,7 @@ impl Shared {
 }
 
 fn ec2_error(status: StatusCode, code: &str, message: &str) -> Response {
-    let id = crate::sandbox::sim::naming::random_suffix(12);
+    let id = crate::naming::random_suffix(12);
     let body = format!(
         "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Response><Errors><Error><Code>{code}</Code><Message>{message}</Message></Error></Errors><RequestID>{id}</RequestID></Response>"
     );

@@ -2,16 +2,15 @@
 //! against its shipped schema, the shipped RBAC and IAM policies against the calls a real
 //! sandbox teardown makes, `plan --format dot` through Graphviz, and shell completions.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use karpenter_teardown::aws::AwsClients;
-use karpenter_teardown::sandbox::sim::{KarpenterVersion, WorldSpec, generate};
-use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::Client;
+use sandbox_apiserver::{ApiServer, ServerOptions};
+use sandbox_sim::{KarpenterVersion, WorldSpec, generate};
 use serde_json::{Value, json};
 
 const REGION: &str = "us-west-2";
@@ -336,19 +335,19 @@ fn the_policy_checks_can_fail() {
 struct Bed {
     server: ApiServer,
     client: Client,
-    aws: AwsClients,
+    cloud: sandbox_sim::cloud::Cloud,
     dir: tempfile::TempDir,
     kubeconfig: PathBuf,
 }
 
 async fn bed(cluster: &str) -> Bed {
-    let aws = common::localstack(REGION).await;
     let server = ApiServer::start(ServerOptions { time_scale: 0.01, ..ServerOptions::default() }).await.unwrap();
     let client = Client::try_from(server.kube_config()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig, cluster).unwrap();
-    Bed { server, client, aws, dir, kubeconfig }
+    let cloud = common::cloud(REGION).await;
+    Bed { server, client, cloud, dir, kubeconfig }
 }
 
 fn spec(prefix: &str, nodes: usize, version: KarpenterVersion) -> WorldSpec {
@@ -408,7 +407,7 @@ async fn a_teardown_without_a_terminal_logs_json_reports_by_schema_and_stays_wit
     // simulated controller, so every request the server sees during the run is the tool's
     let s = spec("op-policy", 3, KarpenterVersion::V1_0);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = b.server.requests().snapshot();
     let report_path = b.dir.path().join("report.json");
@@ -488,7 +487,7 @@ async fn a_teardown_without_a_terminal_logs_json_reports_by_schema_and_stays_wit
 async fn text_logs_without_a_terminal_have_no_control_characters() {
     let s = spec("op-text", 2, KarpenterVersion::V1_14);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let kubeconfig = b.kubeconfig.display().to_string();
     let report_path = b.dir.path().join("dry.json");
     let report_arg = report_path.display().to_string();

@@ -34,10 +34,131 @@ use tracing::Instrument;
 
 use super::naming::{KARPENTER_NAME, KARPENTER_NAMESPACE};
 use super::{SimError, World, objects, ops};
-use crate::gitops::{
-    ARGO_TRACKING_ANNOTATION, FLUX_HELMRELEASE_LABELS, FLUX_KUSTOMIZATION_LABELS, ObjectKey, OwnerId, OwnerKind,
-    OwnerObject, inventory_id, tracking_id,
-};
+use crate::karpenter;
+
+/// Argo CD's annotation tracking (`util/argo/resource_tracking.go`).
+pub const ARGO_TRACKING_ANNOTATION: &str = "argocd.argoproj.io/tracking-id";
+/// An Application Argo CD does not reconcile at all.
+const ARGO_SKIP_RECONCILE: &str = "argocd.argoproj.io/skip-reconcile";
+/// kustomize-controller's labels on what it applies.
+const FLUX_KUSTOMIZATION_LABELS: (&str, &str) =
+    ("kustomize.toolkit.fluxcd.io/name", "kustomize.toolkit.fluxcd.io/namespace");
+/// helm-controller's labels on what a HelmRelease renders.
+const FLUX_HELMRELEASE_LABELS: (&str, &str) = ("helm.toolkit.fluxcd.io/name", "helm.toolkit.fluxcd.io/namespace");
+
+/// The GitOps owner kinds the simulation plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum OwnerKind {
+    /// Argo CD `applications.argoproj.io`.
+    Application,
+    /// Flux `kustomizations.kustomize.toolkit.fluxcd.io`.
+    Kustomization,
+    /// Flux `helmreleases.helm.toolkit.fluxcd.io`.
+    HelmRelease,
+}
+
+impl OwnerKind {
+    /// The API group.
+    pub fn group(self) -> &'static str {
+        match self {
+            OwnerKind::Application => "argoproj.io",
+            OwnerKind::Kustomization => "kustomize.toolkit.fluxcd.io",
+            OwnerKind::HelmRelease => "helm.toolkit.fluxcd.io",
+        }
+    }
+
+    /// The resource (plural) name.
+    pub fn plural(self) -> &'static str {
+        match self {
+            OwnerKind::Application => "applications",
+            OwnerKind::Kustomization => "kustomizations",
+            OwnerKind::HelmRelease => "helmreleases",
+        }
+    }
+
+    /// The version the sandbox serves it at (the current release of each project).
+    pub fn version(self) -> &'static str {
+        match self {
+            OwnerKind::Application => "v1alpha1",
+            OwnerKind::Kustomization => "v1",
+            OwnerKind::HelmRelease => "v2",
+        }
+    }
+
+    /// The kind name.
+    pub fn kind(self) -> &'static str {
+        match self {
+            OwnerKind::Application => "Application",
+            OwnerKind::Kustomization => "Kustomization",
+            OwnerKind::HelmRelease => "HelmRelease",
+        }
+    }
+}
+
+/// One GitOps owner object of the simulation.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct OwnerId {
+    /// Its kind.
+    pub kind: OwnerKind,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+}
+
+impl std::fmt::Display for OwnerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}/{}", self.kind.kind(), self.namespace, self.name)
+    }
+}
+
+/// The address of an object an owner applies.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ObjectKey {
+    /// API group (empty for core).
+    pub group: String,
+    /// Kind.
+    pub kind: String,
+    /// Namespace, empty for cluster-scoped objects.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+}
+
+impl std::fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.namespace.as_str() {
+            "" => write!(f, "{}/{}", self.kind, self.name),
+            ns => write!(f, "{}/{}/{}", self.kind, ns, self.name),
+        }
+    }
+}
+
+/// A Flux inventory entry id (`<ns>_<name>_<group>_<kind>`, fluxcd/pkg `ssa/utils`).
+fn inventory_id(key: &ObjectKey) -> String {
+    format!("{}_{}_{}_{}", key.namespace, key.name, key.group, key.kind)
+}
+
+/// Argo CD's tracking id of an object owned by application `app`.
+fn tracking_id(app: &str, key: &ObjectKey) -> String {
+    format!("{app}:{}/{}:{}/{}", key.group, key.kind, key.namespace, key.name)
+}
+
+/// Whether an owner reconciles at all, as the real controllers decide it: Argo CD skips an
+/// Application annotated `skip-reconcile: "true"` and syncs on its own only with
+/// `spec.syncPolicy.automated` (not `enabled: false`, Argo CD 3.1+); Flux skips a suspended
+/// object.
+fn reconciles(kind: OwnerKind, obj: &Value) -> bool {
+    match kind {
+        OwnerKind::Application => {
+            let automated = &obj["spec"]["syncPolicy"]["automated"];
+            obj["metadata"]["annotations"][ARGO_SKIP_RECONCILE] != "true"
+                && automated.is_object()
+                && automated["enabled"] != Value::Bool(false)
+        }
+        OwnerKind::Kustomization | OwnerKind::HelmRelease => obj["spec"]["suspend"] != Value::Bool(true),
+    }
+}
 
 /// Argo CD's namespace in the sandbox.
 pub const ARGOCD_NAMESPACE: &str = "argocd";
@@ -46,7 +167,7 @@ pub const FLUX_NAMESPACE: &str = "flux-system";
 
 /// The served version of each owner kind in the sandbox (the newest the tool knows).
 fn owner_resource(kind: OwnerKind) -> ApiResource {
-    let version = kind.versions()[0];
+    let version = kind.version();
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(kind.group(), version, kind.kind()), kind.plural())
 }
 
@@ -89,7 +210,7 @@ pub fn crds() -> Vec<Value> {
     ]
     .into_iter()
     .map(|(kind, schema, status)| {
-        let mut version = json!({"name": kind.versions()[0], "served": true, "storage": true,
+        let mut version = json!({"name": kind.version(), "served": true, "storage": true,
             "schema": {"openAPIV3Schema": schema}});
         // Argo CD's Application CRD has no status subresource; Flux's have one
         if status {
@@ -258,11 +379,11 @@ pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimErr
     }
     let mut repo = Vec::new();
     for pool in &world.node_pools {
-        let key = key_of(crate::karpenter::KARPENTER_GROUP, "NodePool", "", pool);
+        let key = key_of(karpenter::KARPENTER_GROUP, "NodePool", "", pool);
         adopt_one(client, &mut repo, &pools_app(), objects::nodepool_resource(), key).await?;
     }
     for class in &world.node_classes {
-        let key = key_of(crate::karpenter::AWS_GROUP, "EC2NodeClass", "", &class.name);
+        let key = key_of(karpenter::AWS_GROUP, "EC2NodeClass", "", &class.name);
         adopt_one(client, &mut repo, &classes_ks(), objects::ec2nodeclass_resource(), key).await?;
     }
     let deploy = ApiResource::erase::<Deployment>(&());
@@ -411,13 +532,12 @@ async fn acting(client: &Client, owner: &OwnerId) -> Result<Option<(DynamicObjec
     let api = dynamic_api(client, &owner_resource(owner.kind), &owner.namespace);
     let Some(obj) = api.get_opt(&owner.name).await? else { return Ok(None) };
     let value = serde_json::to_value(&obj).map_err(kube::Error::SerdeError)?;
-    let judged = OwnerObject::from_json(owner.kind, &value);
     let heals = match owner.kind {
         OwnerKind::Application => value["spec"]["syncPolicy"]["automated"]["selfHeal"] == Value::Bool(true),
         OwnerKind::Kustomization => true,
         OwnerKind::HelmRelease => value["spec"]["driftDetection"]["mode"] == "enabled",
     };
-    Ok(Some((obj, judged.state.is_active() && heals)))
+    Ok(Some((obj, reconciles(owner.kind, &value) && heals)))
 }
 
 async fn still_acting(client: &Client, owner: &OwnerId) -> Result<bool, kube::Error> {

@@ -2,15 +2,11 @@
 //! JSON log lines as they arrive; a fresh run must then exit 0 and reach the same end state as an
 //! uninterrupted one. And SIGTERM mid-drain exits 130.
 
-mod common;
-#[path = "common/safety.rs"]
-mod safety;
-
 use std::process::Stdio;
 use std::time::Duration;
 
-use karpenter_teardown::sandbox::sim::generate;
-use safety::*;
+use crate::common::safety::*;
+use sandbox_sim::generate;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -102,7 +98,7 @@ async fn run_until(
 async fn kill_and_resume(point: KillPoint) {
     let s = spec(&format!("resume-{point:?}").to_lowercase(), 4);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let det = Detector { point, pools: world.node_pools.len(), pools_ended: 0 };
     let delay = if matches!(point, KillPoint::MidVerify) { Duration::from_secs(1) } else { Duration::ZERO };
@@ -139,7 +135,7 @@ async fn sigterm_mid_drain_exits_130() {
     // a strict PDB keeps the drain going (default deadline 10 minutes)
     s.strict_pdb = true;
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let det = Detector { point: KillPoint::DrainStarted, pools: 0, pools_ended: 0 };
     // a second later the drain is evicting, and the strict PDB's pods keep it from ending
     let (code, lines) = run_until(&b, &world.cluster, det, &[("-TERM", Duration::from_secs(1))]).await;
@@ -155,7 +151,7 @@ async fn sigterm_mid_drain_exits_130() {
 async fn a_second_interrupt_stops_at_once_naming_the_tasks_in_flight() {
     let s = spec("resume-twice", 2);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let det = Detector { point: KillPoint::MidVerify, pools: world.node_pools.len(), pools_ended: 0 };
     let signals = [("-TERM", Duration::ZERO), ("-TERM", Duration::from_millis(300))];
     let (code, lines) = run_until(&b, &world.cluster, det, &signals).await;

@@ -1,7 +1,7 @@
 //! The project's own EC2/IAM layer against LocalStack through the real SDK: create, list by tag,
 //! terminate in batches, and the verification read.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -23,19 +23,19 @@ fn karpenter_tags(cluster: &str, pool: &str) -> BTreeMap<String, String> {
 #[tokio::test]
 async fn instances_are_listed_by_cluster_tags_and_terminated_in_batches() {
     let aws = common::localstack(REGION).await;
+    let cloud = common::cloud(REGION).await;
     let tool = common::localstack_as_aws(REGION).await;
     let cluster = common::unique_cluster("ec2");
     let other = common::unique_cluster("decoy");
-    let ours = aws
-        .ec2
+    let ours = cloud
         .launch_tagged("ami-12c6146b", "m5.large", Some("us-west-2a"), 3, &karpenter_tags(&cluster, "general"))
         .await
         .unwrap();
     let decoys =
-        aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 2, &karpenter_tags(&other, "general")).await.unwrap();
+        cloud.launch_tagged("ami-12c6146b", "m5.large", None, 2, &karpenter_tags(&other, "general")).await.unwrap();
     // an instance of the cluster without Karpenter's tags (a managed node group) must not match
     let mng_tags = BTreeMap::from([(karpenter::TAG_EKS_CLUSTER.to_string(), cluster.clone())]);
-    let mng = aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 1, &mng_tags).await.unwrap();
+    let mng = cloud.launch_tagged("ami-12c6146b", "m5.large", None, 1, &mng_tags).await.unwrap();
     assert_eq!(ours.len(), 3);
 
     let listed = tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap();
@@ -74,6 +74,7 @@ async fn instances_are_listed_by_cluster_tags_and_terminated_in_batches() {
 #[tokio::test]
 async fn verification_finds_leftovers_and_reclaim_removes_only_the_clusters() {
     let aws = common::localstack(REGION).await;
+    let cloud = common::cloud(REGION).await;
     let cluster = common::unique_cluster("verify");
     let other = common::unique_cluster("other");
     let lt_tags = |c: &str| {
@@ -83,30 +84,29 @@ async fn verification_finds_leftovers_and_reclaim_removes_only_the_clusters() {
         ])
     };
     let legacy_tags = BTreeMap::from([(karpenter::TAG_LEGACY_CLUSTER.to_string(), cluster.clone())]);
-    aws.ec2
+    cloud
         .create_launch_template(&format!("karpenter.k8s.aws/{cluster}-a"), "ami-12c6146b", &lt_tags(&cluster))
         .await
         .unwrap();
-    aws.ec2
+    cloud
         .create_launch_template(&format!("karpenter.k8s.aws/{cluster}-legacy"), "ami-12c6146b", &legacy_tags)
         .await
         .unwrap();
-    let other_lt = aws
-        .ec2
+    let other_lt = cloud
         .create_launch_template(&format!("karpenter.k8s.aws/{other}-a"), "ami-12c6146b", &lt_tags(&other))
         .await
         .unwrap();
     // a template of the cluster that Karpenter did not make (no prefix) is not ours
-    aws.ec2.create_launch_template(&format!("eks-mng-{cluster}"), "ami-12c6146b", &lt_tags(&cluster)).await.unwrap();
+    cloud.create_launch_template(&format!("eks-mng-{cluster}"), "ami-12c6146b", &lt_tags(&cluster)).await.unwrap();
     let uid = "4f1c3a2e-0000-4000-8000-000000000001";
     let path = format!("{}{uid}/", karpenter::instance_profile_path_prefix(REGION, &cluster));
     let ptags = |c: &str, region: &str| karpenter::instance_profile_tags(c, region, "default");
-    aws.iam.create_instance_profile(&format!("{cluster}_1234"), &path, &ptags(&cluster, REGION), None).await.unwrap();
-    aws.iam.create_instance_profile(&format!("{cluster}_98765"), "/", &ptags(&cluster, REGION), None).await.unwrap();
-    aws.iam.create_instance_profile(&format!("{other}_3131"), "/", &ptags(&other, REGION), None).await.unwrap();
-    let untouchable = user_profiles_that_look_like_karpenters(&aws, &cluster).await;
+    cloud.create_instance_profile(&format!("{cluster}_1234"), &path, &ptags(&cluster, REGION)).await.unwrap();
+    cloud.create_instance_profile(&format!("{cluster}_98765"), "/", &ptags(&cluster, REGION)).await.unwrap();
+    cloud.create_instance_profile(&format!("{other}_3131"), "/", &ptags(&other, REGION)).await.unwrap();
+    let untouchable = user_profiles_that_look_like_karpenters(&cloud, &cluster).await;
     let inst =
-        aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&cluster, "spot")).await.unwrap();
+        cloud.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&cluster, "spot")).await.unwrap();
 
     let tool = common::localstack_as_aws(REGION).await;
     let none = BTreeSet::new();
@@ -124,7 +124,7 @@ async fn verification_finds_leftovers_and_reclaim_removes_only_the_clusters() {
     assert!(after.is_clean(), "{after:?}");
     for name in &untouchable {
         assert!(
-            profile_exists(&aws, name).await,
+            profile_exists(&cloud, name).await,
             "{name} is not this cluster's Karpenter's and must survive --reclaim"
         );
     }
@@ -132,7 +132,7 @@ async fn verification_finds_leftovers_and_reclaim_removes_only_the_clusters() {
     // the other cluster's template and profile are still there
     assert_eq!(aws.ec2.launch_templates(&other).await.unwrap().len(), 1);
     assert_eq!(aws.iam.cluster_instance_profiles(REGION, &other).await.unwrap().len(), 1);
-    assert!(inst[0].state.is_live());
+    assert!(inst[0].live);
     aws.ec2.delete_launch_template(&other_lt).await.unwrap();
 }
 
@@ -141,10 +141,11 @@ async fn lookups_of_more_than_200_instances_respect_ec2s_filter_limit() {
     // EC2 refuses more than 200 values in one filter (FilterLimitExceeded); the proxy in front of
     // LocalStack refuses it too. A cluster of 450 Karpenter nodes must still be looked up.
     let aws = common::localstack(REGION).await;
+    let cloud = common::cloud(REGION).await;
     let tool = common::localstack_as_aws(REGION).await;
     let cluster = common::unique_cluster("many");
     let real =
-        aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 2, &karpenter_tags(&cluster, "general")).await.unwrap();
+        cloud.launch_tagged("ami-12c6146b", "m5.large", None, 2, &karpenter_tags(&cluster, "general")).await.unwrap();
     let mut ids: Vec<String> = (0..448).map(|i| format!("i-0{i:016x}")).collect();
     ids.extend(real.iter().map(|i| i.id.clone()));
     let found = tool.ec2.instances_by_id(&ids).await.expect("450 ids are looked up in calls EC2 accepts");
@@ -159,12 +160,13 @@ async fn lookups_of_more_than_200_instances_respect_ec2s_filter_limit() {
 #[tokio::test]
 async fn verify_command_reports_a_leftover_with_exit_4_and_reclaims_it_with_exit_0() {
     let aws = common::localstack(REGION).await;
+    let cloud = common::cloud(REGION).await;
     let cluster = common::unique_cluster("verifycli");
     let other = common::unique_cluster("keep");
     let leaked =
-        aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&cluster, "general")).await.unwrap();
+        cloud.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&cluster, "general")).await.unwrap();
     let decoy =
-        aws.ec2.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&other, "general")).await.unwrap();
+        cloud.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&other, "general")).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let report_path = dir.path().join("report.json");
     let verify = |extra: &[&str]| {
@@ -207,10 +209,7 @@ async fn verify_command_reports_a_leftover_with_exit_4_and_reclaims_it_with_exit
 /// are not: a user's `<c>_bastion`, the profiles of a cluster named `<c>_eu` (EKS names allow
 /// `_`), a cluster of the same name in another region (IAM is global), a `<c>_<digits>` profile
 /// the user made without Karpenter's tags, one at the 1.7+ path of `<c>_eu`.
-async fn user_profiles_that_look_like_karpenters(
-    aws: &karpenter_teardown::aws::AwsClients,
-    cluster: &str,
-) -> Vec<String> {
+async fn user_profiles_that_look_like_karpenters(cloud: &sandbox_sim::cloud::Cloud, cluster: &str) -> Vec<String> {
     let tags = karpenter::instance_profile_tags;
     let eu = format!("{cluster}_eu");
     let bastion_tags = BTreeMap::from([(karpenter::cluster_tag_key(cluster), "owned".to_string())]);
@@ -227,14 +226,14 @@ async fn user_profiles_that_look_like_karpenters(
     ];
     let mut names = Vec::new();
     for (name, path, tags) in cases {
-        aws.iam.create_instance_profile(&name, &path, &tags, None).await.unwrap();
+        cloud.create_instance_profile(&name, &path, &tags).await.unwrap();
         names.push(name);
     }
     names
 }
 
-async fn profile_exists(aws: &karpenter_teardown::aws::AwsClients, name: &str) -> bool {
-    match aws.iam.sdk().get_instance_profile().instance_profile_name(name).send().await {
+async fn profile_exists(cloud: &sandbox_sim::cloud::Cloud, name: &str) -> bool {
+    match cloud.iam_sdk().get_instance_profile().instance_profile_name(name).send().await {
         Ok(_) => true,
         Err(e) if e.as_service_error().is_some_and(|e| e.is_no_such_entity_exception()) => false,
         Err(e) => panic!("GetInstanceProfile {name}: {e:?}"),
@@ -243,9 +242,9 @@ async fn profile_exists(aws: &karpenter_teardown::aws::AwsClients, name: &str) -
 
 #[tokio::test]
 async fn verify_reclaim_never_deletes_profiles_that_only_share_the_clusters_name_prefix() {
-    let aws = common::localstack(REGION).await;
+    let cloud = common::cloud(REGION).await;
     let cluster = common::unique_cluster("iamsafe");
-    let untouchable = user_profiles_that_look_like_karpenters(&aws, &cluster).await;
+    let untouchable = user_profiles_that_look_like_karpenters(&cloud, &cluster).await;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
         .args(["verify", "--cluster", &cluster, "--region", REGION, "--reclaim", "--yes"])
         .envs(common::localstack_env())
@@ -258,15 +257,15 @@ async fn verify_reclaim_never_deletes_profiles_that_only_share_the_clusters_name
         String::from_utf8_lossy(&out.stderr)
     );
     for name in &untouchable {
-        assert!(profile_exists(&aws, name).await, "{name} was deleted by verify --reclaim");
-        aws.iam.sdk().delete_instance_profile().instance_profile_name(name).send().await.unwrap();
+        assert!(profile_exists(&cloud, name).await, "{name} was deleted by verify --reclaim");
+        cloud.iam_sdk().delete_instance_profile().instance_profile_name(name).send().await.unwrap();
     }
 }
 
 /// Creates a detached network interface with `tags` in a fresh subnet.
-async fn detached_interface(aws: &karpenter_teardown::aws::AwsClients, tags: &[(String, String)]) -> String {
+async fn detached_interface(cloud: &sandbox_sim::cloud::Cloud, tags: &[(String, String)]) -> String {
     use aws_sdk_ec2::types::{ResourceType, Tag, TagSpecification};
-    let ec2 = aws.ec2.sdk();
+    let ec2 = cloud.ec2_sdk();
     let vpc = ec2.create_vpc().cidr_block("10.42.0.0/16").send().await.unwrap();
     let vpc_id = vpc.vpc().and_then(|v| v.vpc_id()).unwrap().to_string();
     let subnet = ec2.create_subnet().vpc_id(&vpc_id).cidr_block("10.42.1.0/24").send().await.unwrap();
@@ -282,6 +281,7 @@ async fn detached_interface(aws: &karpenter_teardown::aws::AwsClients, tags: &[(
 #[tokio::test]
 async fn detached_vpc_cni_interfaces_of_the_cluster_are_leftovers_and_reclaimed() {
     let aws = common::localstack(REGION).await;
+    let cloud = common::cloud(REGION).await;
     let tool = common::localstack_as_aws(REGION).await;
     let cluster = common::unique_cluster("eni");
     let other = common::unique_cluster("eni-other");
@@ -294,9 +294,9 @@ async fn detached_vpc_cni_interfaces_of_the_cluster_are_leftovers_and_reclaimed(
             (karpenter::TAG_VPC_CNI_CREATED_AT.to_string(), created.to_string()),
         ]
     };
-    let leaked = detached_interface(&aws, &cni(&cluster, old)).await;
-    let others = detached_interface(&aws, &cni(&other, old)).await;
-    let young = detached_interface(&aws, &cni(&cluster, &fresh)).await;
+    let leaked = detached_interface(&cloud, &cni(&cluster, old)).await;
+    let others = detached_interface(&cloud, &cni(&other, old)).await;
+    let young = detached_interface(&cloud, &cni(&cluster, &fresh)).await;
 
     let left = verify::collect(&tool, &cluster, &BTreeSet::new()).await.unwrap();
     let ids: Vec<&str> = left.network_interfaces.iter().map(|n| n.id.as_str()).collect();
@@ -306,7 +306,7 @@ async fn detached_vpc_cni_interfaces_of_the_cluster_are_leftovers_and_reclaimed(
     let failures = verify::reclaim(&tool, &left).await.unwrap();
     assert!(failures.is_empty(), "{failures:?}");
     let exists = |id: String| {
-        let ec2 = aws.ec2.sdk().clone();
+        let ec2 = cloud.ec2_sdk().clone();
         async move {
             match ec2.describe_network_interfaces().network_interface_ids(&id).send().await {
                 Ok(o) => !o.network_interfaces().is_empty(),

@@ -1,22 +1,24 @@
 //! End to end: the `karpenter-teardown` binary, through a kubeconfig like any user, against the
 //! sandbox API server with a generated Karpenter world and LocalStack.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
-use common::e2e::{Bed, REGION, assert_torn_down, bed, scale_controller, spec, states, teardown, untouchable_nodes};
+use crate::common::e2e::{
+    Bed, REGION, assert_torn_down, bed, scale_controller, spec, states, teardown, untouchable_nodes,
+};
 use karpenter_teardown::aws::InstanceState;
-use karpenter_teardown::sandbox::sim::{SimController, SimSettings, World, WorldSpec, generate};
+use sandbox_sim::{SimController, SimSettings, World, WorldSpec, generate};
 
 /// Generates `s`, starts the simulated controller on it, and tears it down with `--yes`: the run
 /// must end clean with every end-state check passed and no capacity launched meanwhile.
 async fn torn_down_with_a_live_controller(s: &WorldSpec) -> (Bed, World, SimController) {
     let b = bed(&s.cluster).await;
-    let world = generate(s, &b.client, &b.aws).await.unwrap();
+    let world = generate(s, &b.client, &b.cloud).await.unwrap();
     let sim = SimController::start(
         b.client.clone(),
-        b.aws.clone(),
+        b.cloud.clone(),
         SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
     );
     let before = untouchable_nodes(&b.client, &world).await;
@@ -47,7 +49,7 @@ async fn default_plan_finishes_with_the_controller_gone_first() {
     let s = spec("e2e-nocontroller", 8);
     let b = bed(&s.cluster).await;
     let t = std::time::Instant::now();
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     eprintln!("generated in {:?}", t.elapsed());
     scale_controller(&b.client, 0).await;
     let before = untouchable_nodes(&b.client, &world).await;
@@ -62,7 +64,7 @@ async fn default_plan_finishes_with_the_controller_gone_first() {
 async fn without_yes_nothing_changes_and_the_plan_is_shown() {
     let s = spec("e2e-dry", 4);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     // let the control plane settle, then take the resourceVersion of the whole store
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rv = b.server.store().resource_version();
@@ -82,7 +84,7 @@ async fn without_yes_nothing_changes_and_the_plan_is_shown() {
 async fn a_wrong_cluster_name_is_refused_with_the_evidence_and_nothing_changes() {
     let s = spec("e2e-wrong", 3);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rv = b.server.store().resource_version();
     let run = teardown(&b, "some-other-cluster", &["--yes"]).await;
@@ -99,7 +101,7 @@ async fn a_wrong_cluster_name_is_refused_with_the_evidence_and_nothing_changes()
 async fn max_nodes_refuses_a_larger_blast_radius() {
     let s = spec("e2e-max", 3);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let run = teardown(&b, &world.cluster, &["--yes", "--max-nodes", "2"]).await;
     assert_eq!(run.code, 3, "{}", run.stderr);
     assert!(run.stderr.contains("--max-nodes 2"), "{}", run.stderr);
@@ -120,7 +122,7 @@ async fn a_govcloud_cluster_is_torn_down_from_its_arn_context() {
     };
     let b = bed(&s.cluster).await;
     let aws = common::localstack(GOV).await;
-    let world = generate(&s, &b.client, &aws).await.unwrap();
+    let world = generate(&s, &b.client, &common::cloud(GOV).await).await.unwrap();
     let arn = format!("arn:aws-us-gov:eks:{GOV}:000000000000:cluster/{}", world.cluster);
     let kubeconfig = b.dir.path().join("gov-kubeconfig");
     b.server.write_kubeconfig(&kubeconfig, &arn).unwrap();
@@ -163,10 +165,10 @@ async fn a_static_nodepool_is_fenced_on_nodes_and_torn_down_with_a_live_controll
 /// run with the flag lists the owners it would pause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
-    use karpenter_teardown::sandbox::sim::gitops::{self, GitopsSettings, GitopsSim};
+    use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim};
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-refuse", 4) };
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let g = gitops::adopt(&b.client, &world).await.unwrap();
     let sim = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -210,15 +212,15 @@ async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
 /// clean with nothing put back. They stay paused; a second run has nothing to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() {
-    use karpenter_teardown::sandbox::sim::gitops::{self, GitopsSettings, GitopsSim};
+    use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim};
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-pause", 6) };
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let g = gitops::adopt(&b.client, &world).await.unwrap();
     let reconcilers = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
     let sim = SimController::start(
         b.client.clone(),
-        b.aws.clone(),
+        b.cloud.clone(),
         SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
     );
     let before = untouchable_nodes(&b.client, &world).await;
@@ -245,14 +247,14 @@ async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() 
     // what is on the owners now: Flux suspended, Argo CD automated sync off with the original kept
     for owner in &g.owners {
         let ar = kube::core::ApiResource::from_gvk_with_plural(
-            &kube::core::GroupVersionKind::gvk(owner.kind.group(), owner.kind.versions()[0], owner.kind.kind()),
+            &kube::core::GroupVersionKind::gvk(owner.kind.group(), owner.kind.version(), owner.kind.kind()),
             owner.kind.plural(),
         );
         let api: kube::Api<kube::api::DynamicObject> =
             kube::Api::namespaced_with(b.client.clone(), &owner.namespace, &ar);
         let o = api.get(&owner.name).await.unwrap();
         match owner.kind {
-            karpenter_teardown::gitops::OwnerKind::Application => {
+            sandbox_sim::gitops::OwnerKind::Application => {
                 assert!(o.data["spec"]["syncPolicy"]["automated"].is_null(), "{owner}: {:?}", o.data);
                 let kept =
                     &o.metadata.annotations.as_ref().unwrap()[karpenter_teardown::gitops::PAUSED_AUTOMATED_ANNOTATION];
@@ -277,7 +279,7 @@ async fn the_engine_reports_typed_events_with_the_pods_each_drain_has_left() {
     use karpenter_teardown::engine::{self, RunSettings};
     let s = spec("e2e-events", 4);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let kube = karpenter_teardown::k8s::Kube::from_config(b.server.kube_config(), None).unwrap();
     let settings = RunSettings {
         cluster: world.cluster.clone(),

@@ -8,16 +8,14 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use karpenter_teardown::sandbox::ApiServer;
-use karpenter_teardown::sandbox::apiserver::{
-    ErrorRule, FaultConfig, GroupResource, ListOptions, ServerOptions, WriteOptions,
-};
-use karpenter_teardown::sandbox::karpenter_crds::karpenter_crds;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
     WatchEvent, WatchParams,
 };
 use kube::{Client, Error};
+use sandbox_apiserver::ApiServer;
+use sandbox_apiserver::{ErrorRule, FaultConfig, GroupResource, ListOptions, ServerOptions, WriteOptions};
+use sandbox_sim::karpenter_crds::karpenter_crds;
 use serde_json::{Value, json};
 
 async fn server(control_plane: bool) -> (ApiServer, Client) {

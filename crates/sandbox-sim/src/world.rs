@@ -19,9 +19,9 @@ use super::naming::{self, IMAGE_ID, INSTANCE_TYPE, KARPENTER_NAME, KARPENTER_NAM
 use super::objects::{self, ClaimRef, PoolRef};
 use super::ops;
 use super::{KarpenterVersion, SimError};
-use crate::aws::AwsClients;
+use crate::cloud::{Cloud, CloudError, SimInstance};
 use crate::karpenter;
-use crate::sandbox::karpenter_crds::{karpenter_crds, karpenter_crds_from};
+use crate::karpenter_crds::{karpenter_crds, karpenter_crds_from};
 
 /// What to build. `Default` gives the design's reference cluster: 20 Karpenter nodes over 3
 /// NodePools and 2 EC2NodeClasses, 4 pods per node, a managed node group of 2, a control-plane
@@ -332,7 +332,7 @@ pub(crate) fn ip_node_name(region: &str, base: u64, i: usize) -> String {
 /// Builds the world `spec` describes, through `client` (the sandbox API server over HTTP) and
 /// `aws` (LocalStack). Idempotent for the Kubernetes objects of fixed names (CRDs, pools, classes,
 /// system workloads); every run launches new instances.
-pub async fn generate(spec: &WorldSpec, client: &Client, aws: &AwsClients) -> Result<World, SimError> {
+pub async fn generate(spec: &WorldSpec, client: &Client, aws: &Cloud) -> Result<World, SimError> {
     spec.validate()?;
     let conc = spec.concurrency.max(1);
     install_crds(client, spec.version, spec.karpenter_crds.as_deref()).await?;
@@ -427,7 +427,7 @@ pub async fn install_crds(
     Ok(())
 }
 
-async fn create_classes(spec: &WorldSpec, client: &Client, aws: &AwsClients) -> Result<Vec<GeneratedClass>, SimError> {
+async fn create_classes(spec: &WorldSpec, client: &Client, aws: &Cloud) -> Result<Vec<GeneratedClass>, SimError> {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &objects::ec2nodeclass_resource());
     let mut out = Vec::new();
     for c in 0..spec.node_classes {
@@ -459,7 +459,7 @@ pub(crate) async fn ensure_class_resources(
     region: &str,
     cluster: &str,
     api: &Api<DynamicObject>,
-    aws: &AwsClients,
+    aws: &Cloud,
     class: &DynamicObject,
     uid: &str,
 ) -> Result<GeneratedClass, SimError> {
@@ -469,10 +469,9 @@ pub(crate) async fn ensure_class_resources(
     // Create first and look up only when it exists already (a re-run): listing is the slow call
     // on LocalStack.
     let tags = naming::launch_template_tags(version, cluster, &name);
-    let lt_id = match aws.ec2.create_launch_template(&lt_name, IMAGE_ID, &tags).await {
+    let lt_id = match aws.create_launch_template(&lt_name, IMAGE_ID, &tags).await {
         Ok(id) => id,
         Err(e) if e.code().is_some_and(|c| c.contains("AlreadyExists")) => aws
-            .ec2
             .launch_templates(cluster)
             .await
             .map_err(SimError::aws("listing launch templates"))?
@@ -489,7 +488,7 @@ pub(crate) async fn ensure_class_resources(
             // LocalStack refuses AddRoleToInstanceProfile for an unknown role. The role name
             // stays visible in spec.role; the profile is what a teardown must delete.
             let tags = karpenter::instance_profile_tags(cluster, region, &name);
-            match aws.iam.create_instance_profile(&pname, &path, &tags, None).await {
+            match aws.create_instance_profile(&pname, &path, &tags).await {
                 Ok(()) => {}
                 Err(e) if e.code() == Some("EntityAlreadyExists") => {}
                 Err(e) => return Err(SimError::aws(format!("creating instance profile {pname}"))(e)),
@@ -556,15 +555,15 @@ pub(crate) struct NodeLaunch<'a> {
 /// launched without one. The NodeClaim and Node still name the spec's zone, as on a real cluster
 /// in that region: the tool reads the region from them, never from LocalStack's placement.
 async fn launch_in_zone(
-    aws: &AwsClients,
+    aws: &Cloud,
     instance_type: &str,
     zone: &str,
     count: i32,
     tags: &BTreeMap<String, String>,
-) -> Result<Vec<crate::aws::InstanceInfo>, crate::aws::AwsError> {
-    match aws.ec2.launch_tagged(IMAGE_ID, instance_type, Some(zone), count, tags).await {
+) -> Result<Vec<SimInstance>, CloudError> {
+    match aws.launch_tagged(IMAGE_ID, instance_type, Some(zone), count, tags).await {
         Err(e) if e.code() == Some("InvalidParameterValue") && e.to_string().contains("Availability Zone") => {
-            aws.ec2.launch_tagged(IMAGE_ID, instance_type, None, count, tags).await
+            aws.launch_tagged(IMAGE_ID, instance_type, None, count, tags).await
         }
         other => other,
     }
@@ -572,7 +571,7 @@ async fn launch_in_zone(
 
 pub(crate) async fn launch_karpenter_node(
     client: &Client,
-    aws: &AwsClients,
+    aws: &Cloud,
     l: &NodeLaunch<'_>,
 ) -> Result<GeneratedNode, SimError> {
     let claims: Api<DynamicObject> = Api::all_with(client.clone(), &objects::nodeclaim_resource());
@@ -646,7 +645,7 @@ async fn create_spare_nodes(spec: &WorldSpec, client: &Client) -> Result<(), Sim
 async fn create_system_nodes(
     spec: &WorldSpec,
     client: &Client,
-    aws: &AwsClients,
+    aws: &Cloud,
 ) -> Result<(Vec<ManagedNode>, Option<String>), SimError> {
     let api: Api<Node> = Api::all(client.clone());
     let nodegroup = format!("{}-system", spec.cluster);
@@ -929,7 +928,7 @@ async fn wait_for_pods(spec: &WorldSpec, client: &Client) -> Result<(), SimError
     }
 }
 
-async fn launch_decoys(spec: &WorldSpec, aws: &AwsClients, decoy: &str) -> Result<Vec<String>, SimError> {
+async fn launch_decoys(spec: &WorldSpec, aws: &Cloud, decoy: &str) -> Result<Vec<String>, SimError> {
     let mut out = Vec::new();
     for i in 0..spec.decoys {
         let pool = spec.pool_name(0);

@@ -5,7 +5,7 @@
 use aws_config::{BehaviorVersion, Region};
 use aws_credential_types::Credentials;
 
-use crate::aws::AwsClients;
+use crate::cloud::Cloud;
 
 /// Where `localstack/up` serves LocalStack.
 pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:4566";
@@ -38,17 +38,23 @@ pub fn child_env(region: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Clients for LocalStack in `region`, after proving it answers.
-pub async fn clients(region: &str) -> Result<AwsClients, LocalStackDown> {
-    let endpoint = endpoint();
-    let down = |detail: String| LocalStackDown { endpoint: endpoint.clone(), detail };
-    let config = aws_config::defaults(BehaviorVersion::latest())
+/// The SDK configuration for LocalStack in `region` as the account `access_key` names (LocalStack
+/// takes a 12-digit access key as the account id; "test" is its default account).
+pub async fn config_as(region: &str, access_key: &str) -> aws_config::SdkConfig {
+    aws_config::defaults(BehaviorVersion::latest())
         .region(Region::new(region.to_string()))
-        .endpoint_url(&endpoint)
-        .credentials_provider(Credentials::new("test", "test", None, None, "sandbox"))
+        .endpoint_url(endpoint())
+        .credentials_provider(Credentials::new(access_key, "test", None, None, "sandbox"))
         .load()
-        .await;
-    let aws = AwsClients::from_config(&config).await.map_err(|e| down(e.to_string()))?;
-    aws.account().await.map_err(|e| down(e.to_string()))?;
-    Ok(aws)
+        .await
+}
+
+/// The SDK configuration for LocalStack's default account in `region`, after proving it answers.
+pub async fn config(region: &str) -> Result<aws_config::SdkConfig, LocalStackDown> {
+    let config = config_as(region, "test").await;
+    Cloud::from_config(&config)
+        .ping()
+        .await
+        .map_err(|e| LocalStackDown { endpoint: endpoint(), detail: e.to_string() })?;
+    Ok(config)
 }

@@ -1,19 +1,17 @@
 //! Bad input, each case through the real binary: one clear message naming the fix, the
 //! documented exit code (2 bad input, 3 refused), and nothing changed in Kubernetes or EC2.
 
-mod common;
-#[path = "common/safety.rs"]
-mod safety;
+use crate::common;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::common::safety::*;
 use karpenter_teardown::aws::InstanceState;
-use karpenter_teardown::sandbox::ServerOptions;
-use karpenter_teardown::sandbox::apiserver::authz::Rbac;
-use karpenter_teardown::sandbox::ec2proxy::{Ec2Proxy, ProxyFaults};
-use karpenter_teardown::sandbox::sim::{World, generate};
-use safety::*;
+use sandbox_apiserver::ServerOptions;
+use sandbox_apiserver::authz::Rbac;
+use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
+use sandbox_sim::{World, generate};
 
 /// A small live world, and the state that must not change: the store's resourceVersion and
 /// the instances' states.
@@ -34,7 +32,7 @@ async fn guarded_with(prefix: &str, rbac: Option<Rbac>) -> Guarded {
     s.decoys = 0;
     let opts = ServerOptions { time_scale: 0.01, rbac, ..ServerOptions::default() };
     let b = bed_with(&s.cluster, opts).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     // let the control plane settle before taking the store's version
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rv = b.server.store().resource_version();

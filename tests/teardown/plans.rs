@@ -2,12 +2,10 @@
 //! controller, why the fence step exists, and Karpenter 1.0.x (the CRD conversion webhook).
 //! The real binary runs through a kubeconfig against the sandbox API server and LocalStack.
 
-mod common;
-
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::e2e::{
+use crate::common::e2e::{
     Bed, REGION, Run, assert_torn_down, bed, bed_with, count, real_crds, scale_controller, spec, states, teardown,
     untouchable_nodes,
 };
@@ -16,10 +14,10 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use karpenter_teardown::aws::InstanceState;
 use karpenter_teardown::aws::ec2::InstanceScope;
 use karpenter_teardown::k8s;
-use karpenter_teardown::sandbox::ServerOptions;
-use karpenter_teardown::sandbox::sim::{KarpenterVersion, SimController, SimSettings, generate, naming};
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
+use sandbox_apiserver::ServerOptions;
+use sandbox_sim::{KarpenterVersion, SimController, SimSettings, generate, naming};
 use serde_json::{Value, json};
 
 const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
@@ -80,8 +78,8 @@ fn sim_settings(cluster: &str, version: KarpenterVersion) -> SimSettings {
 async fn delegate_plan_lets_a_healthy_karpenter_do_the_work() {
     let s = spec("plans-delegate", 5);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
-    let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let sim = SimController::start(b.client.clone(), b.cloud.clone(), sim_settings(&world.cluster, world.version));
     let before = untouchable_nodes(&b.client, &world).await;
 
     let run = teardown(&b, &world.cluster, &["--yes", "--plan", "delegate"]).await;
@@ -110,9 +108,9 @@ async fn delegate_plan_lets_a_healthy_karpenter_do_the_work() {
 async fn delegate_plan_falls_back_when_karpenter_is_broken() {
     let s = spec("plans-fallback", 5);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     // a controller that exists but does nothing: the NodeClaims never go by themselves
-    let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
+    let sim = SimController::start(b.client.clone(), b.cloud.clone(), sim_settings(&world.cluster, world.version));
     scale_controller(&b.client, 0).await;
     let before = untouchable_nodes(&b.client, &world).await;
     let plan = plan_file(&b, "delegate-3s.toml", &delegate_waiting("3s"));
@@ -137,12 +135,12 @@ async fn delegate_plan_falls_back_when_karpenter_is_broken() {
 /// A world whose NodePools may grow, a live controller, and pods that take a moment to terminate
 /// (server time scale 0.3: a 1 s grace period is 0.3 s) so that evicted pods' replacements are
 /// Pending long enough for the controller (pending grace 20 ms) to react.
-async fn growing_world(prefix: &str) -> (Bed, karpenter_teardown::sandbox::sim::World, SimController) {
+async fn growing_world(prefix: &str) -> (Bed, sandbox_sim::World, SimController) {
     let s = spec(prefix, 4);
     assert_eq!(s.pool_cpu_limit, None, "the pools must allow growth");
     let b = bed_with(&s.cluster, ServerOptions { time_scale: 0.3, ..ServerOptions::default() }).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
-    let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let sim = SimController::start(b.client.clone(), b.cloud.clone(), sim_settings(&world.cluster, world.version));
     (b, world, sim)
 }
 
@@ -204,11 +202,11 @@ fn default_sequential() -> String {
 
 /// Nodes with room to spare (real nodes rarely run full), drained one at a time. Returns the
 /// bed, the world and the number of workload pods on Karpenter nodes at the start.
-async fn roomy_world(prefix: &str) -> (Bed, karpenter_teardown::sandbox::sim::World, u64) {
+async fn roomy_world(prefix: &str) -> (Bed, sandbox_sim::World, u64) {
     let mut s = spec(prefix, 5);
     s.max_pods_per_node = Some(s.pods_per_node * 4);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     (b, world, (s.nodes * s.pods_per_node) as u64)
 }
 
@@ -266,15 +264,15 @@ async fn wait_controller_pods_gone(client: &kube::Client) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn karpenter_1_0_default_plan_leaves_nothing_unreachable() {
-    let s = karpenter_teardown::sandbox::sim::WorldSpec {
+    let s = sandbox_sim::WorldSpec {
         version: KarpenterVersion::V1_0,
         karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
         ..spec("plans-v10", 5)
     };
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     assert_eq!(conversion_strategies(&b.client).await, ["Webhook"; 3]);
-    let sim = SimController::start(b.client.clone(), b.aws.clone(), sim_settings(&world.cluster, world.version));
+    let sim = SimController::start(b.client.clone(), b.cloud.clone(), sim_settings(&world.cluster, world.version));
     let before = untouchable_nodes(&b.client, &world).await;
 
     let run = teardown(&b, &world.cluster, &["--yes"]).await;
@@ -299,7 +297,7 @@ async fn karpenter_1_0_default_plan_leaves_nothing_unreachable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
-    let s = karpenter_teardown::sandbox::sim::WorldSpec {
+    let s = sandbox_sim::WorldSpec {
         version: KarpenterVersion::V1_0,
         karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
         node_pools: 1,
@@ -308,7 +306,7 @@ async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
         ..spec("plans-conv", 1)
     };
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let v1beta1 = Api::<DynamicObject>::all_with(
         b.client.clone(),
         &karpenter_resource("karpenter.sh", "v1beta1", "NodePool", "nodepools"),

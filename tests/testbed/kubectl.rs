@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
+use sandbox_apiserver::{ApiServer, ServerOptions};
 use serde_json::json;
 use tokio::process::Command;
 
@@ -136,7 +136,7 @@ async fn real_crds_default_and_their_cel_rules_refuse_like_the_real_server() {
     let Some(shared) = shared_karpenter() else { return };
     let s = start().await;
     let k = Kubectl::new(&s);
-    let before = karpenter_teardown::sandbox::apiserver::schema::unevaluated_rules();
+    let before = sandbox_apiserver::schema::unevaluated_rules();
     k.ok(&["apply", "-f", shared.join("crds-v1.14.1").to_str().unwrap()]).await;
     k.ok(&["apply", "-f", shared.join("examples/general-purpose.yaml").to_str().unwrap()]).await;
     let pool: serde_json::Value =
@@ -164,7 +164,7 @@ async fn real_crds_default_and_their_cel_rules_refuse_like_the_real_server() {
         .await;
     assert!(!to_dynamic.ok && to_dynamic.stderr.contains("Cannot transition NodePool"), "{}", to_dynamic.stderr);
     assert_eq!(
-        karpenter_teardown::sandbox::apiserver::schema::unevaluated_rules(),
+        sandbox_apiserver::schema::unevaluated_rules(),
         before,
         "every rule of the real CRDs met here was evaluated"
     );

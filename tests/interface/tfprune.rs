@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::Node;
 use karpenter_teardown::k8s;
-use karpenter_teardown::sandbox::sim::KarpenterVersion;
-use karpenter_teardown::sandbox::sim::world::install_crds;
-use karpenter_teardown::sandbox::{ApiServer, ServerOptions};
 use kube::Client;
 use kube::api::{Api, DynamicObject, PostParams};
+use sandbox_apiserver::{ApiServer, ServerOptions};
+use sandbox_sim::KarpenterVersion;
+use sandbox_sim::world::install_crds;
 use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_karpenter-teardown");

@@ -1,13 +1,24 @@
-//! The simulated side of the test bed: a generator of Karpenter-managed clusters ([`world`]) and a
-//! simulated Karpenter controller ([`controller`]) that behaves as design §3 says.
+//! The simulated side of karpenter-teardown's test bed: a generator of Karpenter-managed clusters
+//! ([`world`]), a simulated Karpenter controller ([`controller`]) that behaves as design §3 says,
+//! simulated Argo CD and Flux reconcilers ([`gitops`]), the LocalStack connection
+//! ([`localstack`]) and an EC2 proxy that enforces EC2's request limits and injects faults
+//! ([`ec2proxy`], [`ec2limits`]).
 //!
-//! Both talk to the sandbox API server only through a [`kube::Client`] over HTTP, exactly like the
-//! real controller talks to EKS, and to EC2/IAM through the project's own [`crate::aws`] layer
-//! against LocalStack. Nothing here reaches into the server's store: what the simulation does is
-//! visible to the tool under test the same way as on a real cluster.
+//! Everything here talks to the sandbox API server (crate `sandbox-apiserver`) only through a
+//! [`kube::Client`] over HTTP, exactly like the real controller talks to EKS, and to EC2/IAM
+//! through its own calls ([`cloud`]) against LocalStack. Nothing here reaches into the server's
+//! store: what the simulation does is visible to the tool under test the same way as on a real
+//! cluster.
+#![forbid(unsafe_code)]
 
+pub mod cloud;
 pub mod controller;
+pub mod ec2limits;
+pub mod ec2proxy;
 pub mod gitops;
+pub mod karpenter;
+pub mod karpenter_crds;
+pub mod localstack;
 pub mod naming;
 pub mod objects;
 pub mod ops;
@@ -16,7 +27,7 @@ pub mod world;
 pub use controller::{SimController, SimSettings, SimStats};
 pub use world::{World, WorldSpec, generate};
 
-use crate::aws::AwsError;
+use crate::cloud::CloudError;
 
 /// Which Karpenter release the simulation imitates. The differences that matter to a teardown:
 /// the CRD conversion webhook, launch-template tags, instance-profile paths and node labels.
@@ -87,9 +98,9 @@ pub enum SimError {
     Aws {
         /// What the simulation was doing.
         doing: String,
-        /// The AWS layer's error.
+        /// The call's error.
         #[source]
-        source: AwsError,
+        source: CloudError,
     },
     /// RunInstances answered without the instances that were asked for.
     #[error("EC2 launched {got} instances for {what} instead of {wanted}; LocalStack may be overloaded, retry")]
@@ -137,7 +148,7 @@ impl SimError {
         move |source| SimError::Kube { doing, source }
     }
 
-    pub(crate) fn aws(doing: impl Into<String>) -> impl FnOnce(AwsError) -> SimError {
+    pub(crate) fn aws(doing: impl Into<String>) -> impl FnOnce(CloudError) -> SimError {
         let doing = doing.into();
         move |source| SimError::Aws { doing, source }
     }

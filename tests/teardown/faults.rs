@@ -2,17 +2,15 @@
 //! cuts watches; an EC2 proxy in front of LocalStack throttles (`RequestLimitExceeded`) and fails
 //! a share of EC2 calls. The teardown must ride them out: exit 0 and the same end state.
 
-mod common;
-#[path = "common/safety.rs"]
-mod safety;
+use crate::common;
 
 use std::time::Duration;
 
-use karpenter_teardown::sandbox::FaultConfig;
-use karpenter_teardown::sandbox::apiserver::ErrorRule;
-use karpenter_teardown::sandbox::ec2proxy::{Ec2Proxy, ProxyFaults};
-use karpenter_teardown::sandbox::sim::generate;
-use safety::*;
+use crate::common::safety::*;
+use sandbox_apiserver::ErrorRule;
+use sandbox_apiserver::FaultConfig;
+use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
+use sandbox_sim::generate;
 use serde_json::Value;
 
 /// 10% of every verb's requests fail, spread over 429, 500 and 503; 30 ms on each request;
@@ -31,7 +29,7 @@ fn kubernetes_faults(seed: u64) -> FaultConfig {
 async fn kubernetes_errors_latency_and_watch_drops() {
     let s = spec("faults-k8s", 4);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let served_before = b.server.requests().total();
     b.server.set_faults(kubernetes_faults(42));
@@ -64,7 +62,7 @@ async fn kubernetes_errors_latency_and_watch_drops() {
 async fn ec2_throttling_and_errors() {
     let s = spec("faults-ec2", 4);
     let b = bed(&s.cluster).await;
-    let world = generate(&s, &b.client, &b.aws).await.unwrap();
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let proxy = Ec2Proxy::start(common::LOCALSTACK, ProxyFaults { throttle_rate: 0.1, error_rate: 0.05, seed: 7 })
         .await

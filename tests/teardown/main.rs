@@ -1,0 +1,14 @@
+//! End to end: the real binary against the sandbox API server, the simulated Karpenter and
+//! LocalStack: the default plan, the other plans, resuming after a kill, faults, and the field
+//! reports.
+//!
+//! One test binary per area, a module per topic: one link instead of one per file.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod default_plan;
+mod faults;
+mod field_reports;
+mod plans;
+mod resume;
