@@ -108,7 +108,11 @@ pub struct OwnerId {
 
 impl std::fmt::Display for OwnerId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}/{}", self.kind.kind(), self.namespace, self.name)
+        let tool = match self.kind {
+            OwnerKind::Application => "Argo CD",
+            OwnerKind::Kustomization | OwnerKind::HelmRelease => "Flux",
+        };
+        write!(f, "{tool} {} {}/{}", self.kind.kind(), self.namespace, self.name)
     }
 }
 
