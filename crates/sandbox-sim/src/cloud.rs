@@ -85,8 +85,6 @@ pub struct Template {
     pub id: String,
     /// `karpenter.k8s.aws/…`
     pub name: String,
-    /// The EC2NodeClass its tag names.
-    pub nodeclass: Option<String>,
 }
 
 /// Counts EC2 requests as sent (once per attempt, retries included), so a benchmark can tell the
@@ -184,31 +182,41 @@ impl Cloud {
         Ok(out.launch_template().and_then(|l| l.launch_template_id()).unwrap_or_default().to_string())
     }
 
-    /// The launch templates Karpenter made for `cluster`, under both tag schemes.
-    pub async fn launch_templates(&self, cluster: &str) -> Result<Vec<Template>, CloudError> {
-        let mut out: BTreeMap<String, Template> = BTreeMap::new();
-        for key in [karpenter::TAG_EKS_CLUSTER, karpenter::TAG_LEGACY_CLUSTER] {
-            let filter = Filter::builder().name(format!("tag:{key}")).values(cluster).build();
-            let mut pages =
-                self.ec2.describe_launch_templates().filters(filter).max_results(200).into_paginator().send();
-            while let Some(page) = pages.next().await {
-                let page = page.map_err(|e| CloudError::from_sdk("DescribeLaunchTemplates", e))?;
-                for lt in page.launch_templates() {
-                    let name = lt.launch_template_name().unwrap_or_default();
-                    if !name.starts_with(karpenter::LAUNCH_TEMPLATE_PREFIX) {
-                        continue;
-                    }
-                    let id = lt.launch_template_id().unwrap_or_default().to_string();
-                    let nodeclass = lt
-                        .tags()
-                        .iter()
-                        .find(|t| t.key() == Some(karpenter::TAG_NODECLASS))
-                        .and_then(|t| t.value().map(str::to_string));
-                    out.insert(id.clone(), Template { id, name: name.to_string(), nodeclass });
+    /// The id of the launch template named `name`, if it exists.
+    pub async fn launch_template_id(&self, name: &str) -> Result<Option<String>, CloudError> {
+        match self.ec2.describe_launch_templates().launch_template_names(name).send().await {
+            Ok(out) => Ok(out.launch_templates().first().and_then(|l| l.launch_template_id()).map(str::to_string)),
+            Err(e) => {
+                let e = CloudError::from_sdk("DescribeLaunchTemplates", e);
+                if e.code().is_some_and(|c| c.starts_with("InvalidLaunchTemplateName")) { Ok(None) } else { Err(e) }
+            }
+        }
+    }
+
+    /// The launch templates of one EC2NodeClass of `cluster`, found as Karpenter's launch
+    /// template provider finds them when the class is deleted: by the class tag, then the
+    /// cluster tag of either release (1.0.x `karpenter.k8s.aws/cluster`, later
+    /// `eks:eks-cluster-name`).
+    pub async fn class_launch_templates(&self, cluster: &str, class: &str) -> Result<Vec<Template>, CloudError> {
+        let filter = Filter::builder().name(format!("tag:{}", karpenter::TAG_NODECLASS)).values(class).build();
+        let mut pages = self.ec2.describe_launch_templates().filters(filter).max_results(200).into_paginator().send();
+        let mut out = Vec::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| CloudError::from_sdk("DescribeLaunchTemplates", e))?;
+            for lt in page.launch_templates() {
+                let of_cluster = lt.tags().iter().any(|t| {
+                    matches!(t.key(), Some(karpenter::TAG_EKS_CLUSTER | karpenter::TAG_LEGACY_CLUSTER))
+                        && t.value() == Some(cluster)
+                });
+                if of_cluster {
+                    out.push(Template {
+                        id: lt.launch_template_id().unwrap_or_default().to_string(),
+                        name: lt.launch_template_name().unwrap_or_default().to_string(),
+                    });
                 }
             }
         }
-        Ok(out.into_values().collect())
+        Ok(out)
     }
 
     /// Deletes a launch template; one already gone counts as deleted.

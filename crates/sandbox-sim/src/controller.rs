@@ -616,8 +616,9 @@ async fn finalize_class(
     name: &str,
 ) -> Result<(), SimError> {
     let s = &ctx.settings;
-    let templates = ctx.aws.launch_templates(&s.cluster).await.map_err(SimError::aws("listing launch templates"))?;
-    for lt in templates.iter().filter(|l| l.nodeclass.as_deref() == Some(name)) {
+    let templates =
+        ctx.aws.class_launch_templates(&s.cluster, name).await.map_err(SimError::aws("listing launch templates"))?;
+    for lt in &templates {
         ctx.aws
             .delete_launch_template(&lt.id)
             .await

@@ -472,12 +472,9 @@ pub(crate) async fn ensure_class_resources(
     let lt_id = match aws.create_launch_template(&lt_name, IMAGE_ID, &tags).await {
         Ok(id) => id,
         Err(e) if e.code().is_some_and(|c| c.contains("AlreadyExists")) => aws
-            .launch_templates(cluster)
+            .launch_template_id(&lt_name)
             .await
-            .map_err(SimError::aws("listing launch templates"))?
-            .into_iter()
-            .find(|l| l.name == lt_name)
-            .map(|l| l.id)
+            .map_err(SimError::aws("looking up a launch template"))?
             .ok_or_else(|| SimError::aws(format!("creating launch template {lt_name}"))(e))?,
         Err(e) => return Err(SimError::aws(format!("creating launch template {lt_name}"))(e)),
     };
