@@ -80,6 +80,45 @@ pub struct StoreEvent {
     pub old: Option<Arc<Value>>,
 }
 
+/// One change as the watch history keeps it: the objects serialized. A pod with its
+/// managedFields takes about 19 KB as a `serde_json::Value` (every small map is a B-tree node)
+/// and a tenth of that as JSON; the history holds up to [`crate::ServerOptions::watch_history`]
+/// changes, most of them versions no longer current, so it keeps the bytes and rebuilds the
+/// values only for a watch that resumes from an older resourceVersion.
+#[derive(Debug)]
+struct HistoryEntry {
+    rv: u64,
+    event_type: EventType,
+    key: ObjectKey,
+    object: Box<[u8]>,
+    old: Option<Box<[u8]>>,
+}
+
+impl HistoryEntry {
+    fn of(ev: &StoreEvent) -> HistoryEntry {
+        // Serializing a Value cannot fail: its map keys are strings.
+        let bytes = |v: &Value| serde_json::to_vec(v).unwrap_or_default().into_boxed_slice();
+        HistoryEntry {
+            rv: ev.rv,
+            event_type: ev.event_type,
+            key: ev.key.clone(),
+            object: bytes(&ev.object),
+            old: ev.old.as_deref().map(bytes),
+        }
+    }
+
+    fn event(&self) -> StoreEvent {
+        let value = |b: &[u8]| Arc::new(serde_json::from_slice(b).unwrap_or(Value::Null));
+        StoreEvent {
+            rv: self.rv,
+            event_type: self.event_type,
+            key: self.key.clone(),
+            object: value(&self.object),
+            old: self.old.as_deref().map(value),
+        }
+    }
+}
+
 /// Options of a write.
 #[derive(Debug, Clone, Default)]
 pub struct WriteOptions {
@@ -194,7 +233,7 @@ pub(crate) struct Inner {
     objects: HashMap<GroupResource, Bucket>,
     uids: HashMap<String, ObjectKey>,
     dependents: HashMap<String, BTreeSet<ObjectKey>>,
-    history: VecDeque<Arc<StoreEvent>>,
+    history: VecDeque<HistoryEntry>,
     history_cap: usize,
     history_floor: u64,
     tx: broadcast::Sender<Arc<StoreEvent>>,
@@ -293,7 +332,11 @@ impl Store {
     /// An empty store with the default namespaces; `watch_history` events are kept for watch
     /// resumption (older resourceVersions answer 410).
     pub fn new(watch_history: usize, seed: u64) -> Store {
-        let (tx, _) = broadcast::channel(16_384);
+        // Live watchers and the control plane read changes from this ring; one that falls more than
+        // its capacity behind is cut and resumes from the history (a watch) or resynchronises (the
+        // control plane), as kube-apiserver closes a watcher whose buffer is full. Its events hold
+        // the objects as values, so its capacity is memory: 4,096 events of pods is about 80 MB.
+        let (tx, _) = broadcast::channel(4_096);
         let inner = Inner {
             rv: 1,
             registry: Registry::new(),
@@ -455,7 +498,7 @@ impl Store {
                         inner.history_floor + 1
                     )));
                 }
-                inner.history.iter().filter(|e| e.rv > rv && e.key.gr == *gr).cloned().collect()
+                inner.history.iter().filter(|e| e.rv > rv && e.key.gr == *gr).map(|e| Arc::new(e.event())).collect()
             }
         };
         Ok((backlog, rx, inner.rv))
@@ -521,7 +564,7 @@ impl Inner {
 
     fn emit(&mut self, event_type: EventType, key: ObjectKey, object: Arc<Value>, old: Option<Arc<Value>>) {
         let ev = Arc::new(StoreEvent { rv: self.rv, event_type, key, object, old });
-        self.history.push_back(ev.clone());
+        self.history.push_back(HistoryEntry::of(&ev));
         while self.history.len() > self.history_cap {
             if let Some(e) = self.history.pop_front() {
                 self.history_floor = e.rv;
