@@ -59,18 +59,51 @@ impl Leftovers {
     }
 }
 
-/// Reads everything once. `user_profiles` are instance profiles that EC2NodeClasses name in
-/// `spec.instanceProfile` (the user's): never counted, even when they look like Karpenter's.
+/// What one read of AWS returned, before [`leftovers`] judges it. The launch templates, instance
+/// profiles, interfaces and volumes are already the cluster's as they are read (by tag on EC2's
+/// side, and by the checks in [`crate::karpenter`] on ours); the instances are not.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Described {
+    /// Every instance in a live state, of any cluster.
+    pub instances: Vec<InstanceInfo>,
+    /// The cluster's Karpenter launch templates.
+    pub launch_templates: Vec<LaunchTemplateInfo>,
+    /// The cluster's Karpenter instance profiles, the user's among them.
+    pub instance_profiles: Vec<InstanceProfileInfo>,
+    /// The cluster's detached network interfaces.
+    pub network_interfaces: Vec<DetachedResource>,
+    /// The cluster's detached volumes.
+    pub volumes: Vec<DetachedResource>,
+}
+
+/// What of a read counts as left of the cluster's Karpenter: the instances Karpenter's own
+/// garbage collection would take for its own ([`InstanceScope::KarpenterLive`]), and every
+/// instance profile but the user's (`user_profiles`: named by an EC2NodeClass's
+/// `spec.instanceProfile`, never counted even when they look like Karpenter's). The rest is
+/// taken as read; volumes are kept to be reported, [`Leftovers::is_clean`] does not count them.
+pub fn leftovers(described: Described, cluster: &str, user_profiles: &BTreeSet<String>) -> Leftovers {
+    let Described { instances, launch_templates, instance_profiles, network_interfaces, volumes } = described;
+    Leftovers {
+        instances: instances.into_iter().filter(|i| InstanceScope::KarpenterLive.admits(i, cluster)).collect(),
+        launch_templates,
+        instance_profiles: instance_profiles.into_iter().filter(|p| !user_profiles.contains(&p.name)).collect(),
+        network_interfaces,
+        volumes,
+        objects: Vec::new(),
+    }
+}
+
+/// Reads everything once and judges it with [`leftovers`].
 pub async fn collect(aws: &AwsClients, cluster: &str, user_profiles: &BTreeSet<String>) -> Result<Leftovers, AwsError> {
     let (instances, launch_templates, instance_profiles, network_interfaces, volumes) = tokio::try_join!(
-        aws.ec2.cluster_instances(cluster, InstanceScope::KarpenterLive),
+        aws.ec2.live_instances(),
         aws.ec2.launch_templates(cluster),
         aws.iam.cluster_instance_profiles(aws.region(), cluster),
         aws.ec2.detached_network_interfaces(cluster),
         aws.ec2.detached_volumes(cluster),
     )?;
-    let instance_profiles = instance_profiles.into_iter().filter(|p| !user_profiles.contains(&p.name)).collect();
-    Ok(Leftovers { instances, launch_templates, instance_profiles, network_interfaces, volumes, objects: Vec::new() })
+    let described = Described { instances, launch_templates, instance_profiles, network_interfaces, volumes };
+    Ok(leftovers(described, cluster, user_profiles))
 }
 
 /// Verifies: two reads `settle` apart must both be clean, to catch a launch that was in flight
@@ -116,4 +149,152 @@ pub async fn reclaim(aws: &AwsClients, leftovers: &Leftovers) -> Result<Vec<Stri
         }
     }
     Ok(failures)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::aws::InstanceState;
+    use crate::karpenter::{self, ProfileEvidence};
+
+    fn instance(id: &str, cluster: &str, state: InstanceState) -> InstanceInfo {
+        InstanceInfo {
+            id: id.into(),
+            state,
+            zone: "us-west-2a".into(),
+            tags: [
+                (karpenter::TAG_EKS_CLUSTER, cluster),
+                (karpenter::TAG_NODEPOOL, "default"),
+                (karpenter::TAG_NODECLASS, "default"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        }
+    }
+
+    fn profile(name: &str) -> InstanceProfileInfo {
+        InstanceProfileInfo {
+            name: name.into(),
+            path: "/karpenter/us-west-2/prod/".into(),
+            roles: Vec::new(),
+            evidence: ProfileEvidence::ClusterPath,
+            nodeclass: "default".into(),
+        }
+    }
+
+    fn detached(id: &str) -> DetachedResource {
+        DetachedResource { id: id.into(), status: "available".into() }
+    }
+
+    fn template(id: &str) -> LaunchTemplateInfo {
+        LaunchTemplateInfo { id: id.into(), name: format!("karpenter.k8s.aws/{id}"), nodeclass: None }
+    }
+
+    fn ids(left: &Leftovers) -> Vec<&str> {
+        left.instances.iter().map(|i| i.id.as_str()).collect()
+    }
+
+    #[test]
+    fn every_state_but_terminated_is_a_leftover_instance() {
+        let states = [
+            ("i-pending", InstanceState::Pending),
+            ("i-running", InstanceState::Running),
+            ("i-stopping", InstanceState::Stopping),
+            ("i-stopped", InstanceState::Stopped),
+            ("i-shutting-down", InstanceState::ShuttingDown),
+            ("i-terminated", InstanceState::Terminated),
+        ];
+        let described = Described {
+            instances: states.iter().map(|(id, s)| instance(id, "prod", *s)).collect(),
+            ..Described::default()
+        };
+        let left = leftovers(described, "prod", &BTreeSet::new());
+        assert_eq!(ids(&left), ["i-pending", "i-running", "i-stopping", "i-stopped", "i-shutting-down"]);
+        assert!(!left.is_clean());
+    }
+
+    #[test]
+    fn only_instances_with_all_of_karpenters_tags_for_this_cluster_count() {
+        let mut no_nodepool = instance("i-no-nodepool", "prod", InstanceState::Running);
+        no_nodepool.tags.remove(karpenter::TAG_NODEPOOL);
+        let mut no_nodeclass = instance("i-no-nodeclass", "prod", InstanceState::Running);
+        no_nodeclass.tags.remove(karpenter::TAG_NODECLASS);
+        let mut no_cluster = instance("i-no-cluster", "prod", InstanceState::Running);
+        no_cluster.tags.remove(karpenter::TAG_EKS_CLUSTER);
+        let described = Described {
+            instances: vec![
+                instance("i-ours", "prod", InstanceState::Running),
+                instance("i-staging", "staging", InstanceState::Running),
+                no_nodepool,
+                no_nodeclass,
+                no_cluster,
+            ],
+            ..Described::default()
+        };
+        assert_eq!(ids(&leftovers(described, "prod", &BTreeSet::new())), ["i-ours"]);
+    }
+
+    #[test]
+    fn the_users_instance_profiles_are_never_leftovers() {
+        let described =
+            Described { instance_profiles: vec![profile("prod_1"), profile("mine")], ..Described::default() };
+        let user = BTreeSet::from(["mine".to_string()]);
+        let left = leftovers(described.clone(), "prod", &user);
+        assert_eq!(left.instance_profiles, [profile("prod_1")]);
+        assert_eq!(leftovers(described, "prod", &BTreeSet::new()).instance_profiles.len(), 2, "none is the user's");
+    }
+
+    #[test]
+    fn templates_interfaces_and_volumes_are_kept_as_read() {
+        let described = Described {
+            launch_templates: vec![template("lt-1")],
+            network_interfaces: vec![detached("eni-1")],
+            volumes: vec![detached("vol-1")],
+            ..Described::default()
+        };
+        let left = leftovers(described.clone(), "prod", &BTreeSet::new());
+        assert_eq!(left.launch_templates, described.launch_templates);
+        assert_eq!(left.network_interfaces, described.network_interfaces);
+        assert_eq!(left.volumes, described.volumes);
+        assert!(left.objects.is_empty(), "objects are the API's, not AWS's");
+    }
+
+    #[test]
+    fn detached_volumes_alone_leave_the_result_clean_but_are_reported() {
+        let left = Leftovers { volumes: vec![detached("vol-1")], ..Leftovers::default() };
+        assert!(left.is_clean());
+        assert_eq!(left.describe(), ["1 detached volume(s) (reported only, never deleted): vol-1"]);
+        assert!(left.reclaimable().is_empty(), "volumes are never reclaimed");
+    }
+
+    #[test]
+    fn any_other_kind_left_is_not_clean() {
+        let unclean = [
+            Leftovers { instances: vec![instance("i-1", "prod", InstanceState::Running)], ..Leftovers::default() },
+            Leftovers { launch_templates: vec![template("lt-1")], ..Leftovers::default() },
+            Leftovers { instance_profiles: vec![profile("prod_1")], ..Leftovers::default() },
+            Leftovers { network_interfaces: vec![detached("eni-1")], ..Leftovers::default() },
+            Leftovers { objects: vec!["NodeClaim/a".into()], ..Leftovers::default() },
+        ];
+        for left in unclean {
+            assert!(!left.is_clean(), "{left:?}");
+        }
+        assert!(Leftovers::default().is_clean());
+    }
+
+    #[test]
+    fn reclaim_lists_aws_leftovers_but_not_objects_or_volumes() {
+        let left = Leftovers {
+            instances: vec![
+                instance("i-1", "prod", InstanceState::Running),
+                instance("i-2", "prod", InstanceState::Stopped),
+            ],
+            network_interfaces: vec![detached("eni-1")],
+            volumes: vec![detached("vol-1")],
+            objects: vec!["Node/n".into()],
+            ..Leftovers::default()
+        };
+        assert_eq!(left.reclaimable(), ["2 instance(s): i-1, i-2", "1 detached network interface(s): eni-1"]);
+    }
 }

@@ -156,6 +156,19 @@ pub enum InstanceScope {
     ClusterAny,
 }
 
+impl InstanceScope {
+    /// Whether a described instance is in the scope for `cluster`. Under `KarpenterLive` a
+    /// `shutting-down` instance still counts: until EC2 says `terminated` it costs money and holds
+    /// its volumes.
+    pub fn admits(self, i: &InstanceInfo, cluster: &str) -> bool {
+        i.tag(karpenter::TAG_EKS_CLUSTER) == Some(cluster)
+            && (self == InstanceScope::ClusterAny
+                || (i.tags.contains_key(karpenter::TAG_NODEPOOL)
+                    && i.tags.contains_key(karpenter::TAG_NODECLASS)
+                    && i.state.is_live()))
+    }
+}
+
 /// Outcome of a batched termination.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TerminateOutcome {
@@ -193,26 +206,22 @@ impl Ec2 {
     /// EC2: LocalStack 4.13 answers tag filters in time quadratic in its instance count (10-20 s
     /// for a hundred instances, measured), and matching on the client is equally correct on AWS.
     pub async fn cluster_instances(&self, cluster: &str, scope: InstanceScope) -> Result<Vec<InstanceInfo>, AwsError> {
-        let filters = match scope {
-            InstanceScope::KarpenterLive => Some(vec![
-                Filter::builder()
-                    .name("instance-state-name")
-                    .set_values(Some(InstanceState::LIVE_FILTER.iter().map(|s| s.to_string()).collect()))
-                    .build(),
-            ]),
-            InstanceScope::ClusterAny => None,
+        let all = match scope {
+            InstanceScope::KarpenterLive => self.live_instances().await?,
+            InstanceScope::ClusterAny => self.describe(None).await?,
         };
-        let all = self.describe(filters).await?;
-        Ok(all
-            .into_iter()
-            .filter(|i| {
-                i.tag(karpenter::TAG_EKS_CLUSTER) == Some(cluster)
-                    && (scope == InstanceScope::ClusterAny
-                        || (i.tags.contains_key(karpenter::TAG_NODEPOOL)
-                            && i.tags.contains_key(karpenter::TAG_NODECLASS)
-                            && i.state.is_live()))
-            })
-            .collect())
+        Ok(all.into_iter().filter(|i| scope.admits(i, cluster)).collect())
+    }
+
+    /// Every instance in a live state ([`InstanceState::LIVE_FILTER`]), of any cluster, all pages:
+    /// the caller picks the cluster's with [`InstanceScope::admits`] (see
+    /// [`Ec2::cluster_instances`] for why EC2 is not asked to filter by tag).
+    pub async fn live_instances(&self) -> Result<Vec<InstanceInfo>, AwsError> {
+        let state = Filter::builder()
+            .name("instance-state-name")
+            .set_values(Some(InstanceState::LIVE_FILTER.iter().map(|s| s.to_string()).collect()))
+            .build();
+        self.describe(Some(vec![state])).await
     }
 
     /// Looks up instances by id; ids EC2 no longer knows are simply absent from the result.

@@ -284,15 +284,9 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
     let mut changes = ctx.pods.subscribe(&node);
     // woken when a budget this drain waits on changes its status
     let budget_changed = Arc::new(tokio::sync::Notify::new());
-    // pods held back by a budget (by the watched status or the server's refusal)
-    let mut held_by_budget: HashMap<String, String> = HashMap::new();
     let mut shown: Option<(u64, Waiting)> = None;
     let started = Instant::now();
-    let mut next_try: HashMap<String, Instant> = HashMap::new();
-    // UIDs whose eviction the server accepted (or that were already gone)
-    let mut accepted: HashSet<String> = HashSet::new();
-    let mut blocked: BTreeMap<String, (PodRef, String)> = BTreeMap::new();
-    let mut evicted = 0usize;
+    let mut book = EvictionBook::default();
     let mut last_cordon_check = Instant::now();
     let mut deleting = false;
     let mut riders_noted: HashSet<String> = HashSet::new();
@@ -319,13 +313,13 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             } else {
                 format!("; {} pod(s) that tolerate the fence go with the node", riders.len())
             };
-            return Ok(TaskOutcome::Done(format!("{evicted} pod(s) evicted{riding}")));
+            return Ok(TaskOutcome::Done(format!("{} pod(s) evicted{riding}", book.evicted)));
         }
         let now = Instant::now();
         if now >= started + deadline && !deleting {
             match policy {
                 DrainPolicy::Fail => {
-                    let names = describe_blockers(ctx, &left, &blocked).await;
+                    let names = describe_blockers(ctx, &left, &book.blocked).await;
                     return Ok(TaskOutcome::Blocked(format!(
                         "{} pod(s) still on node {node} after {}: {names}",
                         left.len(),
@@ -348,8 +342,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             }
         }
         for p in eviction_wave(&left) {
-            if p.terminating || deleting || accepted.contains(&p.uid) || next_try.get(&p.uid).is_some_and(|t| *t > now)
-            {
+            if deleting || !book.due(p, now) {
                 continue;
             }
             let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &p.labels, p.ready, &budget_changed) {
@@ -361,16 +354,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
                 }
                 // the budget allows nothing now: no request until its status changes
                 Admission::Wait(budget) => {
-                    blocked.entry(p.uid.clone()).or_insert_with(|| {
-                        (
-                            p.clone(),
-                            format!(
-                                "PodDisruptionBudget {budget} allows no disruption now (status.disruptionsAllowed is 0)"
-                            ),
-                        )
-                    });
-                    next_try.insert(p.uid.clone(), now + budgets::PROBE);
-                    held_by_budget.insert(p.uid.clone(), budget);
+                    book.held(p, budget, now);
                     continue;
                 }
             };
@@ -385,51 +369,9 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
                     _ => ctx.budgets.release(key, &p.name),
                 }
             }
-            match outcome {
-                // An accepted eviction is a delete of that very pod (the UID precondition): it
-                // only has to leave now. Evicting it again when the watch is slow to show its
-                // deletionTimestamp would double the requests on a busy API server.
-                Ok(EvictionOutcome::Evicted) => {
-                    evicted += 1;
-                    blocked.remove(&p.uid);
-                    accepted.insert(p.uid.clone());
-                }
-                Ok(EvictionOutcome::Gone) => {
-                    accepted.insert(p.uid.clone());
-                }
-                // the budget's status is behind the server's: wait for the next one, probing
-                Ok(EvictionOutcome::Blocked(msg)) => {
-                    blocked.insert(p.uid.clone(), (p.clone(), msg));
-                    next_try.insert(p.uid.clone(), now + budgets::PROBE);
-                    held_by_budget
-                        .insert(p.uid.clone(), reserved.clone().unwrap_or_else(|| "a PodDisruptionBudget".into()));
-                }
-                // nothing changes until someone removes a budget: ask again now and then, and
-                // name the pod and its budgets at the deadline
-                Ok(EvictionOutcome::MultipleBudgets(msg)) => {
-                    blocked.insert(
-                        p.uid.clone(),
-                        (p.clone(), format!("{msg} Remove all but one of the budgets that select it.")),
-                    );
-                    next_try.insert(p.uid.clone(), now + Duration::from_secs(5));
-                }
-                // the API server is throttling, not a budget: wait as long as it asked
-                Ok(EvictionOutcome::Throttled(after)) => {
-                    next_try.insert(p.uid.clone(), now + after);
-                }
-                Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {
-                    next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
-                }
-                Err(e) => return Err(e.into()),
-            }
+            book.answer(p, outcome, reserved.as_deref(), now)?;
         }
-        let waiting = match left.iter().find_map(|p| held_by_budget.get(&p.uid).filter(|_| !accepted.contains(&p.uid)))
-        {
-            Some(budget) => Waiting::Budget(budget.clone()),
-            None if left.iter().all(|p| p.terminating || accepted.contains(&p.uid)) => Waiting::GracePeriods,
-            None => Waiting::Evicting,
-        };
-        let now_shown = (left.len() as u64, waiting);
+        let now_shown = (left.len() as u64, book.waiting(&left));
         if shown.as_ref() != Some(&now_shown) {
             ctx.events.send(EngineEvent::DrainProgress {
                 task: task.clone(),
@@ -467,13 +409,108 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
         tokio::select! {
             _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
             _ = changes.changed() => {}
-            _ = budget_changed.notified() => {
-                // a budget this drain waits on has a new status: ask again now
-                for (uid, _) in held_by_budget.drain() {
-                    next_try.remove(&uid);
-                }
-            }
+            _ = budget_changed.notified() => book.budget_changed(),
             _ = tokio::time::sleep(Duration::from_millis(1000)) => {}
+        }
+    }
+}
+
+/// What a drain has heard of each pod's eviction, and what it does next about each: the decisions
+/// of [`drain`] without its requests, so that they can be tested without an API server.
+#[derive(Debug, Default)]
+struct EvictionBook {
+    /// Pods held back by a budget (by the watched status or the server's refusal): UID → budget.
+    held_by_budget: HashMap<String, String>,
+    /// UID → when to ask again.
+    next_try: HashMap<String, Instant>,
+    /// UIDs whose eviction the server accepted (or that were already gone).
+    accepted: HashSet<String>,
+    /// UID → the pod and why it is blocked, to name at the deadline.
+    blocked: BTreeMap<String, (PodRef, String)>,
+    /// Evictions the server accepted.
+    evicted: usize,
+}
+
+impl EvictionBook {
+    /// Whether to ask for the pod's eviction `now`.
+    fn due(&self, p: &PodRef, now: Instant) -> bool {
+        !(p.terminating || self.accepted.contains(&p.uid) || self.next_try.get(&p.uid).is_some_and(|t| *t > now))
+    }
+
+    /// The watched `budget` allows nothing now: no request until its status changes (or a probe).
+    fn held(&mut self, p: &PodRef, budget: String, now: Instant) {
+        // the server's own refusal, when there was one, says more than the watched status
+        self.blocked.entry(p.uid.clone()).or_insert_with(|| {
+            (
+                p.clone(),
+                format!("PodDisruptionBudget {budget} allows no disruption now (status.disruptionsAllowed is 0)"),
+            )
+        });
+        self.next_try.insert(p.uid.clone(), now + budgets::PROBE);
+        self.held_by_budget.insert(p.uid.clone(), budget);
+    }
+
+    /// Takes the server's answer to an eviction asked `now`; `reserved` is the budget whose
+    /// allowance the request used. An error that asking again cannot cure is handed back.
+    fn answer(
+        &mut self,
+        p: &PodRef,
+        outcome: Result<EvictionOutcome, KubeError>,
+        reserved: Option<&str>,
+        now: Instant,
+    ) -> Result<(), KubeError> {
+        match outcome {
+            // An accepted eviction is a delete of that very pod (the UID precondition): it
+            // only has to leave now. Evicting it again when the watch is slow to show its
+            // deletionTimestamp would double the requests on a busy API server.
+            Ok(EvictionOutcome::Evicted) => {
+                self.evicted += 1;
+                self.blocked.remove(&p.uid);
+                self.accepted.insert(p.uid.clone());
+            }
+            Ok(EvictionOutcome::Gone) => {
+                self.accepted.insert(p.uid.clone());
+            }
+            // the budget's status is behind the server's: wait for the next one, probing
+            Ok(EvictionOutcome::Blocked(msg)) => {
+                self.blocked.insert(p.uid.clone(), (p.clone(), msg));
+                self.next_try.insert(p.uid.clone(), now + budgets::PROBE);
+                self.held_by_budget.insert(p.uid.clone(), reserved.unwrap_or("a PodDisruptionBudget").to_string());
+            }
+            // nothing changes until someone removes a budget: ask again now and then, and
+            // name the pod and its budgets at the deadline
+            Ok(EvictionOutcome::MultipleBudgets(msg)) => {
+                self.blocked.insert(
+                    p.uid.clone(),
+                    (p.clone(), format!("{msg} Remove all but one of the budgets that select it.")),
+                );
+                self.next_try.insert(p.uid.clone(), now + Duration::from_secs(5));
+            }
+            // the API server is throttling, not a budget: wait as long as it asked
+            Ok(EvictionOutcome::Throttled(after)) => {
+                self.next_try.insert(p.uid.clone(), now + after);
+            }
+            Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {
+                self.next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// A budget this drain waits on has a new status: ask again now for every pod it held.
+    fn budget_changed(&mut self) {
+        for (uid, _) in self.held_by_budget.drain() {
+            self.next_try.remove(&uid);
+        }
+    }
+
+    /// What the drain of the pods `left` waits on, for the progress view.
+    fn waiting(&self, left: &[PodRef]) -> Waiting {
+        match left.iter().find_map(|p| self.held_by_budget.get(&p.uid).filter(|_| !self.accepted.contains(&p.uid))) {
+            Some(budget) => Waiting::Budget(budget.clone()),
+            None if left.iter().all(|p| p.terminating || self.accepted.contains(&p.uid)) => Waiting::GracePeriods,
+            None => Waiting::Evicting,
         }
     }
 }
@@ -908,4 +945,135 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
     let lines = left.describe();
     *ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()) = Some(left);
     Ok(if clean { TaskOutcome::Done("nothing left".into()) } else { TaskOutcome::Leftovers(lines.join("; ")) })
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::core::Status;
+
+    use super::*;
+
+    fn pod(uid: &str) -> PodRef {
+        PodRef {
+            namespace: "shop".into(),
+            name: format!("web-{uid}"),
+            uid: uid.into(),
+            critical: false,
+            terminating: false,
+            grace_seconds: None,
+            rides_with_node: None,
+            labels: BTreeMap::new(),
+            ready: true,
+        }
+    }
+
+    fn api_error(code: u16) -> KubeError {
+        KubeError::api("evict", kube::Error::Api(Status::failure("no", "Failure").with_code(code).boxed()))
+    }
+
+    fn reason(book: &EvictionBook, p: &PodRef) -> Option<String> {
+        book.blocked.get(&p.uid).map(|(_, why)| why.clone())
+    }
+
+    #[test]
+    fn an_accepted_eviction_counts_once_and_is_never_asked_again() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        assert!(book.due(&p, now));
+        book.answer(&p, Ok(EvictionOutcome::Evicted), None, now).unwrap();
+        assert_eq!(book.evicted, 1);
+        assert!(!book.due(&p, now + Duration::from_secs(3600)), "the watch only has to show it leave");
+        assert_eq!(book.waiting(&[p]), Waiting::GracePeriods);
+    }
+
+    #[test]
+    fn a_pod_already_gone_is_done_but_not_counted_as_evicted() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        book.answer(&p, Ok(EvictionOutcome::Gone), None, now).unwrap();
+        assert_eq!(book.evicted, 0);
+        assert!(!book.due(&p, now + Duration::from_secs(3600)));
+    }
+
+    #[test]
+    fn a_terminating_pod_is_not_asked_for_and_only_waits_for_its_grace_period() {
+        let book = EvictionBook::default();
+        let p = PodRef { terminating: true, ..pod("a") };
+        assert!(!book.due(&p, Instant::now()));
+        assert_eq!(book.waiting(&[p, pod("b")]), Waiting::Evicting, "b is still to be asked for");
+    }
+
+    #[test]
+    fn a_budget_refusal_waits_a_probe_interval_and_shows_the_budget() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        book.answer(&p, Ok(EvictionOutcome::Blocked("budget says no".into())), Some("shop/web"), now).unwrap();
+        assert!(!book.due(&p, now + budgets::PROBE - Duration::from_millis(1)));
+        assert!(book.due(&p, now + budgets::PROBE));
+        assert_eq!(book.waiting(std::slice::from_ref(&p)), Waiting::Budget("shop/web".into()));
+        assert_eq!(reason(&book, &p).as_deref(), Some("budget says no"));
+        let (mut unwatched, q) = (EvictionBook::default(), pod("b"));
+        unwatched.answer(&q, Ok(EvictionOutcome::Blocked("no".into())), None, now).unwrap();
+        assert_eq!(unwatched.waiting(&[q]), Waiting::Budget("a PodDisruptionBudget".into()));
+    }
+
+    #[test]
+    fn a_budget_that_changes_releases_the_pods_it_held_at_once() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        book.held(&p, "shop/web".into(), now);
+        assert!(!book.due(&p, now));
+        book.budget_changed();
+        assert!(book.due(&p, now));
+        assert_eq!(book.waiting(&[p]), Waiting::Evicting);
+    }
+
+    #[test]
+    fn a_watched_budget_keeps_the_servers_reason_when_there_is_one() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        book.held(&p, "shop/web".into(), now);
+        assert_eq!(
+            reason(&book, &p).as_deref(),
+            Some("PodDisruptionBudget shop/web allows no disruption now (status.disruptionsAllowed is 0)")
+        );
+        book.answer(&p, Ok(EvictionOutcome::Blocked("refused by shop/web".into())), Some("shop/web"), now).unwrap();
+        book.held(&p, "shop/web".into(), now);
+        assert_eq!(reason(&book, &p).as_deref(), Some("refused by shop/web"));
+    }
+
+    #[test]
+    fn an_eviction_accepted_after_a_refusal_is_no_longer_blocked() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        book.answer(&p, Ok(EvictionOutcome::Blocked("no".into())), Some("shop/web"), now).unwrap();
+        book.answer(&p, Ok(EvictionOutcome::Evicted), Some("shop/web"), now + budgets::PROBE).unwrap();
+        assert_eq!(reason(&book, &p), None);
+        assert_eq!(book.waiting(&[p]), Waiting::GracePeriods, "an accepted pod no longer waits on its budget");
+    }
+
+    #[test]
+    fn a_pod_under_several_budgets_is_asked_again_every_5_s_and_says_what_to_do() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        book.answer(&p, Ok(EvictionOutcome::MultipleBudgets("two budgets.".into())), None, now).unwrap();
+        assert!(!book.due(&p, now + Duration::from_millis(4999)));
+        assert!(book.due(&p, now + Duration::from_secs(5)));
+        assert_eq!(
+            reason(&book, &p).as_deref(),
+            Some("two budgets. Remove all but one of the budgets that select it.")
+        );
+        assert_eq!(book.waiting(&[p]), Waiting::Evicting, "not a budget's status to wait for");
+    }
+
+    #[test]
+    fn throttling_waits_as_long_as_the_server_asked() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        book.answer(&p, Ok(EvictionOutcome::Throttled(Duration::from_secs(7))), None, now).unwrap();
+        assert!(!book.due(&p, now + Duration::from_secs(6)));
+        assert!(book.due(&p, now + Duration::from_secs(7)));
+        assert_eq!(reason(&book, &p), None, "throttling blocks nothing at the deadline");
+    }
+
+    #[test]
+    fn a_transient_error_is_asked_again_after_a_second_and_any_other_ends_the_drain() {
+        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
+        book.answer(&p, Err(api_error(503)), None, now).unwrap();
+        assert!(!book.due(&p, now + Duration::from_millis(999)));
+        assert!(book.due(&p, now + Duration::from_secs(1)));
+        assert!(book.answer(&p, Err(api_error(403)), None, now).is_err());
+    }
 }

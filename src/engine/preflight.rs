@@ -1,13 +1,16 @@
 //! Identity and blast radius, before any write (design §2.1, §7): the evidence of which
 //! cluster the kubeconfig reaches, checked against `--cluster`/`--region`/`--account`.
+//!
+//! Reading ([`identity`]) and judging ([`verdict`]) are apart so that what refuses a run can be
+//! tested without a cluster or AWS.
 
 use std::collections::BTreeSet;
 
 use super::inventory::Inventory;
-use crate::aws::AwsClients;
 use crate::aws::partition::{EksClusterArn, partition_of_region};
+use crate::aws::{AwsClients, InstanceInfo};
 use crate::k8s::Kube;
-use crate::karpenter;
+use crate::karpenter::{self, ProviderId};
 
 /// What the preflight found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -18,7 +21,67 @@ pub struct Evidence {
     pub contradictions: Vec<String>,
 }
 
-/// Gathers the evidence. AWS errors propagate (they are configuration problems at this point).
+/// What the run is asked to tear down: the evidence is judged against it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target<'a> {
+    /// `--cluster`.
+    pub cluster: &'a str,
+    /// `--region`.
+    pub region: &'a str,
+    /// `--account`, when given.
+    pub account: Option<&'a str>,
+}
+
+/// The Karpenter controller as far as identity goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControllerSeen {
+    /// Its Deployment's namespace.
+    pub namespace: String,
+    /// Its Deployment's name.
+    pub name: String,
+    /// Its CLUSTER_NAME, when set.
+    pub cluster_name: Option<String>,
+}
+
+/// What the preflight read, before any of it is judged.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observations {
+    /// The kubeconfig context in use.
+    pub context: Option<String>,
+    /// The Karpenter controller, when found.
+    pub controller: Option<ControllerSeen>,
+    /// The instances behind the Karpenter nodes and NodeClaims, from their providerIDs.
+    pub provider_ids: Vec<ProviderId>,
+    /// What EC2 in the target region returned for those instances; `None` when it was not asked
+    /// (see [`asks_ec2`]).
+    pub instances: Option<Vec<InstanceInfo>>,
+    /// The account of the AWS credentials; `None` when no `--account` asked for it.
+    pub account: Option<String>,
+}
+
+impl Observations {
+    /// What the cluster itself shows: the context, the controller and the providerIDs (no I/O).
+    pub fn of_cluster(context: Option<String>, inv: &Inventory) -> Observations {
+        Observations {
+            context,
+            controller: inv.controller.as_ref().map(|c| ControllerSeen {
+                namespace: c.namespace.clone(),
+                name: c.name.clone(),
+                cluster_name: c.cluster_name.clone(),
+            }),
+            provider_ids: inv.machines.values().filter_map(|m| m.provider_id.clone()).collect(),
+            instances: None,
+            account: None,
+        }
+    }
+
+    fn instance_ids(&self) -> Vec<String> {
+        self.provider_ids.iter().map(|p| p.instance_id.clone()).collect()
+    }
+}
+
+/// Gathers the evidence and judges it. AWS errors propagate (they are configuration problems at
+/// this point).
 pub async fn identity(
     kube: &Kube,
     aws: &AwsClients,
@@ -27,16 +90,56 @@ pub async fn identity(
     account: Option<&str>,
     inv: &Inventory,
 ) -> Result<Evidence, crate::aws::AwsError> {
+    let target = Target { cluster, region, account };
+    let mut obs = Observations::of_cluster(kube.context.clone(), inv);
+    if asks_ec2(&obs, &target) {
+        obs.instances = Some(aws.ec2.instances_by_id(&obs.instance_ids()).await?);
+    }
+    if account.is_some() {
+        obs.account = Some(aws.account().await?);
+    }
+    Ok(verdict(&obs, &target))
+}
+
+/// Whether EC2 is asked about the instances: only when there are some and the cluster's own
+/// evidence agrees with the target. Instances in another region cannot be found in this one, and
+/// a run already refused needs no more evidence.
+pub fn asks_ec2(obs: &Observations, target: &Target<'_>) -> bool {
     let mut ev = Evidence::default();
+    cluster_evidence(obs, target, &mut ev);
+    !obs.provider_ids.is_empty() && ev.contradictions.is_empty()
+}
+
+/// Judges what was read against the target: every contradiction refuses the run.
+pub fn verdict(obs: &Observations, target: &Target<'_>) -> Evidence {
+    let mut ev = Evidence::default();
+    cluster_evidence(obs, target, &mut ev);
+    if let Some(found) = &obs.instances {
+        instance_evidence(obs.provider_ids.len(), found, target, &mut ev);
+    }
+    if let (Some(a), Some(actual)) = (target.account, &obs.account) {
+        if actual != a {
+            ev.contradictions.push(format!("the AWS credentials belong to account {actual}, not {a}"));
+        } else {
+            ev.facts.push(format!("AWS account {actual}"));
+        }
+    }
+    ev
+}
+
+/// What the cluster says of itself: the kube context, the controller's CLUSTER_NAME and the
+/// regions of its nodes' instances.
+fn cluster_evidence(obs: &Observations, target: &Target<'_>, ev: &mut Evidence) {
+    let Target { cluster, region, .. } = *target;
     // the kube context, when it is an EKS ARN of any partition:
     // arn:<partition>:eks:<region>:<account>:cluster/<name>
-    if let Some(ctx) = &kube.context {
+    if let Some(ctx) = &obs.context {
         match EksClusterArn::parse(ctx) {
-            Some(arn) => context_arn_evidence(ctx, &arn, cluster, region, account, &mut ev),
+            Some(arn) => context_arn_evidence(ctx, &arn, target, ev),
             None => ev.facts.push(format!("kube context {ctx} (not an EKS ARN: no evidence either way)")),
         }
     }
-    if let Some(c) = &inv.controller {
+    if let Some(c) = &obs.controller {
         match &c.cluster_name {
             Some(name) if name != cluster => ev.contradictions.push(format!(
                 "the Karpenter controller {}/{} is configured for cluster {name}, not {cluster}",
@@ -46,68 +149,46 @@ pub async fn identity(
             None => ev.facts.push("the Karpenter controller names no cluster (CLUSTER_NAME unset)".into()),
         }
     }
-    // the instances behind the Karpenter nodes and NodeClaims: their region and cluster tags
-    let mut ids = Vec::new();
-    let mut regions = BTreeSet::new();
-    for m in inv.machines.values() {
-        if let Some(p) = &m.provider_id {
-            regions.insert(p.region());
-            ids.push(p.instance_id.clone());
-        }
-    }
+    let regions: BTreeSet<String> = obs.provider_ids.iter().map(ProviderId::region).collect();
     for r in &regions {
         if r != region {
             ev.contradictions.push(format!("Karpenter nodes run in region {r} (from their providerIDs), not {region}"));
         }
     }
-    if !ids.is_empty() && ev.contradictions.is_empty() {
-        let found = aws.ec2.instances_by_id(&ids).await?;
-        let mut other: BTreeSet<String> = BTreeSet::new();
-        let mut matching = 0;
-        for i in &found {
-            let tag = i.tag(karpenter::TAG_EKS_CLUSTER);
-            let owned = i.tags.contains_key(&karpenter::cluster_tag_key(cluster));
-            match tag {
-                Some(t) if t == cluster => matching += 1,
-                Some(t) => {
-                    other.insert(t.to_string());
-                }
-                None if owned => matching += 1,
-                None => {}
+}
+
+/// What EC2 says of the `asked` instances behind the nodes: their cluster tags.
+fn instance_evidence(asked: usize, found: &[InstanceInfo], target: &Target<'_>, ev: &mut Evidence) {
+    let Target { cluster, region, .. } = *target;
+    let mut other: BTreeSet<String> = BTreeSet::new();
+    let mut matching = 0;
+    for i in found {
+        let tag = i.tag(karpenter::TAG_EKS_CLUSTER);
+        let owned = i.tags.contains_key(&karpenter::cluster_tag_key(cluster));
+        match tag {
+            Some(t) if t == cluster => matching += 1,
+            Some(t) => {
+                other.insert(t.to_string());
             }
+            None if owned => matching += 1,
+            None => {}
         }
-        for o in other {
-            ev.contradictions.push(format!(
-                "instances behind the Karpenter nodes are tagged {}={o}, not {cluster}",
-                karpenter::TAG_EKS_CLUSTER
-            ));
-        }
-        ev.facts.push(format!(
-            "{matching} of {} instance(s) behind the Karpenter nodes are tagged for cluster {cluster} ({} unknown to EC2 in {region})",
-            ids.len(),
-            ids.len() - found.len()
+    }
+    for o in other {
+        ev.contradictions.push(format!(
+            "instances behind the Karpenter nodes are tagged {}={o}, not {cluster}",
+            karpenter::TAG_EKS_CLUSTER
         ));
     }
-    if let Some(a) = account {
-        let actual = aws.account().await?;
-        if actual != a {
-            ev.contradictions.push(format!("the AWS credentials belong to account {actual}, not {a}"));
-        } else {
-            ev.facts.push(format!("AWS account {actual}"));
-        }
-    }
-    Ok(ev)
+    ev.facts.push(format!(
+        "{matching} of {asked} instance(s) behind the Karpenter nodes are tagged for cluster {cluster} ({} unknown to EC2 in {region})",
+        asked.saturating_sub(found.len())
+    ));
 }
 
 /// What an EKS ARN context says against the target: cluster, region, partition and account.
-fn context_arn_evidence(
-    ctx: &str,
-    arn: &EksClusterArn,
-    cluster: &str,
-    region: &str,
-    account: Option<&str>,
-    ev: &mut Evidence,
-) {
+fn context_arn_evidence(ctx: &str, arn: &EksClusterArn, target: &Target<'_>, ev: &mut Evidence) {
+    let Target { cluster, region, account } = *target;
     if arn.cluster != cluster {
         ev.contradictions.push(format!("the kube context {ctx} is cluster {}, not {cluster}", arn.cluster));
     }
@@ -131,12 +212,51 @@ fn context_arn_evidence(
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
+    use crate::aws::InstanceState;
+
+    const PROD: Target<'static> = Target { cluster: "prod", region: "us-west-2", account: None };
 
     fn judge(ctx: &str, cluster: &str, region: &str, account: Option<&str>) -> Evidence {
-        let mut ev = Evidence::default();
-        context_arn_evidence(ctx, &EksClusterArn::parse(ctx).unwrap(), cluster, region, account, &mut ev);
-        ev
+        let obs = Observations { context: Some(ctx.into()), ..Observations::default() };
+        verdict(&obs, &Target { cluster, region, account })
+    }
+
+    fn controller(cluster_name: Option<&str>) -> Option<ControllerSeen> {
+        Some(ControllerSeen {
+            namespace: "kube-system".into(),
+            name: "karpenter".into(),
+            cluster_name: cluster_name.map(str::to_string),
+        })
+    }
+
+    fn node(zone: &str, id: &str) -> ProviderId {
+        ProviderId { zone: zone.into(), instance_id: id.into() }
+    }
+
+    fn instance(id: &str, tags: &[(&str, &str)]) -> InstanceInfo {
+        InstanceInfo {
+            id: id.into(),
+            state: InstanceState::Running,
+            zone: "us-west-2a".into(),
+            tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
+        }
+    }
+
+    /// A cluster whose every piece of evidence names `prod` in us-west-2, account 123456789012.
+    fn matching() -> Observations {
+        Observations {
+            context: Some("arn:aws:eks:us-west-2:123456789012:cluster/prod".into()),
+            controller: controller(Some("prod")),
+            provider_ids: vec![node("us-west-2a", "i-1"), node("us-west-2b", "i-2")],
+            instances: Some(vec![
+                instance("i-1", &[(karpenter::TAG_EKS_CLUSTER, "prod")]),
+                instance("i-2", &[(karpenter::TAG_EKS_CLUSTER, "prod")]),
+            ]),
+            account: Some("123456789012".into()),
+        }
     }
 
     #[test]
@@ -156,5 +276,142 @@ mod tests {
         assert_eq!(judge(ctx, "prod", "us-west-2", Some("210987654321")).contradictions.len(), 1);
         let wrong_partition = judge("arn:aws-cn:eks:us-west-2:123456789012:cluster/prod", "prod", "us-west-2", None);
         assert_eq!(wrong_partition.contradictions.len(), 1, "{wrong_partition:?}");
+    }
+
+    #[test]
+    fn a_context_arn_of_another_account_and_region_names_both() {
+        let ctx = "arn:aws:eks:eu-west-1:210987654321:cluster/prod";
+        let ev = judge(ctx, "prod", "us-west-2", Some("123456789012"));
+        assert_eq!(
+            ev.contradictions,
+            [
+                format!("the kube context {ctx} is in region eu-west-1, not us-west-2"),
+                format!("the kube context {ctx} is in account 210987654321, not 123456789012"),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_context_that_is_no_eks_arn_is_only_a_fact() {
+        let ev = judge("kind-prod", "staging", "us-west-2", Some("123456789012"));
+        assert!(ev.contradictions.is_empty(), "{ev:?}");
+        assert_eq!(ev.facts, ["kube context kind-prod (not an EKS ARN: no evidence either way)"]);
+    }
+
+    #[test]
+    fn evidence_that_all_names_the_target_has_no_contradiction() {
+        let ev = verdict(&matching(), &Target { account: Some("123456789012"), ..PROD });
+        assert!(ev.contradictions.is_empty(), "{ev:?}");
+        assert_eq!(
+            ev.facts,
+            [
+                "the kube context is the EKS cluster prod in us-west-2",
+                "the Karpenter controller is configured for cluster prod",
+                "2 of 2 instance(s) behind the Karpenter nodes are tagged for cluster prod (0 unknown to EC2 in us-west-2)",
+                "AWS account 123456789012",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_controller_configured_for_another_cluster_refuses() {
+        let obs = Observations { controller: controller(Some("staging")), ..Observations::default() };
+        let ev = verdict(&obs, &PROD);
+        assert_eq!(
+            ev.contradictions,
+            ["the Karpenter controller kube-system/karpenter is configured for cluster staging, not prod"]
+        );
+    }
+
+    #[test]
+    fn a_controller_without_cluster_name_is_only_a_fact() {
+        let obs = Observations { controller: controller(None), ..Observations::default() };
+        let ev = verdict(&obs, &PROD);
+        assert!(ev.contradictions.is_empty(), "{ev:?}");
+        assert_eq!(ev.facts, ["the Karpenter controller names no cluster (CLUSTER_NAME unset)"]);
+    }
+
+    #[test]
+    fn a_node_in_another_region_refuses_and_ec2_is_not_asked() {
+        let obs = Observations {
+            provider_ids: vec![node("us-west-2a", "i-1"), node("eu-west-1b", "i-2"), node("eu-west-1c", "i-3")],
+            ..Observations::default()
+        };
+        let ev = verdict(&obs, &PROD);
+        assert_eq!(
+            ev.contradictions,
+            ["Karpenter nodes run in region eu-west-1 (from their providerIDs), not us-west-2"],
+            "one line per foreign region"
+        );
+        assert!(!asks_ec2(&obs, &PROD));
+    }
+
+    #[test]
+    fn a_local_zone_node_of_the_target_region_agrees() {
+        let obs = Observations { provider_ids: vec![node("us-west-2-lax-1a", "i-1")], ..Observations::default() };
+        assert!(verdict(&obs, &PROD).contradictions.is_empty());
+    }
+
+    #[test]
+    fn ec2_is_asked_only_about_instances_of_a_cluster_that_agrees_so_far() {
+        assert!(asks_ec2(&Observations { instances: None, account: None, ..matching() }, &PROD));
+        assert!(!asks_ec2(&Observations { provider_ids: Vec::new(), ..matching() }, &PROD), "no instances");
+        let wrong_controller = Observations { controller: controller(Some("staging")), ..matching() };
+        assert!(!asks_ec2(&wrong_controller, &PROD), "already refused");
+    }
+
+    #[test]
+    fn instances_tagged_for_another_cluster_refuse() {
+        let obs = Observations {
+            instances: Some(vec![
+                instance("i-1", &[(karpenter::TAG_EKS_CLUSTER, "prod")]),
+                instance("i-2", &[(karpenter::TAG_EKS_CLUSTER, "staging")]),
+            ]),
+            ..matching()
+        };
+        let ev = verdict(&obs, &PROD);
+        assert_eq!(
+            ev.contradictions,
+            ["instances behind the Karpenter nodes are tagged eks:eks-cluster-name=staging, not prod"]
+        );
+        assert!(ev.facts.iter().any(|f| f.starts_with("1 of 2 instance(s)")), "{ev:?}");
+    }
+
+    #[test]
+    fn an_instance_owned_through_the_kubernetes_cluster_tag_counts_for_the_target() {
+        let obs = Observations {
+            instances: Some(vec![
+                instance("i-1", &[("kubernetes.io/cluster/prod", "owned")]),
+                instance("i-2", &[("kubernetes.io/cluster/staging", "owned")]),
+            ]),
+            ..matching()
+        };
+        let ev = verdict(&obs, &PROD);
+        assert!(ev.contradictions.is_empty(), "untagged is no contradiction: {ev:?}");
+        assert!(ev.facts.iter().any(|f| f.starts_with("1 of 2 instance(s)")), "{ev:?}");
+    }
+
+    #[test]
+    fn instances_unknown_to_ec2_are_counted_not_refused() {
+        let obs = Observations {
+            instances: Some(vec![instance("i-1", &[(karpenter::TAG_EKS_CLUSTER, "prod")])]),
+            ..matching()
+        };
+        let ev = verdict(&obs, &PROD);
+        assert!(ev.contradictions.is_empty(), "{ev:?}");
+        assert!(
+            ev.facts.contains(
+                &"1 of 2 instance(s) behind the Karpenter nodes are tagged for cluster prod (1 unknown to EC2 in us-west-2)"
+                    .to_string()
+            ),
+            "{ev:?}"
+        );
+    }
+
+    #[test]
+    fn credentials_of_another_account_refuse() {
+        let obs = Observations { account: Some("210987654321".into()), ..Observations::default() };
+        let ev = verdict(&obs, &Target { account: Some("123456789012"), ..PROD });
+        assert_eq!(ev.contradictions, ["the AWS credentials belong to account 210987654321, not 123456789012"]);
     }
 }
