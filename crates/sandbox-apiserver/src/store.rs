@@ -81,42 +81,39 @@ pub struct StoreEvent {
 }
 
 /// One change as the watch history keeps it: the objects serialized. A pod with its
-/// managedFields takes about 19 KB as a `serde_json::Value` (every small map is a B-tree node)
-/// and a tenth of that as JSON; the history holds up to [`crate::ServerOptions::watch_history`]
-/// changes, most of them versions no longer current, so it keeps the bytes and rebuilds the
-/// values only for a watch that resumes from an older resourceVersion.
+/// managedFields takes several times more memory as a `serde_json::Value` (every small map is a
+/// B-tree node) than as JSON; the history holds up to [`crate::ServerOptions::watch_history`]
+/// changes, most of them versions no longer current, so it keeps bytes and rebuilds values only
+/// for a watch that resumes from an older resourceVersion.
 #[derive(Debug)]
 struct HistoryEntry {
     rv: u64,
     event_type: EventType,
     key: ObjectKey,
     object: Box<[u8]>,
-    old: Option<Box<[u8]>>,
+    old: OldVersion,
 }
 
-impl HistoryEntry {
-    fn of(ev: &StoreEvent) -> HistoryEntry {
-        // Serializing a Value cannot fail: its map keys are strings.
-        let bytes = |v: &Value| serde_json::to_vec(v).unwrap_or_default().into_boxed_slice();
-        HistoryEntry {
-            rv: ev.rv,
-            event_type: ev.event_type,
-            key: ev.key.clone(),
-            object: bytes(&ev.object),
-            old: ev.old.as_deref().map(bytes),
-        }
-    }
+/// The version before a change, as the history keeps it.
+#[derive(Debug)]
+enum OldVersion {
+    /// A creation: there was none.
+    None,
+    /// The object of the previous entry of the same key, which is still in the history: not
+    /// kept twice.
+    Previous,
+    /// The previous entry has left the history (or there never was one): kept here.
+    Bytes(Box<[u8]>),
+}
 
-    fn event(&self) -> StoreEvent {
-        let value = |b: &[u8]| Arc::new(serde_json::from_slice(b).unwrap_or(Value::Null));
-        StoreEvent {
-            rv: self.rv,
-            event_type: self.event_type,
-            key: self.key.clone(),
-            object: value(&self.object),
-            old: self.old.as_deref().map(value),
-        }
-    }
+fn json_bytes(v: &Value) -> Box<[u8]> {
+    // Serializing a Value cannot fail: its map keys are strings.
+    serde_json::to_vec(v).unwrap_or_default().into_boxed_slice()
+}
+
+fn json_value(b: &[u8]) -> Arc<Value> {
+    // The bytes are what `json_bytes` wrote.
+    Arc::new(serde_json::from_slice(b).unwrap_or(Value::Null))
 }
 
 /// Options of a write.
@@ -234,6 +231,9 @@ pub(crate) struct Inner {
     uids: HashMap<String, ObjectKey>,
     dependents: HashMap<String, BTreeSet<ObjectKey>>,
     history: VecDeque<HistoryEntry>,
+    /// Per key with entries in the history: how many, and the object of its newest entry that
+    /// has left the history (the old version of its oldest remaining entry).
+    history_keys: HashMap<ObjectKey, (usize, Option<Box<[u8]>>)>,
     history_cap: usize,
     history_floor: u64,
     tx: broadcast::Sender<Arc<StoreEvent>>,
@@ -344,6 +344,7 @@ impl Store {
             uids: HashMap::new(),
             dependents: HashMap::new(),
             history: VecDeque::new(),
+            history_keys: HashMap::new(),
             history_cap: watch_history.max(1),
             history_floor: 0,
             tx,
@@ -498,7 +499,7 @@ impl Store {
                         inner.history_floor + 1
                     )));
                 }
-                inner.history.iter().filter(|e| e.rv > rv && e.key.gr == *gr).map(|e| Arc::new(e.event())).collect()
+                inner.replay(gr, rv)
             }
         };
         Ok((backlog, rx, inner.rv))
@@ -562,12 +563,63 @@ impl Inner {
         )
     }
 
+    /// The history's changes of `gr` after `rv`, as events. Walks the whole history of `gr`
+    /// from its start, because an entry's old version may be the object of an earlier entry.
+    fn replay(&self, gr: &GroupResource, rv: u64) -> Vec<Arc<StoreEvent>> {
+        let mut latest: HashMap<&ObjectKey, &[u8]> = HashMap::new();
+        let mut out = Vec::new();
+        for e in self.history.iter().filter(|e| e.key.gr == *gr) {
+            if e.rv > rv {
+                let old = match &e.old {
+                    OldVersion::None => None,
+                    OldVersion::Previous => latest
+                        .get(&e.key)
+                        .copied()
+                        .or_else(|| self.history_keys.get(&e.key).and_then(|k| k.1.as_deref()))
+                        .map(json_value),
+                    OldVersion::Bytes(b) => Some(json_value(b)),
+                };
+                out.push(Arc::new(StoreEvent {
+                    rv: e.rv,
+                    event_type: e.event_type,
+                    key: e.key.clone(),
+                    object: json_value(&e.object),
+                    old,
+                }));
+            }
+            latest.insert(&e.key, &e.object);
+        }
+        out
+    }
+
     fn emit(&mut self, event_type: EventType, key: ObjectKey, object: Arc<Value>, old: Option<Arc<Value>>) {
         let ev = Arc::new(StoreEvent { rv: self.rv, event_type, key, object, old });
-        self.history.push_back(HistoryEntry::of(&ev));
+        let keyed = self.history_keys.entry(ev.key.clone()).or_default();
+        let old = match &ev.old {
+            None => OldVersion::None,
+            // The stored object a change replaces is the object of that key's previous change,
+            // or, once that has left the history, the base kept for the key.
+            Some(_) if keyed.0 > 0 => OldVersion::Previous,
+            Some(o) => OldVersion::Bytes(json_bytes(o)),
+        };
+        keyed.0 += 1;
+        self.history.push_back(HistoryEntry {
+            rv: ev.rv,
+            event_type: ev.event_type,
+            key: ev.key.clone(),
+            object: json_bytes(&ev.object),
+            old,
+        });
         while self.history.len() > self.history_cap {
-            if let Some(e) = self.history.pop_front() {
-                self.history_floor = e.rv;
+            let Some(e) = self.history.pop_front() else { break };
+            self.history_floor = e.rv;
+            if let Some(keyed) = self.history_keys.get_mut(&e.key) {
+                keyed.0 = keyed.0.saturating_sub(1);
+                if keyed.0 == 0 {
+                    self.history_keys.remove(&e.key);
+                } else {
+                    keyed.1 = Some(e.object);
+                }
             }
         }
         // No receiver is fine: nobody watches.
@@ -1577,4 +1629,60 @@ fn decode_continue(tok: &str) -> Result<(u64, String, String), ApiError> {
     let ns = parts.next().ok_or_else(bad)?.to_string();
     let name = parts.next().ok_or_else(bad)?.to_string();
     Ok((rv, ns, name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cm(name: &str, data: &str) -> Value {
+        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"v": data}})
+    }
+
+    /// A resumed watch gets every change after its resourceVersion with the object and the old
+    /// version each change replaced, also when the entry holding that old version has already
+    /// left the history; a resourceVersion older than the history gets 410.
+    #[test]
+    fn resumed_watches_replay_each_change_with_the_version_it_replaced() {
+        let store = Store::new(4, 1);
+        let gr = GroupResource::new("", "configmaps");
+        let w = WriteOptions::manager("test");
+        let mut rvs = Vec::new();
+        for (name, v) in [("a", "1"), ("b", "1")] {
+            let out = store.create(&gr, "default", cm(name, v), &w).unwrap();
+            rvs.push(out["metadata"]["resourceVersion"].as_str().unwrap().parse::<u64>().unwrap());
+        }
+        for v in ["2", "3", "4", "5"] {
+            let mut o = store.get(&gr, "default", "a").unwrap();
+            o["data"]["v"] = json!(v);
+            let out = store.update(&gr, "default", "a", o, "", &w).unwrap();
+            rvs.push(out["metadata"]["resourceVersion"].as_str().unwrap().parse::<u64>().unwrap());
+        }
+        // history of 4: a=2 (old a=1, whose entry has left), a=3, a=4, a=5
+        let last = *rvs.last().unwrap();
+        let (events, _rx, now) = store.watch_from(&gr, Some(last - 4)).unwrap();
+        assert_eq!(now, last);
+        let seen: Vec<(String, Option<String>)> = events
+            .iter()
+            .map(|e| {
+                (
+                    e.object["data"]["v"].as_str().unwrap().to_string(),
+                    e.old.as_ref().map(|o| o["data"]["v"].as_str().unwrap().to_string()),
+                )
+            })
+            .collect();
+        let expect = |o: &str, p: &str| (o.to_string(), Some(p.to_string()));
+        assert_eq!(seen, [expect("2", "1"), expect("3", "2"), expect("4", "3"), expect("5", "4")]);
+        assert!(events.iter().all(|e| e.event_type == EventType::Modified && e.key.name == "a"));
+        let err = store.watch_from(&gr, Some(last - 5)).unwrap_err();
+        assert_eq!(err.to_status()["code"], 410);
+
+        // a deleted and re-created object: the creation has no old version
+        store.delete(&gr, "default", "b", &DeleteOptions::default()).unwrap();
+        store.create(&gr, "default", cm("b", "9"), &w).unwrap();
+        let (events, _rx, _) = store.watch_from(&gr, Some(last)).unwrap();
+        let kinds: Vec<(EventType, bool)> = events.iter().map(|e| (e.event_type, e.old.is_some())).collect();
+        assert_eq!(kinds, [(EventType::Deleted, true), (EventType::Added, false)]);
+        assert_eq!(events[0].old.as_ref().unwrap()["data"]["v"], "1", "the deletion replaced b=1");
+    }
 }
