@@ -40,8 +40,8 @@ pub use patch::PatchType;
 pub use select::{FieldSelector, LabelSelector};
 pub use status::ApiError;
 pub use store::{
-    DeleteOptions, EventType, GroupResource, ListOptions, ObjectKey, ObjectList, Propagation, Store, StoreEvent,
-    WriteOptions, now_rfc3339,
+    Backlogged, DeleteOptions, EventType, GroupResource, ListOptions, ObjectKey, ObjectList, Propagation, Store,
+    StoreEvent, WriteOptions, now_rfc3339,
 };
 
 pub(crate) use eviction::{deletion_timeout, pdb_gr, pods_gr, refresh_pdb};

@@ -90,7 +90,7 @@ struct HistoryEntry {
     rv: u64,
     event_type: EventType,
     key: ObjectKey,
-    object: Box<[u8]>,
+    object: Arc<[u8]>,
     old: OldVersion,
 }
 
@@ -103,17 +103,53 @@ enum OldVersion {
     /// kept twice.
     Previous,
     /// The previous entry has left the history (or there never was one): kept here.
-    Bytes(Box<[u8]>),
+    Bytes(Arc<[u8]>),
 }
 
-fn json_bytes(v: &Value) -> Box<[u8]> {
+/// A key's entries in the history: how many, and the object of its newest entry that has left
+/// the history (the old version of its oldest remaining entry).
+#[derive(Debug, Default)]
+struct KeyHistory {
+    entries: usize,
+    base: Option<Arc<[u8]>>,
+}
+
+fn json_bytes(v: &Value) -> Arc<[u8]> {
     // Serializing a Value cannot fail: its map keys are strings.
-    serde_json::to_vec(v).unwrap_or_default().into_boxed_slice()
+    serde_json::to_vec(v).unwrap_or_default().into()
 }
 
 fn json_value(b: &[u8]) -> Arc<Value> {
     // The bytes are what `json_bytes` wrote.
     Arc::new(serde_json::from_slice(b).unwrap_or(Value::Null))
+}
+
+/// A change a watch sends before its live ones: a current object (initial events), or a change
+/// from the history, whose values are rebuilt only when it is sent, one at a time: a watch that
+/// resumes far back never holds its whole backlog as values.
+#[derive(Debug, Clone)]
+pub struct Backlogged(Backlog);
+
+#[derive(Debug, Clone)]
+enum Backlog {
+    Current(Arc<StoreEvent>),
+    Past { rv: u64, event_type: EventType, key: ObjectKey, object: Arc<[u8]>, old: Option<Arc<[u8]>> },
+}
+
+impl Backlogged {
+    /// The change as an event.
+    pub fn event(&self) -> Arc<StoreEvent> {
+        match &self.0 {
+            Backlog::Current(ev) => ev.clone(),
+            Backlog::Past { rv, event_type, key, object, old } => Arc::new(StoreEvent {
+                rv: *rv,
+                event_type: *event_type,
+                key: key.clone(),
+                object: json_value(object),
+                old: old.as_deref().map(json_value),
+            }),
+        }
+    }
 }
 
 /// Options of a write.
@@ -231,9 +267,8 @@ pub(crate) struct Inner {
     uids: HashMap<String, ObjectKey>,
     dependents: HashMap<String, BTreeSet<ObjectKey>>,
     history: VecDeque<HistoryEntry>,
-    /// Per key with entries in the history: how many, and the object of its newest entry that
-    /// has left the history (the old version of its oldest remaining entry).
-    history_keys: HashMap<ObjectKey, (usize, Option<Box<[u8]>>)>,
+    /// Per key with entries in the history: how many, and its base.
+    history_keys: HashMap<ObjectKey, KeyHistory>,
     history_cap: usize,
     history_floor: u64,
     tx: broadcast::Sender<Arc<StoreEvent>>,
@@ -472,7 +507,7 @@ impl Store {
         &self,
         gr: &GroupResource,
         rv: Option<u64>,
-    ) -> Result<(Vec<Arc<StoreEvent>>, broadcast::Receiver<Arc<StoreEvent>>, u64), ApiError> {
+    ) -> Result<(Vec<Backlogged>, broadcast::Receiver<Arc<StoreEvent>>, u64), ApiError> {
         let inner = self.lock();
         inner.info(gr)?;
         let rx = inner.tx.subscribe();
@@ -483,13 +518,13 @@ impl Store {
                 .into_iter()
                 .flat_map(|b| b.iter())
                 .map(|((ns, name), obj)| {
-                    Arc::new(StoreEvent {
+                    Backlogged(Backlog::Current(Arc::new(StoreEvent {
                         rv: inner.rv,
                         event_type: EventType::Added,
                         key: ObjectKey { gr: gr.clone(), namespace: ns.clone(), name: name.clone() },
                         object: obj.clone(),
                         old: None,
-                    })
+                    })))
                 })
                 .collect(),
             Some(rv) => {
@@ -565,8 +600,8 @@ impl Inner {
 
     /// The history's changes of `gr` after `rv`, as events. Walks the whole history of `gr`
     /// from its start, because an entry's old version may be the object of an earlier entry.
-    fn replay(&self, gr: &GroupResource, rv: u64) -> Vec<Arc<StoreEvent>> {
-        let mut latest: HashMap<&ObjectKey, &[u8]> = HashMap::new();
+    fn replay(&self, gr: &GroupResource, rv: u64) -> Vec<Backlogged> {
+        let mut latest: HashMap<&ObjectKey, &Arc<[u8]>> = HashMap::new();
         let mut out = Vec::new();
         for e in self.history.iter().filter(|e| e.key.gr == *gr) {
             if e.rv > rv {
@@ -575,15 +610,15 @@ impl Inner {
                     OldVersion::Previous => latest
                         .get(&e.key)
                         .copied()
-                        .or_else(|| self.history_keys.get(&e.key).and_then(|k| k.1.as_deref()))
-                        .map(json_value),
-                    OldVersion::Bytes(b) => Some(json_value(b)),
+                        .or_else(|| self.history_keys.get(&e.key).and_then(|k| k.base.as_ref()))
+                        .cloned(),
+                    OldVersion::Bytes(b) => Some(b.clone()),
                 };
-                out.push(Arc::new(StoreEvent {
+                out.push(Backlogged(Backlog::Past {
                     rv: e.rv,
                     event_type: e.event_type,
                     key: e.key.clone(),
-                    object: json_value(&e.object),
+                    object: e.object.clone(),
                     old,
                 }));
             }
@@ -599,10 +634,10 @@ impl Inner {
             None => OldVersion::None,
             // The stored object a change replaces is the object of that key's previous change,
             // or, once that has left the history, the base kept for the key.
-            Some(_) if keyed.0 > 0 => OldVersion::Previous,
+            Some(_) if keyed.entries > 0 => OldVersion::Previous,
             Some(o) => OldVersion::Bytes(json_bytes(o)),
         };
-        keyed.0 += 1;
+        keyed.entries += 1;
         self.history.push_back(HistoryEntry {
             rv: ev.rv,
             event_type: ev.event_type,
@@ -614,11 +649,11 @@ impl Inner {
             let Some(e) = self.history.pop_front() else { break };
             self.history_floor = e.rv;
             if let Some(keyed) = self.history_keys.get_mut(&e.key) {
-                keyed.0 = keyed.0.saturating_sub(1);
-                if keyed.0 == 0 {
+                keyed.entries = keyed.entries.saturating_sub(1);
+                if keyed.entries == 0 {
                     self.history_keys.remove(&e.key);
                 } else {
-                    keyed.1 = Some(e.object);
+                    keyed.base = Some(e.object);
                 }
             }
         }
@@ -1662,6 +1697,7 @@ mod tests {
         let last = *rvs.last().unwrap();
         let (events, _rx, now) = store.watch_from(&gr, Some(last - 4)).unwrap();
         assert_eq!(now, last);
+        let events: Vec<Arc<StoreEvent>> = events.iter().map(Backlogged::event).collect();
         let seen: Vec<(String, Option<String>)> = events
             .iter()
             .map(|e| {
@@ -1681,6 +1717,7 @@ mod tests {
         store.delete(&gr, "default", "b", &DeleteOptions::default()).unwrap();
         store.create(&gr, "default", cm("b", "9"), &w).unwrap();
         let (events, _rx, _) = store.watch_from(&gr, Some(last)).unwrap();
+        let events: Vec<Arc<StoreEvent>> = events.iter().map(Backlogged::event).collect();
         let kinds: Vec<(EventType, bool)> = events.iter().map(|e| (e.event_type, e.old.is_some())).collect();
         assert_eq!(kinds, [(EventType::Deleted, true), (EventType::Added, false)]);
         assert_eq!(events[0].old.as_ref().unwrap()["data"]["v"], "1", "the deletion replaced b=1");

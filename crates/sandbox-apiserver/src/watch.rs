@@ -13,7 +13,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use super::http::{Query, Shared, Target, as_version, error_response, list_options};
 use super::kinds::ResourceInfo;
-use super::store::{EventType, ListOptions, StoreEvent};
+use super::store::{Backlogged, EventType, ListOptions, StoreEvent};
 use super::table;
 
 fn line(ty: &str, object: &Value) -> Bytes {
@@ -99,11 +99,11 @@ pub(crate) fn serve(
             }
         };
         let mut last_rv = start_rv;
-        for ev in &backlog {
+        for ev in backlog.iter().map(Backlogged::event) {
             let ty = if rv.is_none() || send_initial {
                 filter.matches(&ev.key.namespace, &ev.object).then_some("ADDED")
             } else {
-                filter.translate(ev)
+                filter.translate(&ev)
             };
             if let Some(ty) = ty {
                 yield Ok(line(ty, &render(&ev.object)));
