@@ -16,8 +16,6 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use aws_config::{BehaviorVersion, Region};
-use aws_credential_types::Credentials;
 use clap::Parser;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use karpenter_teardown::k8s::{self, Kube};
@@ -26,6 +24,7 @@ use kube::api::{Api, DynamicObject, ListParams};
 use sandbox_apiserver::{ApiServer, ServerOptions};
 use sandbox_sim::cloud::Cloud;
 use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
+use sandbox_sim::localstack;
 use sandbox_sim::{SimController, SimSettings, World, WorldSpec, generate};
 use serde_json::Value;
 
@@ -211,15 +210,6 @@ fn fresh_account() -> String {
     format!("{:012}", (nanos / 1000) % 1_000_000_000_000)
 }
 
-async fn localstack_config(account: &str) -> aws_config::SdkConfig {
-    aws_config::defaults(BehaviorVersion::latest())
-        .region(Region::new(REGION))
-        .endpoint_url(LOCALSTACK)
-        .credentials_provider(Credentials::new(account, "test", None, None, "bench"))
-        .load()
-        .await
-}
-
 /// Workloads per namespace: large clusters spread their workloads over many namespaces.
 const WORKLOADS_PER_NAMESPACE: usize = 25;
 
@@ -259,7 +249,7 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
     let account = fresh_account();
     let s = spec(args, size);
     let t = Instant::now();
-    let world = generate(&s, &client, &Cloud::from_config(&localstack_config(&account).await)).await?;
+    let world = generate(&s, &client, &Cloud::from_config(&localstack::config_as(REGION, &account).await)).await?;
     let generate_s = t.elapsed().as_secs_f64();
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig, &world.cluster)?;
@@ -267,7 +257,7 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
 
     // The simulated Karpenter gets its own clients so its requests can be told apart.
     let sim_kube = Kube::from_config(server.kube_config(), None)?;
-    let sim_aws = Cloud::from_config(&localstack_config(&account).await);
+    let sim_aws = Cloud::from_config(&localstack::config_as(REGION, &account).await);
     let sim = SimController::start(
         sim_kube.client.clone(),
         sim_aws.clone(),

@@ -124,8 +124,8 @@ pub fn missing_instance_profile_tags(
     missing
 }
 
-/// The tags Karpenter puts on an instance profile it creates for `class` (the sandbox plays
-/// Karpenter with these; the tool requires them, see [`missing_instance_profile_tags`]).
+/// The tags Karpenter puts on an instance profile it creates for `class`, as the tool requires
+/// them ([`missing_instance_profile_tags`]); the tests plant look-alike profiles with them.
 pub fn instance_profile_tags(cluster: &str, region: &str, class: &str) -> std::collections::BTreeMap<String, String> {
     std::collections::BTreeMap::from([
         (cluster_tag_key(cluster), "owned".to_string()),

@@ -132,7 +132,7 @@ async fn verification_finds_leftovers_and_reclaim_removes_only_the_clusters() {
     // the other cluster's template and profile are still there
     assert_eq!(aws.ec2.launch_templates(&other).await.unwrap().len(), 1);
     assert_eq!(aws.iam.cluster_instance_profiles(REGION, &other).await.unwrap().len(), 1);
-    assert!(inst[0].live);
+    assert!(inst[0].is_live());
     aws.ec2.delete_launch_template(&other_lt).await.unwrap();
 }
 

@@ -31,12 +31,7 @@ pub fn require_localstack() {
 /// SDK clients pointed at LocalStack with its dummy credentials.
 pub async fn localstack(region: &str) -> AwsClients {
     require_localstack();
-    let config = aws_config::defaults(BehaviorVersion::latest())
-        .region(Region::new(region.to_string()))
-        .endpoint_url(LOCALSTACK)
-        .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
-        .load()
-        .await;
+    let config = sandbox_sim::localstack::config_as(region, "test").await;
     AwsClients::from_config(&config).await.expect("LocalStack clients")
 }
 

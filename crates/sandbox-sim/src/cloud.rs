@@ -57,18 +57,20 @@ pub struct SimInstance {
     pub id: String,
     /// EC2's state name (`running`, `shutting-down`, `terminated`, …).
     pub state: String,
-    /// Anything but `terminated` (an unknown state counts as live).
-    pub live: bool,
     /// Tags.
     pub tags: BTreeMap<String, String>,
 }
 
 impl SimInstance {
+    /// Anything but `terminated` (an unknown state counts as live).
+    pub fn is_live(&self) -> bool {
+        self.state != InstanceStateName::Terminated.as_str()
+    }
+
     fn from_sdk(i: &Instance) -> SimInstance {
         SimInstance {
             id: i.instance_id().unwrap_or_default().to_string(),
             state: i.state().and_then(|s| s.name()).map(|n| n.as_str().to_string()).unwrap_or_default(),
-            live: i.state().and_then(|s| s.name()) != Some(&InstanceStateName::Terminated),
             tags: i
                 .tags()
                 .iter()

@@ -796,7 +796,7 @@ async fn terminate_instance(ctx: &Ctx, provider_id: &str) -> Result<bool, SimErr
         return Ok(true);
     };
     let ids = vec![pid.instance_id.clone()];
-    let live = |infos: &[SimInstance]| infos.iter().any(|i| i.live);
+    let live = |infos: &[SimInstance]| infos.iter().any(SimInstance::is_live);
     let found = ctx.aws.instances_by_id(&ids).await.map_err(SimError::aws("describing an instance"))?;
     if !live(&found) {
         return Ok(true);
