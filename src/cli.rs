@@ -63,6 +63,12 @@ pub enum Command {
     /// Prove through EC2 (and IAM) that nothing of the cluster's Karpenter is left.
     #[command(after_long_help = EXIT_CODES_HELP)]
     Verify(VerifyArgs),
+    /// Predict a teardown: read the live cluster (read-only), play the plan on a copy of it in
+    /// the sandbox with the clock accelerated, and report the predicted outcome, exit code,
+    /// blockers and wall time. Changes nothing anywhere; exits with the predicted exit code.
+    #[cfg(feature = "sandbox")]
+    #[command(after_long_help = REHEARSE_HELP)]
+    Rehearse(RehearseArgs),
     /// A simulated Karpenter cluster on this machine, for trying the tool and for tests.
     #[cfg(feature = "sandbox")]
     #[command(subcommand)]
@@ -86,6 +92,92 @@ Examples:
 Looked at: kubernetes_node_taint, kubernetes_labels / kubernetes_annotations of kind Node,
 kubernetes_manifest / kubectl_manifest of NodePool, NodeClaim, EC2NodeClass. An object counts as
 gone only when the API server answers 404; any other error stops the command.";
+
+#[cfg(feature = "sandbox")]
+const REHEARSE_HELP: &str = "\
+Examples:
+  # What would a teardown of prod-eu do, and how long would it take?
+  karpenter-teardown rehearse --cluster prod-eu --region eu-west-1 --report rehearsal.json
+  # Keep the snapshot, rehearse it again later (no cluster needed) or explore it with kubectl:
+  karpenter-teardown rehearse --cluster prod-eu --region eu-west-1 --snapshot-out prod-eu.snapshot.json
+  karpenter-teardown rehearse --from-snapshot prod-eu.snapshot.json --on-drain-deadline delete
+  karpenter-teardown sandbox up --from-snapshot prod-eu.snapshot.json --kubeconfig-out copy.kubeconfig
+
+Reads only (deploy/rbac-rehearse.yaml, deploy/iam-policy-rehearse.json). Needs a LocalStack on
+this machine for the copy's AWS side (--localstack, default http://localhost:4566); the copy's
+credentials are fake, so nothing it does can reach AWS. Exit code: the one predicted for the real
+run (0 clean, 3 refused, 4 leftovers, 5 blocked, 1 failed); 2 when the rehearsal itself cannot
+start (bad flags, unreadable snapshot, no LocalStack, unreachable cluster).";
+
+/// `rehearse`.
+#[cfg(feature = "sandbox")]
+#[derive(Debug, Args)]
+pub struct RehearseArgs {
+    /// Cluster name (with --from-snapshot: taken from the snapshot when not given).
+    #[arg(long, env = "KARPENTER_TEARDOWN_CLUSTER", required_unless_present = "from_snapshot")]
+    pub cluster: Option<String>,
+
+    /// AWS region (falls back to AWS_REGION / AWS_DEFAULT_REGION; with --from-snapshot: the snapshot's).
+    #[arg(long, env = "KARPENTER_TEARDOWN_REGION")]
+    pub region: Option<String>,
+
+    /// Write the JSON report (`command: "rehearse"`, with the prediction) to this file.
+    #[arg(long, env = "KARPENTER_TEARDOWN_REPORT", value_name = "FILE")]
+    pub report: Option<PathBuf>,
+
+    /// Write the snapshot of the live cluster (versioned JSON) to this file.
+    #[arg(long, value_name = "FILE", conflicts_with = "from_snapshot")]
+    pub snapshot_out: Option<PathBuf>,
+
+    /// Rehearse a snapshot written earlier instead of reading the live cluster.
+    #[arg(long, value_name = "FILE")]
+    pub from_snapshot: Option<PathBuf>,
+
+    /// Plan file (default: the built-in default plan; `delegate` names the built-in delegate plan).
+    #[arg(long, env = "KARPENTER_TEARDOWN_PLAN", value_name = "FILE")]
+    pub plan: Option<String>,
+
+    /// Kubeconfig file (default: KUBECONFIG, then ~/.kube/config).
+    #[arg(long, env = "KARPENTER_TEARDOWN_KUBECONFIG", value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Kubeconfig context (default: the current context).
+    #[arg(long, env = "KARPENTER_TEARDOWN_CONTEXT")]
+    pub context: Option<String>,
+
+    /// As for `run`: the drain deadline to rehearse (real clock).
+    #[arg(long, env = "KARPENTER_TEARDOWN_DRAIN_DEADLINE", value_name = "DURATION")]
+    pub drain_deadline: Option<String>,
+
+    /// As for `run`: the policy at the drain deadline to rehearse.
+    #[arg(long, env = "KARPENTER_TEARDOWN_ON_DRAIN_DEADLINE", value_enum)]
+    pub on_drain_deadline: Option<DrainPolicyArg>,
+
+    /// As for `run`.
+    #[arg(long, env = "KARPENTER_TEARDOWN_MAX_NODES", value_name = "N")]
+    pub max_nodes: Option<u32>,
+
+    /// As for `run`.
+    #[arg(long, env = "KARPENTER_TEARDOWN_PAUSE_GITOPS")]
+    pub pause_gitops: bool,
+
+    /// As for `run`.
+    #[arg(long, env = "KARPENTER_TEARDOWN_GITOPS_PAUSED_ELSEWHERE")]
+    pub gitops_paused_elsewhere: bool,
+
+    /// As for `run`.
+    #[arg(long, env = "KARPENTER_TEARDOWN_RECLAIM")]
+    pub reclaim: bool,
+
+    /// The copy's clock: grace periods, Karpenter's delays and the plan's deadlines are
+    /// multiplied by it (0.05: twenty times as fast). Between 0.001 and 1.
+    #[arg(long, default_value_t = 0.05, value_name = "FACTOR")]
+    pub time_scale: f64,
+
+    /// The LocalStack that holds the copy's AWS side (a private account of its own).
+    #[arg(long, env = "KARPENTER_TEARDOWN_LOCALSTACK", default_value = "http://localhost:4566", value_name = "URL")]
+    pub localstack: String,
+}
 
 /// `tf-prune`.
 #[derive(Debug, Args)]
@@ -294,6 +386,10 @@ pub struct SandboxUpArgs {
     /// HelmRelease, with their reconcilers running (`demo` then runs with --pause-gitops).
     #[arg(long)]
     pub gitops: bool,
+    /// Serve a copy of the cluster a snapshot holds (`rehearse --snapshot-out`) instead of a
+    /// generated one; --nodes, --pods-per-node, --karpenter and --gitops are then ignored.
+    #[arg(long, value_name = "FILE")]
+    pub from_snapshot: Option<PathBuf>,
 }
 
 /// `--karpenter`.

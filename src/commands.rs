@@ -74,6 +74,8 @@ impl CommandError {
 }
 
 #[cfg(feature = "sandbox")]
+mod rehearse;
+#[cfg(feature = "sandbox")]
 mod sandbox;
 
 /// Runs the parsed command line and returns the exit status.
@@ -84,6 +86,8 @@ pub async fn execute(cli: Cli) -> Exit {
         Command::Verify(args) => verify_command(&args).await,
         Command::Run(args) => run_command(&args).await,
         Command::Plan(args) => plan_command(&args),
+        #[cfg(feature = "sandbox")]
+        Command::Rehearse(args) => rehearse::rehearse_command(&args).await,
         #[cfg(feature = "sandbox")]
         Command::Sandbox(cmd) => sandbox::sandbox_command(cmd).await,
     }

@@ -17,6 +17,9 @@ pub mod karpenter;
 pub mod logging;
 pub mod plan;
 pub mod progress;
+#[cfg(feature = "sandbox")]
+pub mod rehearse;
 pub mod report;
+pub mod snapshot;
 pub mod tfprune;
 pub mod verify;

@@ -209,6 +209,10 @@ pub struct Report {
     /// The error, when the outcome is `failed` or `refused`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// `rehearse`: the snapshot it played and what it predicts for the real run.
+    #[cfg(feature = "sandbox")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rehearsal: Option<crate::rehearse::Rehearsal>,
 }
 
 impl Report {
@@ -237,6 +241,8 @@ impl Report {
                 api_calls: BTreeMap::new(),
                 gitops: Survey::default(),
                 error: None,
+                #[cfg(feature = "sandbox")]
+                rehearsal: None,
             },
             now,
         )

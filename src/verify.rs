@@ -180,6 +180,7 @@ mod tests {
             roles: Vec::new(),
             evidence: ProfileEvidence::ClusterPath,
             nodeclass: "default".into(),
+            tags: Default::default(),
         }
     }
 
@@ -188,7 +189,12 @@ mod tests {
     }
 
     fn template(id: &str) -> LaunchTemplateInfo {
-        LaunchTemplateInfo { id: id.into(), name: format!("karpenter.k8s.aws/{id}"), nodeclass: None }
+        LaunchTemplateInfo {
+            id: id.into(),
+            name: format!("karpenter.k8s.aws/{id}"),
+            nodeclass: None,
+            tags: Default::default(),
+        }
     }
 
     fn ids(left: &Leftovers) -> Vec<&str> {

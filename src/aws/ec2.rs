@@ -107,6 +107,9 @@ pub struct LaunchTemplateInfo {
     pub name: String,
     /// The EC2NodeClass it was made for, from its tag.
     pub nodeclass: Option<String>,
+    /// All its tags (what a rehearsal seeds its copy with; not part of the report).
+    #[serde(skip)]
+    pub tags: BTreeMap<String, String>,
 }
 
 /// A network interface or volume left behind, reported by verification.
@@ -325,12 +328,13 @@ impl Ec2 {
                         continue;
                     }
                     let id = lt.launch_template_id().unwrap_or_default().to_string();
-                    let nodeclass = lt
+                    let tags: BTreeMap<String, String> = lt
                         .tags()
                         .iter()
-                        .find(|t| t.key() == Some(karpenter::TAG_NODECLASS))
-                        .and_then(|t| t.value().map(str::to_string));
-                    out.insert(id.clone(), LaunchTemplateInfo { id, name: name.to_string(), nodeclass });
+                        .filter_map(|t| Some((t.key()?.to_string(), t.value().unwrap_or_default().to_string())))
+                        .collect();
+                    let nodeclass = tags.get(karpenter::TAG_NODECLASS).cloned();
+                    out.insert(id.clone(), LaunchTemplateInfo { id, name: name.to_string(), nodeclass, tags });
                 }
             }
         }

@@ -21,6 +21,9 @@ pub struct InstanceProfileInfo {
     pub evidence: karpenter::ProfileEvidence,
     /// The EC2NodeClass its `karpenter.k8s.aws/ec2nodeclass` tag names.
     pub nodeclass: String,
+    /// All its tags (what a rehearsal seeds its copy with; not part of the report).
+    #[serde(skip)]
+    pub tags: BTreeMap<String, String>,
 }
 
 /// The IAM client.
@@ -83,6 +86,7 @@ impl Iam {
                         roles: p.roles().iter().map(|r| r.role_name().to_string()).collect(),
                         evidence,
                         nodeclass: String::new(),
+                        tags: BTreeMap::new(),
                     });
                 }
             }
@@ -103,6 +107,7 @@ impl Iam {
                 continue;
             }
             profile.nodeclass = tags.get(karpenter::TAG_NODECLASS).cloned().unwrap_or_default();
+            profile.tags = tags;
             out.push(profile);
         }
         Ok(out)

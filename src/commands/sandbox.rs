@@ -36,6 +36,13 @@ pub(super) async fn sandbox_command(cmd: SandboxCommand) -> Exit {
             server.shutdown().await;
             Exit::Clean
         }
+        SandboxCommand::Up(args) if args.from_snapshot.is_some() => sandbox_up_from_snapshot(&args).await,
+        SandboxCommand::Demo(args) if args.from_snapshot.is_some() => {
+            eprintln!(
+                "error: sandbox demo generates its own cluster; to play a teardown on a snapshot use `karpenter-teardown rehearse --from-snapshot FILE`, to explore one `sandbox up --from-snapshot FILE`"
+            );
+            Exit::BadInput
+        }
         SandboxCommand::Up(args) => sandbox_up(&args, false).await,
         SandboxCommand::Demo(args) => sandbox_up(&args, true).await,
     }
@@ -140,6 +147,65 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
         let _ = std::fs::remove_file(&kubeconfig);
     }
     exit
+}
+
+/// `sandbox up --from-snapshot`: serves a copy of the snapshot's cluster (the one `rehearse`
+/// plays on) for kubectl, with the simulated Karpenter at the snapshot's release and liveness and
+/// the AWS side in a private LocalStack account.
+async fn sandbox_up_from_snapshot(args: &crate::cli::SandboxUpArgs) -> Exit {
+    use crate::rehearse::load::{LoadOptions, load};
+    let Some(path) = &args.from_snapshot else { return Exit::BadInput };
+    let snap = match crate::snapshot::Snapshot::load(path) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Exit::BadInput;
+        }
+    };
+    let opts = LoadOptions { time_scale: args.time_scale, localstack: localstack::endpoint(), port: args.port };
+    let copy = match load(&snap, &opts).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return if matches!(e, crate::rehearse::RehearseError::LocalStack { .. }) {
+                Exit::BadInput
+            } else {
+                Exit::Failure
+            };
+        }
+    };
+    let tmp = std::env::temp_dir().join(format!("karpenter-teardown-copy-{}.kubeconfig", std::process::id()));
+    let kubeconfig = args.kubeconfig_out.clone().unwrap_or(tmp);
+    if let Err(e) = copy.server.write_kubeconfig(&kubeconfig, &snap.cluster) {
+        copy.shutdown().await;
+        return fail(&e.into());
+    }
+    println!(
+        "sandbox: a copy of {} ({} objects, {} instances in LocalStack account {}; Karpenter {} simulated, controller {})",
+        snap.cluster,
+        copy.objects,
+        copy.instances.len(),
+        copy.account,
+        copy.version.as_str(),
+        if copy.sim.is_active() { "live" } else { "not running" }
+    );
+    println!(
+        "sandbox: API server {} ; kubeconfig {} (context {})",
+        copy.server.url(),
+        kubeconfig.display(),
+        snap.cluster
+    );
+    println!("sandbox: serving until interrupted (Ctrl-C)");
+    let _ = std::io::stdout().flush();
+    let stop = CancellationToken::new();
+    let signals = watch_signals(stop.clone());
+    stop.cancelled().await;
+    signals.abort();
+    copy.shutdown().await;
+    if args.kubeconfig_out.is_none() {
+        let _ = std::fs::remove_file(&kubeconfig);
+    }
+    Exit::Clean
 }
 
 /// Runs this very binary against the sandbox, as a user would, and shows what is left.

@@ -172,6 +172,20 @@ impl Plan {
         self.steps.iter().find(|s| s.id == id)
     }
 
+    /// The same plan with every step's deadline multiplied by `factor`: a rehearsal runs on a
+    /// clock `factor` times as fast as the real one, and a deadline must pass at the same point
+    /// of the work as it would for real. Verification's settle is a real pause (EC2's eventual
+    /// consistency) and stays as it is.
+    pub fn with_deadlines_scaled(&self, factor: f64) -> Plan {
+        let mut plan = self.clone();
+        for step in &mut plan.steps {
+            if let Some(d) = step.params.deadline {
+                step.params.deadline = Some(d.mul_f64(factor).max(std::time::Duration::from_millis(1)));
+            }
+        }
+        plan
+    }
+
     /// The steps in an order that respects every `after`, keeping file order where the
     /// dependencies leave a choice.
     pub fn ordered_steps(&self) -> impl Iterator<Item = &Step> + '_ {

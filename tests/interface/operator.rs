@@ -179,6 +179,7 @@ fn a_report_with_every_kind_of_leftover_matches_the_schema() {
         id: "lt-1".into(),
         name: "karpenter.k8s.aws/1".into(),
         nodeclass: Some("default".into()),
+        tags: Default::default(),
     }];
     report.leftovers.instance_profiles = vec![InstanceProfileInfo {
         name: "c_123".into(),
@@ -186,6 +187,7 @@ fn a_report_with_every_kind_of_leftover_matches_the_schema() {
         roles: vec!["KarpenterNodeRole-c".into()],
         evidence: ProfileEvidence::LegacyName,
         nodeclass: "default".into(),
+        tags: Default::default(),
     }];
     report.leftovers.network_interfaces = vec![DetachedResource { id: "eni-1".into(), status: "available".into() }];
     report.leftovers.objects = vec!["NodeClaim/x".into()];

@@ -110,6 +110,7 @@ pub struct ApiServer {
     shared: Arc<http::Shared>,
     tasks: JoinSet<()>,
     port: u16,
+    control_plane: bool,
 }
 
 impl std::fmt::Debug for ApiServer {
@@ -148,15 +149,28 @@ impl ApiServer {
                 tracing::warn!(error = %e, "sandbox API server stopped");
             }
         });
+        let mut server = ApiServer { shared, tasks, port, control_plane: false };
         if opts.control_plane {
-            let store = shared.store.clone();
-            let cancel = shared.cancel.clone();
-            let scale = opts.time_scale;
-            tasks.spawn(async move {
-                controlplane::run(store, scale, cancel).await;
-            });
+            server.start_control_plane();
         }
-        Ok(ApiServer { shared, tasks, port })
+        Ok(server)
+    }
+
+    /// Starts the simulated control plane of a server started without it
+    /// (`ServerOptions::control_plane: false`): a loader fills the store first, and the
+    /// controllers then find every workload with its pods already there. Does nothing when the
+    /// control plane already runs.
+    pub fn start_control_plane(&mut self) {
+        if self.control_plane {
+            return;
+        }
+        self.control_plane = true;
+        let store = self.shared.store.clone();
+        let cancel = self.shared.cancel.clone();
+        let scale = self.shared.time_scale;
+        self.tasks.spawn(async move {
+            controlplane::run(store, scale, cancel).await;
+        });
     }
 
     /// `http://127.0.0.1:PORT`.

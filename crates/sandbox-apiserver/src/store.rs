@@ -444,6 +444,44 @@ impl Store {
         Ok(out)
     }
 
+    /// Creates an object copied from another cluster, as that cluster holds it: a new uid and
+    /// resourceVersion like any create, but its `status`, `managedFields` and (for objects other
+    /// than pods) `deletionTimestamp` are kept instead of being reset, so that what reads them
+    /// (field managers, an object stuck terminating on a finalizer) sees what the other cluster
+    /// showed; and the apiVersion it was given, as the version it is stored at. A CRD's status
+    /// is the server's own. Only a loader uses this; no request can.
+    pub fn restore(&self, gr: &GroupResource, ns: &str, obj: Value) -> Result<Value, ApiError> {
+        let managed = obj["metadata"]["managedFields"].clone();
+        let deleting = obj["metadata"]["deletionTimestamp"].clone();
+        let api_version = obj["apiVersion"].clone();
+        let status = obj["status"].clone();
+        let mut inner = self.lock();
+        let created = inner.create(gr, ns, obj, &WriteOptions::manager("restore"))?;
+        let name = created["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        let ns = created["metadata"]["namespace"].as_str().unwrap_or_default().to_string();
+        let old = inner.find(gr, &ns, &name).cloned();
+        let mut restored = created;
+        if managed.is_array() {
+            restored["metadata"]["managedFields"] = managed;
+        }
+        let is_pod = gr.group.is_empty() && gr.resource == "pods";
+        if deleting.is_string() && !is_pod {
+            restored["metadata"]["deletionTimestamp"] = deleting;
+        }
+        if !status.is_null() && *gr != crd_gr() {
+            restored["status"] = status;
+        }
+        // the version it is stored at: a Karpenter 1.0.x object written at v1beta1 stays so, and
+        // reading it needs the conversion webhook
+        if let Some(v) = api_version.as_str().filter(|v| !v.is_empty()) {
+            restored["apiVersion"] = json!(v);
+        }
+        let key = ObjectKey { gr: gr.clone(), namespace: ns, name };
+        let out = inner.commit(key, restored, old);
+        inner.run_work();
+        Ok(out)
+    }
+
     /// Replaces an object (`subresource` `""` or `"status"`).
     pub fn update(
         &self,

@@ -41,9 +41,15 @@ pub fn child_env(region: &str) -> Vec<(&'static str, String)> {
 /// The SDK configuration for LocalStack in `region` as the account `access_key` names (LocalStack
 /// takes a 12-digit access key as the account id; "test" is its default account).
 pub async fn config_as(region: &str, access_key: &str) -> aws_config::SdkConfig {
+    config_at(&endpoint(), region, access_key).await
+}
+
+/// [`config_as`] for the LocalStack at `endpoint`, whatever `AWS_ENDPOINT_URL` says (a rehearsal
+/// keeps its own LocalStack apart from the AWS the user's environment points at).
+pub async fn config_at(endpoint: &str, region: &str, access_key: &str) -> aws_config::SdkConfig {
     aws_config::defaults(BehaviorVersion::latest())
         .region(Region::new(region.to_string()))
-        .endpoint_url(endpoint())
+        .endpoint_url(endpoint)
         .credentials_provider(Credentials::new(access_key, "test", None, None, "sandbox"))
         .load()
         .await

@@ -1,0 +1,226 @@
+//! `rehearse`: snapshot the live cluster (read-only), play the plan on a copy of it, report the
+//! prediction. Built only with the `sandbox` feature, whose API server and simulated Karpenter
+//! hold the copy.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{fail, load_plan, watch_signals};
+use crate::aws::AwsClients;
+use crate::cli::RehearseArgs;
+use crate::config::{KubeTarget, PlanSource, Target, parse_duration};
+use crate::engine::context::DrainOverrides;
+use crate::exit::Exit;
+use crate::gitops::GitopsConsent;
+use crate::k8s::Kube;
+use crate::rehearse::{Prediction, Rehearsal, RehearsalSettings, RehearseError};
+use crate::report::Report;
+use crate::snapshot::{Snapshot, SnapshotError};
+
+/// Runs `rehearse`.
+pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
+    let (plan_source, drain, localstack) = match validate(args) {
+        Ok(v) => v,
+        Err(msg) => {
+            eprintln!("error: {msg}");
+            return Exit::BadInput;
+        }
+    };
+    let plan = match load_plan(&plan_source) {
+        Ok(p) => p,
+        Err(e) => return fail(&e.into()),
+    };
+    let snap = match snapshot(args).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
+        }
+    };
+    let (mut report, started) = Report::start("rehearse", &snap.cluster, &snap.region, plan.name());
+    if let Some(path) = &args.snapshot_out {
+        if let Err(e) = snap.write(path) {
+            eprintln!("error: {e}");
+            return Exit::Failure;
+        }
+        println!("rehearse: snapshot written to {}", path.display());
+    }
+    let summary = snap.summary();
+    println!(
+        "rehearse: snapshot of {} ({}): {} nodes ({} Karpenter's), {} pods, {} PDBs, {} instances; Karpenter {} with {} ready controller replica(s); read in {:.1}s",
+        snap.cluster,
+        snap.region,
+        summary.nodes,
+        summary.karpenter_nodes,
+        summary.pods,
+        summary.pdbs,
+        summary.instances,
+        summary.karpenter_version.as_deref().unwrap_or("(version unknown)"),
+        summary.controller_ready_replicas,
+        summary.seconds
+    );
+    println!("rehearse: playing plan {} on a copy, clock {}x faster...", plan.name(), (1.0 / args.time_scale).round());
+    let settings = RehearsalSettings {
+        plan,
+        drain,
+        max_nodes: args.max_nodes,
+        reclaim: args.reclaim,
+        gitops: GitopsConsent { pause: args.pause_gitops, paused_elsewhere: args.gitops_paused_elsewhere },
+        time_scale: args.time_scale,
+        localstack,
+    };
+    let cancel = CancellationToken::new();
+    let signals = watch_signals(cancel.clone());
+    let played = crate::rehearse::rehearse(&snap, &settings, cancel.clone()).await;
+    signals.abort();
+    let exit = match played {
+        Ok(prediction) => {
+            println!("{}", render(&prediction));
+            let exit = if cancel.is_cancelled() { Exit::Interrupted } else { prediction.exit() };
+            report.rehearsal = Some(Rehearsal { snapshot: summary, prediction: Some(prediction) });
+            exit
+        }
+        Err(e) => {
+            report.error = Some(e.to_string());
+            report.rehearsal = Some(Rehearsal { snapshot: summary, prediction: None });
+            eprintln!("error: {e}");
+            match e {
+                RehearseError::LocalStack { .. } => Exit::BadInput,
+                _ => Exit::Failure,
+            }
+        }
+    };
+    report.finish(started, exit, false);
+    let target = Target {
+        cluster: snap.cluster.clone(),
+        region: snap.region.clone(),
+        account: None,
+        report: args.report.clone(),
+        reclaim: args.reclaim,
+    };
+    super::finish_report(&target, &report, exit)
+}
+
+fn validate(args: &RehearseArgs) -> Result<(PlanSource, DrainOverrides, String), String> {
+    if !(0.001..=1.0).contains(&args.time_scale) {
+        return Err(format!(
+            "--time-scale {} is out of range: give a factor between 0.001 and 1 (0.05 is twenty times as fast)",
+            args.time_scale
+        ));
+    }
+    let url = args.localstack.trim_end_matches('/').to_string();
+    let host = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+        .map(|h| h.split(['/', ':']).next().unwrap_or(""));
+    match host {
+        None | Some("") => {
+            return Err(format!(
+                "--localstack {url:?} is not an http(s) URL: pass LocalStack's endpoint, e.g. http://localhost:4566"
+            ));
+        }
+        // the copy's AWS side must never be AWS itself (its credentials are fake too, so AWS would
+        // refuse every call, but a clear refusal here is better)
+        Some(h) if h.ends_with("amazonaws.com") || h.ends_with("amazonaws.com.cn") => {
+            return Err(format!(
+                "--localstack {url} is an AWS endpoint: the rehearsal's copy lives in a LocalStack, never in AWS"
+            ));
+        }
+        Some(_) => {}
+    }
+    if args.max_nodes == Some(0) {
+        return Err("--max-nodes 0 would refuse every run: give at least 1, or leave it out".into());
+    }
+    let deadline = args
+        .drain_deadline
+        .as_deref()
+        .map(|d| parse_duration("drain-deadline", d))
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    Ok((
+        PlanSource::from_arg(args.plan.as_deref()),
+        DrainOverrides { deadline, policy: args.on_drain_deadline.map(Into::into) },
+        url,
+    ))
+}
+
+/// The snapshot: from a file, or read from the live cluster (lists and describes only).
+async fn snapshot(args: &RehearseArgs) -> Result<Snapshot, SnapshotError> {
+    if let Some(path) = &args.from_snapshot {
+        let snap = Snapshot::load(path)?;
+        if let Some(c) = &args.cluster
+            && *c != snap.cluster
+        {
+            return Err(SnapshotError::Format {
+                path: path.display().to_string(),
+                detail: format!("it is a snapshot of cluster {}, not {c}", snap.cluster),
+            });
+        }
+        return Ok(snap);
+    }
+    let target_args = crate::cli::TargetArgs {
+        cluster: args.cluster.clone().unwrap_or_default(),
+        region: args.region.clone(),
+        account: None,
+        report: None,
+        reclaim: false,
+    };
+    let target = Target::from_args(&target_args)
+        .map_err(|e| SnapshotError::Read { path: "the command line".into(), detail: e.to_string() })?;
+    let kube =
+        Kube::connect(&KubeTarget { kubeconfig: args.kubeconfig.clone(), context: args.context.clone() }).await?;
+    let aws = AwsClients::connect(&target.region).await?;
+    Snapshot::take(&kube, &aws, &target.cluster, &target.region).await
+}
+
+/// The prediction for a terminal.
+fn render(p: &Prediction) -> String {
+    let mut s = String::new();
+    let outcome = serde_json::to_value(p.outcome).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+    let _ = writeln!(
+        s,
+        "rehearse: predicted outcome {outcome} (exit {}) in about {} on the real clock (the rehearsal took {:.1}s, its copy {:.1}s to build)",
+        p.exit_code,
+        humantime::format_duration(Duration::from_secs(p.timing.predicted_seconds.round() as u64)),
+        p.timing.rehearsal_seconds,
+        p.copy.load_seconds
+    );
+    if let Some(e) = &p.error {
+        let _ = writeln!(s, "  error it will end with: {e}");
+    }
+    for b in &p.blockers {
+        let _ = write!(s, "  blocker: {} {}: {}", b.kind, b.name, b.reason);
+        if let Some(a) = &b.budget {
+            let _ = write!(
+                s,
+                " [{} pods, {} healthy, {} required healthy, {} disruption(s) allowed]",
+                a.expected_pods, a.current_healthy, a.desired_healthy, a.disruptions_allowed
+            );
+        }
+        s.push('\n');
+    }
+    let _ = writeln!(s, "  time by step (predicted, share, basis):");
+    for st in &p.timing.steps {
+        let _ = writeln!(
+            s,
+            "    {:<22} {:>8.1}s {:>5.1}%  {} ({} task(s), {})",
+            st.step,
+            st.predicted_seconds,
+            st.share * 100.0,
+            st.basis,
+            st.tasks,
+            st.result
+        );
+    }
+    let total: u64 = p.requests.values().sum();
+    let _ = writeln!(
+        s,
+        "  requests it expects to make: {total} ({})",
+        p.requests.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", ")
+    );
+    let _ = writeln!(s, "  verification: {}", if p.clean { "clean" } else { "leftovers" });
+    let _ = write!(s, "  the plan, as it would run:\n{}", p.plan.trim_end());
+    s
+}

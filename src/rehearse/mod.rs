@@ -1,0 +1,300 @@
+//! `rehearse`: the teardown played on a copy of the live cluster before it is played for real.
+//!
+//! A [`Snapshot`] (read-only) is loaded into the sandbox ([`load`]), the chosen plan runs against
+//! the copy with the sandbox clock accelerated, and what happened becomes a [`Prediction`]: the
+//! outcome and exit code, the blockers with their arithmetic, the wall time on the real clock
+//! ([`predict`]), the requests, and the concrete plan. Nothing real is written: the copy is an
+//! in-process API server and a private LocalStack account.
+
+pub mod load;
+pub mod predict;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::aws::{AwsClients, AwsError};
+use crate::engine::context::DrainOverrides;
+use crate::engine::events::Events;
+use crate::engine::{self, RunSettings};
+use crate::exit::Exit;
+use crate::gitops::GitopsConsent;
+use crate::k8s::{Kube, KubeError};
+use crate::plan::Plan;
+use crate::report::{BlockerKind, Outcome};
+use crate::snapshot::Snapshot;
+
+pub use predict::{StepPrediction, Timing};
+
+/// Why a rehearsal could not be played (a prediction of a failed teardown is not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum RehearseError {
+    /// The LocalStack that holds the copy's AWS side does not answer.
+    #[error(
+        "the rehearsal needs a LocalStack for its copy of the cluster's AWS side, and {endpoint} does not answer ({detail}); \
+         start one (`localstack/up` in this repository, or `localstack start`) or pass --localstack URL"
+    )]
+    LocalStack {
+        /// The endpoint asked.
+        endpoint: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// The copy could not be built.
+    #[error("cannot load {what} into the rehearsal's copy: {detail}")]
+    Load {
+        /// What was being loaded.
+        what: String,
+        /// Why not.
+        detail: String,
+    },
+    /// The sandbox API server could not start.
+    #[error(transparent)]
+    Sandbox(#[from] sandbox_apiserver::SandboxError),
+    /// The teardown's clients for the copy could not be built.
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+    /// The teardown's AWS clients for the copy could not be built.
+    #[error(transparent)]
+    Aws(#[from] AwsError),
+}
+
+/// How to rehearse.
+#[derive(Debug, Clone)]
+pub struct RehearsalSettings {
+    /// The plan, as the real run would use it.
+    pub plan: Plan,
+    /// `--drain-deadline` / `--on-drain-deadline`, on the real clock.
+    pub drain: DrainOverrides,
+    /// `--max-nodes`.
+    pub max_nodes: Option<u32>,
+    /// `--reclaim`.
+    pub reclaim: bool,
+    /// `--pause-gitops`, `--gitops-paused-elsewhere`.
+    pub gitops: GitopsConsent,
+    /// The copy's clock (0.05: twenty times as fast).
+    pub time_scale: f64,
+    /// The LocalStack that holds the copy's AWS side.
+    pub localstack: String,
+}
+
+/// A blocker the rehearsal met, named as the real run will name it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PredictedBlocker {
+    /// What kind of thing it is.
+    pub kind: BlockerKind,
+    /// `namespace/name` or name.
+    pub name: String,
+    /// Why it blocks.
+    pub reason: String,
+    /// For a PodDisruptionBudget: its arithmetic once the fenced capacity was gone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget: Option<BudgetArithmetic>,
+}
+
+/// A PodDisruptionBudget's status when the rehearsal's drain gave up.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct BudgetArithmetic {
+    /// Pods the budget covers.
+    pub expected_pods: i64,
+    /// Of them healthy.
+    pub current_healthy: i64,
+    /// Healthy pods the budget requires.
+    pub desired_healthy: i64,
+    /// Evictions it allows now (`current_healthy - desired_healthy`, at least 0).
+    pub disruptions_allowed: i64,
+}
+
+/// What the copy was.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CopyFacts {
+    /// The Karpenter release the simulation imitated.
+    pub karpenter: String,
+    /// Whether the simulated controller was live (its Deployment had a ready replica).
+    pub controller_live: bool,
+    /// Kubernetes objects loaded.
+    pub objects: usize,
+    /// Instances seeded in LocalStack.
+    pub instances: usize,
+    /// The copy's clock.
+    pub time_scale: f64,
+    /// Seconds spent building the copy.
+    pub load_seconds: f64,
+}
+
+/// What the rehearsal predicts for the real run.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Prediction {
+    /// The outcome the real run will have.
+    pub outcome: Outcome,
+    /// Its exit code.
+    pub exit_code: u8,
+    /// The error or refusal it will end with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// What will block it.
+    pub blockers: Vec<PredictedBlocker>,
+    /// Its wall time, in all and by step.
+    pub timing: Timing,
+    /// The requests it will make, by `service:verb` (as the run report counts them).
+    pub requests: BTreeMap<String, u64>,
+    /// Whether verification will find the cluster clean.
+    pub clean: bool,
+    /// The concrete plan, with object names.
+    pub plan: String,
+    /// What the copy was.
+    pub copy: CopyFacts,
+}
+
+/// The `rehearsal` section of a `rehearse` report.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Rehearsal {
+    /// The snapshot that was played.
+    pub snapshot: crate::snapshot::SnapshotSummary,
+    /// What it predicts (absent when the copy could not be played: see the report's `error`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<Prediction>,
+}
+
+/// Builds the copy, runs the plan on it and predicts.
+pub async fn rehearse(
+    snap: &Snapshot,
+    settings: &RehearsalSettings,
+    cancel: CancellationToken,
+) -> Result<Prediction, RehearseError> {
+    let scale = settings.time_scale;
+    let started = Instant::now();
+    let copy =
+        load::load(snap, &load::LoadOptions { time_scale: scale, localstack: settings.localstack.clone(), port: 0 })
+            .await?;
+    let load_seconds = started.elapsed().as_secs_f64();
+    let facts = CopyFacts {
+        karpenter: copy.version.as_str().to_string(),
+        controller_live: copy.sim.is_active(),
+        objects: copy.objects,
+        instances: copy.instances.len(),
+        time_scale: scale,
+        load_seconds,
+    };
+    let result = play(snap, settings, &copy, cancel).await;
+    let prediction = match result {
+        Ok((run, requests, run_seconds)) => {
+            let blockers = blockers_of(&copy, &run.blockers);
+            let drain_deadline = settings
+                .drain
+                .deadline
+                .or_else(|| {
+                    settings
+                        .plan
+                        .steps()
+                        .iter()
+                        .find(|s| s.action == crate::plan::Action::Drain)
+                        .and_then(|s| s.params.deadline)
+                })
+                .unwrap_or(Duration::from_secs(600));
+            let timing = predict::timing(
+                snap,
+                &run.steps,
+                predict::TimingInputs { time_scale: scale, drain_deadline, run_seconds },
+            );
+            Ok(Prediction {
+                outcome: Outcome::from_exit(run.exit),
+                exit_code: run.exit.code(),
+                error: run.error.as_deref().map(|e| copy.to_live_ids(e)),
+                blockers,
+                timing,
+                requests,
+                clean: run.leftovers.is_clean(),
+                plan: copy.to_live_ids(&run.plan_text),
+                copy: facts,
+            })
+        }
+        Err(e) => Err(e),
+    };
+    copy.shutdown().await;
+    prediction
+}
+
+type Played = (engine::RunResult, BTreeMap<String, u64>, f64);
+
+async fn play(
+    snap: &Snapshot,
+    settings: &RehearsalSettings,
+    copy: &load::Copy,
+    cancel: CancellationToken,
+) -> Result<Played, RehearseError> {
+    let scale = settings.time_scale;
+    let kube = Kube::from_config(copy.server.kube_config(), Some(snap.cluster.clone()))?;
+    let aws = AwsClients::from_config(&copy.sdk).await?;
+    let run_settings = RunSettings {
+        cluster: snap.cluster.clone(),
+        region: snap.region.clone(),
+        account: Some(copy.account.clone()),
+        plan: settings.plan.with_deadlines_scaled(scale),
+        dry_run: false,
+        drain: DrainOverrides {
+            deadline: settings.drain.deadline.map(|d| d.mul_f64(scale).max(Duration::from_millis(1))),
+            policy: settings.drain.policy,
+        },
+        max_nodes: settings.max_nodes,
+        reclaim: settings.reclaim,
+        gitops: settings.gitops,
+    };
+    let started = Instant::now();
+    // every log line of the copy's run says so: it must never read as a change to the live cluster
+    let span = tracing::info_span!("rehearsal", copy = %copy.server.url());
+    let run = engine::run(kube.clone(), aws.clone(), run_settings, cancel, Events::default()).instrument(span).await;
+    let run_seconds = started.elapsed().as_secs_f64();
+    let mut requests = kube.calls.snapshot();
+    requests.extend(aws.calls.snapshot());
+    Ok((run, requests, run_seconds))
+}
+
+/// The run's blockers with live instance ids, and each budget's arithmetic read from the copy.
+fn blockers_of(copy: &load::Copy, blockers: &[crate::report::Blocker]) -> Vec<PredictedBlocker> {
+    let store = copy.server.store();
+    let pdbs = sandbox_apiserver::GroupResource::new("policy", "poddisruptionbudgets");
+    blockers
+        .iter()
+        .map(|b| {
+            let budget = (b.kind == BlockerKind::Pdb)
+                .then(|| b.name.split_once('/'))
+                .flatten()
+                .and_then(|(ns, name)| store.get(&pdbs, ns, name).ok())
+                .map(|p| {
+                    let st = &p["status"];
+                    let n = |k: &str| st[k].as_i64().unwrap_or(0);
+                    BudgetArithmetic {
+                        expected_pods: n("expectedPods"),
+                        current_healthy: n("currentHealthy"),
+                        desired_healthy: n("desiredHealthy"),
+                        disruptions_allowed: n("disruptionsAllowed"),
+                    }
+                });
+            PredictedBlocker {
+                kind: b.kind,
+                name: copy.to_live_ids(&b.name),
+                reason: copy.to_live_ids(&b.reason),
+                budget,
+            }
+        })
+        .collect()
+}
+
+impl Prediction {
+    /// The exit status the rehearse command ends with: the one predicted for the real run.
+    pub fn exit(&self) -> Exit {
+        match self.exit_code {
+            0 => Exit::Clean,
+            2 => Exit::BadInput,
+            3 => Exit::Refused,
+            4 => Exit::Leftovers,
+            5 => Exit::Blocked,
+            130 => Exit::Interrupted,
+            _ => Exit::Failure,
+        }
+    }
+}

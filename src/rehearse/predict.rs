@@ -1,0 +1,264 @@
+//! From a rehearsal on the accelerated copy to a prediction on the real clock.
+//!
+//! The copy runs every grace period and every Karpenter delay `time_scale` times as fast, and the
+//! plan's deadlines too, so each wait ends at the same point of the work as it would for real.
+//! The API and EC2 work is not accelerated: it is measured as it is. So a step's real duration is
+//! predicted as what the rehearsal measured, plus the part of its waits the acceleration took
+//! away: `measured + (1 - time_scale) × waits`, where `waits` is the step's chain of real waits
+//! read from the snapshot (the drain: the slowest node's grace periods, wave after wave, or the
+//! drain deadline when the rehearsal hit it; removing the controller: its pods' grace period).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::report::{StepRecord, TaskResult};
+use crate::snapshot::Snapshot;
+
+/// Kubernetes' default `terminationGracePeriodSeconds`.
+const DEFAULT_GRACE: i64 = 30;
+/// The priority classes a drain evicts last (Karpenter's and the tool's second wave).
+const CRITICAL_CLASSES: [&str; 2] = ["system-cluster-critical", "system-node-critical"];
+
+/// One step of the plan, as predicted.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct StepPrediction {
+    /// Step id.
+    pub step: String,
+    /// Its action.
+    pub action: String,
+    /// Tasks it ran in the rehearsal.
+    pub tasks: usize,
+    /// How the step ended in the rehearsal (its worst task).
+    pub result: TaskResult,
+    /// Wall time in the rehearsal, seconds.
+    pub rehearsal_seconds: f64,
+    /// Real waits on the step's critical chain, seconds (see the module documentation).
+    pub waits_seconds: f64,
+    /// Predicted wall time on the real clock, seconds.
+    pub predicted_seconds: f64,
+    /// Its share of the predicted total (0–1).
+    pub share: f64,
+    /// Where its waits come from.
+    pub basis: String,
+}
+
+/// The per-step predictions and their total.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Timing {
+    /// The steps, in the order they started.
+    pub steps: Vec<StepPrediction>,
+    /// Predicted wall time of the whole run, seconds.
+    pub predicted_seconds: f64,
+    /// Wall time of the rehearsal's run, seconds.
+    pub rehearsal_seconds: f64,
+}
+
+/// What the timing model needs of the run's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct TimingInputs {
+    /// The copy's clock.
+    pub time_scale: f64,
+    /// The drain deadline on the real clock.
+    pub drain_deadline: Duration,
+    /// Wall time of the rehearsal's whole run (preflight and inventory included), seconds.
+    pub run_seconds: f64,
+}
+
+/// Predicts each step's and the run's wall time from the rehearsal's step records.
+pub fn timing(snap: &Snapshot, records: &[StepRecord], inputs: TimingInputs) -> Timing {
+    let scale = inputs.time_scale.clamp(0.0, 1.0);
+    let mut by_step: Vec<(String, String, Vec<&StepRecord>)> = Vec::new();
+    for r in records {
+        match by_step.iter_mut().find(|(s, _, _)| *s == r.step) {
+            Some((_, _, v)) => v.push(r),
+            None => by_step.push((r.step.clone(), r.action.clone(), vec![r])),
+        }
+    }
+    let mut steps = Vec::new();
+    let mut added = 0.0;
+    for (step, action, recs) in by_step {
+        let start = recs.iter().filter_map(|r| parse_time(&r.started)).min();
+        let end = recs.iter().filter_map(|r| parse_time(&r.finished)).max();
+        let measured = match (start, end) {
+            (Some(s), Some(e)) => e.duration_since(s).map(|d| d.as_secs_f64()).unwrap_or(0.0),
+            _ => 0.0,
+        };
+        let result = recs.iter().map(|r| r.result).max().unwrap_or(TaskResult::Done);
+        let (waits, basis) = match action.as_str() {
+            "drain" => {
+                let scaled_deadline = inputs.drain_deadline.as_secs_f64() * scale;
+                let hit = recs.iter().any(|r| {
+                    r.result == TaskResult::Blocked || task_seconds(r).is_some_and(|t| t >= scaled_deadline * 0.99)
+                });
+                if hit {
+                    (
+                        inputs.drain_deadline.as_secs_f64(),
+                        "the drain deadline: the rehearsal's drain ran into it".to_string(),
+                    )
+                } else {
+                    let (secs, node) = slowest_drain(snap);
+                    let basis = match node {
+                        Some(n) => format!("node {n}: its pods' grace periods, critical pods after the others"),
+                        None => "no pod to evict".to_string(),
+                    };
+                    (secs, basis)
+                }
+            }
+            "remove-controller" if snap.karpenter.ready_replicas > 0 => {
+                (controller_grace(snap), "the controller's pods' grace period".to_string())
+            }
+            _ => (0.0, "API and EC2 work only, as measured".to_string()),
+        };
+        let predicted = measured + (1.0 - scale) * waits;
+        added += (1.0 - scale) * waits;
+        steps.push(StepPrediction {
+            step,
+            action,
+            tasks: recs.len(),
+            result,
+            rehearsal_seconds: measured,
+            waits_seconds: waits,
+            predicted_seconds: predicted,
+            share: 0.0,
+            basis,
+        });
+    }
+    let predicted_seconds = inputs.run_seconds + added;
+    for s in &mut steps {
+        s.share = if predicted_seconds > 0.0 { s.predicted_seconds / predicted_seconds } else { 0.0 };
+    }
+    Timing { steps, predicted_seconds, rehearsal_seconds: inputs.run_seconds }
+}
+
+fn parse_time(s: &str) -> Option<SystemTime> {
+    humantime::parse_rfc3339_weak(s).ok()
+}
+
+fn task_seconds(r: &StepRecord) -> Option<f64> {
+    let (s, e) = (parse_time(&r.started)?, parse_time(&r.finished)?);
+    e.duration_since(s).ok().map(|d| d.as_secs_f64())
+}
+
+fn grace(pod: &Value) -> i64 {
+    pod["spec"]["terminationGracePeriodSeconds"].as_i64().unwrap_or(DEFAULT_GRACE).max(0)
+}
+
+fn is_daemon(pod: &Value) -> bool {
+    pod["metadata"]["ownerReferences"].as_array().is_some_and(|r| r.iter().any(|o| o["kind"] == "DaemonSet"))
+}
+
+fn is_critical(pod: &Value) -> bool {
+    pod["spec"]["priorityClassName"].as_str().is_some_and(|c| CRITICAL_CLASSES.contains(&c))
+}
+
+/// The slowest Karpenter node to drain when nothing blocks: its non-critical pods' longest grace
+/// period, then its critical pods' (they are evicted once the others are gone). Nodes drain in
+/// parallel, so the run waits for the slowest.
+fn slowest_drain(snap: &Snapshot) -> (f64, Option<String>) {
+    let ours: std::collections::BTreeSet<&str> =
+        snap.karpenter_nodes().filter_map(|n| n["metadata"]["name"].as_str()).collect();
+    let mut per_node: BTreeMap<&str, (i64, i64)> = BTreeMap::new();
+    for p in &snap.kubernetes.pods {
+        let Some(node) = p["spec"]["nodeName"].as_str().filter(|n| ours.contains(n)) else { continue };
+        if is_daemon(p) || matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed")) {
+            continue;
+        }
+        let e = per_node.entry(node).or_default();
+        if is_critical(p) {
+            e.1 = e.1.max(grace(p));
+        } else {
+            e.0 = e.0.max(grace(p));
+        }
+    }
+    per_node
+        .into_iter()
+        .map(|(n, (normal, critical))| (normal + critical, n))
+        .max()
+        .map(|(s, n)| (s as f64, Some(n.to_string())))
+        .unwrap_or((0.0, None))
+}
+
+/// The longest grace period of the controller's pods.
+fn controller_grace(snap: &Snapshot) -> f64 {
+    let Some((ns, _)) = snap.karpenter.controller.as_deref().and_then(|c| c.split_once('/')) else { return 0.0 };
+    snap.kubernetes
+        .pods
+        .iter()
+        .filter(|p| {
+            p["metadata"]["namespace"] == ns && p["metadata"]["labels"]["app.kubernetes.io/name"] == "karpenter"
+        })
+        .map(grace)
+        .max()
+        .unwrap_or(0) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::{KubeObjects, Snapshot};
+    use serde_json::json;
+
+    fn snap(pods: Vec<Value>) -> Snapshot {
+        let node = |n: &str| json!({"metadata": {"name": n, "labels": {"karpenter.sh/nodepool": "default"}}});
+        let mut s: Snapshot = serde_json::from_value(json!({
+            "format": "karpenter-teardown/snapshot", "version": 1, "tool_version": "t", "taken_at": "t",
+            "cluster": "c", "region": "us-west-2", "account": "1", "source": {}, "karpenter": {},
+            "kubernetes": {}, "aws": {}, "reads": {}}))
+        .unwrap();
+        s.kubernetes = KubeObjects { nodes: vec![node("a"), node("b")], pods, ..KubeObjects::default() };
+        s
+    }
+
+    fn pod(node: &str, grace: i64, critical: bool) -> Value {
+        let class = if critical { "system-cluster-critical" } else { "" };
+        json!({"metadata": {"name": format!("p{grace}")}, "spec": {"nodeName": node, "terminationGracePeriodSeconds": grace,
+            "priorityClassName": class}, "status": {"phase": "Running"}})
+    }
+
+    fn record(step: &str, action: &str, from: u64, to: u64, result: TaskResult) -> StepRecord {
+        let t = |s: u64| crate::report::rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000 + s));
+        StepRecord {
+            step: step.into(),
+            action: action.into(),
+            object: None,
+            started: t(from),
+            finished: t(to),
+            attempts: 1,
+            result,
+            detail: String::new(),
+        }
+    }
+
+    #[test]
+    fn the_slowest_node_sets_the_drain_and_critical_pods_wait_for_the_others() {
+        let s = snap(vec![pod("a", 30, false), pod("a", 10, true), pod("b", 35, false), pod("elsewhere", 600, false)]);
+        assert_eq!(slowest_drain(&s), (40.0, Some("a".into())));
+    }
+
+    #[test]
+    fn a_step_gets_back_the_waits_the_acceleration_took_away() {
+        let s = snap(vec![pod("a", 60, false)]);
+        let records =
+            [record("fence", "fence", 0, 1, TaskResult::Done), record("drain", "drain", 1, 5, TaskResult::Done)];
+        let inputs = TimingInputs { time_scale: 0.05, drain_deadline: Duration::from_secs(600), run_seconds: 6.0 };
+        let t = timing(&s, &records, inputs);
+        assert_eq!(t.steps[0].predicted_seconds, 1.0);
+        // 4 s measured (3 s of them the scaled 60 s grace period) + 0.95 × 60 s
+        assert!((t.steps[1].predicted_seconds - 61.0).abs() < 1e-9, "{:?}", t.steps[1]);
+        assert!((t.predicted_seconds - 63.0).abs() < 1e-9);
+        assert!((t.steps.iter().map(|s| s.share).sum::<f64>() - 62.0 / 63.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_drain_that_hit_its_deadline_is_predicted_to_wait_the_whole_real_deadline() {
+        let s = snap(vec![pod("a", 5, false)]);
+        let records = [record("drain", "drain", 0, 31, TaskResult::Blocked)];
+        let inputs = TimingInputs { time_scale: 0.05, drain_deadline: Duration::from_secs(600), run_seconds: 32.0 };
+        let t = timing(&s, &records, inputs);
+        assert!((t.steps[0].predicted_seconds - (31.0 + 0.95 * 600.0)).abs() < 1e-9);
+        assert!(t.steps[0].basis.contains("deadline"));
+    }
+}
