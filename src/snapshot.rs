@@ -119,6 +119,7 @@ pub struct Snapshot {
 
 /// Where a snapshot was read from.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Source {
     /// API server URL.
     pub server: String,
@@ -128,6 +129,7 @@ pub struct Source {
 
 /// Karpenter's release and liveness.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct KarpenterFacts {
     /// The controller's release, from its image tag (`1.0.14`), when it has one.
     pub version: Option<String>,
@@ -141,6 +143,7 @@ pub struct KarpenterFacts {
 
 /// The Kubernetes objects of a snapshot, as JSON objects.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct KubeObjects {
     /// Karpenter's CRDs.
     pub crds: Vec<Value>,
@@ -243,6 +246,7 @@ pub struct SnapInstanceProfile {
 
 /// The AWS objects of a snapshot.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct AwsObjects {
     /// Instances tagged with the cluster, and every instance a Node or NodeClaim names.
     pub instances: Vec<SnapInstance>,
@@ -254,6 +258,7 @@ pub struct AwsObjects {
 
 /// What taking the snapshot cost.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ReadStats {
     /// Kubernetes requests, by verb (only `get`/`list` ever).
     pub kubernetes: BTreeMap<String, u64>,
@@ -719,7 +724,7 @@ mod tests {
                 "affinity": {"nodeAffinity": {}}, "imagePullSecrets": [{"name": "regcred"}],
                 "containers": [{"name": "app", "image": "nginx:1", "env": [{"name": "PASSWORD", "value": "hunter2"},
                     {"name": "CLUSTER_NAME", "value": "prod"}], "envFrom": [{"secretRef": {"name": "s"}}],
-                    "command": ["sh", "-c", "echo $TOKEN"], "args": ["--token=abc"], "resources": {"requests": {"cpu": "1"}},
+                    "command": ["sh", "-c", "echo $TOKEN"], "args": ["--token=s3cr3t"], "resources": {"requests": {"cpu": "1"}},
                     "livenessProbe": {"exec": {"command": ["x"]}}, "lifecycle": {"preStop": {"exec": {"command": ["y"]}}}}],
                 "volumes": [{"name": "creds", "secret": {"secretName": "db-password"}},
                     {"name": "data", "persistentVolumeClaim": {"claimName": "data-web-1"}},
