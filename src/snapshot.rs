@@ -743,7 +743,7 @@ mod tests {
             "db-password",
             "settings",
             "TOKEN",
-            "abc",
+            "s3cr3t",
             "secretRef",
             "\"secret\":1",
             "preStop",
