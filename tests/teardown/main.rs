@@ -11,4 +11,5 @@ mod default_plan;
 mod faults;
 mod field_reports;
 mod plans;
+mod rehearse;
 mod resume;

@@ -87,6 +87,9 @@ struct Shared {
     denied: Mutex<std::collections::BTreeSet<String>>,
     faults: Mutex<(ProxyFaults, u64)>,
     counters: Counters,
+    /// Every request that reached the proxy, by its `Action` (EC2, IAM and STS alike): what a
+    /// write audit reads.
+    actions: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// A running proxy. Dropping it without [`Ec2Proxy::shutdown`] aborts its task.
@@ -112,6 +115,7 @@ impl Ec2Proxy {
             denied: Mutex::default(),
             faults: Mutex::new((faults, faults.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)),
             counters: Counters::default(),
+            actions: Mutex::default(),
         });
         let app = Router::new().fallback(handle).with_state(shared.clone());
         let task = tokio::spawn(async move {
@@ -152,6 +156,13 @@ impl Ec2Proxy {
             refused: c.refused.load(Ordering::Relaxed),
             over_budget: c.over_budget.load(Ordering::Relaxed),
         }
+    }
+
+    /// Every request seen so far, by its query-protocol `Action` (`DescribeInstances`,
+    /// `ListInstanceProfiles`, `GetCallerIdentity`, ...), whether or not it was forwarded; a
+    /// request without one counts as `(none)`.
+    pub fn actions(&self) -> std::collections::BTreeMap<String, u64> {
+        self.shared.actions.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Stops the proxy.
@@ -213,6 +224,12 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         Err(e) => return plain(StatusCode::BAD_REQUEST, format!("cannot read the request body: {e}")),
     };
     let text = String::from_utf8_lossy(&body);
+    {
+        let action = super::ec2limits::action_of(&text)
+            .or_else(|| parts.uri.query().and_then(super::ec2limits::action_of))
+            .unwrap_or_else(|| "(none)".to_string());
+        *shared.actions.lock().unwrap_or_else(|p| p.into_inner()).entry(action).or_default() += 1;
+    }
     let is_ec2 = text.contains(EC2_API_VERSION) || parts.uri.query().is_some_and(|q| q.contains(EC2_API_VERSION));
     if is_ec2 {
         let denied = super::ec2limits::action_of(&text)
@@ -369,6 +386,7 @@ mod tests {
             denied: Mutex::default(),
             faults: Mutex::new((ProxyFaults { throttle_rate: 0.2, error_rate: 0.1, seed: 7 }, 7 | 1)),
             counters: Counters::default(),
+            actions: Mutex::default(),
         };
         let (mut t, mut i) = (0, 0);
         for _ in 0..10_000 {

@@ -1,0 +1,285 @@
+//! `rehearse` (issue 17): it writes nothing to the live cluster or AWS, with exactly the
+//! read-only role it ships; and on sandbox clusters of several kinds it predicts the real run's
+//! outcome, exit code and named blockers exactly and its wall time within 20%.
+//!
+//! The "live" cluster of these tests is a sandbox on the real clock (time scale 1.0) with short
+//! grace periods, so a real teardown takes seconds; the rehearsal plays its copy faster.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use crate::common;
+use crate::common::e2e::{Bed, REGION, Run, bed_with, real_crds, scale_controller, spec, teardown};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use sandbox_apiserver::ServerOptions;
+use sandbox_apiserver::authz::Rbac;
+use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
+use sandbox_sim::{KarpenterVersion, SimController, SimSettings, World, WorldSpec, generate, naming};
+use serde_json::{Value, json};
+
+/// The rehearsal's clock in these tests: four times as fast as the "live" one.
+const REHEARSAL_SCALE: &str = "0.25";
+
+const REHEARSE_RBAC: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-rehearse.yaml"));
+const RUN_RBAC: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml"));
+
+/// Only the rehearsal's read-only role.
+fn rehearse_rbac() -> Rbac {
+    Rbac::from_yaml(REHEARSE_RBAC).expect("deploy/rbac-rehearse.yaml parses")
+}
+
+/// An identity bound to both shipped roles: it rehearses, then tears down.
+fn both_roles() -> Rbac {
+    Rbac::from_yaml(&format!("{RUN_RBAC}\n---\n{REHEARSE_RBAC}")).expect("the shipped roles parse")
+}
+
+/// A small world on the real clock: every workload pod has a 3 s grace period.
+fn live_spec(prefix: &str, nodes: usize) -> WorldSpec {
+    WorldSpec { grace_periods: vec![(3, 1)], ..spec(prefix, nodes) }
+}
+
+async fn live_bed(cluster: &str, rbac: Rbac) -> Bed {
+    bed_with(cluster, ServerOptions { time_scale: 1.0, rbac: Some(rbac), ..ServerOptions::default() }).await
+}
+
+fn live_sim(b: &Bed, world: &World) -> SimController {
+    SimController::start(
+        b.client.clone(),
+        b.cloud.clone(),
+        SimSettings { version: world.version, time_scale: 1.0, ..SimSettings::new(&world.cluster, REGION) },
+    )
+}
+
+/// Runs `karpenter-teardown rehearse` against the bed as a user would, with the live AWS side at
+/// `aws_endpoint` and the copy in LocalStack itself.
+async fn rehearse(b: &Bed, cluster: &str, aws_endpoint: &str, extra: &[&str]) -> Run {
+    let report = b.dir.path().join("rehearsal.json");
+    let _ = std::fs::remove_file(&report);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .args(["rehearse", "--cluster", cluster, "--region", REGION, "--time-scale", REHEARSAL_SCALE])
+        .args(["--localstack", common::LOCALSTACK, "--kubeconfig"])
+        .arg(&b.kubeconfig)
+        .arg("--report")
+        .arg(&report)
+        .arg("--snapshot-out")
+        .arg(b.dir.path().join("snapshot.json"))
+        .args(extra)
+        .envs(common::localstack_env())
+        .env("AWS_ENDPOINT_URL", aws_endpoint)
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let report = std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into(),
+        stderr: String::from_utf8_lossy(&out.stderr).into(),
+        report,
+    }
+}
+
+fn blocker_names(blockers: &Value) -> BTreeSet<(String, String)> {
+    blockers
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|b| {
+            (b["kind"].as_str().unwrap_or_default().to_string(), b["name"].as_str().unwrap_or_default().to_string())
+        })
+        .collect()
+}
+
+/// Rehearses, then runs for real with the same flags, and holds the prediction to the run.
+async fn prediction_matches_the_real_run(b: &Bed, cluster: &str, extra: &[&str]) -> (Value, Value) {
+    let rehearsal = rehearse(b, cluster, common::ec2_proxy(), extra).await;
+    let prediction = rehearsal.report["rehearsal"]["prediction"].clone();
+    assert!(prediction.is_object(), "no prediction:\n{}", rehearsal.dump());
+    let mut args = vec!["--yes"];
+    args.extend_from_slice(extra);
+    let real = teardown(b, cluster, &args).await;
+    let explain = || format!("rehearsal:\n{}\n\nreal run:\n{}", rehearsal.dump(), real.dump());
+    assert_eq!(prediction["outcome"], real.report["outcome"], "{}", explain());
+    assert_eq!(prediction["exit_code"], real.report["exit_code"], "{}", explain());
+    assert_eq!(rehearsal.code, real.code, "rehearse exits with the predicted code: {}", explain());
+    assert_eq!(blocker_names(&prediction["blockers"]), blocker_names(&real.report["blockers"]), "{}", explain());
+    let predicted = prediction["timing"]["predicted_seconds"].as_f64().unwrap_or_default();
+    let actual = real.report["wall_seconds"].as_f64().unwrap_or_default();
+    eprintln!(
+        "{cluster}: predicted {} (exit {}) in {predicted:.2}s, {} blocker(s); the real run: {} in {actual:.2}s",
+        prediction["outcome"],
+        prediction["exit_code"],
+        prediction["blockers"].as_array().map_or(0, Vec::len),
+        real.report["outcome"]
+    );
+    // the real run's wall time includes its own start (the process, the first connection); the
+    // prediction covers the engine's run, which is nearly all of it
+    assert!(
+        (predicted - actual).abs() <= 0.2 * actual,
+        "predicted {predicted:.2}s, the real run took {actual:.2}s: more than 20% apart\n{}",
+        explain()
+    );
+    (prediction, real.report)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rehearse_writes_nothing_with_its_read_only_role() {
+    let s = live_spec("reh-audit", 4);
+    let b = live_bed(&s.cluster, rehearse_rbac()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let audit = Ec2Proxy::start(common::LOCALSTACK, ProxyFaults::default()).await.unwrap();
+    let before = b.server.requests().snapshot();
+
+    let run = rehearse(&b, &world.cluster, &audit.url(), &[]).await;
+    assert_eq!(run.code, 0, "a healthy cluster is predicted to tear down clean:\n{}", run.dump());
+    assert_eq!(run.report["command"], "rehearse");
+    assert_eq!(run.report["rehearsal"]["prediction"]["outcome"], "clean", "{}", run.dump());
+
+    // Kubernetes: every request the live server saw during the rehearsal (nothing else talks to
+    // it: no simulated controller runs in this test) was a read; the tool's identity holds only
+    // deploy/rbac-rehearse.yaml, which would refuse anything else
+    let after = b.server.requests().snapshot();
+    let writes: Vec<_> = after
+        .iter()
+        .filter(|((verb, resource), n)| {
+            !matches!(verb.as_str(), "get" | "list" | "watch")
+                && before.get(&(verb.clone(), resource.clone())).copied().unwrap_or(0) < **n
+        })
+        .collect();
+    assert!(writes.is_empty(), "the rehearsal wrote to the live cluster: {writes:?}\n{}", run.dump());
+    // AWS: every call through the audit proxy was a read the shipped statement allows
+    let policy: Value =
+        serde_json::from_str(include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/iam-policy-rehearse.json")))
+            .unwrap();
+    let allowed: BTreeSet<String> = policy["Statement"][0]["Action"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str()?.split_once(':').map(|(_, a)| a.to_string()))
+        .collect();
+    let actions = audit.actions();
+    assert!(actions.contains_key("DescribeInstances"), "the snapshot read EC2 through the proxy: {actions:?}");
+    for action in actions.keys() {
+        assert!(allowed.contains(action), "{action} is not a read the rehearse policy allows: {actions:?}");
+    }
+    audit.shutdown().await;
+
+    // the live world is as it was: every instance running, no node cordoned, every pod there
+    let ids = world.karpenter_instance_ids();
+    let states = common::e2e::states(&b.aws, &ids).await;
+    assert!(states.values().all(|s| *s == karpenter_teardown::aws::InstanceState::Running), "{states:?}");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(b.client.clone());
+    for n in nodes.list(&ListParams::default()).await.unwrap() {
+        assert!(!n.spec.and_then(|s| s.unschedulable).unwrap_or(false), "a live node was cordoned");
+    }
+    // the snapshot it wrote holds no environment value but the cluster name
+    let snap = std::fs::read_to_string(b.dir.path().join("snapshot.json")).unwrap();
+    let v: Value = serde_json::from_str(&snap).unwrap();
+    assert_eq!(v["format"], "karpenter-teardown/snapshot");
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["kubernetes"]["nodes"].as_array().map(Vec::len), Some(world.nodes.len() + s.managed_nodes + 1));
+    for pod in v["kubernetes"]["pods"].as_array().unwrap() {
+        for c in pod["spec"]["containers"].as_array().unwrap() {
+            for e in c["env"].as_array().into_iter().flatten() {
+                assert_eq!(e["name"], "CLUSTER_NAME", "an environment value was copied: {c}");
+            }
+        }
+    }
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rehearse_predicts_a_healthy_teardown() {
+    let s = live_spec("reh-healthy", 6);
+    let b = live_bed(&s.cluster, both_roles()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let sim = live_sim(&b, &world);
+    let (prediction, real) = prediction_matches_the_real_run(&b, &world.cluster, &[]).await;
+    assert_eq!(real["outcome"], "clean");
+    assert_eq!(prediction["clean"], true);
+    let drain = prediction["timing"]["steps"].as_array().unwrap().iter().find(|s| s["step"] == "drain").cloned();
+    assert_eq!(drain.map(|d| d["waits_seconds"].clone()), Some(json!(3.0)), "the drain waits one 3 s grace period");
+    // the plan names the objects
+    let plan = prediction["plan"].as_str().unwrap_or_default();
+    assert!(world.nodes.iter().all(|n| plan.contains(&n.nodeclaim)), "{plan}");
+    sim.shutdown().await;
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rehearse_predicts_a_teardown_with_the_controller_gone() {
+    let s = live_spec("reh-gone", 4);
+    let b = live_bed(&s.cluster, both_roles()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    scale_controller(&b.client, 0).await;
+    wait_controller_pods_gone(&b).await;
+    let (prediction, _) = prediction_matches_the_real_run(&b, &world.cluster, &[]).await;
+    assert_eq!(prediction["copy"]["controller_live"], false);
+    assert_eq!(prediction["outcome"], "clean");
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rehearse_predicts_a_strict_budget_blocking_the_drain() {
+    let s = WorldSpec { strict_pdb: true, ..live_spec("reh-pdb", 4) };
+    let b = live_bed(&s.cluster, both_roles()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let sim = live_sim(&b, &world);
+    let (prediction, real) = prediction_matches_the_real_run(&b, &world.cluster, &["--drain-deadline", "8s"]).await;
+    assert_eq!(real["outcome"], "blocked");
+    assert_eq!(prediction["exit_code"], 5);
+    let pdb =
+        prediction["blockers"].as_array().unwrap().iter().find(|b| b["kind"] == "pdb").cloned().unwrap_or_default();
+    let budget = &pdb["budget"];
+    assert!(budget.is_object(), "the budget's arithmetic is reported: {pdb}");
+    assert_eq!(budget["disruptions_allowed"], 0, "{pdb}");
+    assert_eq!(
+        budget["current_healthy"], budget["desired_healthy"],
+        "a strict budget: every pod must stay healthy: {pdb}"
+    );
+    sim.shutdown().await;
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rehearse_predicts_karpenter_1_0_with_objects_stored_at_v1beta1() {
+    let s = WorldSpec {
+        version: KarpenterVersion::V1_0,
+        karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
+        ..live_spec("reh-v10", 4)
+    };
+    let b = live_bed(&s.cluster, both_roles()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let sim = live_sim(&b, &world);
+    // an object written at v1beta1 while the webhook answers stays stored at v1beta1
+    let v1beta1 = Api::<DynamicObject>::all_with(
+        b.client.clone(),
+        &ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("karpenter.sh", "v1beta1", "NodePool"), "nodepools"),
+    );
+    let legacy: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
+        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name}}}},
+    }))
+    .unwrap();
+    v1beta1.create(&PostParams::default(), &legacy).await.unwrap();
+    let (prediction, _) = prediction_matches_the_real_run(&b, &world.cluster, &[]).await;
+    assert_eq!(prediction["copy"]["karpenter"], "1.0.14");
+    assert_eq!(prediction["outcome"], "clean", "the tool turns the stranded webhook off itself");
+    sim.shutdown().await;
+    b.server.shutdown().await;
+}
+
+async fn wait_controller_pods_gone(b: &Bed) {
+    let pods: Api<Pod> = Api::namespaced(b.client.clone(), naming::KARPENTER_NAMESPACE);
+    let lp = ListParams::default().labels("app.kubernetes.io/name=karpenter");
+    for _ in 0..400 {
+        if pods.list(&lp).await.unwrap().items.is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the controller's pods did not go");
+}
