@@ -88,6 +88,9 @@ struct Args {
     /// ready again, so budgets that count ready pods let the drain go on.
     #[arg(long, default_value_t = 0)]
     spare_nodes: usize,
+    /// The clock of `rehearse`'s copy (its --time-scale).
+    #[arg(long, default_value_t = 0.05)]
+    rehearse_time_scale: f64,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -98,6 +101,8 @@ enum Contender {
     Default,
     Delegate,
     Kubectl,
+    /// `karpenter-teardown rehearse` of the world (read-only: the world is left as it was).
+    Rehearse,
 }
 
 impl Contender {
@@ -106,6 +111,7 @@ impl Contender {
             Contender::Default => "default plan",
             Contender::Delegate => "delegate plan",
             Contender::Kubectl => "kubectl drain baseline",
+            Contender::Rehearse => "rehearse (snapshot + copy + prediction)",
         }
     }
 }
@@ -284,6 +290,10 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
             let r = run_kubectl(args, &world, &kubeconfig, dir.path(), limit).await?;
             (r.0, None, None, r.1)
         }
+        Contender::Rehearse => {
+            let r = run_rehearse(args, bin, &world.cluster, &account, &kubeconfig, dir.path(), limit).await?;
+            (r.0, None, None, r.1)
+        }
     };
     let makespan_s = t.elapsed().as_secs_f64();
     if let Some(keep) = &args.keep {
@@ -296,6 +306,11 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
     sim.shutdown().await;
     let left = leftovers(&client).await;
     let outcome = match (outcome.as_str(), left) {
+        // a rehearsal must leave the world as it found it
+        (o, n) if contender == Contender::Rehearse => {
+            let whole = world.nodes.len() * 2;
+            if n == whole { o.to_string() } else { format!("{o}, but {n} of {whole} Karpenter objects left") }
+        }
         (o, 0) => o.to_string(),
         (o, n) => format!("{o}, {n} left"),
     };
@@ -498,18 +513,8 @@ async fn run_tool(
 ) -> anyhow::Result<(String, u64, Usage, (u64, u64))> {
     let report = dir.join(format!("report-{plan}.json"));
     let proxy = Ec2Proxy::start(LOCALSTACK, ProxyFaults::default()).await?;
-    let log = std::fs::File::create(dir.join(format!("{plan}.log")))?;
-    let mut cmd = tokio::process::Command::new(bin);
-    cmd.args(["run", "--yes", "--plan", plan, "--cluster", cluster, "--region", REGION, "--kubeconfig"])
-        .arg(kubeconfig)
-        .arg("--report")
-        .arg(&report)
-        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log.try_clone()?);
-    localstack_env(&mut cmd, account);
-    cmd.env("AWS_ENDPOINT_URL", proxy.url());
+    let run = ["run", "--yes", "--plan", plan, "--cluster", cluster, "--region", REGION];
+    let cmd = tool_command(bin, &run, kubeconfig, &report, &dir.join(format!("{plan}.log")), account, &proxy.url())?;
     let usage = run_measured(cmd, limit).await?;
     let counts = proxy.counts();
     proxy.shutdown().await;
@@ -536,6 +541,68 @@ async fn run_tool(
         }
     }
     Ok((outcome, ec2, usage, (counts.over_budget, counts.refused)))
+}
+
+/// The tool with `args`, the bed's kubeconfig, a report, JSON logs into `log`, and AWS at
+/// `endpoint` as `account`.
+fn tool_command(
+    bin: &Path,
+    args: &[&str],
+    kubeconfig: &Path,
+    report: &Path,
+    log: &Path,
+    account: &str,
+    endpoint: &str,
+) -> anyhow::Result<tokio::process::Command> {
+    let log = std::fs::File::create(log)?;
+    let mut cmd = tokio::process::Command::new(bin);
+    cmd.args(args)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .arg("--report")
+        .arg(report)
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    localstack_env(&mut cmd, account);
+    cmd.env("AWS_ENDPOINT_URL", endpoint);
+    Ok(cmd)
+}
+
+/// `karpenter-teardown rehearse` of the world, as a user would run it before the teardown: the
+/// outcome is the prediction (`predicts clean in 163.2 s`).
+async fn run_rehearse(
+    args: &Args,
+    bin: &Path,
+    cluster: &str,
+    account: &str,
+    kubeconfig: &Path,
+    dir: &Path,
+    limit: Duration,
+) -> anyhow::Result<(String, Usage)> {
+    let report = dir.join("report-rehearse.json");
+    let proxy = Ec2Proxy::start(LOCALSTACK, ProxyFaults::default()).await?;
+    let scale = args.rehearse_time_scale.to_string();
+    let rehearse =
+        ["rehearse", "--cluster", cluster, "--region", REGION, "--localstack", LOCALSTACK, "--time-scale", &scale];
+    let cmd = tool_command(bin, &rehearse, kubeconfig, &report, &dir.join("rehearse.log"), account, &proxy.url())?;
+    let usage = run_measured(cmd, limit).await?;
+    proxy.shutdown().await;
+    let report: Value =
+        std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
+    let p = &report["rehearsal"]["prediction"];
+    let outcome = match (usage.code, p["outcome"].as_str()) {
+        (None, _) => "timed out".to_string(),
+        (Some(_), Some(o)) => format!(
+            "predicts {o} in {:.1} s (copy built in {:.1} s, played in {:.1} s)",
+            p["timing"]["predicted_seconds"].as_f64().unwrap_or_default(),
+            p["copy"]["load_seconds"].as_f64().unwrap_or_default(),
+            p["timing"]["rehearsal_seconds"].as_f64().unwrap_or_default()
+        ),
+        (Some(c), None) => format!("no prediction (exit {c}): {}", report["error"].as_str().unwrap_or("no report")),
+    };
+    Ok((outcome, usage))
 }
 
 /// The script users write today: drain the nodes one after another, delete the NodePools, and

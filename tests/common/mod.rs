@@ -3,6 +3,7 @@
 
 pub mod e2e;
 pub mod safety;
+pub mod schema;
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};

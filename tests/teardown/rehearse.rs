@@ -136,6 +136,7 @@ async fn rehearse_writes_nothing_with_its_read_only_role() {
     let run = rehearse(&b, &world.cluster, &audit.url(), &[]).await;
     assert_eq!(run.code, 0, "a healthy cluster is predicted to tear down clean:\n{}", run.dump());
     assert_eq!(run.report["command"], "rehearse");
+    assert_eq!(common::schema::schema_errors(&run.report), Vec::<String>::new(), "{:#}", run.report);
     assert_eq!(run.report["rehearsal"]["prediction"]["outcome"], "clean", "{}", run.dump());
 
     // Kubernetes: every request the live server saw during the rehearsal (nothing else talks to
@@ -282,4 +283,50 @@ async fn wait_controller_pods_gone(b: &Bed) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("the controller's pods did not go");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_up_serves_a_snapshot_to_kubectl() {
+    use karpenter_teardown::snapshot::Snapshot;
+    use tokio::io::AsyncBufReadExt;
+    let s = live_spec("reh-serve", 3);
+    let b = live_bed(&s.cluster, both_roles()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let kube = karpenter_teardown::k8s::Kube::from_config(b.server.kube_config(), None).unwrap();
+    let snap = Snapshot::take(&kube, &common::localstack_as_aws(REGION).await, &world.cluster, REGION).await.unwrap();
+    let path = b.dir.path().join("snap.json");
+    snap.write(&path).unwrap();
+    let kubeconfig = b.dir.path().join("copy.kubeconfig");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .args(["sandbox", "up", "--from-snapshot"])
+        .arg(&path)
+        .arg("--kubeconfig-out")
+        .arg(&kubeconfig)
+        .envs(common::localstack_env())
+        .env("AWS_ENDPOINT_URL", common::LOCALSTACK)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    while let Ok(Ok(Some(line))) = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await {
+        let serving = line.contains("serving until interrupted");
+        seen.push(line);
+        if serving {
+            break;
+        }
+    }
+    assert!(seen.iter().any(|l| l.contains("serving until interrupted")), "the copy never came up: {seen:?}");
+    let kubectl = |args: &[&str]| {
+        let out =
+            std::process::Command::new("kubectl").arg("--kubeconfig").arg(&kubeconfig).args(args).output().unwrap();
+        assert!(out.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    };
+    assert_eq!(kubectl(&["get", "nodes", "-o", "name"]), snap.kubernetes.nodes.len());
+    assert_eq!(kubectl(&["get", "nodeclaims", "-o", "name"]), world.nodes.len());
+    assert_eq!(kubectl(&["get", "pods", "-A", "-o", "name"]), snap.kubernetes.pods.len());
+    child.kill().await.unwrap();
+    b.server.shutdown().await;
 }
