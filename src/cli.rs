@@ -169,7 +169,7 @@ pub struct RehearseArgs {
     #[arg(long, env = "KARPENTER_TEARDOWN_RECLAIM")]
     pub reclaim: bool,
 
-    /// The copy's clock: grace periods, Karpenter's delays and the plan's deadlines are
+    /// The copy's clock: grace periods, Karpenter's delays and the drain deadline are
     /// multiplied by it (0.05: twenty times as fast). Between 0.001 and 1.
     #[arg(long, default_value_t = 0.05, value_name = "FACTOR")]
     pub time_scale: f64,

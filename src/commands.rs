@@ -340,7 +340,11 @@ async fn run_command(args: &RunArgs) -> Exit {
             account: target.account.clone(),
             plan: plan.clone(),
             dry_run,
-            drain: DrainOverrides { deadline: config.drain_deadline, policy: config.on_drain_deadline },
+            drain: DrainOverrides {
+                deadline: config.drain_deadline,
+                policy: config.on_drain_deadline,
+                deadline_from_dispatch: false,
+            },
             max_nodes: config.max_nodes,
             reclaim: target.reclaim,
             gitops: config.gitops,

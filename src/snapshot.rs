@@ -186,6 +186,27 @@ impl KubeObjects {
         self.len() == 0
     }
 
+    /// Takes every list out (leaving them empty), with its name, in the order of [`Self::kinds`]:
+    /// a loader consumes the objects instead of holding them twice.
+    pub fn take_kinds(&mut self) -> Vec<(&'static str, Vec<Value>)> {
+        vec![
+            ("customresourcedefinitions", std::mem::take(&mut self.crds)),
+            ("namespaces", std::mem::take(&mut self.namespaces)),
+            ("services", std::mem::take(&mut self.services)),
+            ("ec2nodeclasses", std::mem::take(&mut self.ec2nodeclasses)),
+            ("nodepools", std::mem::take(&mut self.nodepools)),
+            ("nodeclaims", std::mem::take(&mut self.nodeclaims)),
+            ("nodes", std::mem::take(&mut self.nodes)),
+            ("deployments", std::mem::take(&mut self.deployments)),
+            ("replicasets", std::mem::take(&mut self.replicasets)),
+            ("statefulsets", std::mem::take(&mut self.statefulsets)),
+            ("daemonsets", std::mem::take(&mut self.daemonsets)),
+            ("pods", std::mem::take(&mut self.pods)),
+            ("poddisruptionbudgets", std::mem::take(&mut self.pdbs)),
+            ("gitops", std::mem::take(&mut self.gitops)),
+        ]
+    }
+
     /// Each list with its name, in the order a loader creates them (owners before what they own).
     pub fn kinds(&self) -> [(&'static str, &Vec<Value>); 14] {
         [

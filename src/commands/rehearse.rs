@@ -73,7 +73,7 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
     };
     let cancel = CancellationToken::new();
     let signals = watch_signals(cancel.clone());
-    let played = crate::rehearse::rehearse(&snap, &settings, cancel.clone()).await;
+    let played = crate::rehearse::rehearse(snap, &settings, cancel.clone()).await;
     signals.abort();
     let exit = match played {
         Ok(prediction) => {
@@ -94,8 +94,8 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
     };
     report.finish(started, exit, false);
     let target = Target {
-        cluster: snap.cluster.clone(),
-        region: snap.region.clone(),
+        cluster: report.cluster.clone(),
+        region: report.region.clone(),
         account: None,
         report: args.report.clone(),
         reclaim: args.reclaim,
@@ -141,7 +141,7 @@ fn validate(args: &RehearseArgs) -> Result<(PlanSource, DrainOverrides, String),
         .map_err(|e| e.to_string())?;
     Ok((
         PlanSource::from_arg(args.plan.as_deref()),
-        DrainOverrides { deadline, policy: args.on_drain_deadline.map(Into::into) },
+        DrainOverrides { deadline, policy: args.on_drain_deadline.map(Into::into), deadline_from_dispatch: true },
         url,
     ))
 }

@@ -155,7 +155,7 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
 async fn sandbox_up_from_snapshot(args: &crate::cli::SandboxUpArgs) -> Exit {
     use crate::rehearse::load::{LoadOptions, load};
     let Some(path) = &args.from_snapshot else { return Exit::BadInput };
-    let snap = match crate::snapshot::Snapshot::load(path) {
+    let mut snap = match crate::snapshot::Snapshot::load(path) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
@@ -163,7 +163,7 @@ async fn sandbox_up_from_snapshot(args: &crate::cli::SandboxUpArgs) -> Exit {
         }
     };
     let opts = LoadOptions { time_scale: args.time_scale, localstack: localstack::endpoint(), port: args.port };
-    let copy = match load(&snap, &opts).await {
+    let copy = match load(&mut snap, &opts).await {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");

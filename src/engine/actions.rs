@@ -285,7 +285,8 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
     // woken when a budget this drain waits on changes its status
     let budget_changed = Arc::new(tokio::sync::Notify::new());
     let mut shown: Option<(u64, Waiting)> = None;
-    let started = Instant::now();
+    let mut started = Instant::now();
+    let mut dispatched = !ctx.drain.deadline_from_dispatch;
     let mut book = EvictionBook::default();
     let mut last_cordon_check = Instant::now();
     let mut deleting = false;
@@ -316,7 +317,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             return Ok(TaskOutcome::Done(format!("{} pod(s) evicted{riding}", book.evicted)));
         }
         let now = Instant::now();
-        if now >= started + deadline && !deleting {
+        if dispatched && now >= started + deadline && !deleting {
             match policy {
                 DrainPolicy::Fail => {
                     let names = describe_blockers(ctx, &left, &book.blocked).await;
@@ -370,6 +371,10 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
                 }
             }
             book.answer(p, outcome, reserved.as_deref(), now)?;
+        }
+        if !dispatched {
+            dispatched = true;
+            started = Instant::now();
         }
         let now_shown = (left.len() as u64, book.waiting(&left));
         if shown.as_ref() != Some(&now_shown) {

@@ -21,6 +21,12 @@ pub struct DrainOverrides {
     pub deadline: Option<Duration>,
     /// `--on-drain-deadline`.
     pub policy: Option<DrainPolicy>,
+    /// A rehearsal's drain: the deadline's clock starts once the node's first eviction wave has
+    /// been asked for (or held by its budgets), not when the drain starts. The rehearsal runs the
+    /// deadline and the grace periods on an accelerated clock but the requests at their own
+    /// speed, so on a large cluster the queue of evictions alone would use up an accelerated
+    /// deadline that the real run, ten minutes long, is nowhere near.
+    pub deadline_from_dispatch: bool,
 }
 
 /// Shared state of one run.

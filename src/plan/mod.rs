@@ -172,13 +172,13 @@ impl Plan {
         self.steps.iter().find(|s| s.id == id)
     }
 
-    /// The same plan with every step's deadline multiplied by `factor`: a rehearsal runs on a
-    /// clock `factor` times as fast as the real one, and a deadline must pass at the same point
-    /// of the work as it would for real. Verification's settle is a real pause (EC2's eventual
-    /// consistency) and stays as it is.
-    pub fn with_deadlines_scaled(&self, factor: f64) -> Plan {
+    /// The same plan with its drain steps' deadlines multiplied by `factor`: a rehearsal runs
+    /// grace periods on a clock `factor` times as fast as the real one, and a drain's deadline
+    /// must pass at the same point of its waits as it would for real. The other steps' deadlines
+    /// bound API and EC2 work, which a rehearsal does at its own speed: they stay as they are.
+    pub fn with_drain_deadlines_scaled(&self, factor: f64) -> Plan {
         let mut plan = self.clone();
-        for step in &mut plan.steps {
+        for step in plan.steps.iter_mut().filter(|s| s.action == Action::Drain) {
             if let Some(d) = step.params.deadline {
                 step.params.deadline = Some(d.mul_f64(factor).max(std::time::Duration::from_millis(1)));
             }

@@ -103,8 +103,9 @@ fn private_account() -> String {
     format!("7{n:011}")
 }
 
-/// Builds the copy.
-pub async fn load(snap: &Snapshot, opts: &LoadOptions) -> Result<Copy, RehearseError> {
+/// Builds the copy. The snapshot's Kubernetes objects are moved into the copy (its lists are
+/// left empty), so a large cluster is not held twice.
+pub async fn load(snap: &mut Snapshot, opts: &LoadOptions) -> Result<Copy, RehearseError> {
     let account = private_account();
     let sdk = sandbox_sim::localstack::config_at(&opts.localstack, &snap.region, &account).await;
     let cloud = Cloud::from_config(&sdk);
@@ -113,6 +114,8 @@ pub async fn load(snap: &Snapshot, opts: &LoadOptions) -> Result<Copy, RehearseE
         .await
         .map_err(|e| RehearseError::LocalStack { endpoint: opts.localstack.clone(), detail: e.to_string() })?;
     let instances = seed_aws(snap, &cloud).await?;
+    let version = simulated_version(snap);
+    let pods_per_node = pods_per_node(snap);
     let mut server = ApiServer::start(ServerOptions {
         port: opts.port,
         time_scale: opts.time_scale,
@@ -130,7 +133,6 @@ pub async fn load(snap: &Snapshot, opts: &LoadOptions) -> Result<Copy, RehearseE
     server.start_control_plane();
     let client = kube::Client::try_from(server.kube_config())
         .map_err(|e| RehearseError::Load { what: "a client for the copy".into(), detail: e.to_string() })?;
-    let version = simulated_version(snap);
     let (namespace, deployment) = snap
         .karpenter
         .controller
@@ -144,7 +146,7 @@ pub async fn load(snap: &Snapshot, opts: &LoadOptions) -> Result<Copy, RehearseE
         SimSettings {
             version,
             time_scale: opts.time_scale,
-            pods_per_node: pods_per_node(snap),
+            pods_per_node,
             namespace,
             deployment,
             ..SimSettings::new(&snap.cluster, &snap.region)
@@ -217,7 +219,7 @@ fn gr_of(obj: &Value, plural: &str) -> GroupResource {
 
 /// Restores every object, owners first, and returns how many.
 fn restore_objects(
-    snap: &Snapshot,
+    snap: &mut Snapshot,
     store: &Store,
     instances: &BTreeMap<String, String>,
 ) -> Result<usize, RehearseError> {
@@ -240,7 +242,7 @@ fn restore_objects(
         })
         .collect();
     let gitops_crds = sandbox_sim::gitops::crds();
-    for (plural, list) in snap.kubernetes.kinds() {
+    for (plural, list) in snap.kubernetes.take_kinds() {
         if plural == "gitops" && !list.is_empty() {
             for crd in &gitops_crds {
                 restore(
@@ -251,8 +253,7 @@ fn restore_objects(
                 )?;
             }
         }
-        for obj in list {
-            let mut obj = obj.clone();
+        for mut obj in list {
             rewrite_owners(&mut obj, &uids);
             rewrite_provider_id(&mut obj, instances);
             let resource = if plural == "gitops" { gitops_plural(&obj) } else { plural.to_string() };

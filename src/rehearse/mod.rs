@@ -159,17 +159,20 @@ pub struct Rehearsal {
     pub prediction: Option<Prediction>,
 }
 
-/// Builds the copy, runs the plan on it and predicts.
+/// Builds the copy, runs the plan on it and predicts. The snapshot's objects move into the copy.
 pub async fn rehearse(
-    snap: &Snapshot,
+    mut snap: Snapshot,
     settings: &RehearsalSettings,
     cancel: CancellationToken,
 ) -> Result<Prediction, RehearseError> {
     let scale = settings.time_scale;
+    let waits = predict::Waits::of(&snap);
     let started = Instant::now();
-    let copy =
-        load::load(snap, &load::LoadOptions { time_scale: scale, localstack: settings.localstack.clone(), port: 0 })
-            .await?;
+    let copy = load::load(
+        &mut snap,
+        &load::LoadOptions { time_scale: scale, localstack: settings.localstack.clone(), port: 0 },
+    )
+    .await?;
     let load_seconds = started.elapsed().as_secs_f64();
     let facts = CopyFacts {
         karpenter: copy.version.as_str().to_string(),
@@ -179,7 +182,7 @@ pub async fn rehearse(
         time_scale: scale,
         load_seconds,
     };
-    let result = play(snap, settings, &copy, cancel).await;
+    let result = play(&snap, settings, &copy, cancel).await;
     let prediction = match result {
         Ok((run, requests, run_seconds)) => {
             let blockers = blockers_of(&copy, &run.blockers);
@@ -196,7 +199,7 @@ pub async fn rehearse(
                 })
                 .unwrap_or(Duration::from_secs(600));
             let timing = predict::timing(
-                snap,
+                &waits,
                 &run.steps,
                 predict::TimingInputs { time_scale: scale, drain_deadline, run_seconds },
             );
@@ -233,11 +236,12 @@ async fn play(
         cluster: snap.cluster.clone(),
         region: snap.region.clone(),
         account: Some(copy.account.clone()),
-        plan: settings.plan.with_deadlines_scaled(scale),
+        plan: settings.plan.with_drain_deadlines_scaled(scale),
         dry_run: false,
         drain: DrainOverrides {
             deadline: settings.drain.deadline.map(|d| d.mul_f64(scale).max(Duration::from_millis(1))),
             policy: settings.drain.policy,
+            deadline_from_dispatch: true,
         },
         max_nodes: settings.max_nodes,
         reclaim: settings.reclaim,

@@ -1,7 +1,8 @@
 //! From a rehearsal on the accelerated copy to a prediction on the real clock.
 //!
 //! The copy runs every grace period and every Karpenter delay `time_scale` times as fast, and the
-//! plan's deadlines too, so each wait ends at the same point of the work as it would for real.
+//! drain deadline too (its clock starting once the node's evictions are asked for), so each wait
+//! ends at the same point of the work as it would for real.
 //! The API and EC2 work is not accelerated: it is measured as it is. So a step's real duration is
 //! predicted as what the rehearsal measured, plus the part of its waits the acceleration took
 //! away: `measured + (1 - time_scale) × waits`, where `waits` is the step's chain of real waits
@@ -67,8 +68,27 @@ pub struct TimingInputs {
     pub run_seconds: f64,
 }
 
+/// The real waits a snapshot holds, read before its objects move into the copy.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Waits {
+    /// The slowest Karpenter node to drain: seconds, and its name.
+    pub slowest_drain: (f64, Option<String>),
+    /// The controller's pods' longest grace period, seconds (0 when it runs no pod).
+    pub controller_grace: f64,
+}
+
+impl Waits {
+    /// Reads them off a snapshot.
+    pub fn of(snap: &Snapshot) -> Waits {
+        Waits {
+            slowest_drain: slowest_drain(snap),
+            controller_grace: if snap.karpenter.ready_replicas > 0 { controller_grace(snap) } else { 0.0 },
+        }
+    }
+}
+
 /// Predicts each step's and the run's wall time from the rehearsal's step records.
-pub fn timing(snap: &Snapshot, records: &[StepRecord], inputs: TimingInputs) -> Timing {
+pub fn timing(waits: &Waits, records: &[StepRecord], inputs: TimingInputs) -> Timing {
     let scale = inputs.time_scale.clamp(0.0, 1.0);
     let mut by_step: Vec<(String, String, Vec<&StepRecord>)> = Vec::new();
     for r in records {
@@ -99,16 +119,16 @@ pub fn timing(snap: &Snapshot, records: &[StepRecord], inputs: TimingInputs) -> 
                         "the drain deadline: the rehearsal's drain ran into it".to_string(),
                     )
                 } else {
-                    let (secs, node) = slowest_drain(snap);
+                    let (secs, node) = &waits.slowest_drain;
                     let basis = match node {
                         Some(n) => format!("node {n}: its pods' grace periods, critical pods after the others"),
                         None => "no pod to evict".to_string(),
                     };
-                    (secs, basis)
+                    (*secs, basis)
                 }
             }
-            "remove-controller" if snap.karpenter.ready_replicas > 0 => {
-                (controller_grace(snap), "the controller's pods' grace period".to_string())
+            "remove-controller" if waits.controller_grace > 0.0 => {
+                (waits.controller_grace, "the controller's pods' grace period".to_string())
             }
             _ => (0.0, "API and EC2 work only, as measured".to_string()),
         };
@@ -244,7 +264,7 @@ mod tests {
         let records =
             [record("fence", "fence", 0, 1, TaskResult::Done), record("drain", "drain", 1, 5, TaskResult::Done)];
         let inputs = TimingInputs { time_scale: 0.05, drain_deadline: Duration::from_secs(600), run_seconds: 6.0 };
-        let t = timing(&s, &records, inputs);
+        let t = timing(&Waits::of(&s), &records, inputs);
         assert_eq!(t.steps[0].predicted_seconds, 1.0);
         // 4 s measured (3 s of them the scaled 60 s grace period) + 0.95 × 60 s
         assert!((t.steps[1].predicted_seconds - 61.0).abs() < 1e-9, "{:?}", t.steps[1]);
@@ -257,7 +277,7 @@ mod tests {
         let s = snap(vec![pod("a", 5, false)]);
         let records = [record("drain", "drain", 0, 31, TaskResult::Blocked)];
         let inputs = TimingInputs { time_scale: 0.05, drain_deadline: Duration::from_secs(600), run_seconds: 32.0 };
-        let t = timing(&s, &records, inputs);
+        let t = timing(&Waits::of(&s), &records, inputs);
         assert!((t.steps[0].predicted_seconds - (31.0 + 0.95 * 600.0)).abs() < 1e-9);
         assert!(t.steps[0].basis.contains("deadline"));
     }
