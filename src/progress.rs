@@ -89,6 +89,12 @@ impl Board {
                     line.drain = Some((*pods_left, waiting.clone()));
                 }
             }
+            EngineEvent::DrainDeadlinePassed { task, pods_left } => {
+                self.push_blocker(format!(
+                    "{}: drain deadline passed with {pods_left} pod(s) left",
+                    TaskKey::of(task).label()
+                ));
+            }
             EngineEvent::TaskEnded { task, result, detail } => {
                 let key = TaskKey::of(task);
                 if !result.is_ok() {

@@ -318,6 +318,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
         }
         let now = Instant::now();
         if dispatched && now >= started + deadline && !deleting {
+            ctx.events.send(EngineEvent::DrainDeadlinePassed { task: task.clone(), pods_left: left.len() as u64 });
             match policy {
                 DrainPolicy::Fail => {
                     let names = describe_blockers(ctx, &left, &book.blocked).await;

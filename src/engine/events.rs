@@ -60,6 +60,14 @@ pub enum EngineEvent {
         /// What it waits on.
         waiting: Waiting,
     },
+    /// A drain's deadline passed with pods still on its node; its policy (fail, delete, skip)
+    /// applies now.
+    DrainDeadlinePassed {
+        /// The drain task.
+        task: TaskRef,
+        /// Drainable pods still on the node.
+        pods_left: u64,
+    },
     /// Something blocked or fought the run.
     Blocker(Blocker),
     /// A task is over.

@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use crate::aws::{AwsClients, AwsError};
 use crate::engine::context::DrainOverrides;
-use crate::engine::events::Events;
+use crate::engine::events::{EngineEvent, Events};
 use crate::engine::{self, RunSettings};
 use crate::exit::Exit;
 use crate::gitops::GitopsConsent;
@@ -184,7 +184,7 @@ pub async fn rehearse(
     };
     let result = play(&snap, settings, &copy, cancel).await;
     let prediction = match result {
-        Ok((run, requests, run_seconds)) => {
+        Ok((run, requests, run_seconds, drain_deadline_passed)) => {
             let blockers = blockers_of(&copy, &run.blockers);
             let drain_deadline = settings
                 .drain
@@ -201,7 +201,7 @@ pub async fn rehearse(
             let timing = predict::timing(
                 &waits,
                 &run.steps,
-                predict::TimingInputs { time_scale: scale, drain_deadline, run_seconds },
+                predict::TimingInputs { time_scale: scale, drain_deadline, run_seconds, drain_deadline_passed },
             );
             Ok(Prediction {
                 outcome: Outcome::from_exit(run.exit),
@@ -221,7 +221,8 @@ pub async fn rehearse(
     prediction
 }
 
-type Played = (engine::RunResult, BTreeMap<String, u64>, f64);
+/// The run on the copy, its requests, its wall time, and whether a drain ran into its deadline.
+type Played = (engine::RunResult, BTreeMap<String, u64>, f64, bool);
 
 async fn play(
     snap: &Snapshot,
@@ -250,11 +251,24 @@ async fn play(
     let started = Instant::now();
     // every log line of the copy's run says so: it must never read as a change to the live cluster
     let span = tracing::info_span!("rehearsal", copy = %copy.server.url());
-    let run = engine::run(kube.clone(), aws.clone(), run_settings, cancel, Events::default()).instrument(span).await;
+    let (events, mut rx) = Events::channel();
+    // owned here and joined below: it ends when the run's last sender is dropped
+    let deadlines = tokio::spawn(
+        async move {
+            let mut passed = false;
+            while let Some(ev) = rx.recv().await {
+                passed |= matches!(ev, EngineEvent::DrainDeadlinePassed { .. });
+            }
+            passed
+        }
+        .instrument(span.clone()),
+    );
+    let run = engine::run(kube.clone(), aws.clone(), run_settings, cancel, events).instrument(span).await;
     let run_seconds = started.elapsed().as_secs_f64();
+    let drain_deadline_passed = deadlines.await.unwrap_or(false);
     let mut requests = kube.calls.snapshot();
     requests.extend(aws.calls.snapshot());
-    Ok((run, requests, run_seconds))
+    Ok((run, requests, run_seconds, drain_deadline_passed))
 }
 
 /// The run's blockers with live instance ids, and each budget's arithmetic read from the copy.
