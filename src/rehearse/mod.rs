@@ -184,7 +184,7 @@ pub async fn rehearse(
     };
     let result = play(&snap, settings, &copy, cancel).await;
     let prediction = match result {
-        Ok((run, requests, run_seconds, drain_deadline_passed)) => {
+        Ok((run, requests, run_seconds, deadline_passed)) => {
             let blockers = blockers_of(&copy, &run.blockers);
             let drain_deadline = settings
                 .drain
@@ -201,7 +201,7 @@ pub async fn rehearse(
             let timing = predict::timing(
                 &waits,
                 &run.steps,
-                predict::TimingInputs { time_scale: scale, drain_deadline, run_seconds, drain_deadline_passed },
+                &predict::TimingInputs { time_scale: scale, drain_deadline, run_seconds, deadline_passed },
             );
             Ok(Prediction {
                 outcome: Outcome::from_exit(run.exit),
@@ -221,8 +221,9 @@ pub async fn rehearse(
     prediction
 }
 
-/// The run on the copy, its requests, its wall time, and whether a drain ran into its deadline.
-type Played = (engine::RunResult, BTreeMap<String, u64>, f64, bool);
+/// The run on the copy, its requests, its wall time, and the machines whose drain ran into its
+/// deadline.
+type Played = (engine::RunResult, BTreeMap<String, u64>, f64, std::collections::BTreeSet<String>);
 
 async fn play(
     snap: &Snapshot,
@@ -255,9 +256,11 @@ async fn play(
     // owned here and joined below: it ends when the run's last sender is dropped
     let deadlines = tokio::spawn(
         async move {
-            let mut passed = false;
+            let mut passed = std::collections::BTreeSet::new();
             while let Some(ev) = rx.recv().await {
-                passed |= matches!(ev, EngineEvent::DrainDeadlinePassed { .. });
+                if let EngineEvent::DrainDeadlinePassed { task, .. } = ev {
+                    passed.insert(task.object.unwrap_or_default());
+                }
             }
             passed
         }
@@ -265,10 +268,10 @@ async fn play(
     );
     let run = engine::run(kube.clone(), aws.clone(), run_settings, cancel, events).instrument(span).await;
     let run_seconds = started.elapsed().as_secs_f64();
-    let drain_deadline_passed = deadlines.await.unwrap_or(false);
+    let deadline_passed = deadlines.await.unwrap_or_default();
     let mut requests = kube.calls.snapshot();
     requests.extend(aws.calls.snapshot());
-    Ok((run, requests, run_seconds, drain_deadline_passed))
+    Ok((run, requests, run_seconds, deadline_passed))
 }
 
 /// The run's blockers with live instance ids, and each budget's arithmetic read from the copy.
