@@ -89,7 +89,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     spare_nodes: usize,
     /// The clock of `rehearse`'s copy (its --time-scale).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.2)]
     rehearse_time_scale: f64,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]

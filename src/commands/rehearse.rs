@@ -106,7 +106,7 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
 fn validate(args: &RehearseArgs) -> Result<(PlanSource, DrainOverrides, String), String> {
     if !(0.001..=1.0).contains(&args.time_scale) {
         return Err(format!(
-            "--time-scale {} is out of range: give a factor between 0.001 and 1 (0.05 is twenty times as fast)",
+            "--time-scale {} is out of range: give a factor between 0.001 and 1 (0.2 is five times as fast)",
             args.time_scale
         ));
     }

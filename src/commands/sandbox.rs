@@ -48,6 +48,9 @@ pub(super) async fn sandbox_command(cmd: SandboxCommand) -> Exit {
     }
 }
 
+/// Workloads per namespace in a generated cluster.
+const WORKLOADS_PER_NAMESPACE: usize = 25;
+
 /// The region the sandbox plays in.
 const SANDBOX_REGION: &str = "us-west-2";
 
@@ -83,12 +86,18 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
             return Exit::Failure;
         }
     };
+    let base = WorldSpec::named(&args.cluster);
+    let workloads = (args.nodes * args.pods_per_node).div_ceil(base.replicas_per_workload.max(1));
     let spec = WorldSpec {
         cluster: args.cluster.clone(),
         nodes: args.nodes,
         pods_per_node: args.pods_per_node,
         version,
-        ..WorldSpec::named(&args.cluster)
+        // large clusters spread their workloads over namespaces, as real ones do (one namespace
+        // of thousands of workloads makes the sandbox's per-namespace passes quadratic)
+        workload_namespaces: workloads.div_ceil(WORKLOADS_PER_NAMESPACE).max(1),
+        settle_timeout: std::time::Duration::from_secs(60 + args.nodes as u64 / 2),
+        ..base
     };
     println!(
         "sandbox: generating cluster {} ({} Karpenter nodes, Karpenter {})...",

@@ -75,7 +75,7 @@ pub struct RehearsalSettings {
     pub reclaim: bool,
     /// `--pause-gitops`, `--gitops-paused-elsewhere`.
     pub gitops: GitopsConsent,
-    /// The copy's clock (0.05: twenty times as fast).
+    /// The copy's clock (0.2: five times as fast).
     pub time_scale: f64,
     /// The LocalStack that holds the copy's AWS side.
     pub localstack: String,
