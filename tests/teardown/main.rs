@@ -11,5 +11,4 @@ mod default_plan;
 mod faults;
 mod field_reports;
 mod plans;
-mod rehearse;
 mod resume;

@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::common;
-use crate::common::e2e::{Bed, REGION, Run, bed_with, real_crds, scale_controller, spec, teardown};
+use crate::common::e2e::{Bed, REGION, Run, bed_with, real_crds, scale_controller, spec};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -40,8 +40,50 @@ fn live_spec(prefix: &str, nodes: usize) -> WorldSpec {
     WorldSpec { grace_periods: vec![(3, 1)], ..spec(prefix, nodes) }
 }
 
+/// The live cluster's API server, with its AWS side in a LocalStack account of its own: the real
+/// run's EC2 calls then see what the rehearsal's copy sees (LocalStack answers slower the more
+/// instances an account holds, and the other tests leave theirs in the default one).
 async fn live_bed(cluster: &str, rbac: Rbac) -> Bed {
-    bed_with(cluster, ServerOptions { time_scale: 1.0, rbac: Some(rbac), ..ServerOptions::default() }).await
+    let mut b =
+        bed_with(cluster, ServerOptions { time_scale: 1.0, rbac: Some(rbac), ..ServerOptions::default() }).await;
+    let account = account_of(cluster);
+    let config = sandbox_sim::localstack::config_at(common::LOCALSTACK, REGION, &account).await;
+    b.cloud = sandbox_sim::cloud::Cloud::from_config(&config);
+    b.aws = karpenter_teardown::aws::AwsClients::from_config(&config).await.unwrap();
+    b
+}
+
+/// A 12-digit LocalStack account for a cluster (its access key), stable for the test.
+fn account_of(cluster: &str) -> String {
+    let h = cluster.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+    format!("6{:011}", h % 100_000_000_000)
+}
+
+/// Runs `karpenter-teardown run` against the bed as the live cluster's account.
+async fn real_run(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
+    let report = b.dir.path().join("report.json");
+    let _ = std::fs::remove_file(&report);
+    let account = account_of(cluster);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .args(["run", "--cluster", cluster, "--region", REGION, "--kubeconfig"])
+        .arg(&b.kubeconfig)
+        .arg("--report")
+        .arg(&report)
+        .args(extra)
+        .envs(common::localstack_env())
+        .env("AWS_ACCESS_KEY_ID", &account)
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let report = std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into(),
+        stderr: String::from_utf8_lossy(&out.stderr).into(),
+        report,
+    }
 }
 
 fn live_sim(b: &Bed, world: &World) -> SimController {
@@ -68,6 +110,7 @@ async fn rehearse(b: &Bed, cluster: &str, aws_endpoint: &str, extra: &[&str]) ->
         .args(extra)
         .envs(common::localstack_env())
         .env("AWS_ENDPOINT_URL", aws_endpoint)
+        .env("AWS_ACCESS_KEY_ID", account_of(cluster))
         .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
         .kill_on_drop(true)
         .output()
@@ -100,7 +143,7 @@ async fn prediction_matches_the_real_run(b: &Bed, cluster: &str, extra: &[&str])
     assert!(prediction.is_object(), "no prediction:\n{}", rehearsal.dump());
     let mut args = vec!["--yes"];
     args.extend_from_slice(extra);
-    let real = teardown(b, cluster, &args).await;
+    let real = real_run(b, cluster, &args).await;
     let explain = || format!("rehearsal:\n{}\n\nreal run:\n{}", rehearsal.dump(), real.dump());
     assert_eq!(prediction["outcome"], real.report["outcome"], "{}", explain());
     assert_eq!(prediction["exit_code"], real.report["exit_code"], "{}", explain());
@@ -128,6 +171,7 @@ async fn prediction_matches_the_real_run(b: &Bed, cluster: &str, extra: &[&str])
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rehearse_writes_nothing_with_its_read_only_role() {
+    let _serial = crate::SERIAL.lock().await;
     let s = live_spec("reh-audit", 4);
     let b = live_bed(&s.cluster, rehearse_rbac()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -195,6 +239,7 @@ async fn rehearse_writes_nothing_with_its_read_only_role() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rehearse_predicts_a_healthy_teardown() {
+    let _serial = crate::SERIAL.lock().await;
     let s = live_spec("reh-healthy", 6);
     let b = live_bed(&s.cluster, both_roles()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -213,6 +258,7 @@ async fn rehearse_predicts_a_healthy_teardown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rehearse_predicts_a_teardown_with_the_controller_gone() {
+    let _serial = crate::SERIAL.lock().await;
     let s = live_spec("reh-gone", 4);
     let b = live_bed(&s.cluster, both_roles()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -226,6 +272,7 @@ async fn rehearse_predicts_a_teardown_with_the_controller_gone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rehearse_predicts_a_strict_budget_blocking_the_drain() {
+    let _serial = crate::SERIAL.lock().await;
     let s = WorldSpec { strict_pdb: true, ..live_spec("reh-pdb", 4) };
     let b = live_bed(&s.cluster, both_roles()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -248,6 +295,7 @@ async fn rehearse_predicts_a_strict_budget_blocking_the_drain() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rehearse_predicts_karpenter_1_0_with_objects_stored_at_v1beta1() {
+    let _serial = crate::SERIAL.lock().await;
     let s = WorldSpec {
         version: KarpenterVersion::V1_0,
         karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
@@ -276,6 +324,7 @@ async fn rehearse_predicts_karpenter_1_0_with_objects_stored_at_v1beta1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rehearse_predicts_the_refusal_of_active_gitops_owners() {
+    let _serial = crate::SERIAL.lock().await;
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..live_spec("reh-gitops", 3) };
     let b = live_bed(&s.cluster, both_roles()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -303,13 +352,14 @@ async fn wait_controller_pods_gone(b: &Bed) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandbox_up_serves_a_snapshot_to_kubectl() {
+    let _serial = crate::SERIAL.lock().await;
     use karpenter_teardown::snapshot::Snapshot;
     use tokio::io::AsyncBufReadExt;
     let s = live_spec("reh-serve", 3);
     let b = live_bed(&s.cluster, both_roles()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let kube = karpenter_teardown::k8s::Kube::from_config(b.server.kube_config(), None).unwrap();
-    let snap = Snapshot::take(&kube, &common::localstack_as_aws(REGION).await, &world.cluster, REGION).await.unwrap();
+    let snap = Snapshot::take(&kube, &b.aws, &world.cluster, REGION).await.unwrap();
     let path = b.dir.path().join("snap.json");
     snap.write(&path).unwrap();
     let kubeconfig = b.dir.path().join("copy.kubeconfig");
