@@ -48,6 +48,16 @@ pub enum SnapshotError {
     /// The AWS side failed.
     #[error(transparent)]
     Aws(#[from] AwsError),
+    /// The identity may not read what a snapshot needs.
+    #[error(
+        "the kubeconfig's identity may not {what} ({detail}); a rehearsal reads with deploy/rbac-rehearse.yaml: apply it and bind it to the identity (README, Rehearse)"
+    )]
+    Forbidden {
+        /// The read that was refused.
+        what: String,
+        /// The server's message.
+        detail: String,
+    },
     /// A snapshot file could not be read.
     #[error("cannot read the snapshot {path}: {detail}; pass a file written by `rehearse --snapshot-out`")]
     Read {
@@ -82,7 +92,7 @@ impl SnapshotError {
         match self {
             SnapshotError::Kube(e) => e.is_configuration(),
             SnapshotError::Aws(e) => e.is_configuration(),
-            SnapshotError::Read { .. } | SnapshotError::Format { .. } => true,
+            SnapshotError::Read { .. } | SnapshotError::Format { .. } | SnapshotError::Forbidden { .. } => true,
             SnapshotError::Write { .. } => false,
         }
     }
@@ -423,7 +433,11 @@ fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource
 
 /// Lists every object of a kind, page by page, reducing each page before asking for the next. A
 /// kind the server does not serve is an empty list.
-async fn list_all(client: &kube::Client, ar: &ApiResource, reduce: fn(&mut Value)) -> Result<Vec<Value>, KubeError> {
+async fn list_all(
+    client: &kube::Client,
+    ar: &ApiResource,
+    reduce: fn(&mut Value),
+) -> Result<Vec<Value>, SnapshotError> {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), ar);
     let mut out = Vec::new();
     let mut token: Option<String> = None;
@@ -440,9 +454,14 @@ async fn list_all(client: &kube::Client, ar: &ApiResource, reduce: fn(&mut Value
                     action: format!("list {}", ar.plural),
                     crd: format!("{}.{}", ar.plural, ar.group),
                     detail: s.message,
-                });
+                }
+                .into());
             }
-            Err(e) => return Err(KubeError::api(format!("list {}", ar.plural), e)),
+            Err(kube::Error::Api(s)) if s.code == 403 => {
+                let group = if ar.group.is_empty() { String::new() } else { format!(".{}", ar.group) };
+                return Err(SnapshotError::Forbidden { what: format!("list {}{group}", ar.plural), detail: s.message });
+            }
+            Err(e) => return Err(KubeError::api(format!("list {}", ar.plural), e).into()),
         };
         token = page.metadata.continue_.clone().filter(|t| !t.is_empty());
         for item in page.items {
@@ -460,7 +479,7 @@ async fn list_all(client: &kube::Client, ar: &ApiResource, reduce: fn(&mut Value
     }
 }
 
-async fn read_kubernetes(client: &kube::Client) -> Result<KubeObjects, KubeError> {
+async fn read_kubernetes(client: &kube::Client) -> Result<KubeObjects, SnapshotError> {
     let mut k = KubeObjects {
         crds: list_all(
             client,
@@ -510,7 +529,10 @@ async fn read_kubernetes(client: &kube::Client) -> Result<KubeObjects, KubeError
                 k.services.push(v);
             }
             Ok(None) => {}
-            Err(e) => return Err(KubeError::api(format!("get service {ns}/{name}"), e)),
+            Err(kube::Error::Api(s)) if s.code == 403 => {
+                return Err(SnapshotError::Forbidden { what: format!("get service {ns}/{name}"), detail: s.message });
+            }
+            Err(e) => return Err(KubeError::api(format!("get service {ns}/{name}"), e).into()),
         }
     }
     Ok(k)

@@ -396,3 +396,15 @@ async fn sandbox_up_serves_a_snapshot_to_kubectl() {
     child.kill().await.unwrap();
     b.server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_without_the_rehearse_role_is_told_which_file_grants_it() {
+    let _serial = crate::SERIAL.lock().await;
+    let s = live_spec("reh-forbidden", 2);
+    let b = live_bed(&s.cluster, Rbac::from_yaml(RUN_RBAC).unwrap()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let run = rehearse(&b, &world.cluster, common::ec2_proxy(), &[]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    assert!(run.stderr.contains("deploy/rbac-rehearse.yaml"), "the file that grants it is named:\n{}", run.stderr);
+    b.server.shutdown().await;
+}
