@@ -133,37 +133,9 @@ pub struct RehearseArgs {
     #[arg(long, value_name = "FILE")]
     pub from_snapshot: Option<PathBuf>,
 
-    /// Plan file (default: the built-in default plan; `delegate` names the built-in delegate plan).
-    #[arg(long, env = "KARPENTER_TEARDOWN_PLAN", value_name = "FILE")]
-    pub plan: Option<String>,
-
-    /// Kubeconfig file (default: KUBECONFIG, then ~/.kube/config).
-    #[arg(long, env = "KARPENTER_TEARDOWN_KUBECONFIG", value_name = "FILE")]
-    pub kubeconfig: Option<PathBuf>,
-
-    /// Kubeconfig context (default: the current context).
-    #[arg(long, env = "KARPENTER_TEARDOWN_CONTEXT")]
-    pub context: Option<String>,
-
-    /// As for `run`: the drain deadline to rehearse (real clock).
-    #[arg(long, env = "KARPENTER_TEARDOWN_DRAIN_DEADLINE", value_name = "DURATION")]
-    pub drain_deadline: Option<String>,
-
-    /// As for `run`: the policy at the drain deadline to rehearse.
-    #[arg(long, env = "KARPENTER_TEARDOWN_ON_DRAIN_DEADLINE", value_enum)]
-    pub on_drain_deadline: Option<DrainPolicyArg>,
-
-    /// As for `run`.
-    #[arg(long, env = "KARPENTER_TEARDOWN_MAX_NODES", value_name = "N")]
-    pub max_nodes: Option<u32>,
-
-    /// As for `run`.
-    #[arg(long, env = "KARPENTER_TEARDOWN_PAUSE_GITOPS")]
-    pub pause_gitops: bool,
-
-    /// As for `run`.
-    #[arg(long, env = "KARPENTER_TEARDOWN_GITOPS_PAUSED_ELSEWHERE")]
-    pub gitops_paused_elsewhere: bool,
+    /// The teardown to rehearse: the same flags as `run`'s (the drain deadline on the real clock).
+    #[command(flatten)]
+    pub teardown: TeardownArgs,
 
     /// As for `run`.
     #[arg(long, env = "KARPENTER_TEARDOWN_RECLAIM")]
@@ -254,6 +226,19 @@ pub struct RunArgs {
     #[command(flatten)]
     pub target: TargetArgs,
 
+    /// Plan, kubeconfig, drain, blast radius and GitOps.
+    #[command(flatten)]
+    pub teardown: TeardownArgs,
+
+    /// Actually do it. Without --yes the tool shows the concrete plan and changes nothing.
+    #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
+    pub yes: bool,
+}
+
+/// What a teardown does and against which cluster: shared by `run` and `rehearse` (which plays
+/// exactly the run these flags describe).
+#[derive(Debug, Args)]
+pub struct TeardownArgs {
     /// Plan file (default: the built-in default plan; `delegate` names the built-in delegate plan).
     #[arg(long, env = "KARPENTER_TEARDOWN_PLAN", value_name = "FILE")]
     pub plan: Option<String>,
@@ -265,10 +250,6 @@ pub struct RunArgs {
     /// Kubeconfig context (default: the current context).
     #[arg(long, env = "KARPENTER_TEARDOWN_CONTEXT")]
     pub context: Option<String>,
-
-    /// Actually do it. Without --yes the tool shows the concrete plan and changes nothing.
-    #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
-    pub yes: bool,
 
     /// How long one node may take to drain before --on-drain-deadline applies (e.g. 10m, 90s).
     /// Overrides the plan's drain deadline (10m in the built-in plans).

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::cli::{DrainPolicyArg, RunArgs, TargetArgs};
+use crate::cli::{DrainPolicyArg, RunArgs, TargetArgs, TeardownArgs};
 
 /// A flag or environment value that cannot be used, with the fix.
 #[derive(Debug, thiserror::Error)]
@@ -164,15 +164,47 @@ impl RunConfig {
     /// Validates every `run` flag.
     pub fn from_args(a: &RunArgs) -> Result<RunConfig, ConfigError> {
         let target = Target::from_args(&a.target)?;
+        let t = TeardownConfig::from_args(&a.teardown)?;
+        Ok(RunConfig {
+            target,
+            kube: t.kube,
+            plan: t.plan,
+            consent: if a.yes { Consent::Yes } else { Consent::DryRun },
+            drain_deadline: t.drain_deadline,
+            on_drain_deadline: t.on_drain_deadline,
+            max_nodes: t.max_nodes,
+            gitops: t.gitops,
+        })
+    }
+}
+
+/// The validated [`TeardownArgs`], shared by `run` and `rehearse`.
+#[derive(Debug, Clone)]
+pub struct TeardownConfig {
+    /// Kubernetes access.
+    pub kube: KubeTarget,
+    /// Plan.
+    pub plan: PlanSource,
+    /// Per-node drain deadline (overrides the plan's).
+    pub drain_deadline: Option<Duration>,
+    /// Policy at the drain deadline (overrides the plan's).
+    pub on_drain_deadline: Option<DrainPolicy>,
+    /// Blast-radius limit.
+    pub max_nodes: Option<u32>,
+    /// What may be done about GitOps owners of the Karpenter objects.
+    pub gitops: crate::gitops::GitopsConsent,
+}
+
+impl TeardownConfig {
+    /// Validates the flags that describe a teardown.
+    pub fn from_args(a: &TeardownArgs) -> Result<TeardownConfig, ConfigError> {
         let drain_deadline = a.drain_deadline.as_deref().map(|d| parse_duration("drain-deadline", d)).transpose()?;
         if a.max_nodes == Some(0) {
             return Err(ConfigError::ZeroMaxNodes);
         }
-        Ok(RunConfig {
-            target,
+        Ok(TeardownConfig {
             kube: KubeTarget { kubeconfig: a.kubeconfig.clone(), context: a.context.clone() },
             plan: PlanSource::from_arg(a.plan.as_deref()),
-            consent: if a.yes { Consent::Yes } else { Consent::DryRun },
             drain_deadline,
             on_drain_deadline: a.on_drain_deadline.map(Into::into),
             max_nodes: a.max_nodes,

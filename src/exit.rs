@@ -39,6 +39,19 @@ impl Exit {
         }
     }
 
+    /// The status a process exit code stands for (any code this tool does not use is a failure).
+    pub fn from_code(code: u8) -> Exit {
+        match code {
+            0 => Exit::Clean,
+            2 => Exit::BadInput,
+            3 => Exit::Refused,
+            4 => Exit::Leftovers,
+            5 => Exit::Blocked,
+            130 => Exit::Interrupted,
+            _ => Exit::Failure,
+        }
+    }
+
     /// Combines two outcomes of one run, keeping the one that takes precedence.
     pub fn worst(self, other: Exit) -> Exit {
         if other.rank() > self.rank() { other } else { self }

@@ -10,10 +10,10 @@ use tokio_util::sync::CancellationToken;
 use super::{fail, load_plan, watch_signals};
 use crate::aws::AwsClients;
 use crate::cli::RehearseArgs;
-use crate::config::{KubeTarget, PlanSource, Target, parse_duration};
+use crate::cli::TargetArgs;
+use crate::config::{KubeTarget, Target, TeardownConfig};
 use crate::engine::context::DrainOverrides;
 use crate::exit::Exit;
-use crate::gitops::GitopsConsent;
 use crate::k8s::Kube;
 use crate::rehearse::{Prediction, Rehearsal, RehearsalSettings, RehearseError};
 use crate::report::Report;
@@ -21,18 +21,18 @@ use crate::snapshot::{Snapshot, SnapshotError};
 
 /// Runs `rehearse`.
 pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
-    let (plan_source, drain, localstack) = match validate(args) {
+    let (teardown, target, localstack) = match validate(args) {
         Ok(v) => v,
         Err(msg) => {
             eprintln!("error: {msg}");
             return Exit::BadInput;
         }
     };
-    let plan = match load_plan(&plan_source) {
+    let plan = match load_plan(&teardown.plan) {
         Ok(p) => p,
         Err(e) => return fail(&e.into()),
     };
-    let snap = match snapshot(args).await {
+    let snap = match snapshot(args, target.as_ref(), &teardown.kube).await {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
@@ -64,10 +64,14 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
     println!("rehearse: playing plan {} on a copy, clock {}x faster...", plan.name(), (1.0 / args.time_scale).round());
     let settings = RehearsalSettings {
         plan,
-        drain,
-        max_nodes: args.max_nodes,
+        drain: DrainOverrides {
+            deadline: teardown.drain_deadline,
+            policy: teardown.on_drain_deadline,
+            deadline_from_dispatch: true,
+        },
+        max_nodes: teardown.max_nodes,
         reclaim: args.reclaim,
-        gitops: GitopsConsent { pause: args.pause_gitops, paused_elsewhere: args.gitops_paused_elsewhere },
+        gitops: teardown.gitops,
         time_scale: args.time_scale,
         localstack,
     };
@@ -103,7 +107,9 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
     super::finish_report(&target, &report, exit)
 }
 
-fn validate(args: &RehearseArgs) -> Result<(PlanSource, DrainOverrides, String), String> {
+/// The validated flags: the teardown to play, the live cluster to read (none with
+/// --from-snapshot), and the LocalStack for the copy.
+fn validate(args: &RehearseArgs) -> Result<(TeardownConfig, Option<Target>, String), String> {
     if !(0.001..=1.0).contains(&args.time_scale) {
         return Err(format!(
             "--time-scale {} is out of range: give a factor between 0.001 and 1 (0.2 is five times as fast)",
@@ -130,24 +136,25 @@ fn validate(args: &RehearseArgs) -> Result<(PlanSource, DrainOverrides, String),
         }
         Some(_) => {}
     }
-    if args.max_nodes == Some(0) {
-        return Err("--max-nodes 0 would refuse every run: give at least 1, or leave it out".into());
-    }
-    let deadline = args
-        .drain_deadline
-        .as_deref()
-        .map(|d| parse_duration("drain-deadline", d))
-        .transpose()
-        .map_err(|e| e.to_string())?;
-    Ok((
-        PlanSource::from_arg(args.plan.as_deref()),
-        DrainOverrides { deadline, policy: args.on_drain_deadline.map(Into::into), deadline_from_dispatch: true },
-        url,
-    ))
+    let teardown = TeardownConfig::from_args(&args.teardown).map_err(|e| e.to_string())?;
+    let target = match (&args.from_snapshot, &args.cluster) {
+        (Some(_), _) => None,
+        (None, cluster) => Some(
+            Target::from_args(&TargetArgs {
+                cluster: cluster.clone().unwrap_or_default(),
+                region: args.region.clone(),
+                account: None,
+                report: None,
+                reclaim: false,
+            })
+            .map_err(|e| e.to_string())?,
+        ),
+    };
+    Ok((teardown, target, url))
 }
 
 /// The snapshot: from a file, or read from the live cluster (lists and describes only).
-async fn snapshot(args: &RehearseArgs) -> Result<Snapshot, SnapshotError> {
+async fn snapshot(args: &RehearseArgs, target: Option<&Target>, kube: &KubeTarget) -> Result<Snapshot, SnapshotError> {
     if let Some(path) = &args.from_snapshot {
         let snap = Snapshot::load(path)?;
         if let Some(c) = &args.cluster
@@ -160,17 +167,10 @@ async fn snapshot(args: &RehearseArgs) -> Result<Snapshot, SnapshotError> {
         }
         return Ok(snap);
     }
-    let target_args = crate::cli::TargetArgs {
-        cluster: args.cluster.clone().unwrap_or_default(),
-        region: args.region.clone(),
-        account: None,
-        report: None,
-        reclaim: false,
+    let Some(target) = target else {
+        return Err(SnapshotError::Read { path: "the command line".into(), detail: "no --cluster to read".into() });
     };
-    let target = Target::from_args(&target_args)
-        .map_err(|e| SnapshotError::Read { path: "the command line".into(), detail: e.to_string() })?;
-    let kube =
-        Kube::connect(&KubeTarget { kubeconfig: args.kubeconfig.clone(), context: args.context.clone() }).await?;
+    let kube = Kube::connect(kube).await?;
     let aws = AwsClients::connect(&target.region).await?;
     Snapshot::take(&kube, &aws, &target.cluster, &target.region).await
 }

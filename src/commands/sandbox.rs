@@ -136,17 +136,8 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
         SimSettings { version, time_scale: args.time_scale, ..SimSettings::new(&world.cluster, SANDBOX_REGION) },
     );
     println!("sandbox: API server {} ; kubeconfig {} (context {})", server.url(), kubeconfig.display(), args.cluster);
-    let exit = if demo {
-        sandbox_demo(&kubeconfig, &world, &aws, args.gitops).await
-    } else {
-        println!("sandbox: serving until interrupted (Ctrl-C)");
-        let _ = std::io::stdout().flush();
-        let stop = CancellationToken::new();
-        let signals = watch_signals(stop.clone());
-        stop.cancelled().await;
-        signals.abort();
-        Exit::Clean
-    };
+    let exit =
+        if demo { sandbox_demo(&kubeconfig, &world, &aws, args.gitops).await } else { serve_until_interrupted().await };
     sim.shutdown().await;
     if let Some(r) = reconcilers {
         r.shutdown().await;
@@ -204,16 +195,22 @@ async fn sandbox_up_from_snapshot(args: &crate::cli::SandboxUpArgs) -> Exit {
         kubeconfig.display(),
         snap.cluster
     );
+    serve_until_interrupted().await;
+    copy.shutdown().await;
+    if args.kubeconfig_out.is_none() {
+        let _ = std::fs::remove_file(&kubeconfig);
+    }
+    Exit::Clean
+}
+
+/// Says so, and waits for Ctrl-C or SIGTERM.
+async fn serve_until_interrupted() -> Exit {
     println!("sandbox: serving until interrupted (Ctrl-C)");
     let _ = std::io::stdout().flush();
     let stop = CancellationToken::new();
     let signals = watch_signals(stop.clone());
     stop.cancelled().await;
     signals.abort();
-    copy.shutdown().await;
-    if args.kubeconfig_out.is_none() {
-        let _ = std::fs::remove_file(&kubeconfig);
-    }
     Exit::Clean
 }
 
@@ -276,13 +273,5 @@ async fn sandbox_demo(kubeconfig: &std::path::Path, world: &sandbox_sim::World, 
         }
         Err(e) => eprintln!("warning: cannot list the instances: {e}"),
     }
-    match code {
-        0 => Exit::Clean,
-        2 => Exit::BadInput,
-        3 => Exit::Refused,
-        4 => Exit::Leftovers,
-        5 => Exit::Blocked,
-        130 => Exit::Interrupted,
-        _ => Exit::Failure,
-    }
+    Exit::from_code(u8::try_from(code).unwrap_or(1))
 }

@@ -308,14 +308,6 @@ fn blockers_of(copy: &load::Copy, blockers: &[crate::report::Blocker]) -> Vec<Pr
 impl Prediction {
     /// The exit status the rehearse command ends with: the one predicted for the real run.
     pub fn exit(&self) -> Exit {
-        match self.exit_code {
-            0 => Exit::Clean,
-            2 => Exit::BadInput,
-            3 => Exit::Refused,
-            4 => Exit::Leftovers,
-            5 => Exit::Blocked,
-            130 => Exit::Interrupted,
-            _ => Exit::Failure,
-        }
+        Exit::from_code(self.exit_code)
     }
 }

@@ -117,19 +117,20 @@ pub async fn teardown(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
     if std::env::var_os("KT_TEST_LOGS").is_some() {
         cmd.stderr(std::process::Stdio::inherit());
     }
-    let out = cmd
-        .args(["run", "--cluster", cluster, "--region", REGION, "--kubeconfig"])
+    cmd.args(["run", "--cluster", cluster, "--region", REGION, "--kubeconfig"])
         .arg(&b.kubeconfig)
         .arg("--report")
         .arg(&report)
         .args(extra)
         .envs(super::localstack_env())
-        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let report = std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+    run_of(cmd, &report).await
+}
+
+/// Runs a prepared command of the binary to its end and reads the report it wrote at `report`.
+pub async fn run_of(mut cmd: tokio::process::Command, report: &std::path::Path) -> Run {
+    let out = cmd.kill_on_drop(true).output().await.unwrap();
+    let report = std::fs::read(report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
     Run {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into(),

@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::common;
-use crate::common::e2e::{Bed, REGION, Run, bed_with, real_crds, scale_controller, spec};
+use crate::common::e2e::{Bed, REGION, Run, bed_with, real_crds, run_of, scale_controller, spec};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -63,27 +63,16 @@ fn account_of(cluster: &str) -> String {
 async fn real_run(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
     let report = b.dir.path().join("report.json");
     let _ = std::fs::remove_file(&report);
-    let account = account_of(cluster);
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
-        .args(["run", "--cluster", cluster, "--region", REGION, "--kubeconfig"])
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    cmd.args(["run", "--cluster", cluster, "--region", REGION, "--kubeconfig"])
         .arg(&b.kubeconfig)
         .arg("--report")
         .arg(&report)
         .args(extra)
         .envs(common::localstack_env())
-        .env("AWS_ACCESS_KEY_ID", &account)
-        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let report = std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into(),
-        stderr: String::from_utf8_lossy(&out.stderr).into(),
-        report,
-    }
+        .env("AWS_ACCESS_KEY_ID", account_of(cluster))
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+    run_of(cmd, &report).await
 }
 
 fn live_sim(b: &Bed, world: &World) -> SimController {
@@ -99,8 +88,8 @@ fn live_sim(b: &Bed, world: &World) -> SimController {
 async fn rehearse(b: &Bed, cluster: &str, aws_endpoint: &str, extra: &[&str]) -> Run {
     let report = b.dir.path().join("rehearsal.json");
     let _ = std::fs::remove_file(&report);
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
-        .args(["rehearse", "--cluster", cluster, "--region", REGION, "--time-scale", REHEARSAL_SCALE])
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    cmd.args(["rehearse", "--cluster", cluster, "--region", REGION, "--time-scale", REHEARSAL_SCALE])
         .args(["--localstack", common::LOCALSTACK, "--kubeconfig"])
         .arg(&b.kubeconfig)
         .arg("--report")
@@ -111,18 +100,8 @@ async fn rehearse(b: &Bed, cluster: &str, aws_endpoint: &str, extra: &[&str]) ->
         .envs(common::localstack_env())
         .env("AWS_ENDPOINT_URL", aws_endpoint)
         .env("AWS_ACCESS_KEY_ID", account_of(cluster))
-        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .unwrap();
-    let report = std::fs::read(&report).ok().and_then(|r| serde_json::from_slice(&r).ok()).unwrap_or(Value::Null);
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into(),
-        stderr: String::from_utf8_lossy(&out.stderr).into(),
-        report,
-    }
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+    run_of(cmd, &report).await
 }
 
 fn blocker_names(blockers: &Value) -> BTreeSet<(String, String)> {
