@@ -590,8 +590,13 @@ fn karpenter_facts(k: &KubeObjects) -> KarpenterFacts {
     let version = controller.and_then(|d| {
         d["spec"]["template"]["spec"]["containers"].as_array()?.iter().find_map(|c| {
             let image = c["image"].as_str()?;
+            // `registry:5000/karpenter/controller@sha256:…` has no tag: the part after the last
+            // colon is then a path, not a release
             let tag = image.split('@').next()?.rsplit_once(':')?.1;
             let tag = tag.trim_start_matches('v');
+            if tag.contains('/') {
+                return None;
+            }
             tag.chars().next().filter(char::is_ascii_digit).map(|_| tag.to_string())
         })
     });
@@ -834,6 +839,10 @@ mod tests {
         };
         let f = karpenter_facts(&k);
         assert_eq!(f.version.as_deref(), Some("1.0.14"));
+        let mut mirrored = k.clone();
+        mirrored.deployments[0]["spec"]["template"]["spec"]["containers"][0]["image"] =
+            json!("registry.internal:5000/mirror/karpenter/controller@sha256:abc");
+        assert_eq!(karpenter_facts(&mirrored).version, None, "a mirror's port is not a release");
         assert_eq!(f.controller.as_deref(), Some("kube-system/karpenter"));
         assert_eq!(f.ready_replicas, 2);
         assert!(!f.conversion_webhook);
