@@ -171,7 +171,7 @@ pub fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String
 }
 
 /// A parsed `aws:///<zone>/<instance-id>` provider id.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ProviderId {
     /// Availability zone, e.g. `us-west-2a`.
     pub zone: String,

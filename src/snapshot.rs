@@ -15,13 +15,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::Instant;
 
-use kube::api::{Api, DynamicObject, ListParams};
+use kube::api::{Api, DynamicObject};
 use kube::core::{ApiResource, GroupVersionKind};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::aws::ec2::InstanceScope;
 use crate::aws::{AwsClients, AwsError};
+use crate::engine::inventory;
 use crate::gitops::OwnerKind;
 use crate::k8s::{self, Kube, KubeError};
 use crate::karpenter::{self, ProviderId};
@@ -32,9 +33,6 @@ pub const SNAPSHOT_FORMAT: &str = "karpenter-teardown/snapshot";
 pub const SNAPSHOT_VERSION: u32 = 1;
 /// The only environment variable a snapshot keeps (the controller's cluster name).
 const KEPT_ENV: &str = "CLUSTER_NAME";
-/// Objects per list page: large lists come in pages, so a 20,000-pod cluster is never one
-/// response, and each page is reduced before the next is asked for.
-const PAGE: u32 = 500;
 /// Karpenter's CRDs, the only ones a snapshot copies.
 pub const KARPENTER_CRDS: [&str; 3] =
     ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"];
@@ -431,51 +429,30 @@ fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
 }
 
-/// Lists every object of a kind, page by page, reducing each page before asking for the next. A
-/// kind the server does not serve is an empty list.
+/// Lists every object of a kind, page by page ([`k8s::list_pages`]), reducing each object before
+/// the next page is asked for: a 20,000-pod cluster is never one response. A kind the server
+/// does not serve is an empty list.
 async fn list_all(
     client: &kube::Client,
     ar: &ApiResource,
     reduce: fn(&mut Value),
 ) -> Result<Vec<Value>, SnapshotError> {
-    let api: Api<DynamicObject> = Api::all_with(client.clone(), ar);
-    let mut out = Vec::new();
-    let mut token: Option<String> = None;
-    loop {
-        let mut lp = ListParams::default().limit(PAGE);
-        if let Some(t) = &token {
-            lp = lp.continue_token(t);
+    let keep = |item: DynamicObject| {
+        let mut v = serde_json::to_value(&item).unwrap_or_default();
+        if v["apiVersion"].is_null() {
+            v["apiVersion"] = Value::String(ar.api_version.clone());
+            v["kind"] = Value::String(ar.kind.clone());
         }
-        let page = match api.list(&lp).await {
-            Ok(p) => p,
-            Err(e) if k8s::status_code(&e) == Some(404) => return Ok(Vec::new()),
-            Err(kube::Error::Api(s)) if s.code == 500 && s.message.contains("conversion webhook") => {
-                return Err(KubeError::ConversionWebhook {
-                    action: format!("list {}", ar.plural),
-                    crd: format!("{}.{}", ar.plural, ar.group),
-                    detail: s.message,
-                }
-                .into());
-            }
-            Err(kube::Error::Api(s)) if s.code == 403 => {
-                let group = if ar.group.is_empty() { String::new() } else { format!(".{}", ar.group) };
-                return Err(SnapshotError::Forbidden { what: format!("list {}{group}", ar.plural), detail: s.message });
-            }
-            Err(e) => return Err(KubeError::api(format!("list {}", ar.plural), e).into()),
-        };
-        token = page.metadata.continue_.clone().filter(|t| !t.is_empty());
-        for item in page.items {
-            let mut v = serde_json::to_value(&item).unwrap_or_default();
-            if v["apiVersion"].is_null() {
-                v["apiVersion"] = Value::String(ar.api_version.clone());
-                v["kind"] = Value::String(ar.kind.clone());
-            }
-            reduce(&mut v);
-            out.push(v);
+        reduce(&mut v);
+        Some(v)
+    };
+    match inventory::list_kind(client, ar, keep).await {
+        Ok(out) => Ok(out),
+        Err(kube::Error::Api(s)) if s.code == 403 => {
+            let group = if ar.group.is_empty() { String::new() } else { format!(".{}", ar.group) };
+            Err(SnapshotError::Forbidden { what: format!("list {}{group}", ar.plural), detail: s.message })
         }
-        if token.is_none() {
-            return Ok(out);
-        }
+        Err(e) => Err(inventory::list_error(ar, e).into()),
     }
 }
 

@@ -295,7 +295,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
         if ctx.cancel.is_cancelled() {
             return Ok(TaskOutcome::Interrupted);
         }
-        let (riders, left): (Vec<PodRef>, Vec<PodRef>) =
+        let (riders, left): (Vec<Arc<PodRef>>, Vec<Arc<PodRef>>) =
             ctx.pods.pods_on(&node).into_iter().partition(|p| p.rides_with_node.is_some());
         for p in riders.iter().filter(|p| riders_noted.insert(p.uid.clone())) {
             let fence = p.rides_with_node.unwrap_or_default();
@@ -512,10 +512,13 @@ impl EvictionBook {
     }
 
     /// What the drain of the pods `left` waits on, for the progress view.
-    fn waiting(&self, left: &[PodRef]) -> Waiting {
-        match left.iter().find_map(|p| self.held_by_budget.get(&p.uid).filter(|_| !self.accepted.contains(&p.uid))) {
+    fn waiting<P: std::borrow::Borrow<PodRef>>(&self, left: &[P]) -> Waiting {
+        let mut pods = left.iter().map(|p| p.borrow());
+        match pods.find_map(|p| self.held_by_budget.get(&p.uid).filter(|_| !self.accepted.contains(&p.uid))) {
             Some(budget) => Waiting::Budget(budget.clone()),
-            None if left.iter().all(|p| p.terminating || self.accepted.contains(&p.uid)) => Waiting::GracePeriods,
+            None if left.iter().map(|p| p.borrow()).all(|p| p.terminating || self.accepted.contains(&p.uid)) => {
+                Waiting::GracePeriods
+            }
             None => Waiting::Evicting,
         }
     }
@@ -534,7 +537,7 @@ async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, KubeError> 
 }
 
 /// Names the pods that block and the PodDisruptionBudgets that select them, and records them.
-async fn describe_blockers(ctx: &Ctx, left: &[PodRef], blocked: &BTreeMap<String, (PodRef, String)>) -> String {
+async fn describe_blockers(ctx: &Ctx, left: &[Arc<PodRef>], blocked: &BTreeMap<String, (PodRef, String)>) -> String {
     let mut parts = Vec::new();
     for p in left {
         let why = blocked.get(&p.uid).map(|(_, m)| m.clone()).unwrap_or_else(|| "still terminating".into());
@@ -968,7 +971,7 @@ mod tests {
             terminating: false,
             grace_seconds: None,
             rides_with_node: None,
-            labels: BTreeMap::new(),
+            labels: Default::default(),
             ready: true,
         }
     }

@@ -1,7 +1,7 @@
 //! The live inventory: what of Karpenter the cluster and EC2 hold right now. Every action is a
 //! function of this state, which is what makes a re-run after a crash finish the job.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Node;
@@ -87,10 +87,19 @@ impl Inventory {
         classes: Vec<DynamicObject>,
     ) -> Result<Inventory, KubeError> {
         let nodes: Api<Node> = Api::all(client.clone());
-        let nodes = nodes
-            .list(&ListParams::default().labels(karpenter::LABEL_NODEPOOL))
-            .await
-            .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
+        // of each node only what the inventory needs, so a list of thousands is never held whole
+        let nodes = k8s::list_pages(&nodes, &ListParams::default().labels(karpenter::LABEL_NODEPOOL), |n: Node| {
+            let pid = n.spec.and_then(|s| s.provider_id).and_then(|p| ProviderId::parse(&p).ok());
+            let mut labels = n.metadata.labels.unwrap_or_default();
+            Some((
+                n.metadata.name.unwrap_or_default(),
+                pid,
+                labels.remove(karpenter::LABEL_NODEPOOL),
+                labels.remove(karpenter::LABEL_NODECLASS),
+            ))
+        })
+        .await
+        .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
 
         let mut machines = BTreeMap::new();
         let mut by_node: BTreeMap<String, String> = BTreeMap::new();
@@ -124,13 +133,12 @@ impl Inventory {
                 },
             );
         }
-        for n in nodes {
-            let node_name = n.metadata.name.clone().unwrap_or_default();
-            let pid = n.spec.as_ref().and_then(|s| s.provider_id.as_deref()).and_then(|p| ProviderId::parse(p).ok());
+        let by_instance: HashMap<ProviderId, String> =
+            machines.values().filter_map(|m| Some((m.provider_id.clone()?, m.name.clone()))).collect();
+        for (node_name, pid, nodepool, nodeclass) in nodes {
             // a Node belongs to the NodeClaim that names it, or whose instance it runs on
-            let claim = by_node.get(&node_name).cloned().or_else(|| {
-                machines.values().find(|m| m.provider_id.is_some() && m.provider_id == pid).map(|m| m.name.clone())
-            });
+            let claim =
+                by_node.get(&node_name).cloned().or_else(|| pid.as_ref().and_then(|p| by_instance.get(p)).cloned());
             match claim.and_then(|c| machines.get_mut(&c)) {
                 Some(m) => {
                     m.node = Some(node_name);
@@ -139,18 +147,10 @@ impl Inventory {
                     }
                 }
                 None => {
-                    let labels = n.metadata.labels.clone().unwrap_or_default();
                     let name = format!("node/{node_name}");
                     machines.insert(
                         name.clone(),
-                        Machine {
-                            name,
-                            nodeclaim: None,
-                            node: Some(node_name),
-                            provider_id: pid,
-                            nodepool: labels.get(karpenter::LABEL_NODEPOOL).cloned(),
-                            nodeclass: labels.get(karpenter::LABEL_NODECLASS).cloned(),
-                        },
+                        Machine { name, nodeclaim: None, node: Some(node_name), provider_id: pid, nodepool, nodeclass },
                     );
                 }
             }
@@ -227,18 +227,35 @@ pub async fn list_dynamic(
     client: &kube::Client,
     ar: &kube::core::ApiResource,
 ) -> Result<Vec<DynamicObject>, KubeError> {
+    list_kind(client, ar, Some).await.map_err(|e| list_error(ar, e))
+}
+
+/// Lists every object of `ar` in pages, keeping what `keep` makes of each; a kind the server
+/// does not serve is an empty list.
+pub async fn list_kind<T>(
+    client: &kube::Client,
+    ar: &kube::core::ApiResource,
+    keep: impl FnMut(DynamicObject) -> Option<T>,
+) -> Result<Vec<T>, kube::Error> {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), ar);
-    match api.list(&ListParams::default()).await {
-        Ok(l) => Ok(l.items),
+    match k8s::list_pages(&api, &ListParams::default(), keep).await {
         Err(e) if k8s::status_code(&e) == Some(404) => Ok(Vec::new()),
-        Err(kube::Error::Api(s)) if s.code == 500 && s.message.contains("conversion webhook") => {
-            Err(KubeError::ConversionWebhook {
+        r => r,
+    }
+}
+
+/// What a failed list of `ar` means: a 1.0.x conversion webhook with nothing behind it is named
+/// with its fix.
+pub fn list_error(ar: &kube::core::ApiResource, e: kube::Error) -> KubeError {
+    match e {
+        kube::Error::Api(s) if s.code == 500 && s.message.contains("conversion webhook") => {
+            KubeError::ConversionWebhook {
                 action: format!("list {}", ar.plural),
                 crd: format!("{}.{}", ar.plural, ar.group),
                 detail: s.message,
-            })
+            }
         }
-        Err(e) => Err(KubeError::api(format!("list {}", ar.plural), e)),
+        e => KubeError::api(format!("list {}", ar.plural), e),
     }
 }
 

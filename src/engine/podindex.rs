@@ -20,12 +20,24 @@ use tokio::sync::watch;
 use crate::k8s::nodes::is_cordoned;
 use crate::k8s::pods::{PodRef, drainable};
 
+/// Labels as a pod shares them.
+type Labels = Arc<BTreeMap<String, String>>;
+
+/// Memory (issue 19): the index holds every drainable pod of the cluster (100,000 at 5,000
+/// nodes), and each drain task takes its node's pods at every wake-up. So a pod is held once,
+/// behind an `Arc` that a drain's copy only counts, a node's name once per node, and a label set
+/// once for all the pods that carry it (the pods of one ReplicaSet): a `BTreeMap` of three
+/// labels costs a whole B-tree leaf, about half a kilobyte, per pod otherwise.
 #[derive(Default)]
 struct Index {
     /// node → uid → pod
-    by_node: HashMap<String, BTreeMap<String, PodRef>>,
+    by_node: HashMap<Arc<str>, BTreeMap<String, Arc<PodRef>>>,
     /// uid → node, to find a deleted pod's node
-    node_of: HashMap<String, String>,
+    node_of: HashMap<String, Arc<str>>,
+    /// the label sets of the pods in the index, each held once, with how many pods in the index
+    /// carry it (drains hold copies of pods that are gone: counting references would keep a
+    /// set for as long as any drain looked at one of its pods)
+    label_sets: HashMap<Labels, usize>,
     /// during a (re)list: the uids seen so far
     relisting: Option<HashMap<String, (String, Option<PodRef>)>>,
     /// node → its change signal, for the nodes someone waits on
@@ -129,6 +141,7 @@ impl PodIndex {
                 let seen = idx.relisting.take().unwrap_or_default();
                 idx.by_node.clear();
                 idx.node_of.clear();
+                idx.label_sets.clear();
                 for (uid, (node, r)) in seen {
                     insert(&mut idx, uid, node, r);
                 }
@@ -159,7 +172,7 @@ impl PodIndex {
     }
 
     /// The drainable pods on `node` now.
-    pub fn pods_on(&self, node: &str) -> Vec<PodRef> {
+    pub fn pods_on(&self, node: &str) -> Vec<Arc<PodRef>> {
         let idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         idx.by_node.get(node).map(|m| m.values().cloned().collect()).unwrap_or_default()
     }
@@ -201,20 +214,96 @@ fn entry(pod: &Pod) -> Option<(String, String, Option<PodRef>)> {
 }
 
 fn insert(idx: &mut Index, uid: String, node: String, r: Option<PodRef>) {
-    if let Some(r) = r {
-        idx.by_node.entry(node.clone()).or_default().insert(uid.clone(), r);
-        idx.node_of.insert(uid, node);
+    let Some(mut r) = r else { return };
+    if let Some((shared, _)) = idx.label_sets.get_key_value(&r.labels) {
+        r.labels = shared.clone();
     }
+    *idx.label_sets.entry(r.labels.clone()).or_default() += 1;
+    let node: Arc<str> = match idx.by_node.get_key_value(node.as_str()) {
+        Some((shared, _)) => shared.clone(),
+        None => node.into(),
+    };
+    idx.by_node.entry(node.clone()).or_default().insert(uid.clone(), Arc::new(r));
+    idx.node_of.insert(uid, node);
 }
 
 /// Removes a pod; returns the node it was on.
 fn remove(idx: &mut Index, uid: &str) -> Option<String> {
     let node = idx.node_of.remove(uid)?;
+    let mut gone = None;
     if let Some(m) = idx.by_node.get_mut(&node) {
-        m.remove(uid);
+        gone = m.remove(uid);
         if m.is_empty() {
             idx.by_node.remove(&node);
         }
     }
-    Some(node)
+    if let Some(gone) = gone {
+        forget_labels(idx, &gone.labels);
+    }
+    Some(node.to_string())
+}
+
+/// Drops the index's copy of a label set once no pod in the index carries it.
+fn forget_labels(idx: &mut Index, labels: &Labels) {
+    if let Some(pods) = idx.label_sets.get_mut(labels) {
+        *pods -= 1;
+        if *pods == 0 {
+            idx.label_sets.remove(labels);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::PodSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn pod(name: &str, node: &str, app: &str) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                namespace: Some("shop".into()),
+                name: Some(name.into()),
+                uid: Some(format!("uid-{name}")),
+                labels: Some([("app".to_string(), app.to_string())].into()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec { node_name: Some(node.into()), ..PodSpec::default() }),
+            ..Pod::default()
+        }
+    }
+
+    fn index() -> PodIndex {
+        PodIndex { inner: Arc::new(Mutex::new(Index::default())), synced: watch::channel(false).0 }
+    }
+
+    #[test]
+    fn pods_with_the_same_labels_share_one_copy_until_the_last_is_gone() {
+        let idx = index();
+        idx.apply(watcher::Event::Init);
+        for (name, node, app) in [("web-1", "n1", "web"), ("web-2", "n2", "web"), ("db-0", "n1", "db")] {
+            idx.apply(watcher::Event::InitApply(pod(name, node, app)));
+        }
+        idx.apply(watcher::Event::InitDone);
+        let (n1, n2) = (idx.pods_on("n1"), idx.pods_on("n2"));
+        let web1 = n1.iter().find(|p| p.name == "web-1").expect("web-1 on n1");
+        let db = n1.iter().find(|p| p.name == "db-0").expect("db-0 on n1");
+        assert!(Arc::ptr_eq(&web1.labels, &n2[0].labels), "one label set for both web pods");
+        assert!(!Arc::ptr_eq(&web1.labels, &db.labels));
+        assert_eq!(idx.inner.lock().unwrap().label_sets.len(), 2);
+
+        // a pod moved by a later event (a new node) is found on its new node only
+        idx.apply(watcher::Event::Apply(pod("web-2", "n3", "web")));
+        assert!(idx.pods_on("n2").is_empty());
+        assert_eq!(idx.pods_on("n3")[0].name, "web-2");
+
+        idx.apply(watcher::Event::Delete(pod("web-1", "n1", "web")));
+        assert_eq!(idx.inner.lock().unwrap().label_sets.len(), 2, "web-2 still carries the web labels");
+        // a drain still holds copies of both web pods: the set goes all the same
+        idx.apply(watcher::Event::Delete(pod("web-2", "n3", "web")));
+        let inner = idx.inner.lock().unwrap();
+        assert_eq!(inner.label_sets.len(), 1, "only db's labels are left");
+        assert_eq!(inner.by_node.keys().map(|k| &**k).collect::<Vec<_>>(), ["n1"]);
+        assert_eq!(inner.node_of.len(), 1);
+    }
 }

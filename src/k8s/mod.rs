@@ -17,6 +17,35 @@ use crate::config::KubeTarget;
 use crate::karpenter;
 pub use calls::ApiCalls;
 
+/// Objects per list request, as kubectl asks for them. A cluster of thousands of nodes is read
+/// in pages: an unpaged list is one response the API server must build and the tool must hold
+/// whole (a real node's status lists its images, tens of kilobytes each), and it risks the API
+/// server's 60 s request timeout on a busy control plane.
+pub const LIST_PAGE: u32 = 500;
+
+/// Lists every object `lp` selects, page by page, keeping of each only what `keep` makes of
+/// it, so that no more than one page of whole objects is held at a time.
+pub async fn list_pages<K, T>(
+    api: &kube::Api<K>,
+    lp: &kube::api::ListParams,
+    mut keep: impl FnMut(K) -> Option<T>,
+) -> Result<Vec<T>, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut out = Vec::new();
+    let mut lp = lp.clone().limit(LIST_PAGE);
+    loop {
+        let page = api.list(&lp).await?;
+        let token = page.metadata.continue_.filter(|t| !t.is_empty());
+        out.extend(page.items.into_iter().filter_map(&mut keep));
+        match token {
+            Some(t) => lp = lp.continue_token(&t),
+            None => return Ok(out),
+        }
+    }
+}
+
 /// Failures of the Kubernetes side, with what the user can do about them.
 #[derive(Debug, thiserror::Error)]
 pub enum KubeError {

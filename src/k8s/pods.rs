@@ -1,6 +1,9 @@
 //! Pods: which ones a drain must move, in Karpenter's order, and eviction through the policy/v1
 //! Eviction API with a UID precondition (never `Api::evict`, whose options are lost, design §5).
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use k8s_openapi::api::core::v1::{Pod, Toleration};
 use k8s_openapi::api::policy::v1::Eviction;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
@@ -30,8 +33,10 @@ pub struct PodRef {
     /// The fence taint the pod tolerates, when it does: such a pod is not evicted but goes with
     /// its node (see [`tolerated_fence`]).
     pub rides_with_node: Option<&'static str>,
-    /// Its labels, to find the PodDisruptionBudget that selects it.
-    pub labels: std::collections::BTreeMap<String, String>,
+    /// Its labels, to find the PodDisruptionBudget that selects it. Shared: the pods of one
+    /// ReplicaSet carry the same labels, and the index holds one copy of them (see
+    /// [`crate::engine::podindex`]).
+    pub labels: Arc<BTreeMap<String, String>>,
     /// Its `Ready` condition is true: it counts as healthy for its budget.
     pub ready: bool,
 }
@@ -63,7 +68,7 @@ pub fn drainable(pod: &Pod) -> Option<PodRef> {
         terminating: meta.deletion_timestamp.is_some(),
         grace_seconds: spec.and_then(|s| s.termination_grace_period_seconds),
         rides_with_node: tolerated_fence(spec.and_then(|s| s.tolerations.as_deref()).unwrap_or_default()),
-        labels: meta.labels.clone().unwrap_or_default(),
+        labels: Arc::new(meta.labels.clone().unwrap_or_default()),
         ready: pod
             .status
             .as_ref()
@@ -111,9 +116,9 @@ fn tolerates(t: &Toleration, key: &str, effect: &str, value: &str) -> bool {
 /// those are gone), and within the wave the longest termination grace period first. A node is
 /// empty only when its slowest pod has finished, so starting that pod's clock first makes the
 /// node's drain as long as its longest grace period plus one eviction, not plus all of them.
-pub fn eviction_wave(left: &[PodRef]) -> Vec<&PodRef> {
+pub fn eviction_wave(left: &[Arc<PodRef>]) -> Vec<&PodRef> {
     let non_critical = left.iter().any(|p| !p.critical);
-    let mut wave: Vec<&PodRef> = left.iter().filter(|p| !non_critical || !p.critical).collect();
+    let mut wave: Vec<&PodRef> = left.iter().map(|p| &**p).filter(|p| !non_critical || !p.critical).collect();
     // a pod that names no grace period gets the Kubernetes default, 30 s
     wave.sort_by_key(|p| std::cmp::Reverse(p.grace_seconds.unwrap_or(30)));
     wave
@@ -255,15 +260,16 @@ mod tests {
 
     #[test]
     fn the_longest_grace_period_is_evicted_first_and_the_default_is_30s() {
-        let left = [pod("short", false, Some(10)), pod("default", false, None), pod("long", false, Some(120))];
+        let left =
+            [pod("short", false, Some(10)), pod("default", false, None), pod("long", false, Some(120))].map(Arc::new);
         assert_eq!(names(&eviction_wave(&left)), ["long", "default", "short"]);
     }
 
     #[test]
     fn critical_pods_wait_until_the_others_are_gone_whatever_their_grace() {
-        let left = [pod("dns", true, Some(600)), pod("app", false, Some(5))];
+        let left = [pod("dns", true, Some(600)), pod("app", false, Some(5))].map(Arc::new);
         assert_eq!(names(&eviction_wave(&left)), ["app"]);
-        let only_critical = [pod("dns", true, Some(30)), pod("proxy", true, Some(60))];
+        let only_critical = [pod("dns", true, Some(30)), pod("proxy", true, Some(60))].map(Arc::new);
         assert_eq!(names(&eviction_wave(&only_critical)), ["proxy", "dns"]);
     }
 }
