@@ -136,7 +136,7 @@ async fn verify_with(
     if let Some(account) = &target.account {
         aws.check_account(account).await?;
     }
-    let mut left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE).await?;
+    let mut left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE, None).await?;
     if !left.is_clean() && target.reclaim && consent == Consent::DryRun {
         tracing::warn!("--reclaim without --yes: listing what would be reclaimed, changing nothing");
         report.would_reclaim = left.reclaimable();
@@ -146,7 +146,7 @@ async fn verify_with(
         for f in failures {
             tracing::warn!(failure = %f, "could not reclaim");
         }
-        left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE).await?;
+        left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE, None).await?;
     }
     let clean = left.is_clean();
     report.leftovers = left;

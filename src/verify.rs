@@ -2,7 +2,7 @@
 //! Karpenter's own filter, twice, some seconds apart (design §2.7), and reclaimed when asked.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::aws::ec2::{DetachedResource, InstanceScope, LaunchTemplateInfo};
 use crate::aws::{AwsClients, AwsError, InstanceInfo, InstanceProfileInfo};
@@ -106,20 +106,34 @@ pub async fn collect(aws: &AwsClients, cluster: &str, user_profiles: &BTreeSet<S
     Ok(leftovers(described, cluster, user_profiles))
 }
 
-/// Verifies: two reads `settle` apart must both be clean, to catch a launch that was in flight
-/// during the first. Returns the leftovers of the read that was not clean (or the last one).
+/// Verifies: two reads must both be clean, the second `settle` after the last moment a launch
+/// could have started, to catch a launch that was in flight during the first (the instance of a
+/// `RunInstances`/`CreateFleet` call takes some seconds to show in `DescribeInstances`). That
+/// moment is `quiet_since` when the run has seen Karpenter's controller gone (nothing can launch
+/// after it: the pause is what is left of `settle`, often nothing once the finalizers and classes
+/// have been dealt with), and the first read otherwise. Returns the leftovers of the read that
+/// was not clean (or the last one).
 pub async fn verify(
     aws: &AwsClients,
     cluster: &str,
     user_profiles: &BTreeSet<String>,
     settle: Duration,
+    quiet_since: Option<Instant>,
 ) -> Result<Leftovers, AwsError> {
     let first = collect(aws, cluster, user_profiles).await?;
     if !first.is_clean() {
         return Ok(first);
     }
-    tokio::time::sleep(settle).await;
+    tokio::time::sleep(second_read_pause(settle, quiet_since, Instant::now())).await;
     collect(aws, cluster, user_profiles).await
+}
+
+/// How long to wait, `now` that the first read is clean, before the second.
+fn second_read_pause(settle: Duration, quiet_since: Option<Instant>, now: Instant) -> Duration {
+    match quiet_since {
+        Some(since) => (since + settle).saturating_duration_since(now),
+        None => settle,
+    }
 }
 
 /// Removes what the leftovers list (never volumes): terminates the instances, deletes launch
@@ -302,5 +316,15 @@ mod tests {
             ..Leftovers::default()
         };
         assert_eq!(left.reclaimable(), ["2 instance(s): i-1, i-2", "1 detached network interface(s): eni-1"]);
+    }
+
+    #[test]
+    fn the_second_read_waits_settle_after_the_controller_was_gone_or_after_the_first_read() {
+        let (settle, now) = (Duration::from_secs(5), Instant::now());
+        assert_eq!(second_read_pause(settle, None, now), settle, "no controller seen gone: the whole settle");
+        let gone_2s_ago = now - Duration::from_secs(2);
+        assert_eq!(second_read_pause(settle, Some(gone_2s_ago), now), Duration::from_secs(3));
+        let gone_long_ago = now - Duration::from_secs(60);
+        assert_eq!(second_read_pause(settle, Some(gone_long_ago), now), Duration::ZERO);
     }
 }

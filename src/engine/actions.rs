@@ -608,6 +608,7 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> Outcome {
             Ok(Some(d)) => d,
             Ok(None) => {
                 detail.push(format!("Deployment {}/{} is gone", controller.namespace, controller.name));
+                ctx.controller_seen_gone();
                 return Ok(TaskOutcome::Done(detail.join("; ")));
             }
             Err(e) => return Err(KubeError::api("read the Karpenter Deployment", e).into()),
@@ -646,6 +647,7 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> Outcome {
             .items
             .len();
         if running == 0 && replicas == 0 {
+            ctx.controller_seen_gone();
             return Ok(TaskOutcome::Done(detail.join("; ")));
         }
         if Instant::now() >= deadline {
@@ -938,16 +940,20 @@ async fn sweep_machine(ctx: &Ctx, machine: &str) -> Outcome {
 
 // ---------------------------------------------------------------- verify
 
-/// Proves through EC2 (two reads `settle` apart) and the API that nothing is left; reclaims the
+/// Proves through EC2 (two reads, the second `settle` after the controller was seen gone or after
+/// the first) and the API that nothing is left; reclaims the
 /// AWS leftovers when asked and verifies again.
 pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
-    let mut left = verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle).await?;
+    let quiet_since = *ctx.controller_gone_at.lock().unwrap_or_else(|p| p.into_inner());
+    let mut left =
+        verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle, quiet_since).await?;
     if !left.is_clean() && ctx.reclaim {
         ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).extend(left.describe());
         for f in verify::reclaim(&ctx.aws, &left).await? {
             ctx.note(BlockerKind::Reclaim, &f, "could not be reclaimed");
         }
-        left = verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle).await?;
+        // what was just terminated must have had its time to show, whatever the controller did
+        left = verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle, None).await?;
     }
     left.objects = Inventory::read(&ctx.kube.client).await?.object_names();
     let clean = left.is_clean();

@@ -66,9 +66,18 @@ pub struct Ctx {
     pub leftovers: Mutex<Option<crate::verify::Leftovers>>,
     /// What `--reclaim` removed.
     pub reclaimed: Mutex<Vec<String>>,
+    /// When this run saw the Karpenter controller's pods gone (scaled to zero, or its Deployment
+    /// deleted): nothing of Karpenter's can start a launch after it, so verification's settle
+    /// counts from here.
+    pub controller_gone_at: Mutex<Option<std::time::Instant>>,
 }
 
 impl Ctx {
+    /// Records that the Karpenter controller's pods are gone (the first time counts).
+    pub fn controller_seen_gone(&self) {
+        self.controller_gone_at.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(std::time::Instant::now);
+    }
+
     /// Records a blocker or an actor that fought the run.
     pub fn note(&self, kind: BlockerKind, name: &str, reason: impl Into<String>) {
         let b = Blocker { kind, name: name.into(), reason: reason.into() };

@@ -284,6 +284,7 @@ pub async fn run(
         notes: Mutex::new(Vec::new()),
         leftovers: Mutex::new(None),
         reclaimed: Mutex::new(Vec::new()),
+        controller_gone_at: Mutex::new(None),
     });
     let (exit, mut steps) = execute(&graph, ctx.clone()).await;
     steps.splice(0..0, early_steps);

@@ -86,7 +86,8 @@ pub enum ParamKey {
     OnDeadline,
     /// `concurrency`: at most this many tasks of the step at once.
     Concurrency,
-    /// `settle`: the pause between `verify`'s two reads.
+    /// `settle`: how long after the controller was seen gone (or after its first read, when this
+    /// run did not see it go) `verify` reads a second time.
     Settle,
 }
 
@@ -342,7 +343,8 @@ pub struct Params {
     pub on_deadline: OnDeadline,
     /// At most this many tasks of the step run at once.
     pub concurrency: NonZeroUsize,
-    /// `verify`: the pause between its two reads.
+    /// `verify`: how long after the controller was seen gone (else after the first read) it reads
+    /// again.
     pub settle: Duration,
 }
 

@@ -120,7 +120,7 @@ async fn verification_finds_leftovers_and_reclaim_removes_only_the_clusters() {
 
     let failures = verify::reclaim(&tool, &left).await.unwrap();
     assert!(failures.is_empty(), "{failures:?}");
-    let after = verify::verify(&tool, &cluster, &none, std::time::Duration::from_millis(100)).await.unwrap();
+    let after = verify::verify(&tool, &cluster, &none, std::time::Duration::from_millis(100), None).await.unwrap();
     assert!(after.is_clean(), "{after:?}");
     for name in &untouchable {
         assert!(
