@@ -187,60 +187,19 @@ impl SimController {
         let pools_ar = objects::nodepool_resource();
         let claims_ar = objects::nodeclaim_resource();
         let classes_ar = objects::ec2nodeclass_resource();
+        let mut caches = Caches { tasks: &mut tasks, cancel: &cancel, notify: &notify, max_backoff };
+        let all = watcher::Config::default;
         let stores = Stores {
-            pools: spawn_reflector(
-                &mut tasks,
-                &cancel,
-                &notify,
-                Api::<DynamicObject>::all_with(client.clone(), &pools_ar),
-                pools_ar,
-                watcher::Config::default(),
-                max_backoff,
-            ),
-            claims: spawn_reflector(
-                &mut tasks,
-                &cancel,
-                &notify,
-                Api::<DynamicObject>::all_with(client.clone(), &claims_ar),
-                claims_ar,
-                watcher::Config::default(),
-                max_backoff,
-            ),
-            classes: spawn_reflector(
-                &mut tasks,
-                &cancel,
-                &notify,
-                Api::<DynamicObject>::all_with(client.clone(), &classes_ar),
-                classes_ar,
-                watcher::Config::default(),
-                max_backoff,
-            ),
-            nodes: spawn_reflector(
-                &mut tasks,
-                &cancel,
-                &notify,
-                Api::<Node>::all(client.clone()),
-                (),
-                watcher::Config::default(),
-                max_backoff,
-            ),
-            pods: spawn_reflector(
-                &mut tasks,
-                &cancel,
-                &notify,
-                Api::<Pod>::all(client.clone()),
-                (),
-                watcher::Config::default(),
-                max_backoff,
-            ),
-            deployment: spawn_reflector(
-                &mut tasks,
-                &cancel,
-                &notify,
+            pools: caches.spawn(Api::all_with(client.clone(), &pools_ar), pools_ar, all(), keep_whole),
+            claims: caches.spawn(Api::all_with(client.clone(), &claims_ar), claims_ar, all(), keep_whole),
+            classes: caches.spawn(Api::all_with(client.clone(), &classes_ar), classes_ar, all(), keep_whole),
+            nodes: caches.spawn(Api::<Node>::all(client.clone()), (), all(), keep_whole),
+            pods: caches.spawn(Api::<Pod>::all(client.clone()), (), all(), trim_pod),
+            deployment: caches.spawn(
                 Api::<Deployment>::namespaced(client.clone(), &settings.namespace),
                 (),
-                watcher::Config::default().fields(&format!("metadata.name={}", settings.deployment)),
-                max_backoff,
+                all().fields(&format!("metadata.name={}", settings.deployment)),
+                keep_whole,
             ),
         };
         let ctx = Arc::new(Ctx {
@@ -316,40 +275,59 @@ impl Backoff for CappedBackoff {
     }
 }
 
-fn spawn_reflector<K>(
-    tasks: &mut JoinSet<()>,
-    cancel: &CancellationToken,
-    notify: &Arc<Notify>,
-    api: Api<K>,
-    dyntype: K::DynamicType,
-    config: watcher::Config,
+/// The cache keeps an object as the API served it.
+fn keep_whole<K>(_: &mut K) {}
+
+/// The cache of every pod in the cluster keeps what the simulation reads (placement, owners,
+/// tolerations, priority, phase): 100,000 pods with their field managers and containers were
+/// gigabytes in a process that is also the cluster's API server.
+fn trim_pod(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.containers.clear();
+        spec.init_containers = None;
+        spec.volumes = None;
+    }
+}
+
+/// What the simulation's watch caches share: the tasks that feed them, the cancellation, the
+/// signal that something changed, and the backoff between retries.
+struct Caches<'a> {
+    tasks: &'a mut JoinSet<()>,
+    cancel: &'a CancellationToken,
+    notify: &'a Arc<Notify>,
     max_backoff: Duration,
-) -> Store<K>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
-{
-    let writer = reflector::store::Writer::new(dyntype);
-    let reader = writer.as_reader();
-    let min = Duration::from_millis(10);
-    let backoff = CappedBackoff { next: min, min, max: max_backoff };
-    let stream = reflector::reflector(writer, watcher(api, config).backoff(backoff));
-    let notify = notify.clone();
-    let cancel = cancel.clone();
-    tasks.spawn(async move {
-        let mut stream = std::pin::pin!(stream);
-        loop {
-            tokio::select! {
-                _ = cancel.cancelled() => break,
-                ev = stream.next() => match ev {
-                    // errors are retried by the backoff; either way the loop has news
-                    Some(_) => notify.notify_one(),
-                    None => break,
-                },
+}
+
+impl Caches<'_> {
+    /// A cache of what `api` lists under `config`, each object as `trim` leaves it.
+    fn spawn<K>(&mut self, api: Api<K>, dyntype: K::DynamicType, config: watcher::Config, trim: fn(&mut K)) -> Store<K>
+    where
+        K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+        K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        let writer = reflector::store::Writer::new(dyntype);
+        let reader = writer.as_reader();
+        let min = Duration::from_millis(10);
+        let backoff = CappedBackoff { next: min, min, max: self.max_backoff };
+        let stream = reflector::reflector(writer, watcher(api, config).backoff(backoff).modify(trim));
+        let notify = self.notify.clone();
+        let cancel = self.cancel.clone();
+        self.tasks.spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    ev = stream.next() => match ev {
+                        // errors are retried by the backoff; either way the loop has news
+                        Some(_) => notify.notify_one(),
+                        None => break,
+                    },
+                }
             }
-        }
-    });
-    reader
+        });
+        reader
+    }
 }
 
 struct Stores {
