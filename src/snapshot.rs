@@ -22,7 +22,6 @@ use serde_json::Value;
 
 use crate::aws::ec2::InstanceScope;
 use crate::aws::{AwsClients, AwsError};
-use crate::engine::inventory;
 use crate::gitops::OwnerKind;
 use crate::k8s::{self, Kube, KubeError};
 use crate::karpenter::{self, ProviderId};
@@ -446,13 +445,13 @@ async fn list_all(
         reduce(&mut v);
         Some(v)
     };
-    match inventory::list_kind(client, ar, keep).await {
+    match k8s::list_kind(client, ar, keep).await {
         Ok(out) => Ok(out),
         Err(kube::Error::Api(s)) if s.code == 403 => {
             let group = if ar.group.is_empty() { String::new() } else { format!(".{}", ar.group) };
             Err(SnapshotError::Forbidden { what: format!("list {}{group}", ar.plural), detail: s.message })
         }
-        Err(e) => Err(inventory::list_error(ar, e).into()),
+        Err(e) => Err(k8s::list_error(ar, e).into()),
     }
 }
 

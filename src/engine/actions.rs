@@ -513,12 +513,10 @@ impl EvictionBook {
 
     /// What the drain of the pods `left` waits on, for the progress view.
     fn waiting<P: std::borrow::Borrow<PodRef>>(&self, left: &[P]) -> Waiting {
-        let mut pods = left.iter().map(|p| p.borrow());
-        match pods.find_map(|p| self.held_by_budget.get(&p.uid).filter(|_| !self.accepted.contains(&p.uid))) {
+        let pods = || left.iter().map(|p| p.borrow());
+        match pods().find_map(|p| self.held_by_budget.get(&p.uid).filter(|_| !self.accepted.contains(&p.uid))) {
             Some(budget) => Waiting::Budget(budget.clone()),
-            None if left.iter().map(|p| p.borrow()).all(|p| p.terminating || self.accepted.contains(&p.uid)) => {
-                Waiting::GracePeriods
-            }
+            None if pods().all(|p| p.terminating || self.accepted.contains(&p.uid)) => Waiting::GracePeriods,
             None => Waiting::Evicting,
         }
     }
@@ -941,8 +939,8 @@ async fn sweep_machine(ctx: &Ctx, machine: &str) -> Outcome {
 // ---------------------------------------------------------------- verify
 
 /// Proves through EC2 (two reads, the second `settle` after the controller was seen gone or after
-/// the first) and the API that nothing is left; reclaims the
-/// AWS leftovers when asked and verifies again.
+/// the first) and the API that nothing is left; reclaims the AWS leftovers when asked and
+/// verifies again.
 pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
     let quiet_since = *ctx.controller_gone_at.lock().unwrap_or_else(|p| p.into_inner());
     let mut left =

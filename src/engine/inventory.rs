@@ -227,36 +227,7 @@ pub async fn list_dynamic(
     client: &kube::Client,
     ar: &kube::core::ApiResource,
 ) -> Result<Vec<DynamicObject>, KubeError> {
-    list_kind(client, ar, Some).await.map_err(|e| list_error(ar, e))
-}
-
-/// Lists every object of `ar` in pages, keeping what `keep` makes of each; a kind the server
-/// does not serve is an empty list.
-pub async fn list_kind<T>(
-    client: &kube::Client,
-    ar: &kube::core::ApiResource,
-    keep: impl FnMut(DynamicObject) -> Option<T>,
-) -> Result<Vec<T>, kube::Error> {
-    let api: Api<DynamicObject> = Api::all_with(client.clone(), ar);
-    match k8s::list_pages(&api, &ListParams::default(), keep).await {
-        Err(e) if k8s::status_code(&e) == Some(404) => Ok(Vec::new()),
-        r => r,
-    }
-}
-
-/// What a failed list of `ar` means: a 1.0.x conversion webhook with nothing behind it is named
-/// with its fix.
-pub fn list_error(ar: &kube::core::ApiResource, e: kube::Error) -> KubeError {
-    match e {
-        kube::Error::Api(s) if s.code == 500 && s.message.contains("conversion webhook") => {
-            KubeError::ConversionWebhook {
-                action: format!("list {}", ar.plural),
-                crd: format!("{}.{}", ar.plural, ar.group),
-                detail: s.message,
-            }
-        }
-        e => KubeError::api(format!("list {}", ar.plural), e),
-    }
+    k8s::list_kind(client, ar, Some).await.map_err(|e| k8s::list_error(ar, e))
 }
 
 /// Finds the Karpenter controller: Deployments labelled `app.kubernetes.io/name=karpenter`,

@@ -228,7 +228,7 @@ fn insert(idx: &mut Index, uid: String, node: String, r: Option<PodRef>) {
 }
 
 /// Removes a pod; returns the node it was on.
-fn remove(idx: &mut Index, uid: &str) -> Option<String> {
+fn remove(idx: &mut Index, uid: &str) -> Option<Arc<str>> {
     let node = idx.node_of.remove(uid)?;
     let mut gone = None;
     if let Some(m) = idx.by_node.get_mut(&node) {
@@ -240,7 +240,7 @@ fn remove(idx: &mut Index, uid: &str) -> Option<String> {
     if let Some(gone) = gone {
         forget_labels(idx, &gone.labels);
     }
-    Some(node.to_string())
+    Some(node)
 }
 
 /// Drops the index's copy of a label set once no pod in the index carries it.

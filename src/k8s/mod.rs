@@ -10,6 +10,7 @@ pub mod pods;
 
 use std::path::PathBuf;
 
+use kube::api::{Api, DynamicObject, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::{ApiResource, GroupVersionKind};
 
@@ -27,7 +28,7 @@ pub const LIST_PAGE: u32 = 500;
 /// it, so that no more than one page of whole objects is held at a time.
 pub async fn list_pages<K, T>(
     api: &kube::Api<K>,
-    lp: &kube::api::ListParams,
+    lp: &ListParams,
     mut keep: impl FnMut(K) -> Option<T>,
 ) -> Result<Vec<T>, kube::Error>
 where
@@ -43,6 +44,35 @@ where
             Some(t) => lp = lp.continue_token(&t),
             None => return Ok(out),
         }
+    }
+}
+
+/// Lists every object of `ar` in pages, keeping what `keep` makes of each; a kind the server
+/// does not serve is an empty list.
+pub async fn list_kind<T>(
+    client: &kube::Client,
+    ar: &ApiResource,
+    keep: impl FnMut(DynamicObject) -> Option<T>,
+) -> Result<Vec<T>, kube::Error> {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), ar);
+    match list_pages(&api, &ListParams::default(), keep).await {
+        Err(e) if status_code(&e) == Some(404) => Ok(Vec::new()),
+        r => r,
+    }
+}
+
+/// What a failed list of `ar` means: a 1.0.x conversion webhook with nothing behind it is named
+/// with its fix.
+pub fn list_error(ar: &ApiResource, e: kube::Error) -> KubeError {
+    match e {
+        kube::Error::Api(s) if s.code == 500 && s.message.contains("conversion webhook") => {
+            KubeError::ConversionWebhook {
+                action: format!("list {}", ar.plural),
+                crd: format!("{}.{}", ar.plural, ar.group),
+                detail: s.message,
+            }
+        }
+        e => KubeError::api(format!("list {}", ar.plural), e),
     }
 }
 
