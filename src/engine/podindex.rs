@@ -32,14 +32,17 @@ type Labels = Arc<BTreeMap<String, String>>;
 struct Index {
     /// node → uid → pod
     by_node: HashMap<Arc<str>, BTreeMap<String, Arc<PodRef>>>,
-    /// uid → node, to find a deleted pod's node
-    node_of: HashMap<String, Arc<str>>,
+    /// uid → node, to find a deleted pod's node, and the list that last saw the pod
+    node_of: HashMap<String, (Arc<str>, u64)>,
     /// the label sets of the pods in the index, each held once, with how many pods in the index
     /// carry it (drains hold copies of pods that are gone: counting references would keep a
     /// set for as long as any drain looked at one of its pods)
     label_sets: HashMap<Labels, usize>,
-    /// during a (re)list: the uids seen so far
-    relisting: Option<HashMap<String, (String, Option<PodRef>)>>,
+    /// which (re)list the pod watch is in or last finished: a relist writes each pod it reads
+    /// straight into the index, marked with this number, and at its end removes the pods it did
+    /// not read. Holding the list apart until its end, as the index once did, held a second
+    /// copy of every pod, labels unshared: the tool's peak at 5,000 nodes (issue 19).
+    list_round: u64,
     /// node → its change signal, for the nodes someone waits on
     signals: HashMap<String, watch::Sender<u64>>,
     /// node → whether the node watch last saw it cordoned
@@ -129,21 +132,21 @@ impl PodIndex {
     fn apply(&self, ev: watcher::Event<Pod>) {
         let mut idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         match ev {
-            watcher::Event::Init => idx.relisting = Some(HashMap::new()),
+            watcher::Event::Init => idx.list_round += 1,
+            // A drain that reads the index meanwhile sees each pod as the list or the watch
+            // before it last showed it: no older than what it saw before the relist began.
             watcher::Event::InitApply(pod) => {
-                if let Some((uid, node, r)) = entry(&pod)
-                    && let Some(seen) = idx.relisting.as_mut()
-                {
-                    seen.insert(uid, (node, r));
+                if let Some((uid, node, r)) = entry(&pod) {
+                    remove(&mut idx, &uid);
+                    insert(&mut idx, uid, node, r);
                 }
             }
             watcher::Event::InitDone => {
-                let seen = idx.relisting.take().unwrap_or_default();
-                idx.by_node.clear();
-                idx.node_of.clear();
-                idx.label_sets.clear();
-                for (uid, (node, r)) in seen {
-                    insert(&mut idx, uid, node, r);
+                let round = idx.list_round;
+                let unseen: Vec<String> =
+                    idx.node_of.iter().filter(|(_, (_, seen))| *seen != round).map(|(uid, _)| uid.clone()).collect();
+                for uid in unseen {
+                    remove(&mut idx, &uid);
                 }
                 // anything may have changed while the watch was down
                 for tx in idx.signals.values() {
@@ -224,12 +227,13 @@ fn insert(idx: &mut Index, uid: String, node: String, r: Option<PodRef>) {
         None => node.into(),
     };
     idx.by_node.entry(node.clone()).or_default().insert(uid.clone(), Arc::new(r));
-    idx.node_of.insert(uid, node);
+    let round = idx.list_round;
+    idx.node_of.insert(uid, (node, round));
 }
 
 /// Removes a pod; returns the node it was on.
 fn remove(idx: &mut Index, uid: &str) -> Option<Arc<str>> {
-    let node = idx.node_of.remove(uid)?;
+    let (node, _) = idx.node_of.remove(uid)?;
     let mut gone = None;
     if let Some(m) = idx.by_node.get_mut(&node) {
         gone = m.remove(uid);
@@ -305,5 +309,36 @@ mod tests {
         assert_eq!(inner.label_sets.len(), 1, "only db's labels are left");
         assert_eq!(inner.by_node.keys().map(|k| &**k).collect::<Vec<_>>(), ["n1"]);
         assert_eq!(inner.node_of.len(), 1);
+    }
+
+    #[test]
+    fn a_relist_drops_the_pods_it_did_not_read_and_wakes_every_drain() {
+        let idx = index();
+        idx.apply(watcher::Event::Init);
+        for (name, node, app) in [("web-1", "n1", "web"), ("web-2", "n1", "web"), ("db-0", "n2", "db")] {
+            idx.apply(watcher::Event::InitApply(pod(name, node, app)));
+        }
+        idx.apply(watcher::Event::InitDone);
+        let mut n1 = idx.subscribe("n1");
+        n1.mark_unchanged();
+
+        // the watch was down: web-1 went away, db-0 moved to n1, cache-0 came
+        idx.apply(watcher::Event::Init);
+        for (name, node, app) in [("web-2", "n1", "web"), ("db-0", "n1", "db"), ("cache-0", "n3", "cache")] {
+            idx.apply(watcher::Event::InitApply(pod(name, node, app)));
+        }
+        assert!(!n1.has_changed().unwrap(), "no drain is woken before the list is whole");
+        idx.apply(watcher::Event::InitDone);
+        assert!(n1.has_changed().unwrap());
+
+        let mut on_n1: Vec<String> = idx.pods_on("n1").iter().map(|p| p.name.clone()).collect();
+        on_n1.sort();
+        assert_eq!(on_n1, ["db-0", "web-2"]);
+        assert!(idx.pods_on("n2").is_empty());
+        assert_eq!(idx.pods_on("n3")[0].name, "cache-0");
+        let inner = idx.inner.lock().unwrap();
+        assert_eq!(inner.node_of.len(), 3);
+        let counts: BTreeMap<String, usize> = inner.label_sets.iter().map(|(l, n)| (l["app"].clone(), *n)).collect();
+        assert_eq!(counts, [("cache".to_string(), 1), ("db".to_string(), 1), ("web".to_string(), 1)].into());
     }
 }
