@@ -350,7 +350,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             if deleting || !book.due(p, now) {
                 continue;
             }
-            let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &p.labels, p.ready, &budget_changed) {
+            let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &*p.labels, p.ready, &budget_changed) {
                 Admission::Ask(reserved) => reserved,
                 // nothing heard of the budget for a while: the watch may be behind the server
                 Admission::Probe(budget) => {

@@ -24,6 +24,8 @@ use kube::api::Api;
 use kube::runtime::watcher;
 use tokio::sync::{Notify, watch};
 
+use crate::k8s::pods::LabelLookup;
+
 /// How long a budget that allows nothing may stay silent (no status change) before one pod it
 /// holds is put to the server anyway.
 pub const PROBE: Duration = Duration::from_secs(10);
@@ -173,7 +175,7 @@ impl Budgets {
         &self,
         namespace: &str,
         pod: &str,
-        labels: &BTreeMap<String, String>,
+        labels: &impl LabelLookup,
         ready: bool,
         wake: &Arc<Notify>,
     ) -> Admission {
@@ -263,15 +265,15 @@ fn carry_pending(mut new: Budget, old: Option<Budget>, disrupted: &[String]) -> 
 /// Kubernetes label-selector matching (`metav1.LabelSelectorAsSelector`): every `matchLabels`
 /// pair and every `matchExpressions` requirement must hold; an empty selector selects every pod
 /// (policy/v1 semantics; a budget without a selector selects none, see [`Budgets::admit`]).
-pub fn selects(s: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
-    s.match_labels.as_ref().is_none_or(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)))
+pub fn selects(s: &LabelSelector, labels: &impl LabelLookup) -> bool {
+    s.match_labels.as_ref().is_none_or(|m| m.iter().all(|(k, v)| labels.label(k) == Some(v.as_str())))
         && s.match_expressions.as_ref().is_none_or(|es| {
             es.iter().all(|e| {
-                let v = labels.get(&e.key);
+                let v = labels.label(&e.key);
                 let vals = e.values.as_deref().unwrap_or_default();
                 match e.operator.as_str() {
-                    "In" => v.is_some_and(|v| vals.contains(v)),
-                    "NotIn" => v.is_none_or(|v| !vals.contains(v)),
+                    "In" => v.is_some_and(|v| vals.iter().any(|x| x == v)),
+                    "NotIn" => v.is_none_or(|v| !vals.iter().any(|x| x == v)),
                     "Exists" => v.is_some(),
                     "DoesNotExist" => v.is_none(),
                     _ => false,
@@ -283,6 +285,7 @@ pub fn selects(s: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::k8s::pods::Labels;
     use serde_json::json;
 
     fn pdb(name: &str, app: &str, allowed: i32, generation: i64, observed: i64) -> PodDisruptionBudget {
@@ -384,10 +387,23 @@ mod tests {
                                  {"key": "canary", "operator": "DoesNotExist"}]
         }))
         .unwrap();
-        let l = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let l = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
         assert!(selects(&sel, &l(&[("app", "web"), ("tier", "a")])));
         assert!(!selects(&sel, &l(&[("app", "web"), ("tier", "c")])));
         assert!(!selects(&sel, &l(&[("app", "web"), ("tier", "a"), ("canary", "1")])));
         assert!(selects(&LabelSelector::default(), &l(&[])), "an empty selector selects everything");
+
+        // the compact labels of the pod index answer as the map they were made from
+        let compact = |pairs: &[(&str, &str)]| Labels::from(&l(pairs));
+        let sts = [("tier", "b"), ("app", "web"), ("apps.kubernetes.io/pod-index", "3"), ("zone", "x")];
+        assert!(selects(&sel, &compact(&sts)));
+        assert!(!selects(&sel, &compact(&[("app", "web"), ("tier", "c")])));
+        assert!(!selects(&sel, &compact(&[("app", "web"), ("canary", "1"), ("tier", "a")])));
+        assert!(!selects(&sel, &compact(&[("tier", "a")])), "matchLabels app=web is missing");
+        assert_eq!(compact(&sts).get("zone"), Some("x"));
+        assert_eq!(compact(&sts).get("apps.kubernetes.io/pod-index"), Some("3"));
+        assert_eq!(compact(&sts).get("app.kubernetes.io/name"), None);
     }
 }

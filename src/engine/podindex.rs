@@ -8,7 +8,7 @@
 //! every drain task (at 1,000 nodes that was tens of thousands of events times hundreds of tasks,
 //! all spent re-reading unchanged nodes).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
@@ -18,10 +18,10 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
 
 use crate::k8s::nodes::is_cordoned;
-use crate::k8s::pods::{PodRef, drainable};
+use crate::k8s::pods::{Labels, PodRef, drainable};
 
-/// Labels as a pod shares them.
-type Labels = Arc<BTreeMap<String, String>>;
+/// Labels as pods share them.
+type SharedLabels = Arc<Labels>;
 
 /// Memory (issue 19): the index holds every drainable pod of the cluster (100,000 at 5,000
 /// nodes), and each drain task takes its node's pods at every wake-up. So a pod is held once,
@@ -30,14 +30,15 @@ type Labels = Arc<BTreeMap<String, String>>;
 /// labels costs a whole B-tree leaf, about half a kilobyte, per pod otherwise.
 #[derive(Default)]
 struct Index {
-    /// node → uid → pod
-    by_node: HashMap<Arc<str>, BTreeMap<String, Arc<PodRef>>>,
+    /// node → its pods, in UID order (a node holds tens of pods: a sorted vector costs a
+    /// pointer per pod where a map keyed by UID held a second copy of each UID)
+    by_node: HashMap<Arc<str>, Vec<Arc<PodRef>>>,
     /// uid → node, to find a deleted pod's node, and the list that last saw the pod
     node_of: HashMap<String, (Arc<str>, u64)>,
     /// the label sets of the pods in the index, each held once, with how many pods in the index
     /// carry it (drains hold copies of pods that are gone: counting references would keep a
     /// set for as long as any drain looked at one of its pods)
-    label_sets: HashMap<Labels, usize>,
+    label_sets: HashMap<SharedLabels, usize>,
     /// which (re)list the pod watch is in or last finished: a relist writes each pod it reads
     /// straight into the index, marked with this number, and at its end removes the pods it did
     /// not read. Holding the list apart until its end, as the index once did, held a second
@@ -177,7 +178,7 @@ impl PodIndex {
     /// The drainable pods on `node` now.
     pub fn pods_on(&self, node: &str) -> Vec<Arc<PodRef>> {
         let idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        idx.by_node.get(node).map(|m| m.values().cloned().collect()).unwrap_or_default()
+        idx.by_node.get(node).cloned().unwrap_or_default()
     }
 
     /// A receiver that changes whenever the pods on `node` may have (and after every relist).
@@ -226,7 +227,18 @@ fn insert(idx: &mut Index, uid: String, node: String, r: Option<PodRef>) {
         Some((shared, _)) => shared.clone(),
         None => node.into(),
     };
-    idx.by_node.entry(node.clone()).or_default().insert(uid.clone(), Arc::new(r));
+    let pods = idx.by_node.entry(node.clone()).or_default();
+    let replaced = match pods.binary_search_by(|p| p.uid.as_str().cmp(&uid)) {
+        Ok(i) => Some(std::mem::replace(&mut pods[i], Arc::new(r))),
+        Err(i) => {
+            pods.insert(i, Arc::new(r));
+            None
+        }
+    };
+    // callers remove a pod before they insert it again; should one not, its old labels still go
+    if let Some(old) = replaced {
+        forget_labels(idx, &old.labels);
+    }
     let round = idx.list_round;
     idx.node_of.insert(uid, (node, round));
 }
@@ -236,7 +248,7 @@ fn remove(idx: &mut Index, uid: &str) -> Option<Arc<str>> {
     let (node, _) = idx.node_of.remove(uid)?;
     let mut gone = None;
     if let Some(m) = idx.by_node.get_mut(&node) {
-        gone = m.remove(uid);
+        gone = m.binary_search_by(|p| p.uid.as_str().cmp(uid)).ok().map(|i| m.remove(i));
         if m.is_empty() {
             idx.by_node.remove(&node);
         }
@@ -248,7 +260,7 @@ fn remove(idx: &mut Index, uid: &str) -> Option<Arc<str>> {
 }
 
 /// Drops the index's copy of a label set once no pod in the index carries it.
-fn forget_labels(idx: &mut Index, labels: &Labels) {
+fn forget_labels(idx: &mut Index, labels: &SharedLabels) {
     if let Some(pods) = idx.label_sets.get_mut(labels) {
         *pods -= 1;
         if *pods == 0 {
@@ -338,7 +350,8 @@ mod tests {
         assert_eq!(idx.pods_on("n3")[0].name, "cache-0");
         let inner = idx.inner.lock().unwrap();
         assert_eq!(inner.node_of.len(), 3);
-        let counts: BTreeMap<String, usize> = inner.label_sets.iter().map(|(l, n)| (l["app"].clone(), *n)).collect();
+        let counts: std::collections::BTreeMap<String, usize> =
+            inner.label_sets.iter().map(|(l, n)| (l.get("app").unwrap_or_default().to_string(), *n)).collect();
         assert_eq!(counts, [("cache".to_string(), 1), ("db".to_string(), 1), ("web".to_string(), 1)].into());
     }
 }

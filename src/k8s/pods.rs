@@ -15,6 +15,46 @@ use crate::karpenter;
 /// Pod priority classes Karpenter evicts last.
 const CRITICAL_CLASSES: [&str; 2] = ["system-cluster-critical", "system-node-critical"];
 
+/// A pod's labels, held compactly: the sorted pairs in one slice. The index holds every drainable
+/// pod's labels (100,000 at 5,000 nodes) and a StatefulSet's pods share no set (each carries its
+/// own name and index), while a `BTreeMap` allocates a whole B-tree leaf (about 540 bytes) for
+/// even one pair (issue 19).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Labels(Box<[(Box<str>, Box<str>)]>);
+
+impl Labels {
+    /// The value of label `key`, if the pod carries it.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        let i = self.0.binary_search_by(|(k, _)| (**k).cmp(key)).ok()?;
+        Some(&self.0[i].1)
+    }
+}
+
+impl From<&BTreeMap<String, String>> for Labels {
+    fn from(m: &BTreeMap<String, String>) -> Labels {
+        // a BTreeMap iterates in key order: the slice is sorted for `get`'s binary search
+        Labels(m.iter().map(|(k, v)| (k.as_str().into(), v.as_str().into())).collect())
+    }
+}
+
+/// Label lookup, for matching a selector against either a pod read whole or a [`PodRef`].
+pub trait LabelLookup {
+    /// The value of label `key`, if present.
+    fn label(&self, key: &str) -> Option<&str>;
+}
+
+impl LabelLookup for Labels {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key)
+    }
+}
+
+impl LabelLookup for BTreeMap<String, String> {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key).map(String::as_str)
+    }
+}
+
 /// A pod a drain tracks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodRef {
@@ -36,7 +76,7 @@ pub struct PodRef {
     /// Its labels, to find the PodDisruptionBudget that selects it. Shared: the pods of one
     /// ReplicaSet carry the same labels, and the index holds one copy of them (see
     /// [`crate::engine::podindex`]).
-    pub labels: Arc<BTreeMap<String, String>>,
+    pub labels: Arc<Labels>,
     /// Its `Ready` condition is true: it counts as healthy for its budget.
     pub ready: bool,
 }
@@ -68,7 +108,7 @@ pub fn drainable(pod: &Pod) -> Option<PodRef> {
         terminating: meta.deletion_timestamp.is_some(),
         grace_seconds: spec.and_then(|s| s.termination_grace_period_seconds),
         rides_with_node: tolerated_fence(spec.and_then(|s| s.tolerations.as_deref()).unwrap_or_default()),
-        labels: Arc::new(meta.labels.clone().unwrap_or_default()),
+        labels: Arc::new(meta.labels.as_ref().map(Labels::from).unwrap_or_default()),
         ready: pod
             .status
             .as_ref()
