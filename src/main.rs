@@ -4,6 +4,11 @@
 use clap::Parser;
 use karpenter_teardown::{cli::Cli, commands, logging};
 
+/// jemalloc instead of the system's malloc: see the dependency's comment in `Cargo.toml`.
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     logging::init(cli.log_format, &cli.log_level);
