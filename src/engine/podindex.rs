@@ -293,14 +293,19 @@ mod tests {
         PodIndex { inner: Arc::new(Mutex::new(Index::default())), synced: watch::channel(false).0 }
     }
 
-    #[test]
-    fn pods_with_the_same_labels_share_one_copy_until_the_last_is_gone() {
-        let idx = index();
+    /// A whole (re)list of `pods` (name, node, app).
+    fn list(idx: &PodIndex, pods: &[(&str, &str, &str)]) {
         idx.apply(watcher::Event::Init);
-        for (name, node, app) in [("web-1", "n1", "web"), ("web-2", "n2", "web"), ("db-0", "n1", "db")] {
+        for (name, node, app) in pods {
             idx.apply(watcher::Event::InitApply(pod(name, node, app)));
         }
         idx.apply(watcher::Event::InitDone);
+    }
+
+    #[test]
+    fn pods_with_the_same_labels_share_one_copy_until_the_last_is_gone() {
+        let idx = index();
+        list(&idx, &[("web-1", "n1", "web"), ("web-2", "n2", "web"), ("db-0", "n1", "db")]);
         let (n1, n2) = (idx.pods_on("n1"), idx.pods_on("n2"));
         let web1 = n1.iter().find(|p| p.name == "web-1").expect("web-1 on n1");
         let db = n1.iter().find(|p| p.name == "db-0").expect("db-0 on n1");
@@ -326,11 +331,7 @@ mod tests {
     #[test]
     fn a_relist_drops_the_pods_it_did_not_read_and_wakes_every_drain() {
         let idx = index();
-        idx.apply(watcher::Event::Init);
-        for (name, node, app) in [("web-1", "n1", "web"), ("web-2", "n1", "web"), ("db-0", "n2", "db")] {
-            idx.apply(watcher::Event::InitApply(pod(name, node, app)));
-        }
-        idx.apply(watcher::Event::InitDone);
+        list(&idx, &[("web-1", "n1", "web"), ("web-2", "n1", "web"), ("db-0", "n2", "db")]);
         let mut n1 = idx.subscribe("n1");
         n1.mark_unchanged();
 
