@@ -26,8 +26,8 @@ type SharedLabels = Arc<Labels>;
 /// Memory (issue 19): the index holds every drainable pod of the cluster (100,000 at 5,000
 /// nodes), and each drain task takes its node's pods at every wake-up. So a pod is held once,
 /// behind an `Arc` that a drain's copy only counts, a node's name once per node, and a label set
-/// once for all the pods that carry it (the pods of one ReplicaSet): a `BTreeMap` of three
-/// labels costs a whole B-tree leaf, about half a kilobyte, per pod otherwise.
+/// once for all the pods that carry it (the pods of one ReplicaSet; a StatefulSet's pods each
+/// carry their own, which [`Labels`] keeps compact).
 #[derive(Default)]
 struct Index {
     /// node → its pods, in UID order (a node holds tens of pods: a sorted vector costs a
