@@ -2,6 +2,7 @@
 //! function of this state, which is what makes a re-run after a crash finish the job.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Instant;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Node;
@@ -67,7 +68,9 @@ impl Inventory {
     /// Reads the inventory through the API (three Karpenter lists, one node list by label, one
     /// deployment list by label). A Karpenter CRD that is not installed reads as empty.
     pub async fn read(client: &kube::Client) -> Result<Inventory, KubeError> {
+        let t = Instant::now();
         let claims = list_dynamic(client, &k8s::nodeclaim_resource()).await?;
+        tracing::debug!(seconds = t.elapsed().as_secs_f64(), objects = claims.len(), "NodeClaims listed");
         let pools = list_dynamic(client, &k8s::nodepool_resource()).await?;
         let classes = list_dynamic(client, &k8s::nodeclass_resource()).await?;
         Self::build(client, claims, pools, classes).await
@@ -86,6 +89,7 @@ impl Inventory {
         pools: Vec<DynamicObject>,
         classes: Vec<DynamicObject>,
     ) -> Result<Inventory, KubeError> {
+        let t = Instant::now();
         let nodes: Api<Node> = Api::all(client.clone());
         // of each node only what the inventory needs, so a list of thousands is never held whole
         let nodes = k8s::list_pages(&nodes, &ListParams::default().labels(karpenter::LABEL_NODEPOOL), |n: Node| {
@@ -100,6 +104,7 @@ impl Inventory {
         })
         .await
         .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
+        tracing::debug!(seconds = t.elapsed().as_secs_f64(), nodes = nodes.len(), "Karpenter nodes listed");
 
         let mut machines = BTreeMap::new();
         let mut by_node: BTreeMap<String, String> = BTreeMap::new();

@@ -15,7 +15,7 @@ pub mod preflight;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use tokio::sync::Semaphore;
@@ -104,6 +104,7 @@ async fn check_permissions(
     inv: &Inventory,
     plan_text: &str,
 ) -> Result<(), RunResult> {
+    let started = Instant::now();
     let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
     let k8s_need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
     let fail = |e: String| RunResult::early(Exit::Failure, e, plan_text.to_string());
@@ -122,6 +123,7 @@ async fn check_permissions(
         }
     };
     tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
         kubernetes = k8s_need.len(),
         ec2 = ec2_need.len(),
         missing = k8s_missing.len() + ec2_missing.len(),
@@ -163,10 +165,14 @@ pub async fn run(
     cancel: CancellationToken,
     events: events::Events,
 ) -> RunResult {
+    // The reads before the first write are timed in the log: at thousands of nodes they are
+    // minutes, and which of them is slow tells a user whether to look at the API server or EC2.
+    let started = Instant::now();
     if let Err(e) = crate::k8s::retry_transient(|| kube.check_reachable()).await {
         let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
         return RunResult::early(exit, e.to_string(), String::new());
     }
+    let phase = Instant::now();
     let inv = match crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await {
         Ok(i) => i,
         // Karpenter 1.0.x after `helm uninstall`: objects stored at v1beta1 are unreachable
@@ -180,6 +186,14 @@ pub async fn run(
         },
         Err(e) => return RunResult::early(Exit::Failure, e.to_string(), String::new()),
     };
+    tracing::info!(
+        seconds = phase.elapsed().as_secs_f64(),
+        machines = inv.machines.len(),
+        nodepools = inv.nodepools.len(),
+        nodeclasses = inv.nodeclasses.len(),
+        "inventory read"
+    );
+    let phase = Instant::now();
     let evidence =
         match preflight::identity(&kube, &aws, &settings.cluster, &settings.region, settings.account.as_deref(), &inv)
             .await
@@ -190,6 +204,7 @@ pub async fn run(
                 return RunResult::early(exit, e.to_string(), String::new());
             }
         };
+    tracing::info!(seconds = phase.elapsed().as_secs_f64(), "identity evidence gathered");
     for f in &evidence.facts {
         tracing::info!(evidence = %f, "identity");
     }
@@ -254,7 +269,12 @@ pub async fn run(
             return RunResult { steps: early_steps, gitops, ..RunResult::early(Exit::Failure, error, plan_text) };
         }
     }
-    tracing::info!(tasks = graph.task_count(), machines = inv.machines.len(), "starting the teardown");
+    tracing::info!(
+        tasks = graph.task_count(),
+        machines = inv.machines.len(),
+        preflight_seconds = started.elapsed().as_secs_f64(),
+        "starting the teardown"
+    );
     events.send(EngineEvent::RunStarted {
         tasks: graph.task_count() as u64,
         steps: graph.summary().steps.into_iter().map(|s| (s.step, s.tasks as u64)).collect(),
