@@ -96,7 +96,7 @@ pub fn leftovers(described: Described, cluster: &str, user_profiles: &BTreeSet<S
 /// Reads everything once and judges it with [`leftovers`].
 pub async fn collect(aws: &AwsClients, cluster: &str, user_profiles: &BTreeSet<String>) -> Result<Leftovers, AwsError> {
     let (instances, launch_templates, instance_profiles, network_interfaces, volumes) = tokio::try_join!(
-        aws.ec2.live_instances(),
+        aws.ec2.cluster_instances(cluster, InstanceScope::KarpenterLive),
         aws.ec2.launch_templates(cluster),
         aws.iam.cluster_instance_profiles(aws.region(), cluster),
         aws.ec2.detached_network_interfaces(cluster),
