@@ -93,15 +93,7 @@ pub async fn identity(
     let target = Target { cluster, region, account };
     let mut obs = Observations::of_cluster(kube.context.clone(), inv);
     if asks_ec2(&obs, &target) {
-        let t = std::time::Instant::now();
-        let found = aws.ec2.instances_by_id(&obs.instance_ids()).await?;
-        tracing::debug!(
-            seconds = t.elapsed().as_secs_f64(),
-            asked = obs.provider_ids.len(),
-            found = found.len(),
-            "instances described by id"
-        );
-        obs.instances = Some(found);
+        obs.instances = Some(aws.ec2.instances_by_id(&obs.instance_ids()).await?);
     }
     if account.is_some() {
         obs.account = Some(aws.account().await?);

@@ -466,12 +466,10 @@ impl Store {
         let ns = created["metadata"]["namespace"].as_str().unwrap_or_default().to_string();
         let old = inner.find(gr, &ns, &name).cloned();
         let mut restored = created;
-        match (managed.is_array(), restored["metadata"].as_object_mut()) {
-            (true, _) => restored["metadata"]["managedFields"] = managed,
-            (false, Some(meta)) => {
-                meta.remove("managedFields");
-            }
-            (false, None) => {}
+        if managed.is_array() {
+            restored["metadata"]["managedFields"] = managed;
+        } else if let Some(meta) = restored["metadata"].as_object_mut() {
+            meta.remove("managedFields");
         }
         let is_pod = gr.group.is_empty() && gr.resource == "pods";
         if deleting.is_string() && !is_pod {
