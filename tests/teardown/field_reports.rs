@@ -145,13 +145,14 @@ async fn stale_taint_writer() {
     let mut tool_writes = 0;
     let mut violations = Vec::new();
     for ev in seen.iter().filter(|e| e.key.gr.resource == "nodes" && names.contains(&e.key.name)) {
-        let Some(old) = &ev.old else { continue };
-        if ev.event_type.as_str() != "MODIFIED" || !written_by(old, &ev.object, k8s::objects::FIELD_MANAGER) {
+        let Some(old) = ev.old() else { continue };
+        let object = ev.object();
+        if ev.event_type.as_str() != "MODIFIED" || !written_by(&old, &object, k8s::objects::FIELD_MANAGER) {
             continue;
         }
         tool_writes += 1;
         let was = taint_keys(old["spec"].get("taints"));
-        let now = taint_keys(ev.object["spec"].get("taints"));
+        let now = taint_keys(object["spec"].get("taints"));
         let dropped: Vec<&String> = was.difference(&now).collect();
         if !dropped.is_empty() {
             violations.push(format!("{} at rv {}: dropped {dropped:?}", ev.key.name, ev.rv));

@@ -104,12 +104,26 @@ fn note_pod_labels(set: &mut PodLabels, ns: &str, pod: &Value) {
 
 /// Whether a workload event can change a budget's status: the budget reads the workload's
 /// existence, spec (replicas) and owner references, never its status (written on every pod start).
-fn workload_shape_changed(ev: &StoreEvent) -> bool {
+fn workload_shape_changed(ev: &StoreEvent, o: &Value) -> bool {
     ev.event_type != EventType::Modified
-        || ev.old.as_ref().is_none_or(|old| {
-            old["spec"] != ev.object["spec"]
-                || old["metadata"]["ownerReferences"] != ev.object["metadata"]["ownerReferences"]
+        || ev.old().is_none_or(|old| {
+            old["spec"] != o["spec"] || old["metadata"]["ownerReferences"] != o["metadata"]["ownerReferences"]
         })
+}
+
+/// An object's labels alone, read from its JSON without building the rest.
+fn labels_of(json: &[u8]) -> Value {
+    #[derive(serde::Deserialize, Default)]
+    struct Meta {
+        #[serde(default)]
+        labels: Value,
+    }
+    #[derive(serde::Deserialize)]
+    struct Labelled {
+        #[serde(default)]
+        metadata: Meta,
+    }
+    serde_json::from_slice::<Labelled>(json).map(|l| l.metadata.labels).unwrap_or(Value::Null)
 }
 
 struct ControlPlane {
@@ -299,16 +313,27 @@ impl ControlPlane {
     }
 
     fn observe(&mut self, ev: &StoreEvent, d: &mut Dirty) {
-        let o = &*ev.object;
+        let watched = matches!(
+            (ev.key.gr.group.as_str(), ev.key.gr.resource.as_str()),
+            ("", "pods" | "nodes")
+                | ("apps", "replicasets" | "deployments" | "statefulsets" | "daemonsets")
+                | ("policy", "poddisruptionbudgets")
+        );
+        if !watched {
+            return;
+        }
+        // Changes arrive as JSON; only the kinds the control plane acts on are parsed.
+        let object = ev.object();
+        let o = &object;
         let (ns, name) = (ev.key.namespace.clone(), ev.key.name.clone());
         match (ev.key.gr.group.as_str(), ev.key.gr.resource.as_str()) {
             ("", "pods") => {
-                self.observe_pod(ev, d);
+                self.observe_pod(ev, o, d);
                 note_pod_labels(&mut d.pdb_pods, &ns, o);
-                if let Some(old) = ev.old.as_deref()
-                    && old["metadata"]["labels"] != o["metadata"]["labels"]
+                if let Some(old_labels) = ev.old_json.as_deref().map(labels_of)
+                    && old_labels != o["metadata"]["labels"]
                 {
-                    note_pod_labels(&mut d.pdb_pods, &ns, old);
+                    note_pod_labels(&mut d.pdb_pods, &ns, &json!({"metadata": {"labels": old_labels}}));
                 }
                 if let Some((kind, owner)) = controller_of(o) {
                     match kind.as_str() {
@@ -324,7 +349,7 @@ impl ControlPlane {
                 d.ds_all = true;
                 if ev.event_type == EventType::Deleted {
                     d.gone_nodes.push(name);
-                } else if ev.old.as_ref().is_some_and(|old| !node_ready(old)) && node_ready(o) {
+                } else if node_ready(o) && ev.old().is_some_and(|old| !node_ready(&old)) {
                     d.all = true;
                 }
             }
@@ -335,19 +360,19 @@ impl ControlPlane {
                 {
                     d.deploy.insert((ns.clone(), owner));
                 }
-                if workload_shape_changed(ev) {
+                if workload_shape_changed(ev, o) {
                     d.pdb_ns.insert(ns);
                 }
             }
             ("apps", "deployments") => {
                 d.deploy.insert((ns.clone(), name));
-                if workload_shape_changed(ev) {
+                if workload_shape_changed(ev, o) {
                     d.pdb_ns.insert(ns);
                 }
             }
             ("apps", "statefulsets") => {
                 d.sts.insert((ns.clone(), name));
-                if workload_shape_changed(ev) {
+                if workload_shape_changed(ev, o) {
                     d.pdb_ns.insert(ns);
                 }
             }
@@ -356,7 +381,7 @@ impl ControlPlane {
             }
             ("policy", "poddisruptionbudgets") if ev.event_type != EventType::Deleted => {
                 // Only spec changes need a recompute; our own status writes do not.
-                let spec_changed = ev.old.as_ref().is_none_or(|old| old["spec"] != o["spec"]);
+                let spec_changed = ev.old().is_none_or(|old| old["spec"] != o["spec"]);
                 if spec_changed {
                     d.pdb_ns.insert(ns);
                 }
@@ -365,8 +390,7 @@ impl ControlPlane {
         }
     }
 
-    fn observe_pod(&mut self, ev: &StoreEvent, d: &mut Dirty) {
-        let o = &*ev.object;
+    fn observe_pod(&mut self, ev: &StoreEvent, o: &Value, d: &mut Dirty) {
         let uid = s(&o["metadata"]["uid"]);
         let (ns, name) = ns_name(o);
         if ev.event_type == EventType::Deleted {

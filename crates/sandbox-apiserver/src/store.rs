@@ -65,7 +65,13 @@ impl EventType {
     }
 }
 
-/// One change of the store, in resourceVersion order.
+/// One change of the store, in resourceVersion order, its objects as JSON.
+///
+/// The change stream holds its last changes for receivers that fall behind, and most of the
+/// versions it holds are no longer current; as values they were most of a rehearsal's memory (a
+/// pod's small maps are B-tree nodes, several times its JSON). As JSON they are the bytes the
+/// watch history keeps anyway, shared, and a watch writes them as they are; a receiver that
+/// reads fields parses what it reads ([`StoreEvent::object`], [`StoreEvent::old`]).
 #[derive(Debug, Clone)]
 pub struct StoreEvent {
     /// The resourceVersion this change produced.
@@ -74,10 +80,23 @@ pub struct StoreEvent {
     pub event_type: EventType,
     /// Which object.
     pub key: ObjectKey,
-    /// The object after the change (for deletions: its last state with the deletion's rv).
-    pub object: Arc<Value>,
+    /// The object after the change (for deletions: its last state with the deletion's rv), as
+    /// JSON.
+    pub object_json: Arc<[u8]>,
+    /// The object before the change, if any, as JSON.
+    pub old_json: Option<Arc<[u8]>>,
+}
+
+impl StoreEvent {
+    /// The object after the change.
+    pub fn object(&self) -> Value {
+        json_value(&self.object_json)
+    }
+
     /// The object before the change, if any.
-    pub old: Option<Arc<Value>>,
+    pub fn old(&self) -> Option<Value> {
+        self.old_json.as_deref().map(json_value)
+    }
 }
 
 /// One change as the watch history keeps it: the objects serialized. A pod with its
@@ -106,12 +125,14 @@ enum OldVersion {
     Bytes(Arc<[u8]>),
 }
 
-/// A key's entries in the history: how many, and the object of its newest entry that has left
-/// the history (the old version of its oldest remaining entry).
+/// A key's entries in the history: how many, the object of its newest entry that has left the
+/// history (the old version of its oldest remaining entry), and the object of its newest entry
+/// (the old version of its next change, shared rather than serialized again).
 #[derive(Debug, Default)]
 struct KeyHistory {
     entries: usize,
     base: Option<Arc<[u8]>>,
+    latest: Option<Arc<[u8]>>,
 }
 
 fn json_bytes(v: &Value) -> Arc<[u8]> {
@@ -119,35 +140,35 @@ fn json_bytes(v: &Value) -> Arc<[u8]> {
     serde_json::to_vec(v).unwrap_or_default().into()
 }
 
-fn json_value(b: &[u8]) -> Arc<Value> {
+fn json_value(b: &[u8]) -> Value {
     // The bytes are what `json_bytes` wrote.
-    Arc::new(serde_json::from_slice(b).unwrap_or(Value::Null))
+    serde_json::from_slice(b).unwrap_or(Value::Null)
 }
 
-/// A change a watch sends before its live ones: a current object (initial events), or a change
-/// from the history, whose values are rebuilt only when it is sent, one at a time: a watch that
-/// resumes far back never holds its whole backlog as values.
+/// A change a watch sends before its live ones: a current object (initial events), serialized
+/// only when it is sent, one at a time, so that a watch of every pod never holds them all as
+/// JSON at once; or a change from the history.
 #[derive(Debug, Clone)]
 pub struct Backlogged(Backlog);
 
 #[derive(Debug, Clone)]
 enum Backlog {
-    Current(Arc<StoreEvent>),
-    Past { rv: u64, event_type: EventType, key: ObjectKey, object: Arc<[u8]>, old: Option<Arc<[u8]>> },
+    Current { rv: u64, key: ObjectKey, object: Arc<Value> },
+    Past(Arc<StoreEvent>),
 }
 
 impl Backlogged {
     /// The change as an event.
     pub fn event(&self) -> Arc<StoreEvent> {
         match &self.0 {
-            Backlog::Current(ev) => ev.clone(),
-            Backlog::Past { rv, event_type, key, object, old } => Arc::new(StoreEvent {
+            Backlog::Current { rv, key, object } => Arc::new(StoreEvent {
                 rv: *rv,
-                event_type: *event_type,
+                event_type: EventType::Added,
                 key: key.clone(),
-                object: json_value(object),
-                old: old.as_deref().map(json_value),
+                object_json: json_bytes(object),
+                old_json: None,
             }),
+            Backlog::Past(ev) => ev.clone(),
         }
     }
 }
@@ -564,13 +585,11 @@ impl Store {
                 .into_iter()
                 .flat_map(|b| b.iter())
                 .map(|((ns, name), obj)| {
-                    Backlogged(Backlog::Current(Arc::new(StoreEvent {
+                    Backlogged(Backlog::Current {
                         rv: inner.rv,
-                        event_type: EventType::Added,
                         key: ObjectKey { gr: gr.clone(), namespace: ns.clone(), name: name.clone() },
                         object: obj.clone(),
-                        old: None,
-                    })))
+                    })
                 })
                 .collect(),
             Some(rv) => {
@@ -660,36 +679,40 @@ impl Inner {
                         .cloned(),
                     OldVersion::Bytes(b) => Some(b.clone()),
                 };
-                out.push(Backlogged(Backlog::Past {
+                out.push(Backlogged(Backlog::Past(Arc::new(StoreEvent {
                     rv: e.rv,
                     event_type: e.event_type,
                     key: e.key.clone(),
-                    object: e.object.clone(),
-                    old,
-                }));
+                    object_json: e.object.clone(),
+                    old_json: old,
+                }))));
             }
             latest.insert(&e.key, &e.object);
         }
         out
     }
 
-    fn emit(&mut self, event_type: EventType, key: ObjectKey, object: Arc<Value>, old: Option<Arc<Value>>) {
-        let ev = Arc::new(StoreEvent { rv: self.rv, event_type, key, object, old });
-        let keyed = self.history_keys.entry(ev.key.clone()).or_default();
-        let old = match &ev.old {
-            None => OldVersion::None,
-            // The stored object a change replaces is the object of that key's previous change,
-            // or, once that has left the history, the base kept for the key.
-            Some(_) if keyed.entries > 0 => OldVersion::Previous,
-            Some(o) => OldVersion::Bytes(json_bytes(o)),
+    fn emit(&mut self, event_type: EventType, key: ObjectKey, object: &Value, old: Option<&Value>) {
+        let object_json = json_bytes(object);
+        let keyed = self.history_keys.entry(key.clone()).or_default();
+        // The stored object a change replaces is the object of that key's previous change, or,
+        // once that has left the history, the base kept for the key: kept once, not per entry.
+        let (old_json, old_entry) = match old {
+            None => (None, OldVersion::None),
+            Some(_) if keyed.entries > 0 => (keyed.latest.clone(), OldVersion::Previous),
+            Some(o) => {
+                let b = json_bytes(o);
+                (Some(b.clone()), OldVersion::Bytes(b))
+            }
         };
         keyed.entries += 1;
+        keyed.latest = Some(object_json.clone());
         self.history.push_back(HistoryEntry {
-            rv: ev.rv,
-            event_type: ev.event_type,
-            key: ev.key.clone(),
-            object: json_bytes(&ev.object),
-            old,
+            rv: self.rv,
+            event_type,
+            key: key.clone(),
+            object: object_json.clone(),
+            old: old_entry,
         });
         while self.history.len() > self.history_cap {
             let Some(e) = self.history.pop_front() else { break };
@@ -703,6 +726,7 @@ impl Inner {
                 }
             }
         }
+        let ev = Arc::new(StoreEvent { rv: self.rv, event_type, key, object_json, old_json });
         // No receiver is fine: nobody watches.
         let _ = self.tx.send(ev);
     }
@@ -724,10 +748,9 @@ impl Inner {
         if let Some(uid) = obj["metadata"]["uid"].as_str() {
             self.uids.insert(uid.to_string(), key.clone());
         }
-        let arc = Arc::new(obj.clone());
-        self.objects.entry(key.gr.clone()).or_default().insert((key.namespace.clone(), key.name.clone()), arc.clone());
         let ty = if old.is_some() { EventType::Modified } else { EventType::Added };
-        self.emit(ty, key, arc, old);
+        self.emit(ty, key.clone(), &obj, old.as_deref());
+        self.objects.entry(key.gr).or_default().insert((key.namespace, key.name), Arc::new(obj.clone()));
         obj
     }
 
@@ -748,7 +771,7 @@ impl Inner {
                 }
             }
         }
-        self.emit(EventType::Deleted, key.clone(), Arc::new(last.clone()), Some(old));
+        self.emit(EventType::Deleted, key.clone(), &last, Some(&old));
         self.work.push_back(Work::Removed { uid, owners, key: key.clone() });
         if key.gr == crd_gr() {
             let group = last["spec"]["group"].as_str().unwrap_or_default().to_string();
@@ -1720,6 +1743,42 @@ mod tests {
         json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"v": data}})
     }
 
+    /// A live receiver sees each change with the object it made and the version it replaced,
+    /// also once the history no longer holds the key's earlier changes.
+    #[test]
+    fn live_changes_carry_the_version_each_one_replaced() {
+        let store = Store::new(2, 1);
+        let gr = GroupResource::new("", "configmaps");
+        let w = WriteOptions::manager("test");
+        let mut rx = store.subscribe();
+        store.create(&gr, "default", cm("a", "1"), &w).unwrap();
+        for v in ["2", "3", "4"] {
+            let mut o = store.get(&gr, "default", "a").unwrap();
+            o["data"]["v"] = json!(v);
+            store.update(&gr, "default", "a", o, "", &w).unwrap();
+        }
+        store.delete(&gr, "default", "a", &DeleteOptions::default()).unwrap();
+        let mut seen = Vec::new();
+        while let Ok(ev) = rx.try_recv() {
+            if ev.key.gr != gr {
+                continue;
+            }
+            let v = |o: Value| o["data"]["v"].as_str().unwrap().to_string();
+            seen.push((ev.event_type, v(ev.object()), ev.old().map(v)));
+        }
+        let at = |t, o: &str, p: Option<&str>| (t, o.to_string(), p.map(str::to_string));
+        assert_eq!(
+            seen,
+            [
+                at(EventType::Added, "1", None),
+                at(EventType::Modified, "2", Some("1")),
+                at(EventType::Modified, "3", Some("2")),
+                at(EventType::Modified, "4", Some("3")),
+                at(EventType::Deleted, "4", Some("4")),
+            ]
+        );
+    }
+
     /// A resumed watch gets every change after its resourceVersion with the object and the old
     /// version each change replaced, also when the entry holding that old version has already
     /// left the history; a resourceVersion older than the history gets 410.
@@ -1748,8 +1807,8 @@ mod tests {
             .iter()
             .map(|e| {
                 (
-                    e.object["data"]["v"].as_str().unwrap().to_string(),
-                    e.old.as_ref().map(|o| o["data"]["v"].as_str().unwrap().to_string()),
+                    e.object()["data"]["v"].as_str().unwrap().to_string(),
+                    e.old().map(|o| o["data"]["v"].as_str().unwrap().to_string()),
                 )
             })
             .collect();
@@ -1764,9 +1823,9 @@ mod tests {
         store.create(&gr, "default", cm("b", "9"), &w).unwrap();
         let (events, _rx, _) = store.watch_from(&gr, Some(last)).unwrap();
         let events: Vec<Arc<StoreEvent>> = events.iter().map(Backlogged::event).collect();
-        let kinds: Vec<(EventType, bool)> = events.iter().map(|e| (e.event_type, e.old.is_some())).collect();
+        let kinds: Vec<(EventType, bool)> = events.iter().map(|e| (e.event_type, e.old_json.is_some())).collect();
         assert_eq!(kinds, [(EventType::Deleted, true), (EventType::Added, false)]);
-        assert_eq!(events[0].old.as_ref().unwrap()["data"]["v"], "1", "the deletion replaced b=1");
+        assert_eq!(events[0].old().unwrap()["data"]["v"], "1", "the deletion replaced b=1");
     }
 
     /// A restored object keeps the managedFields it was given, and gets none when it was given

@@ -22,12 +22,47 @@ fn line(ty: &str, object: &Value) -> Bytes {
     Bytes::from(v)
 }
 
+/// A watch event line around an object's JSON as the store keeps it.
+fn raw_line(ty: &str, object: &[u8]) -> Bytes {
+    let mut v = Vec::with_capacity(object.len() + 32);
+    v.extend_from_slice(b"{\"type\":\"");
+    v.extend_from_slice(ty.as_bytes());
+    v.extend_from_slice(b"\",\"object\":");
+    v.extend_from_slice(object);
+    v.extend_from_slice(b"}\n");
+    Bytes::from(v)
+}
+
+/// The one field of an object a watch needs to decide whether it can send the stored JSON as it
+/// is; reading it skips the rest without building it.
+#[derive(serde::Deserialize)]
+struct ApiVersionOnly {
+    #[serde(rename = "apiVersion", default)]
+    api_version: String,
+}
+
 struct Filter {
     namespace: Option<String>,
     opts: ListOptions,
 }
 
 impl Filter {
+    /// Whether the filter reads the object (a selector) or only its key.
+    fn reads_objects(&self) -> bool {
+        self.opts.labels.is_some() || self.opts.fields.is_some()
+    }
+
+    fn matches_json(&self, ev_ns: &str, obj: &[u8]) -> bool {
+        if self.namespace.as_deref().is_some_and(|n| n != ev_ns) {
+            return false;
+        }
+        if !self.reads_objects() {
+            return true;
+        }
+        let obj: Value = serde_json::from_slice(obj).unwrap_or(Value::Null);
+        self.matches(ev_ns, &obj)
+    }
+
     fn matches(&self, ev_ns: &str, obj: &Value) -> bool {
         self.namespace.as_deref().is_none_or(|n| n == ev_ns)
             && self.opts.labels.as_ref().is_none_or(|l| l.matches(obj))
@@ -37,8 +72,8 @@ impl Filter {
     /// The watch event type a client of this filter sees for a store event, if any: objects
     /// entering the selection are ADDED, leaving it DELETED.
     fn translate(&self, ev: &StoreEvent) -> Option<&'static str> {
-        let now = self.matches(&ev.key.namespace, &ev.object);
-        let before = ev.old.as_ref().is_some_and(|o| self.matches(&ev.key.namespace, o));
+        let now = self.matches_json(&ev.key.namespace, &ev.object_json);
+        let before = ev.old_json.as_ref().is_some_and(|o| self.matches_json(&ev.key.namespace, o));
         match ev.event_type {
             EventType::Added => now.then_some("ADDED"),
             EventType::Deleted => before.then_some("DELETED"),
@@ -85,9 +120,14 @@ pub(crate) fn serve(
     let bookmark_every = Duration::from_secs_f64((60.0 * shared.time_scale).clamp(0.1, 60.0));
     let cancel = shared.cancel.clone();
     let kind = info.kind.clone();
-    let render = move |obj: &Value| -> Value {
-        let o = as_version(obj.clone(), &av);
-        if table_out { table::table(&info, &[o], 0, &Query::new(), true) } else { o }
+    // The stored JSON goes out as it is when it is already what the client asked for; a table or
+    // another version is built from its value.
+    let render = move |ty: &str, json: &[u8]| -> Bytes {
+        if !table_out && serde_json::from_slice::<ApiVersionOnly>(json).is_ok_and(|o| o.api_version == av) {
+            return raw_line(ty, json);
+        }
+        let o = as_version(serde_json::from_slice(json).unwrap_or(Value::Null), &av);
+        line(ty, &if table_out { table::table(&info, &[o], 0, &Query::new(), true) } else { o })
     };
     let stream = async_stream::stream! {
         let (backlog, mut rx, start_rv) = match subscribed {
@@ -101,12 +141,12 @@ pub(crate) fn serve(
         let mut last_rv = start_rv;
         for ev in backlog.iter().map(Backlogged::event) {
             let ty = if rv.is_none() || send_initial {
-                filter.matches(&ev.key.namespace, &ev.object).then_some("ADDED")
+                filter.matches_json(&ev.key.namespace, &ev.object_json).then_some("ADDED")
             } else {
                 filter.translate(&ev)
             };
             if let Some(ty) = ty {
-                yield Ok(line(ty, &render(&ev.object)));
+                yield Ok(render(ty, &ev.object_json));
             }
         }
         if send_initial {
@@ -133,7 +173,7 @@ pub(crate) fn serve(
                             continue;
                         }
                         if let Some(ty) = filter.translate(&ev) {
-                            yield Ok(line(ty, &render(&ev.object)));
+                            yield Ok(render(ty, &ev.object_json));
                         }
                     }
                     // A watcher that fell behind is cut; the client resumes from its last rv.
