@@ -19,6 +19,7 @@ use kube::api::{Api, DynamicObject};
 use kube::core::{ApiResource, GroupVersionKind};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::aws::ec2::InstanceScope;
 use crate::aws::{AwsClients, AwsError};
@@ -148,38 +149,66 @@ pub struct KarpenterFacts {
     pub conversion_webhook: bool,
 }
 
+/// One Kubernetes object as a snapshot keeps it: its JSON text, written to and read from the
+/// snapshot file as it is. A 20,000-pod snapshot is 54 MB of JSON and was 611 MB as
+/// `serde_json::Value`s (every small map a B-tree node); a reader parses the object it looks at,
+/// one at a time.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RawObject(Box<RawValue>);
+
+impl RawObject {
+    /// The object's JSON text.
+    pub fn new(v: &Value) -> RawObject {
+        // Serializing a Value cannot fail: its map keys are strings.
+        RawObject(serde_json::value::to_raw_value(v).unwrap_or_default())
+    }
+
+    /// The object, parsed.
+    pub fn value(&self) -> Value {
+        // The text is JSON: it was written by `new` or read as JSON.
+        serde_json::from_str(self.0.get()).unwrap_or(Value::Null)
+    }
+}
+
+impl From<Value> for RawObject {
+    fn from(v: Value) -> RawObject {
+        RawObject::new(&v)
+    }
+}
+
 /// The Kubernetes objects of a snapshot, as JSON objects.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KubeObjects {
     /// Karpenter's CRDs.
-    pub crds: Vec<Value>,
+    pub crds: Vec<RawObject>,
     /// Namespaces.
-    pub namespaces: Vec<Value>,
+    pub namespaces: Vec<RawObject>,
     /// The Services Karpenter's conversion webhook points at.
-    pub services: Vec<Value>,
+    pub services: Vec<RawObject>,
     /// EC2NodeClasses.
-    pub ec2nodeclasses: Vec<Value>,
+    pub ec2nodeclasses: Vec<RawObject>,
     /// NodePools.
-    pub nodepools: Vec<Value>,
+    pub nodepools: Vec<RawObject>,
     /// NodeClaims.
-    pub nodeclaims: Vec<Value>,
+    pub nodeclaims: Vec<RawObject>,
     /// Nodes.
-    pub nodes: Vec<Value>,
+    pub nodes: Vec<RawObject>,
     /// Deployments.
-    pub deployments: Vec<Value>,
+    pub deployments: Vec<RawObject>,
     /// ReplicaSets.
-    pub replicasets: Vec<Value>,
+    pub replicasets: Vec<RawObject>,
     /// StatefulSets.
-    pub statefulsets: Vec<Value>,
+    pub statefulsets: Vec<RawObject>,
     /// DaemonSets.
-    pub daemonsets: Vec<Value>,
+    pub daemonsets: Vec<RawObject>,
     /// Pods.
-    pub pods: Vec<Value>,
+    pub pods: Vec<RawObject>,
     /// PodDisruptionBudgets.
-    pub pdbs: Vec<Value>,
+    pub pdbs: Vec<RawObject>,
     /// Argo CD Applications, Flux Kustomizations and HelmReleases.
-    pub gitops: Vec<Value>,
+    pub gitops: Vec<RawObject>,
 }
 
 impl KubeObjects {
@@ -195,7 +224,7 @@ impl KubeObjects {
 
     /// Takes every list out (leaving them empty), with its name, in the order of [`Self::kinds`]:
     /// a loader consumes the objects instead of holding them twice.
-    pub fn take_kinds(&mut self) -> Vec<(&'static str, Vec<Value>)> {
+    pub fn take_kinds(&mut self) -> Vec<(&'static str, Vec<RawObject>)> {
         vec![
             ("customresourcedefinitions", std::mem::take(&mut self.crds)),
             ("namespaces", std::mem::take(&mut self.namespaces)),
@@ -215,7 +244,7 @@ impl KubeObjects {
     }
 
     /// Each list with its name, in the order a loader creates them (owners before what they own).
-    pub fn kinds(&self) -> [(&'static str, &Vec<Value>); 14] {
+    pub fn kinds(&self) -> [(&'static str, &Vec<RawObject>); 14] {
         [
             ("customresourcedefinitions", &self.crds),
             ("namespaces", &self.namespaces),
@@ -392,21 +421,30 @@ impl Snapshot {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path)
             .map_err(|e| SnapshotError::Read { path: shown.clone(), detail: e.to_string() })?;
-        let head: Value = serde_json::from_str(&text)
+        // The format and version are read first, skipping the objects, so that another format or
+        // version is named as such rather than as a missing field.
+        #[derive(Deserialize)]
+        struct Head {
+            #[serde(default)]
+            format: Value,
+            #[serde(default)]
+            version: Value,
+        }
+        let head: Head = serde_json::from_str(&text)
             .map_err(|e| SnapshotError::Format { path: shown.clone(), detail: format!("not JSON: {e}") })?;
-        if head["format"] != SNAPSHOT_FORMAT {
+        if head.format != SNAPSHOT_FORMAT {
             return Err(SnapshotError::Format {
                 path: shown,
-                detail: format!("its format is {}, not {SNAPSHOT_FORMAT:?}", head["format"]),
+                detail: format!("its format is {}, not {SNAPSHOT_FORMAT:?}", head.format),
             });
         }
-        if head["version"].as_u64() != Some(u64::from(SNAPSHOT_VERSION)) {
+        if head.version.as_u64() != Some(u64::from(SNAPSHOT_VERSION)) {
             return Err(SnapshotError::Format {
                 path: shown,
-                detail: format!("it is version {}, this build reads version {SNAPSHOT_VERSION}", head["version"]),
+                detail: format!("it is version {}, this build reads version {SNAPSHOT_VERSION}", head.version),
             });
         }
-        serde_json::from_value(head).map_err(|e| SnapshotError::Format { path: shown, detail: e.to_string() })
+        serde_json::from_str(&text).map_err(|e| SnapshotError::Format { path: shown, detail: e.to_string() })
     }
 
     /// Writes the snapshot as JSON (one line per top-level field would not help: it is data).
@@ -419,8 +457,12 @@ impl Snapshot {
     }
 
     /// Karpenter nodes: Nodes labelled with a NodePool.
-    pub fn karpenter_nodes(&self) -> impl Iterator<Item = &Value> {
-        self.kubernetes.nodes.iter().filter(|n| !n["metadata"]["labels"][karpenter::LABEL_NODEPOOL].is_null())
+    pub fn karpenter_nodes(&self) -> impl Iterator<Item = Value> {
+        self.kubernetes
+            .nodes
+            .iter()
+            .map(RawObject::value)
+            .filter(|n| !n["metadata"]["labels"][karpenter::LABEL_NODEPOOL].is_null())
     }
 }
 
@@ -435,7 +477,7 @@ async fn list_all(
     client: &kube::Client,
     ar: &ApiResource,
     reduce: fn(&mut Value),
-) -> Result<Vec<Value>, SnapshotError> {
+) -> Result<Vec<RawObject>, SnapshotError> {
     let keep = |item: DynamicObject| {
         let mut v = serde_json::to_value(&item).unwrap_or_default();
         if v["apiVersion"].is_null() {
@@ -443,7 +485,7 @@ async fn list_all(
             v["kind"] = Value::String(ar.kind.clone());
         }
         reduce(&mut v);
-        Some(v)
+        Some(RawObject::new(&v))
     };
     match k8s::list_kind(client, ar, keep).await {
         Ok(out) => Ok(out),
@@ -464,7 +506,7 @@ async fn read_kubernetes(client: &kube::Client) -> Result<KubeObjects, SnapshotE
         )
         .await?
         .into_iter()
-        .filter(|c| c["metadata"]["name"].as_str().is_some_and(|n| KARPENTER_CRDS.contains(&n)))
+        .filter(|c| c.value()["metadata"]["name"].as_str().is_some_and(|n| KARPENTER_CRDS.contains(&n)))
         .collect(),
         namespaces: list_all(client, &resource("", "v1", "Namespace", "namespaces"), reduce_meta).await?,
         ec2nodeclasses: list_all(client, &k8s::nodeclass_resource(), reduce_meta).await?,
@@ -490,6 +532,7 @@ async fn read_kubernetes(client: &kube::Client) -> Result<KubeObjects, SnapshotE
     let wanted: BTreeSet<(String, String)> = k
         .crds
         .iter()
+        .map(RawObject::value)
         .filter_map(|c| {
             let svc = &c["spec"]["conversion"]["webhook"]["clientConfig"]["service"];
             Some((svc["namespace"].as_str()?.to_string(), svc["name"].as_str()?.to_string()))
@@ -502,7 +545,7 @@ async fn read_kubernetes(client: &kube::Client) -> Result<KubeObjects, SnapshotE
             Ok(Some(s)) => {
                 let mut v = serde_json::to_value(&s).unwrap_or_default();
                 reduce_meta(&mut v);
-                k.services.push(v);
+                k.services.push(RawObject::new(&v));
             }
             Ok(None) => {}
             Err(kube::Error::Api(s)) if s.code == 403 => {
@@ -528,8 +571,8 @@ async fn read_aws(aws: &AwsClients, cluster: &str, region: &str, k: &KubeObjects
     let named: BTreeSet<String> = k
         .nodes
         .iter()
-        .map(|n| &n["spec"]["providerID"])
-        .chain(k.nodeclaims.iter().map(|c| &c["status"]["providerID"]))
+        .map(|n| n.value()["spec"]["providerID"].take())
+        .chain(k.nodeclaims.iter().map(|c| c.value()["status"]["providerID"].take()))
         .filter_map(|p| ProviderId::parse(p.as_str()?).ok())
         .map(|p| p.instance_id)
         .collect();
@@ -557,8 +600,12 @@ async fn read_aws(aws: &AwsClients, cluster: &str, region: &str, k: &KubeObjects
 }
 
 fn karpenter_facts(k: &KubeObjects) -> KarpenterFacts {
-    let controllers: Vec<&Value> =
-        k.deployments.iter().filter(|d| d["metadata"]["labels"]["app.kubernetes.io/name"] == "karpenter").collect();
+    let controllers: Vec<Value> = k
+        .deployments
+        .iter()
+        .map(RawObject::value)
+        .filter(|d| d["metadata"]["labels"]["app.kubernetes.io/name"] == "karpenter")
+        .collect();
     // the same preference as the teardown's own inventory: kube-system, then the name karpenter
     let controller = controllers
         .iter()
@@ -586,7 +633,7 @@ fn karpenter_facts(k: &KubeObjects) -> KarpenterFacts {
             )
         }),
         ready_replicas: controller.and_then(|d| d["status"]["readyReplicas"].as_i64()).unwrap_or(0),
-        conversion_webhook: k.crds.iter().any(|c| c["spec"]["conversion"]["strategy"] == "Webhook"),
+        conversion_webhook: k.crds.iter().any(|c| c.value()["spec"]["conversion"]["strategy"] == "Webhook"),
     }
 }
 
@@ -806,18 +853,20 @@ mod tests {
     #[test]
     fn the_controller_release_comes_from_its_image_tag() {
         let k = KubeObjects {
-            deployments: vec![json!({"metadata": {"name": "karpenter", "namespace": "kube-system",
+            deployments: vec![RawObject::new(&json!({"metadata": {"name": "karpenter", "namespace": "kube-system",
                 "labels": {"app.kubernetes.io/name": "karpenter"}},
                 "spec": {"template": {"spec": {"containers": [{"name": "controller",
                     "image": "public.ecr.aws/karpenter/controller:1.0.14@sha256:abc"}]}}},
-                "status": {"readyReplicas": 2}})],
+                "status": {"readyReplicas": 2}}))],
             ..KubeObjects::default()
         };
         let f = karpenter_facts(&k);
         assert_eq!(f.version.as_deref(), Some("1.0.14"));
         let mut mirrored = k.clone();
-        mirrored.deployments[0]["spec"]["template"]["spec"]["containers"][0]["image"] =
+        let mut d = mirrored.deployments[0].value();
+        d["spec"]["template"]["spec"]["containers"][0]["image"] =
             json!("registry.internal:5000/mirror/karpenter/controller@sha256:abc");
+        mirrored.deployments[0] = RawObject::new(&d);
         assert_eq!(karpenter_facts(&mirrored).version, None, "a mirror's port is not a release");
         assert_eq!(f.controller.as_deref(), Some("kube-system/karpenter"));
         assert_eq!(f.ready_replicas, 2);

@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 
 use super::RehearseError;
 use crate::karpenter::ProviderId;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{RawObject, Snapshot};
 
 /// Concurrent LocalStack calls while seeding.
 const SEED_CONCURRENCY: usize = 16;
@@ -232,6 +232,7 @@ fn restore_objects(
         .kubernetes
         .crds
         .iter()
+        .map(RawObject::value)
         .filter(|c| c["spec"]["conversion"]["strategy"] == "Webhook")
         .filter_map(|c| {
             let group = c["spec"]["group"].as_str()?;
@@ -253,7 +254,10 @@ fn restore_objects(
                 )?;
             }
         }
-        for mut obj in list {
+        // each object is parsed only as it goes into the store, and its text dropped then
+        for raw in list {
+            let mut obj = raw.value();
+            drop(raw);
             rewrite_owners(&mut obj, &uids);
             rewrite_provider_id(&mut obj, instances);
             let resource = if plural == "gitops" { gitops_plural(&obj) } else { plural.to_string() };

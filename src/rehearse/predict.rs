@@ -16,7 +16,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::report::{StepRecord, TaskResult};
-use crate::snapshot::Snapshot;
+use crate::snapshot::{RawObject, Snapshot};
 
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_GRACE: i64 = 30;
@@ -83,11 +83,14 @@ pub struct Waits {
 impl Waits {
     /// Reads them off a snapshot.
     pub fn of(snap: &Snapshot) -> Waits {
-        let claim_of: BTreeMap<&str, &str> = snap
+        let claim_of: BTreeMap<String, String> = snap
             .kubernetes
             .nodeclaims
             .iter()
-            .filter_map(|c| Some((c["status"]["nodeName"].as_str()?, c["metadata"]["name"].as_str()?)))
+            .map(RawObject::value)
+            .filter_map(|c| {
+                Some((c["status"]["nodeName"].as_str()?.to_string(), c["metadata"]["name"].as_str()?.to_string()))
+            })
             .collect();
         let drain = drain_chains(snap)
             .into_iter()
@@ -217,19 +220,19 @@ fn is_critical(pod: &Value) -> bool {
 /// Each Karpenter node's chain of waits when nothing blocks: its non-critical pods' longest
 /// grace period, then its critical pods' (they are evicted once the others are gone).
 fn drain_chains(snap: &Snapshot) -> BTreeMap<String, f64> {
-    let ours: std::collections::BTreeSet<&str> =
-        snap.karpenter_nodes().filter_map(|n| n["metadata"]["name"].as_str()).collect();
+    let ours: std::collections::BTreeSet<String> =
+        snap.karpenter_nodes().filter_map(|n| n["metadata"]["name"].as_str().map(str::to_string)).collect();
     let mut per_node: BTreeMap<String, (i64, i64)> = BTreeMap::new();
-    for p in &snap.kubernetes.pods {
-        let Some(node) = p["spec"]["nodeName"].as_str().filter(|n| ours.contains(n)) else { continue };
-        if is_daemon(p) || matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed")) {
+    for p in snap.kubernetes.pods.iter().map(RawObject::value) {
+        let Some(node) = p["spec"]["nodeName"].as_str().filter(|n| ours.contains(*n)) else { continue };
+        if is_daemon(&p) || matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed")) {
             continue;
         }
         let e = per_node.entry(node.to_string()).or_default();
-        if is_critical(p) {
-            e.1 = e.1.max(grace(p));
+        if is_critical(&p) {
+            e.1 = e.1.max(grace(&p));
         } else {
-            e.0 = e.0.max(grace(p));
+            e.0 = e.0.max(grace(&p));
         }
     }
     per_node.into_iter().map(|(n, (normal, critical))| (n, (normal + critical) as f64)).collect()
@@ -241,10 +244,11 @@ fn controller_grace(snap: &Snapshot) -> f64 {
     snap.kubernetes
         .pods
         .iter()
+        .map(RawObject::value)
         .filter(|p| {
             p["metadata"]["namespace"] == ns && p["metadata"]["labels"]["app.kubernetes.io/name"] == "karpenter"
         })
-        .map(grace)
+        .map(|p| grace(&p))
         .max()
         .unwrap_or(0) as f64
 }
@@ -252,7 +256,7 @@ fn controller_grace(snap: &Snapshot) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::snapshot::{KubeObjects, Snapshot};
+    use crate::snapshot::KubeObjects;
     use serde_json::json;
 
     fn snap(pods: Vec<Value>) -> Snapshot {
@@ -262,7 +266,11 @@ mod tests {
             "cluster": "c", "region": "us-west-2", "account": "1", "source": {}, "karpenter": {},
             "kubernetes": {}, "aws": {}, "reads": {}}))
         .unwrap();
-        s.kubernetes = KubeObjects { nodes: vec![node("a"), node("b")], pods, ..KubeObjects::default() };
+        s.kubernetes = KubeObjects {
+            nodes: vec![node("a").into(), node("b").into()],
+            pods: pods.into_iter().map(RawObject::from).collect(),
+            ..KubeObjects::default()
+        };
         s
     }
 
