@@ -508,12 +508,13 @@ impl ControlPlane {
                 }
             }
             if let Ok(l) = self.store.list(&pods_gr(), None, &lo) {
-                let pods: Vec<Value> = l.items.iter().map(|p| (**p).clone()).collect();
-                for p in pods {
+                // the listed objects are the store's own, shared: a copy of every pod was the
+                // largest allocation of a 20,000-pod rehearsal
+                for p in &l.items {
                     d.pdb_ns.insert(s(&p["metadata"]["namespace"]));
                     let uid = s(&p["metadata"]["uid"]);
-                    let (ns, name) = ns_name(&p);
-                    if deleting(&p) {
+                    let (ns, name) = ns_name(p);
+                    if deleting(p) {
                         if self.terminating.insert(uid.clone()) {
                             let grace = p["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
                             if grace > 0 {
@@ -875,11 +876,7 @@ impl ControlPlane {
         let mut t = spec["tolerations"].as_array().cloned().unwrap_or_default();
         t.extend(tolerations.iter().cloned());
         spec["tolerations"] = json!(t);
-        let nodes: Vec<Value> = self
-            .store
-            .list(&nodes_gr(), None, &ListOptions::default())
-            .map(|l| l.items.iter().map(|n| (**n).clone()).collect())
-            .unwrap_or_default();
+        let nodes = self.store.list(&nodes_gr(), None, &ListOptions::default()).map(|l| l.items).unwrap_or_default();
         let eligible: BTreeSet<String> =
             nodes.iter().filter(|n| !deleting(n) && fits(&spec, n)).map(|n| s(&n["metadata"]["name"])).collect();
         let pods: Vec<Value> =
@@ -937,12 +934,8 @@ impl ControlPlane {
         if pending.is_empty() {
             return;
         }
-        let nodes: Vec<Value> = self
-            .store
-            .list(&nodes_gr(), None, &ListOptions::default())
-            .map(|l| l.items.iter().map(|n| (**n).clone()).collect())
-            .unwrap_or_default();
-        let usable: Vec<&Value> = nodes.iter().filter(|n| node_ready(n) && !deleting(n)).collect();
+        let nodes = self.store.list(&nodes_gr(), None, &ListOptions::default()).map(|l| l.items).unwrap_or_default();
+        let usable: Vec<&Value> = nodes.iter().map(|n| &**n).filter(|n| node_ready(n) && !deleting(n)).collect();
         // Pods of one workload share nodeSelector and tolerations: work out their eligible nodes
         // once per such signature, and keep them ordered by load, so a pass costs
         // O(signatures × nodes + pods × log nodes) instead of O(pods × nodes) (20,000 pods on
