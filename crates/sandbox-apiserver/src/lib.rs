@@ -67,6 +67,11 @@ pub enum SandboxError {
     },
 }
 
+/// The shortest real time an event stays for watch resumption: a client's retry delays run on
+/// the real clock, not the sandbox's, and at a time scale of 0.01 the watch cache's 75 s would be
+/// shorter than the first of them.
+pub const MIN_HISTORY_WINDOW: Duration = Duration::from_secs(5);
+
 /// How to run the server.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
@@ -76,8 +81,12 @@ pub struct ServerOptions {
     pub time_scale: f64,
     /// Faults to inject from the start.
     pub faults: FaultConfig,
-    /// Events kept for watch resumption; a watch from an older resourceVersion gets 410.
+    /// Events kept for watch resumption at most; a watch from an older resourceVersion gets 410.
     pub watch_history: usize,
+    /// How long, on the sandbox clock, an event stays for watch resumption (kube-apiserver's
+    /// watch cache: 75 s, `eventFreshDuration`); `None`: until `watch_history` pushes it out.
+    /// Never less than [`MIN_HISTORY_WINDOW`] of real time.
+    pub watch_history_fresh: Option<Duration>,
     /// Run the simulated control plane (scheduler, kubelet, workload controllers).
     pub control_plane: bool,
     /// Most non-watch requests served at once (API Priority and Fairness seats); a request
@@ -98,6 +107,7 @@ impl Default for ServerOptions {
             time_scale: 1.0,
             faults: FaultConfig::default(),
             watch_history: 100_000,
+            watch_history_fresh: Some(Duration::from_secs(75)),
             control_plane: true,
             max_in_flight: 100,
             rbac: None,
@@ -128,8 +138,13 @@ impl ApiServer {
         let port = listener.local_addr().map_err(|source| SandboxError::Bind { port: opts.port, source })?.port();
         let url = format!("http://127.0.0.1:{port}");
         let seed = opts.faults.seed;
+        let store = Store::new(opts.watch_history, seed ^ 0x5eed);
+        if let Some(fresh) = opts.watch_history_fresh {
+            let scaled = Duration::try_from_secs_f64(fresh.as_secs_f64() * opts.time_scale).unwrap_or(fresh);
+            store.keep_history_for(scaled.max(MIN_HISTORY_WINDOW));
+        }
         let shared = Arc::new(http::Shared {
-            store: Store::new(opts.watch_history, seed ^ 0x5eed),
+            store,
             stats: RequestStats::default(),
             faults: Mutex::new(faults::Faults::new(opts.faults.clone())),
             cancel: CancellationToken::new(),

@@ -107,6 +107,8 @@ impl StoreEvent {
 #[derive(Debug)]
 struct HistoryEntry {
     rv: u64,
+    /// When it was recorded: a change older than the freshness window leaves the history.
+    at: std::time::Instant,
     event_type: EventType,
     key: ObjectKey,
     object: Arc<[u8]>,
@@ -291,7 +293,15 @@ pub(crate) struct Inner {
     /// Per key with entries in the history: how many, and its base.
     history_keys: HashMap<ObjectKey, KeyHistory>,
     history_cap: usize,
+    /// How long a change stays in the history once it is no longer among the newest
+    /// [`HISTORY_LOWER_BOUND`]; `None`: until the cap pushes it out.
+    history_fresh: Option<Duration>,
+    /// The newest resourceVersion the cap pushed out: a list continuation from before it is too
+    /// old (etcd compacted it).
     history_floor: u64,
+    /// The newest resourceVersion that left the history for any reason: a watch from before it
+    /// gets 410.
+    watch_floor: u64,
     tx: broadcast::Sender<Arc<StoreEvent>>,
     rng: u64,
     work: VecDeque<Work>,
@@ -372,6 +382,10 @@ fn spec_part(v: &Value) -> Value {
     c
 }
 
+/// Changes the history keeps whatever their age: kube-apiserver's watch cache never shrinks
+/// below 100 events (`defaultLowerBoundCapacity`).
+const HISTORY_LOWER_BOUND: usize = 100;
+
 const FOREGROUND: &str = "foregroundDeletion";
 const ORPHAN: &str = "orphan";
 const CRD_CLEANUP: &str = "customresourcecleanup.apiextensions.k8s.io";
@@ -403,7 +417,9 @@ impl Store {
             history: VecDeque::new(),
             history_keys: HashMap::new(),
             history_cap: watch_history.max(1),
+            history_fresh: None,
             history_floor: 0,
+            watch_floor: 0,
             tx,
             rng: seed | 1,
             work: VecDeque::new(),
@@ -419,6 +435,15 @@ impl Store {
             );
         }
         store
+    }
+
+    /// Keeps changes in the history for `window` (beyond the newest
+    /// [`HISTORY_LOWER_BOUND`]), as kube-apiserver's watch cache keeps 75 s of them
+    /// (`eventFreshDuration`): a watch resuming from further back gets 410 and lists again, as it
+    /// would there, instead of being replayed what a real server has long dropped. The cap given
+    /// to [`Store::new`] still applies.
+    pub fn keep_history_for(&self, window: Duration) {
+        self.lock().history_fresh = Some(window);
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -593,10 +618,10 @@ impl Store {
                 })
                 .collect(),
             Some(rv) => {
-                if rv < inner.history_floor {
+                if rv < inner.watch_floor {
                     return Err(ApiError::expired(format!(
                         "too old resource version: {rv} ({})",
-                        inner.history_floor + 1
+                        inner.watch_floor + 1
                     )));
                 }
                 inner.replay(gr, rv)
@@ -707,16 +732,27 @@ impl Inner {
         };
         keyed.entries += 1;
         keyed.latest = Some(object_json.clone());
+        let now = std::time::Instant::now();
         self.history.push_back(HistoryEntry {
             rv: self.rv,
+            at: now,
             event_type,
             key: key.clone(),
             object: object_json.clone(),
             old: old_entry,
         });
-        while self.history.len() > self.history_cap {
+        loop {
+            let over_cap = self.history.len() > self.history_cap;
+            let stale = self.history.len() > HISTORY_LOWER_BOUND
+                && self.history_fresh.zip(self.history.front()).is_some_and(|(f, e)| now.duration_since(e.at) > f);
+            if !over_cap && !stale {
+                break;
+            }
             let Some(e) = self.history.pop_front() else { break };
-            self.history_floor = e.rv;
+            if over_cap {
+                self.history_floor = e.rv;
+            }
+            self.watch_floor = e.rv;
             if let Some(keyed) = self.history_keys.get_mut(&e.key) {
                 keyed.entries = keyed.entries.saturating_sub(1);
                 if keyed.entries == 0 {
@@ -1741,6 +1777,31 @@ mod tests {
 
     fn cm(name: &str, data: &str) -> Value {
         json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"v": data}})
+    }
+
+    /// Like kube-apiserver's watch cache, the history drops changes older than its window once
+    /// it holds more than its lower bound: a watch from before them gets 410. A list continues
+    /// from its token all the same (its limit is etcd's compaction, not the watch cache).
+    #[test]
+    fn the_history_keeps_its_window_and_list_continuations_outlive_it() {
+        let store = Store::new(10_000, 1);
+        store.keep_history_for(Duration::from_millis(50));
+        let gr = GroupResource::new("", "configmaps");
+        let w = WriteOptions::manager("test");
+        let rv_of = |o: Value| o["metadata"]["resourceVersion"].as_str().unwrap().parse::<u64>().unwrap();
+        let rvs: Vec<u64> =
+            (0..150).map(|i| rv_of(store.create(&gr, "default", cm(&format!("c{i:03}"), "1"), &w).unwrap())).collect();
+        let page = store.list(&gr, None, &ListOptions { limit: Some(10), ..Default::default() }).unwrap();
+        assert!(store.watch_from(&gr, Some(rvs[0])).is_ok(), "nothing is old yet");
+        std::thread::sleep(Duration::from_millis(80));
+        store.create(&gr, "default", cm("late", "1"), &w).unwrap();
+        let err = store.watch_from(&gr, Some(rvs[0])).unwrap_err();
+        assert_eq!(err.to_status()["code"], 410);
+        let (recent, _rx, _) = store.watch_from(&gr, Some(rvs[100])).unwrap();
+        assert_eq!(recent.len(), 50, "the newest changes stay: 49 creations and the late one");
+        let next = ListOptions { limit: Some(10), continue_token: page.continue_token, ..Default::default() };
+        let rest = store.list(&gr, None, &next).unwrap();
+        assert_eq!(rest.items[0]["metadata"]["name"], "c010");
     }
 
     /// A live receiver sees each change with the object it made and the version it replaced,
