@@ -507,11 +507,9 @@ impl Store {
         let api_version = obj["apiVersion"].clone();
         let status = obj["status"].clone();
         let mut inner = self.lock();
-        let created = inner.create(gr, ns, obj, &WriteOptions::manager("restore"))?;
-        let name = created["metadata"]["name"].as_str().unwrap_or_default().to_string();
-        let ns = created["metadata"]["namespace"].as_str().unwrap_or_default().to_string();
-        let old = inner.find(gr, &ns, &name).cloned();
-        let mut restored = created;
+        // one write, as the object appears once: watchers see it ADDED as the other cluster
+        // holds it, not created and then changed
+        let (key, mut restored) = inner.new_object(gr, ns, obj, &WriteOptions::manager("restore"), false)?;
         if managed.is_array() {
             restored["metadata"]["managedFields"] = managed;
         } else if let Some(meta) = restored["metadata"].as_object_mut() {
@@ -529,8 +527,7 @@ impl Store {
         if let Some(v) = api_version.as_str().filter(|v| !v.is_empty()) {
             restored["apiVersion"] = json!(v);
         }
-        let key = ObjectKey { gr: gr.clone(), namespace: ns, name };
-        let out = inner.commit(key, restored, old);
+        let out = inner.commit(key, restored, None);
         inner.run_work();
         Ok(out)
     }
@@ -878,9 +875,23 @@ impl Inner {
         &mut self,
         gr: &GroupResource,
         ns: &str,
-        mut obj: Value,
+        obj: Value,
         opts: &WriteOptions,
     ) -> Result<Value, ApiError> {
+        let (key, obj) = self.new_object(gr, ns, obj, opts, true)?;
+        Ok(self.commit(key, obj, None))
+    }
+
+    /// A create's object, checked and filled in, not yet stored; its managedFields recorded for
+    /// `opts`'s manager when `record` (a restore brings its own).
+    fn new_object(
+        &mut self,
+        gr: &GroupResource,
+        ns: &str,
+        mut obj: Value,
+        opts: &WriteOptions,
+        record: bool,
+    ) -> Result<(ObjectKey, Value), ApiError> {
         let info = self.info(gr)?.clone();
         if !obj.is_object() {
             return Err(ApiError::bad_request("the request body must be a JSON object"));
@@ -963,21 +974,22 @@ impl Inner {
             set_finalizers(&mut obj, &f);
             obj["status"] = crd_status(&obj, &registered);
         }
-        let now = now_rfc3339();
-        patch::record_managed_fields(
-            None,
-            &mut obj,
-            &WriteRecord {
-                manager: &opts.field_manager,
-                operation: "Update",
-                subresource: "",
-                api_version: &version,
-                time: &now,
-                applied: None,
-            },
-        );
-        let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name };
-        Ok(self.commit(key, obj, None))
+        if record {
+            let now = now_rfc3339();
+            patch::record_managed_fields(
+                None,
+                &mut obj,
+                &WriteRecord {
+                    manager: &opts.field_manager,
+                    operation: "Update",
+                    subresource: "",
+                    api_version: &version,
+                    time: &now,
+                    applied: None,
+                },
+            );
+        }
+        Ok((ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name }, obj))
     }
 
     #[expect(
