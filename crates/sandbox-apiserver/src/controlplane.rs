@@ -94,8 +94,7 @@ impl OwnedPods {
     }
 }
 
-fn note_pod_labels(set: &mut PodLabels, ns: &str, pod: &Value) {
-    let labels = &pod["metadata"]["labels"];
+fn note_pod_labels(set: &mut PodLabels, ns: &str, labels: &Value) {
     set.entry(ns.to_string())
         .or_default()
         .entry(labels.to_string())
@@ -313,27 +312,18 @@ impl ControlPlane {
     }
 
     fn observe(&mut self, ev: &StoreEvent, d: &mut Dirty) {
-        let watched = matches!(
-            (ev.key.gr.group.as_str(), ev.key.gr.resource.as_str()),
-            ("", "pods" | "nodes")
-                | ("apps", "replicasets" | "deployments" | "statefulsets" | "daemonsets")
-                | ("policy", "poddisruptionbudgets")
-        );
-        if !watched {
-            return;
-        }
-        // Changes arrive as JSON; only the kinds the control plane acts on are parsed.
-        let object = ev.object();
-        let o = &object;
+        // Changes arrive as JSON; an object is parsed only by the arms that read it.
+        let object = std::cell::LazyCell::new(|| ev.object());
         let (ns, name) = (ev.key.namespace.clone(), ev.key.name.clone());
         match (ev.key.gr.group.as_str(), ev.key.gr.resource.as_str()) {
             ("", "pods") => {
+                let o = &*object;
                 self.observe_pod(ev, o, d);
-                note_pod_labels(&mut d.pdb_pods, &ns, o);
+                note_pod_labels(&mut d.pdb_pods, &ns, &o["metadata"]["labels"]);
                 if let Some(old_labels) = ev.old_json.as_deref().map(labels_of)
                     && old_labels != o["metadata"]["labels"]
                 {
-                    note_pod_labels(&mut d.pdb_pods, &ns, &json!({"metadata": {"labels": old_labels}}));
+                    note_pod_labels(&mut d.pdb_pods, &ns, &old_labels);
                 }
                 if let Some((kind, owner)) = controller_of(o) {
                     match kind.as_str() {
@@ -345,6 +335,7 @@ impl ControlPlane {
                 }
             }
             ("", "nodes") => {
+                let o = &*object;
                 d.schedule = true;
                 d.ds_all = true;
                 if ev.event_type == EventType::Deleted {
@@ -354,6 +345,7 @@ impl ControlPlane {
                 }
             }
             ("apps", "replicasets") => {
+                let o = &*object;
                 d.rs.insert((ns.clone(), name));
                 if let Some((kind, owner)) = controller_of(o)
                     && kind == "Deployment"
@@ -366,13 +358,13 @@ impl ControlPlane {
             }
             ("apps", "deployments") => {
                 d.deploy.insert((ns.clone(), name));
-                if workload_shape_changed(ev, o) {
+                if workload_shape_changed(ev, &object) {
                     d.pdb_ns.insert(ns);
                 }
             }
             ("apps", "statefulsets") => {
                 d.sts.insert((ns.clone(), name));
-                if workload_shape_changed(ev, o) {
+                if workload_shape_changed(ev, &object) {
                     d.pdb_ns.insert(ns);
                 }
             }
@@ -381,7 +373,7 @@ impl ControlPlane {
             }
             ("policy", "poddisruptionbudgets") if ev.event_type != EventType::Deleted => {
                 // Only spec changes need a recompute; our own status writes do not.
-                let spec_changed = ev.old().is_none_or(|old| old["spec"] != o["spec"]);
+                let spec_changed = ev.old().is_none_or(|old| old["spec"] != object["spec"]);
                 if spec_changed {
                     d.pdb_ns.insert(ns);
                 }
@@ -488,7 +480,7 @@ impl ControlPlane {
             "status",
             &WriteOptions::manager("kubelet"),
         );
-        note_pod_labels(&mut d.pdb_pods, ns, &p);
+        note_pod_labels(&mut d.pdb_pods, ns, &p["metadata"]["labels"]);
     }
 
     fn reconcile(&mut self, d: &mut Dirty) {

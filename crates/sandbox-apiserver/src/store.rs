@@ -142,7 +142,8 @@ fn json_bytes(v: &Value) -> Arc<[u8]> {
     serde_json::to_vec(v).unwrap_or_default().into()
 }
 
-fn json_value(b: &[u8]) -> Value {
+/// A value from JSON the store wrote (anything else reads as `null`).
+pub(crate) fn json_value(b: &[u8]) -> Value {
     // The bytes are what `json_bytes` wrote.
     serde_json::from_slice(b).unwrap_or(Value::Null)
 }

@@ -13,7 +13,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use super::http::{Query, Shared, Target, as_version, error_response, list_options};
 use super::kinds::ResourceInfo;
-use super::store::{Backlogged, EventType, ListOptions, StoreEvent};
+use super::store::{Backlogged, EventType, ListOptions, StoreEvent, json_value};
 use super::table;
 
 fn line(ty: &str, object: &Value) -> Bytes {
@@ -52,15 +52,13 @@ impl Filter {
         self.opts.labels.is_some() || self.opts.fields.is_some()
     }
 
+    /// [`Filter::matches`] on an object as the store keeps it, parsed only for a selector.
     fn matches_json(&self, ev_ns: &str, obj: &[u8]) -> bool {
-        if self.namespace.as_deref().is_some_and(|n| n != ev_ns) {
-            return false;
+        if self.reads_objects() {
+            self.matches(ev_ns, &json_value(obj))
+        } else {
+            self.namespace.as_deref().is_none_or(|n| n == ev_ns)
         }
-        if !self.reads_objects() {
-            return true;
-        }
-        let obj: Value = serde_json::from_slice(obj).unwrap_or(Value::Null);
-        self.matches(ev_ns, &obj)
     }
 
     fn matches(&self, ev_ns: &str, obj: &Value) -> bool {
@@ -126,7 +124,7 @@ pub(crate) fn serve(
         if !table_out && serde_json::from_slice::<ApiVersionOnly>(json).is_ok_and(|o| o.api_version == av) {
             return raw_line(ty, json);
         }
-        let o = as_version(serde_json::from_slice(json).unwrap_or(Value::Null), &av);
+        let o = as_version(json_value(json), &av);
         line(ty, &if table_out { table::table(&info, &[o], 0, &Query::new(), true) } else { o })
     };
     let stream = async_stream::stream! {
