@@ -15,8 +15,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    DeleteOptions, EventType, GroupResource, LabelSelector, ListOptions, PatchType, Store, StoreEvent, WriteOptions,
-    deletion_timeout, now_rfc3339, pdb_gr, pod_healthy, pods_gr, refresh_pdb,
+    DeleteOptions, EventType, GroupResource, LabelSelector, ListOptions, PatchType, Store, StoreEvent, Stored,
+    WriteOptions, deletion_timeout, now_rfc3339, pdb_gr, pod_healthy, pods_gr, refresh_pdb,
 };
 
 fn apps(r: &str) -> GroupResource {
@@ -69,28 +69,22 @@ type PodLabels = BTreeMap<String, HashMap<String, Value>>;
 /// workload controller used to list (and copy) the whole namespace, which at 20,000 pods made a
 /// pass over thousands of workloads quadratic.
 #[derive(Default)]
-struct OwnedPods(HashMap<String, HashMap<String, Vec<Arc<Value>>>>);
+struct OwnedPods(HashMap<String, HashMap<Box<str>, Vec<Stored>>>);
 
 impl OwnedPods {
     fn of(&mut self, store: &Store, ns: &str, uid: &str) -> Vec<Value> {
         let by_owner = self.0.entry(ns.to_string()).or_insert_with(|| {
-            let mut m: HashMap<String, Vec<Arc<Value>>> = HashMap::new();
+            let mut m: HashMap<Box<str>, Vec<Stored>> = HashMap::new();
             let items = store.list(&pods_gr(), Some(ns), &ListOptions::default()).map(|l| l.items).unwrap_or_default();
             for p in items {
-                let owners: BTreeSet<String> = p["metadata"]["ownerReferences"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter(|r| r["controller"] == true)
-                    .map(|r| s(&r["uid"]))
-                    .collect();
-                for o in owners {
-                    m.entry(o).or_default().push(p.clone());
+                if let Some(owner) = p.summary().controller_uid.clone() {
+                    m.entry(owner).or_default().push(p);
                 }
             }
             m
         });
-        by_owner.get(uid).map(|v| v.iter().map(|p| (**p).clone()).collect()).unwrap_or_default()
+        // parsed only here, for the controller that acts on them
+        by_owner.get(uid).map(|v| v.iter().map(|p| Arc::unwrap_or_clone(p.value())).collect()).unwrap_or_default()
     }
 }
 
@@ -163,6 +157,10 @@ fn s(v: &Value) -> String {
 
 fn ns_name(o: &Value) -> NsName {
     (s(&o["metadata"]["namespace"]), s(&o["metadata"]["name"]))
+}
+
+fn stored_ns_name(o: &Stored) -> NsName {
+    (o.summary().namespace.to_string(), o.summary().name.to_string())
 }
 
 fn controller_of(o: &Value) -> Option<(String, String)> {
@@ -496,26 +494,25 @@ impl ControlPlane {
                 ("daemonsets", &mut d.ds),
             ] {
                 if let Ok(l) = self.store.list(&apps(gr), None, &lo) {
-                    set.extend(l.items.iter().map(|o| ns_name(o)));
+                    set.extend(l.items.iter().map(stored_ns_name));
                 }
             }
             if let Ok(l) = self.store.list(&pods_gr(), None, &lo) {
                 // the listed objects are the store's own, shared: a copy of every pod was the
                 // largest allocation of a 20,000-pod rehearsal
                 for p in &l.items {
-                    d.pdb_ns.insert(s(&p["metadata"]["namespace"]));
-                    let uid = s(&p["metadata"]["uid"]);
-                    let (ns, name) = ns_name(p);
-                    if deleting(p) {
+                    let sum = p.summary();
+                    d.pdb_ns.insert(sum.namespace.to_string());
+                    let uid = sum.uid.to_string();
+                    let (ns, name) = stored_ns_name(p);
+                    if sum.deleting {
                         if self.terminating.insert(uid.clone()) {
-                            let grace = p["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
+                            let grace = p.value()["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
                             if grace > 0 {
                                 self.after(grace as f64, Timer::Remove(ns, name, uid));
                             }
                         }
-                    } else if !s(&p["spec"]["nodeName"]).is_empty()
-                        && p["status"]["phase"] == "Pending"
-                        && self.starting.insert(uid.clone())
+                    } else if !sum.node_name.is_empty() && &*sum.phase == "Pending" && self.starting.insert(uid.clone())
                     {
                         self.after(0.0, Timer::Start(ns, name, uid));
                     }
@@ -541,7 +538,7 @@ impl ControlPlane {
         if std::mem::take(&mut d.ds_all)
             && let Ok(l) = self.store.list(&apps("daemonsets"), None, &ListOptions::default())
         {
-            d.ds.extend(l.items.iter().map(|o| ns_name(o)));
+            d.ds.extend(l.items.iter().map(stored_ns_name));
         }
         for k in std::mem::take(&mut d.ds) {
             self.daemonset(&k, &mut owned);
@@ -570,14 +567,21 @@ impl ControlPlane {
         }
     }
 
+    /// The objects of a resource, parsed: for the kinds a pass reads whole (nodes, budgets).
+    fn values(&self, gr: &GroupResource, ns: Option<&str>) -> Vec<Arc<Value>> {
+        self.store
+            .list(gr, ns, &ListOptions::default())
+            .map(|l| l.items.iter().map(Stored::value).collect())
+            .unwrap_or_default()
+    }
+
     fn refresh_pdbs(&mut self) {
         self.pdb_armed = false;
         let whole = std::mem::take(&mut self.pdb_pending);
         let mut by_pods = std::mem::take(&mut self.pdb_pending_pods);
         let namespaces: BTreeSet<String> = whole.iter().cloned().chain(by_pods.keys().cloned()).collect();
         for ns in namespaces {
-            let pdbs =
-                self.store.list(&pdb_gr(), Some(&ns), &ListOptions::default()).map(|l| l.items).unwrap_or_default();
+            let pdbs = self.values(&pdb_gr(), Some(&ns));
             let names: Vec<String> = if whole.contains(&ns) {
                 pdbs.iter().map(|p| s(&p["metadata"]["name"])).collect()
             } else {
@@ -608,8 +612,8 @@ impl ControlPlane {
     fn pod_gc(&self, gone: &BTreeSet<String>) {
         let pods = self.store.list(&pods_gr(), None, &ListOptions::default()).map(|l| l.items).unwrap_or_default();
         let opts = DeleteOptions { grace_period_seconds: Some(0), ..Default::default() };
-        for p in pods.iter().filter(|p| p["spec"]["nodeName"].as_str().is_some_and(|n| gone.contains(n))) {
-            let (ns, name) = ns_name(p);
+        for p in pods.iter().filter(|p| gone.contains(&*p.summary().node_name)) {
+            let (ns, name) = stored_ns_name(p);
             let _ = self.store.delete(&pods_gr(), &ns, &name, &opts);
         }
     }
@@ -746,7 +750,13 @@ impl ControlPlane {
         let all_rs: Vec<Value> = self
             .store
             .list(&apps("replicasets"), Some(ns), &ListOptions::default())
-            .map(|l| l.items.iter().map(|r| (**r).clone()).filter(|r| owned_by(r, &uid)).collect())
+            .map(|l| {
+                l.items
+                    .iter()
+                    .filter(|r| r.summary().controller_uid.as_deref() == Some(uid.as_str()))
+                    .map(|r| Arc::unwrap_or_clone(r.value()))
+                    .collect()
+            })
             .unwrap_or_default();
         let wm = WriteOptions::manager("kube-controller-manager");
         match all_rs.iter().find(|r| r["metadata"]["name"] == rs_name.as_str()) {
@@ -868,7 +878,7 @@ impl ControlPlane {
         let mut t = spec["tolerations"].as_array().cloned().unwrap_or_default();
         t.extend(tolerations.iter().cloned());
         spec["tolerations"] = json!(t);
-        let nodes = self.store.list(&nodes_gr(), None, &ListOptions::default()).map(|l| l.items).unwrap_or_default();
+        let nodes = self.values(&nodes_gr(), None);
         let eligible: BTreeSet<String> =
             nodes.iter().filter(|n| !deleting(n) && fits(&spec, n)).map(|n| s(&n["metadata"]["name"])).collect();
         let pods: Vec<Value> =
@@ -910,23 +920,23 @@ impl ControlPlane {
         let mut load: HashMap<String, usize> = HashMap::new();
         let mut pending = Vec::new();
         for p in &all {
-            let node = s(&p["spec"]["nodeName"]);
-            let terminal = matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"));
-            if !node.is_empty() {
-                if !terminal {
-                    *load.entry(node).or_default() += 1;
+            let sum = p.summary();
+            if !sum.node_name.is_empty() {
+                if !sum.terminal() {
+                    *load.entry(sum.node_name.to_string()).or_default() += 1;
                 }
-            } else if !deleting(p) && !terminal {
-                let sched = p["spec"]["schedulerName"].as_str().unwrap_or("default-scheduler");
+            } else if !sum.deleting && !sum.terminal() {
+                let sched = sum.scheduler_name.as_deref().unwrap_or("default-scheduler");
                 if sched == "default-scheduler" {
-                    pending.push(p.clone());
+                    // parsed only here: the pass reads a pending pod's spec
+                    pending.push(p.value());
                 }
             }
         }
         if pending.is_empty() {
             return;
         }
-        let nodes = self.store.list(&nodes_gr(), None, &ListOptions::default()).map(|l| l.items).unwrap_or_default();
+        let nodes = self.values(&nodes_gr(), None);
         let usable: Vec<&Value> = nodes.iter().map(|n| &**n).filter(|n| node_ready(n) && !deleting(n)).collect();
         // Pods of one workload share nodeSelector and tolerations: work out their eligible nodes
         // once per such signature, and keep them ordered by load, so a pass costs

@@ -74,7 +74,7 @@ fn needs_conversion(store: &Store, info: &ResourceInfo, t: &Target, collection: 
         }
         _ => {
             let page = store.list(&gr, t.namespace.as_deref(), &ListOptions::default()).ok()?;
-            page.items.iter().find_map(|o| stored_other(o))
+            page.items.iter().find(|o| *o.summary().api_version != *wanted).map(|o| o.summary().api_version.to_string())
         }
     }
 }
@@ -92,7 +92,8 @@ fn has_ready_endpoint(store: &Store, ns: &str, selector: &Value) -> bool {
     else {
         return false;
     };
-    pods.items.iter().any(|p| {
+    pods.items.iter().filter(|p| !p.summary().deleting && &*p.summary().phase == "Running").any(|p| {
+        let p = p.value();
         p["metadata"]["deletionTimestamp"].is_null()
             && p["status"]["phase"] == "Running"
             && p["status"]["conditions"]

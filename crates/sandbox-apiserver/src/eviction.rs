@@ -2,6 +2,7 @@
 //! controller and eviction REST handler compute them.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use serde_json::{Map, Value, json};
 
@@ -9,6 +10,7 @@ use super::http::Shared;
 use super::select::LabelSelector;
 use super::status::ApiError;
 use super::store::{DeleteOptions, GroupResource, Inner, ObjectKey, Propagation, now_rfc3339};
+use super::stored::Stored;
 
 pub(crate) fn pods_gr() -> GroupResource {
     GroupResource::new("", "pods")
@@ -51,14 +53,14 @@ fn controller_scale(inner: &Inner, pod: &Value, seen: &mut BTreeSet<String>) -> 
     let kind = owner["kind"].as_str().unwrap_or_default();
     let name = owner["name"].as_str().unwrap_or_default();
     let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
-    let find = |res: &str| inner.find(&GroupResource::new("apps", res), ns, name).cloned();
+    let find = |res: &str| inner.find(&GroupResource::new("apps", res), ns, name);
     let ctrl = match kind {
         "ReplicaSet" => find("replicasets").map(|rs| {
             let dep = rs["metadata"]["ownerReferences"]
                 .as_array()
                 .and_then(|a| a.iter().find(|r| r["controller"] == true && r["kind"] == "Deployment"))
                 .and_then(|d| d["name"].as_str())
-                .and_then(|d| inner.find(&GroupResource::new("apps", "deployments"), ns, d).cloned());
+                .and_then(|d| inner.find(&GroupResource::new("apps", "deployments"), ns, d));
             dep.unwrap_or(rs)
         }),
         "StatefulSet" => find("statefulsets"),
@@ -87,9 +89,10 @@ pub(crate) fn deletion_timeout(time_scale: f64) -> std::time::Duration {
 pub(crate) fn pdb_status(inner: &Inner, pdb: &Value, timeout: std::time::Duration) -> Value {
     let ns = pdb["metadata"]["namespace"].as_str().unwrap_or_default();
     let sel = LabelSelector::from_object(&pdb["spec"]["selector"]);
-    let pods: Vec<&Value> = match &sel {
+    // selected by the stored labels, so only the budget's own pods are parsed
+    let pods: Vec<Arc<Value>> = match &sel {
         None => Vec::new(),
-        Some(sel) => inner.iter_ns(&pods_gr(), Some(ns)).filter(|p| sel.matches(p)).map(|p| &**p).collect(),
+        Some(sel) => inner.iter_ns(&pods_gr(), Some(ns)).filter(|p| p.selected_by(sel)).map(Stored::value).collect(),
     };
     let mut disrupted: Map<String, Value> = pdb["status"]["disruptedPods"].as_object().cloned().unwrap_or_default();
     let live: std::collections::HashSet<&str> = pods
@@ -164,7 +167,7 @@ pub(crate) fn refresh_pdb(
     name: &str,
     timeout: std::time::Duration,
 ) -> Option<std::time::Duration> {
-    let pdb = inner.find(&pdb_gr(), ns, name).cloned()?;
+    let pdb = inner.find(&pdb_gr(), ns, name)?;
     let st = pdb_status(inner, &pdb, timeout);
     let now = std::time::SystemTime::now();
     let recheck = st["disruptedPods"]
@@ -201,7 +204,7 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
         dopts.propagation = Propagation::Background;
     }
     shared.store.with(|inner| {
-        let pod = inner.find(&pods_gr(), ns, name).cloned().ok_or_else(|| ApiError::not_found("", "pods", name))?;
+        let pod = inner.find(&pods_gr(), ns, name).ok_or_else(|| ApiError::not_found("", "pods", name))?;
         if let Some(uid) = &dopts.precondition_uid
             && pod["metadata"]["uid"].as_str() != Some(uid.as_str())
         {
@@ -221,8 +224,9 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
         if !ignore_pdb {
             let pdbs: Vec<Value> = inner
                 .iter_ns(&pdb_gr(), Some(ns))
+                .map(Stored::value)
                 .filter(|p| LabelSelector::from_object(&p["spec"]["selector"]).is_some_and(|s| s.matches(&pod)))
-                .map(|p| (**p).clone())
+                .map(Arc::unwrap_or_clone)
                 .collect();
             if pdbs.len() > 1 {
                 return Err(ApiError::internal(

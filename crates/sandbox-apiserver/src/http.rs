@@ -475,8 +475,7 @@ fn serve_resource(
                 store.list(&gr, t.namespace.as_deref(), &ListOptions { limit: None, continue_token: None, ..lo })?;
             let mut items = Vec::new();
             for o in page.items {
-                let ns = o["metadata"]["namespace"].as_str().unwrap_or_default();
-                let name = o["metadata"]["name"].as_str().unwrap_or_default();
+                let (ns, name) = (&o.summary().namespace, &o.summary().name);
                 if let Ok((v, _)) = store.delete(&gr, ns, name, &d) {
                     items.push(v);
                 }
@@ -512,7 +511,7 @@ fn list(shared: &Shared, t: &Target, info: &ResourceInfo, q: &Query, table: bool
     let page = shared.store.list(&t.gr(), t.namespace.as_deref(), &opts)?;
     let av = t.api_version();
     if table {
-        let items: Vec<Value> = page.items.iter().map(|o| as_version((**o).clone(), &av)).collect();
+        let items: Vec<Value> = page.items.iter().map(|o| as_version(Arc::unwrap_or_clone(o.value()), &av)).collect();
         let mut tab = table::table(info, &items, page.resource_version, q, false);
         if let Some(c) = &page.continue_token {
             tab["metadata"]["continue"] = json!(c);
@@ -534,10 +533,11 @@ fn list(shared: &Shared, t: &Target, info: &ResourceInfo, q: &Query, table: bool
         if i > 0 {
             out.push(b',');
         }
-        if item["apiVersion"].as_str() == Some(av.as_str()) {
-            let _ = serde_json::to_writer(&mut out, &**item);
+        // stored at the version asked for: its JSON as it is
+        if *item.summary().api_version == *av {
+            out.extend_from_slice(item.json());
         } else {
-            let _ = serde_json::to_writer(&mut out, &as_version((**item).clone(), &av));
+            let _ = serde_json::to_writer(&mut out, &as_version(Arc::unwrap_or_clone(item.value()), &av));
         }
     }
     out.extend_from_slice(b"]}");

@@ -22,6 +22,7 @@ pub mod schema;
 mod select;
 mod status;
 mod store;
+mod stored;
 mod table;
 mod watch;
 
@@ -43,6 +44,7 @@ pub use store::{
     Backlogged, DeleteOptions, EventType, GroupResource, ListOptions, ObjectKey, ObjectList, Propagation, Store,
     StoreEvent, WriteOptions, now_rfc3339,
 };
+pub use stored::{Stored, Summary};
 
 pub(crate) use eviction::{deletion_timeout, pdb_gr, pods_gr, refresh_pdb};
 

@@ -71,8 +71,7 @@ pub(crate) fn update(
         ));
     }
     store.with(|inner| {
-        let cur =
-            inner.find(&gr, ns, name).cloned().ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
+        let cur = inner.find(&gr, ns, name).ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
         if let Some(rv) = scale["metadata"]["resourceVersion"].as_str()
             && !rv.is_empty()
             && cur["metadata"]["resourceVersion"].as_str() != Some(rv)
@@ -105,7 +104,7 @@ pub(crate) fn bind(store: &Store, ns: &str, name: &str, binding: &Value, manager
     }
     let gr = GroupResource::new("", "pods");
     store.with(|inner| {
-        let cur = inner.find(&gr, ns, name).cloned().ok_or_else(|| ApiError::not_found("", "pods", name))?;
+        let cur = inner.find(&gr, ns, name).ok_or_else(|| ApiError::not_found("", "pods", name))?;
         if !cur["metadata"]["deletionTimestamp"].is_null() {
             return Err(ApiError::conflict("", "pods", name, "pod is being deleted, cannot be assigned to a host"));
         }

@@ -115,7 +115,11 @@ impl LabelSelector {
 
     /// Whether an object's labels match.
     pub fn matches_labels(&self, labels: &Value) -> bool {
-        let get = |k: &str| labels.get(k).and_then(Value::as_str);
+        self.matches_with(|k| labels.get(k).and_then(Value::as_str))
+    }
+
+    /// Whether labels read through `get` match.
+    pub fn matches_with<'a>(&self, get: impl Fn(&str) -> Option<&'a str>) -> bool {
         self.0.iter().all(|r| match r {
             Req::Eq(k, v) => get(k) == Some(v.as_str()),
             Req::Ne(k, v) => get(k) != Some(v.as_str()),
@@ -177,21 +181,28 @@ impl FieldSelector {
 
     /// Whether an object matches.
     pub fn matches(&self, obj: &Value) -> bool {
-        self.0.iter().all(|(k, eq, v)| {
-            let mut cur = obj;
-            for seg in k.split('.') {
-                cur = &cur[seg];
-            }
-            let actual = match cur {
-                Value::String(s) => s.clone(),
-                Value::Bool(b) => b.to_string(),
-                Value::Number(n) => n.to_string(),
-                // Absent boolean fields select as "false" (spec.unschedulable), strings as "".
-                Value::Null if k == "spec.unschedulable" || k == "spec.hostNetwork" => "false".into(),
-                _ => String::new(),
-            };
-            (actual == *v) == *eq
-        })
+        self.matches_with(|k| Self::field_text(obj, k))
+    }
+
+    /// Whether the fields read through `get` (as text, absent as empty) match.
+    pub fn matches_with(&self, mut get: impl FnMut(&str) -> String) -> bool {
+        self.0.iter().all(|(k, eq, v)| (get(k) == *v) == *eq)
+    }
+
+    /// A field's value as a field selector compares it.
+    pub fn field_text(obj: &Value, field: &str) -> String {
+        let mut cur = obj;
+        for seg in field.split('.') {
+            cur = &cur[seg];
+        }
+        match cur {
+            Value::String(s) => s.clone(),
+            Value::Bool(b) => b.to_string(),
+            Value::Number(n) => n.to_string(),
+            // Absent boolean fields select as "false" (spec.unschedulable), strings as "".
+            Value::Null if field == "spec.unschedulable" || field == "spec.hostNetwork" => "false".into(),
+            _ => String::new(),
+        }
     }
 }
 

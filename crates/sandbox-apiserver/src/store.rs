@@ -15,6 +15,7 @@ use super::patch::{self, PatchType, WriteRecord};
 use super::schema;
 use super::select::{FieldSelector, LabelSelector};
 use super::status::ApiError;
+use super::stored::Stored;
 
 /// A version-independent resource: `("", "pods")`, `("karpenter.sh", "nodeclaims")`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -156,7 +157,7 @@ pub struct Backlogged(Backlog);
 
 #[derive(Debug, Clone)]
 enum Backlog {
-    Current { rv: u64, key: ObjectKey, object: Arc<Value> },
+    Current { rv: u64, key: ObjectKey, object: Stored },
     Past(Arc<StoreEvent>),
 }
 
@@ -168,7 +169,7 @@ impl Backlogged {
                 rv: *rv,
                 event_type: EventType::Added,
                 key: key.clone(),
-                object_json: json_bytes(object),
+                object_json: object.json().clone(),
                 old_json: None,
             }),
             Backlog::Past(ev) => ev.clone(),
@@ -265,7 +266,7 @@ pub struct ListOptions {
 #[derive(Debug, Clone)]
 pub struct ObjectList {
     /// The objects, in key order.
-    pub items: Vec<Arc<Value>>,
+    pub items: Vec<Stored>,
     /// The list's resourceVersion.
     pub resource_version: u64,
     /// Token for the next page.
@@ -274,7 +275,7 @@ pub struct ObjectList {
     pub remaining: Option<usize>,
 }
 
-type Bucket = BTreeMap<(String, String), Arc<Value>>;
+type Bucket = BTreeMap<(String, String), Stored>;
 
 /// Work the garbage collector and the finalizer logic still have to do.
 enum Work {
@@ -474,7 +475,7 @@ impl Store {
         inner.info(gr)?;
         inner
             .find(gr, ns, name)
-            .map(|v| (**v).clone())
+            .map(Arc::unwrap_or_clone)
             .ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))
     }
 
@@ -644,8 +645,14 @@ impl Inner {
             .ok_or_else(|| ApiError::no_route(&format!("{}/{}", gr.group, gr.resource)))
     }
 
-    pub(crate) fn find(&self, gr: &GroupResource, ns: &str, name: &str) -> Option<&Arc<Value>> {
+    /// An object as stored.
+    pub(crate) fn stored(&self, gr: &GroupResource, ns: &str, name: &str) -> Option<&Stored> {
         self.objects.get(gr).and_then(|b| b.get(&(ns.to_string(), name.to_string())))
+    }
+
+    /// An object, parsed.
+    pub(crate) fn find(&self, gr: &GroupResource, ns: &str, name: &str) -> Option<Arc<Value>> {
+        self.stored(gr, ns, name).map(Stored::value)
     }
 
     /// All objects of a resource in a namespace (or everywhere with `None`).
@@ -653,7 +660,7 @@ impl Inner {
         &'a self,
         gr: &GroupResource,
         ns: Option<&'a str>,
-    ) -> impl Iterator<Item = &'a Arc<Value>> + 'a {
+    ) -> impl Iterator<Item = &'a Stored> + 'a {
         let bucket = self.objects.get(gr);
         let start = ns.unwrap_or_default().to_string();
         bucket
@@ -715,18 +722,14 @@ impl Inner {
         out
     }
 
-    fn emit(&mut self, event_type: EventType, key: ObjectKey, object: &Value, old: Option<&Value>) {
-        let object_json = json_bytes(object);
+    fn emit(&mut self, event_type: EventType, key: ObjectKey, object_json: Arc<[u8]>, old: Option<Arc<[u8]>>) {
         let keyed = self.history_keys.entry(key.clone()).or_default();
         // The stored object a change replaces is the object of that key's previous change, or,
         // once that has left the history, the base kept for the key: kept once, not per entry.
         let (old_json, old_entry) = match old {
             None => (None, OldVersion::None),
             Some(_) if keyed.entries > 0 => (keyed.latest.clone(), OldVersion::Previous),
-            Some(o) => {
-                let b = json_bytes(o);
-                (Some(b.clone()), OldVersion::Bytes(b))
-            }
+            Some(b) => (Some(b.clone()), OldVersion::Bytes(b)),
         };
         keyed.entries += 1;
         keyed.latest = Some(object_json.clone());
@@ -783,8 +786,11 @@ impl Inner {
             self.uids.insert(uid.to_string(), key.clone());
         }
         let ty = if old.is_some() { EventType::Modified } else { EventType::Added };
-        self.emit(ty, key.clone(), &obj, old.as_deref());
-        self.objects.entry(key.gr).or_default().insert((key.namespace, key.name), Arc::new(obj.clone()));
+        let old_json = old.and(self.stored(&key.gr, &key.namespace, &key.name)).map(|s| s.json().clone());
+        let json = json_bytes(&obj);
+        let stored = Stored::new(&obj, json.clone(), key.gr == crd_gr());
+        self.emit(ty, key.clone(), json, old_json);
+        self.objects.entry(key.gr).or_default().insert((key.namespace, key.name), stored);
         obj
     }
 
@@ -792,7 +798,7 @@ impl Inner {
     fn remove(&mut self, key: &ObjectKey) -> Option<Value> {
         let old = self.objects.get_mut(&key.gr)?.remove(&(key.namespace.clone(), key.name.clone()))?;
         self.rv += 1;
-        let mut last = (*old).clone();
+        let mut last = Arc::unwrap_or_clone(old.value());
         last["metadata"]["resourceVersion"] = json!(self.rv.to_string());
         let uid = last["metadata"]["uid"].as_str().unwrap_or_default().to_string();
         self.uids.remove(&uid);
@@ -805,7 +811,7 @@ impl Inner {
                 }
             }
         }
-        self.emit(EventType::Deleted, key.clone(), &last, Some(&old));
+        self.emit(EventType::Deleted, key.clone(), json_bytes(&last), Some(old.json().clone()));
         self.work.push_back(Work::Removed { uid, owners, key: key.clone() });
         if key.gr == crd_gr() {
             let group = last["spec"]["group"].as_str().unwrap_or_default().to_string();
@@ -838,29 +844,26 @@ impl Inner {
         let mut items = Vec::new();
         let mut next = None;
         let mut remaining = 0usize;
+        let mut last: Option<(&str, &str)> = None;
         if let Some(bucket) = self.objects.get(gr) {
             for ((kns, kname), obj) in bucket.range((start, Bound::Unbounded)) {
                 if ns.is_some_and(|n| n != kns) {
                     break;
                 }
-                if !opts.labels.as_ref().is_none_or(|l| l.matches(obj))
-                    || !opts.fields.as_ref().is_none_or(|f| f.matches(obj))
+                if !opts.labels.as_ref().is_none_or(|l| obj.selected_by(l))
+                    || !opts.fields.as_ref().is_none_or(|f| obj.selected_by_fields(f, kns, kname))
                 {
                     continue;
                 }
                 if opts.limit.is_some_and(|l| l > 0 && items.len() >= l) {
                     if next.is_none() {
-                        let last: &Arc<Value> = items.last().unwrap_or(obj);
-                        next = Some(encode_continue(
-                            list_rv,
-                            last["metadata"]["namespace"].as_str().unwrap_or_default(),
-                            last["metadata"]["name"].as_str().unwrap_or_default(),
-                        ));
+                        let (last_ns, last_name) = last.unwrap_or((kns, kname));
+                        next = Some(encode_continue(list_rv, last_ns, last_name));
                     }
                     remaining += 1;
                     continue;
                 }
-                let _ = kname;
+                last = Some((kns, kname));
                 items.push(obj.clone());
             }
         }
@@ -936,7 +939,7 @@ impl Inner {
             name = format!("{prefix}{}", self.random_suffix(5));
         }
         validate_name(&info, &name)?;
-        if self.find(gr, ns, &name).is_some() {
+        if self.stored(gr, ns, &name).is_some() {
             return Err(ApiError::already_exists(&gr.group, &gr.resource, &name));
         }
         let version = if opts.api_version.is_empty() {
@@ -1020,7 +1023,7 @@ impl Inner {
         if info.namespaced {
             check_body_namespace(&obj, ns)?;
         }
-        let old = self.find(gr, ns, name).cloned().ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
+        let old = self.find(gr, ns, name).ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
         if let Some(rv) = obj["metadata"]["resourceVersion"].as_str()
             && !rv.is_empty()
             && old["metadata"]["resourceVersion"].as_str() != Some(rv)
@@ -1161,7 +1164,7 @@ impl Inner {
             return Ok(());
         };
         let version = obj["apiVersion"].as_str().and_then(|v| v.rsplit('/').next()).unwrap_or_default().to_string();
-        let Some(schema) = schema::schema_of(crd, &version) else {
+        let Some(schema) = schema::schema_of(&crd, &version) else {
             return Ok(());
         };
         schema::apply_defaults(schema, obj);
@@ -1218,7 +1221,7 @@ impl Inner {
         if ty == PatchType::Strategic && !info.builtin {
             return Err(ApiError::unsupported_media_type("application/strategic-merge-patch+json"));
         }
-        let current = self.find(gr, ns, name).cloned();
+        let current = self.find(gr, ns, name);
         if ty == PatchType::Apply {
             if opts.field_manager.is_empty() {
                 return Err(ApiError::invalid(
@@ -1261,7 +1264,7 @@ impl Inner {
                 if let Some(slot) =
                     self.objects.get_mut(gr).and_then(|b| b.get_mut(&(key.namespace.clone(), key.name.clone())))
                 {
-                    *slot = Arc::new(created.clone());
+                    *slot = Stored::new(&created, json_bytes(&created), *gr == crd_gr());
                 }
                 return Ok(created);
             };
@@ -1306,7 +1309,7 @@ impl Inner {
             if let Some(slot) =
                 self.objects.get_mut(gr).and_then(|b| b.get_mut(&(key.namespace.clone(), key.name.clone())))
             {
-                let mut fixed = (**slot).clone();
+                let mut fixed = Arc::unwrap_or_clone(slot.value());
                 let now = now_rfc3339();
                 let api_version = fixed["apiVersion"].as_str().unwrap_or_default().to_string();
                 patch::record_managed_fields(
@@ -1321,7 +1324,7 @@ impl Inner {
                         applied: Some(applied),
                     },
                 );
-                *slot = Arc::new(fixed.clone());
+                *slot = Stored::new(&fixed, json_bytes(&fixed), *gr == crd_gr());
                 return Ok(fixed);
             }
             return Ok(out);
@@ -1353,7 +1356,7 @@ impl Inner {
     ) -> Result<(Value, bool), ApiError> {
         let info = self.info(gr)?.clone();
         let ns = if info.namespaced { ns } else { "" };
-        let obj = self.find(gr, ns, name).cloned().ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
+        let obj = self.find(gr, ns, name).ok_or_else(|| ApiError::not_found(&gr.group, &gr.resource, name))?;
         if let Some(uid) = &opts.precondition_uid
             && obj["metadata"]["uid"].as_str() != Some(uid.as_str())
         {
@@ -1440,7 +1443,7 @@ impl Inner {
             self.commit(key.clone(), o.clone(), Some(obj));
             return Ok(match self.after_deleting_write(&key) {
                 Some(gone) => (gone, true),
-                None => (self.find(gr, ns, name).map(|v| (**v).clone()).unwrap_or(o), false),
+                None => (self.find(gr, ns, name).map(Arc::unwrap_or_clone).unwrap_or(o), false),
             });
         }
         if fins.is_empty() && grace == 0 {
@@ -1464,7 +1467,7 @@ impl Inner {
 
     /// Drops one finalizer the server processes itself.
     fn drop_finalizer(&mut self, key: &ObjectKey, fin: &str) {
-        let Some(obj) = self.find(&key.gr, &key.namespace, &key.name).cloned() else {
+        let Some(obj) = self.find(&key.gr, &key.namespace, &key.name) else {
             return;
         };
         let mut f = finalizers(&obj);
@@ -1477,8 +1480,7 @@ impl Inner {
 
     /// Background deletion of a dependent or a namespace's content.
     fn delete_quietly(&mut self, key: &ObjectKey, propagation: Propagation) {
-        let already =
-            self.find(&key.gr, &key.namespace, &key.name).is_none_or(|o| !o["metadata"]["deletionTimestamp"].is_null());
+        let already = self.stored(&key.gr, &key.namespace, &key.name).is_none_or(|o| o.summary().deleting);
         if already {
             return;
         }
@@ -1502,7 +1504,7 @@ impl Inner {
                     let deps: Vec<ObjectKey> =
                         self.dependents.get(&uid).map(|s| s.iter().cloned().collect()).unwrap_or_default();
                     for d in deps {
-                        let Some(dep) = self.find(&d.gr, &d.namespace, &d.name).cloned() else {
+                        let Some(dep) = self.find(&d.gr, &d.namespace, &d.name) else {
                             continue;
                         };
                         let alive = owner_uids(&dep).iter().any(|u| self.uids.contains_key(u));
@@ -1554,7 +1556,7 @@ impl Inner {
     }
 
     fn process_deleting(&mut self, key: &ObjectKey) {
-        let Some(obj) = self.find(&key.gr, &key.namespace, &key.name).cloned() else {
+        let Some(obj) = self.find(&key.gr, &key.namespace, &key.name) else {
             return;
         };
         if obj["metadata"]["deletionTimestamp"].is_null() {
@@ -1572,10 +1574,8 @@ impl Inner {
                 .map(|r| GroupResource::new(&r.group, &r.resource))
                 .collect();
             for gr in namespaced {
-                let names: Vec<String> = self
-                    .iter_ns(&gr, Some(&key.name))
-                    .map(|o| o["metadata"]["name"].as_str().unwrap_or_default().to_string())
-                    .collect();
+                let names: Vec<String> =
+                    self.iter_ns(&gr, Some(&key.name)).map(|o| o.summary().name.to_string()).collect();
                 left += names.len();
                 for n in names {
                     let k = ObjectKey { gr: gr.clone(), namespace: key.name.clone(), name: n };
@@ -1591,7 +1591,7 @@ impl Inner {
             let deps: Vec<ObjectKey> =
                 self.dependents.get(&uid).map(|s| s.iter().cloned().collect()).unwrap_or_default();
             for d in deps {
-                if let Some(dep) = self.find(&d.gr, &d.namespace, &d.name).cloned() {
+                if let Some(dep) = self.find(&d.gr, &d.namespace, &d.name) {
                     let mut o = (*dep).clone();
                     if let Some(refs) = o["metadata"]["ownerReferences"].as_array_mut() {
                         refs.retain(|r| r["uid"].as_str() != Some(uid.as_str()));
@@ -1613,7 +1613,7 @@ impl Inner {
                 self.dependents.get(&uid).map(|s| s.iter().cloned().collect()).unwrap_or_default();
             let mut blocking = 0;
             for d in deps {
-                let Some(dep) = self.find(&d.gr, &d.namespace, &d.name).cloned() else {
+                let Some(dep) = self.find(&d.gr, &d.namespace, &d.name) else {
                     continue;
                 };
                 let blocks = dep["metadata"]["ownerReferences"]
@@ -1622,7 +1622,7 @@ impl Inner {
                     .flatten()
                     .any(|r| r["uid"].as_str() == Some(uid.as_str()) && r["blockOwnerDeletion"] == true);
                 self.delete_quietly(&d, Propagation::Foreground);
-                if blocks && self.find(&d.gr, &d.namespace, &d.name).is_some() {
+                if blocks && self.stored(&d.gr, &d.namespace, &d.name).is_some() {
                     blocking += 1;
                 }
             }
@@ -1639,8 +1639,8 @@ impl Inner {
                 .iter_ns(&gr, None)
                 .map(|o| ObjectKey {
                     gr: gr.clone(),
-                    namespace: o["metadata"]["namespace"].as_str().unwrap_or_default().into(),
-                    name: o["metadata"]["name"].as_str().unwrap_or_default().into(),
+                    namespace: o.summary().namespace.to_string(),
+                    name: o.summary().name.to_string(),
                 })
                 .collect();
             for k in &keys {
@@ -1655,7 +1655,7 @@ impl Inner {
     /// Direct write of a new state without the HTTP semantics (used by eviction, binding and
     /// scale, which have checked what they need).
     pub(crate) fn put(&mut self, key: &ObjectKey, mut obj: Value, manager: &str, subresource: &str) -> Value {
-        let old = self.find(&key.gr, &key.namespace, &key.name).cloned();
+        let old = self.find(&key.gr, &key.namespace, &key.name);
         let now = now_rfc3339();
         let api_version = obj["apiVersion"].as_str().unwrap_or_default().to_string();
         patch::record_managed_fields(
@@ -1814,7 +1814,7 @@ mod tests {
         assert_eq!(recent.len(), 50, "the newest changes stay: 49 creations and the late one");
         let next = ListOptions { limit: Some(10), continue_token: page.continue_token, ..Default::default() };
         let rest = store.list(&gr, None, &next).unwrap();
-        assert_eq!(rest.items[0]["metadata"]["name"], "c010");
+        assert_eq!(&*rest.items[0].summary().name, "c010");
     }
 
     /// A live receiver sees each change with the object it made and the version it replaced,
