@@ -140,3 +140,63 @@ impl Stored {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::kinds::Registry;
+
+    fn stored(v: &Value) -> Stored {
+        Stored::new(v, serde_json::to_vec(v).unwrap().into(), false)
+    }
+
+    /// The summary answers selectors exactly as the whole object does, for the fields it holds
+    /// and (by parsing) for those it does not: a list or a watch must select the same pods either
+    /// way.
+    #[test]
+    fn selectors_on_the_summary_answer_as_on_the_object() {
+        let registry = Registry::new();
+        let pods = registry.get("", "pods").unwrap();
+        let running = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "web-1", "namespace": "apps", "uid": "u1", "labels": {"app": "web", "tier": "front"},
+                "ownerReferences": [{"kind": "ReplicaSet", "name": "web", "uid": "rs1", "controller": true}]},
+            "spec": {"nodeName": "ip-10-0-0-1", "restartPolicy": "Always", "containers": []},
+            "status": {"phase": "Running", "podIP": "10.0.0.9"}});
+        let pending = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "db-0", "namespace": "data", "uid": "u2", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"schedulerName": "custom"}, "status": {"phase": "Pending"}});
+        let fields = [
+            "spec.nodeName=ip-10-0-0-1",
+            "spec.nodeName=",
+            "spec.nodeName!=ip-10-0-0-1,status.phase=Running",
+            "status.phase=Pending",
+            "spec.schedulerName=custom",
+            "spec.schedulerName=",
+            "metadata.name=web-1,metadata.namespace=apps",
+            "metadata.namespace!=apps",
+            "spec.restartPolicy=Always",
+            "status.podIP=10.0.0.9",
+            "spec.hostNetwork=false",
+        ];
+        let labels = ["app=web", "app!=web", "tier in (front,back)", "!tier", "app", ""];
+        for obj in [&running, &pending] {
+            let s = stored(obj);
+            let (ns, name) =
+                (obj["metadata"]["namespace"].as_str().unwrap(), obj["metadata"]["name"].as_str().unwrap());
+            for f in fields {
+                let sel = FieldSelector::parse(f, pods).unwrap();
+                assert_eq!(s.selected_by_fields(&sel, ns, name), sel.matches(obj), "{f} on {name}");
+            }
+            for l in labels {
+                let sel = LabelSelector::parse(l).unwrap();
+                assert_eq!(s.selected_by(&sel), sel.matches(obj), "{l} on {name}");
+            }
+        }
+        let sum = stored(&running);
+        assert_eq!(sum.summary().controller_uid.as_deref(), Some("rs1"));
+        assert!(!sum.summary().deleting && stored(&pending).summary().deleting);
+        assert_eq!(*sum.value(), running, "the stored JSON parses back to the object");
+    }
+}
