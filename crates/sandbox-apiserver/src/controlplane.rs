@@ -928,8 +928,7 @@ impl ControlPlane {
             } else if !sum.deleting && !sum.terminal() {
                 let sched = sum.scheduler_name.as_deref().unwrap_or("default-scheduler");
                 if sched == "default-scheduler" {
-                    // parsed only here: the pass reads a pending pod's spec
-                    pending.push(p.value());
+                    pending.push(p);
                 }
             }
         }
@@ -945,6 +944,9 @@ impl ControlPlane {
         let caps: HashMap<String, usize> = usable.iter().map(|n| (s(&n["metadata"]["name"]), capacity(n))).collect();
         let mut by_signature: HashMap<String, BTreeSet<(usize, String)>> = HashMap::new();
         for p in pending {
+            // parsed one at a time: during a drain thousands of replacements wait here, and all of
+            // them parsed at once were a third of a rehearsal's heap
+            let p = p.value();
             let signature = json!([p["spec"]["nodeSelector"], p["spec"]["tolerations"]]).to_string();
             // Least loaded fitting node first, like a spreading scheduler.
             let chosen = by_signature
