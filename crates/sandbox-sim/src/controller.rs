@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, stream};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Pod, PodStatus};
+use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus};
 use kube::api::{Api, DynamicObject};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::utils::Backoff;
@@ -279,17 +279,26 @@ impl Backoff for CappedBackoff {
 fn keep_whole<K>(_: &mut K) {}
 
 /// The cache of every pod in the cluster keeps what the simulation reads (placement, owners,
-/// tolerations, priority, phase): 100,000 pods with their field managers and containers were
-/// gigabytes in a process that is also the cluster's API server.
+/// tolerations, priority, phase, the mirror-pod annotation) and nothing else: 100,000 pods with
+/// their field managers and containers were gigabytes in a process that is also the cluster's API
+/// server, and a rehearsal's copy caches up to 40,000 pods.
 fn trim_pod(pod: &mut Pod) {
-    pod.metadata.managed_fields = None;
-    if let Some(spec) = pod.spec.as_mut() {
-        spec.containers.clear();
-        spec.init_containers = None;
-        spec.volumes = None;
+    let meta = &mut pod.metadata;
+    meta.managed_fields = None;
+    meta.labels = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.retain(|k, _| k == "kubernetes.io/config.mirror");
     }
-    // the simulation reads only a pod's phase of its status; conditions and container statuses
-    // were most of each cached pod, and a rehearsal's copy caches up to 40,000 of them
+    if let Some(spec) = pod.spec.take() {
+        pod.spec = Some(PodSpec {
+            node_name: spec.node_name,
+            node_selector: spec.node_selector,
+            tolerations: spec.tolerations,
+            priority: spec.priority,
+            priority_class_name: spec.priority_class_name,
+            ..Default::default()
+        });
+    }
     if let Some(status) = pod.status.as_mut() {
         *status = PodStatus { phase: status.phase.take(), ..Default::default() };
     }
