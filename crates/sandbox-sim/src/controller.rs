@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use futures::{StreamExt, stream};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+use crate::cachedpod::CachedPod;
 use kube::api::{Api, DynamicObject};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::utils::Backoff;
@@ -194,7 +196,7 @@ impl SimController {
             claims: caches.spawn(Api::all_with(client.clone(), &claims_ar), claims_ar, all(), keep_whole),
             classes: caches.spawn(Api::all_with(client.clone(), &classes_ar), classes_ar, all(), keep_whole),
             nodes: caches.spawn(Api::<Node>::all(client.clone()), (), all(), keep_whole),
-            pods: caches.spawn(Api::<Pod>::all(client.clone()), (), all(), trim_pod),
+            pods: caches.spawn(Api::<CachedPod>::all(client.clone()), (), all(), trim_pod),
             deployment: caches.spawn(
                 Api::<Deployment>::namespaced(client.clone(), &settings.namespace),
                 (),
@@ -278,29 +280,16 @@ impl Backoff for CappedBackoff {
 /// The cache keeps an object as the API served it.
 fn keep_whole<K>(_: &mut K) {}
 
-/// The cache of every pod in the cluster keeps what the simulation reads (placement, owners,
-/// tolerations, priority, phase, the mirror-pod annotation) and nothing else: 100,000 pods with
-/// their field managers and containers were gigabytes in a process that is also the cluster's API
-/// server, and a rehearsal's copy caches up to 40,000 pods.
-fn trim_pod(pod: &mut Pod) {
+/// The cache of every pod in the cluster keeps what the simulation reads ([`CachedPod`]: placement,
+/// owners, tolerations, priority, phase) and of the metadata no field managers, labels or
+/// annotations other than the mirror-pod one: 100,000 pods with their field managers and containers
+/// were gigabytes in a process that is also the cluster's API server.
+fn trim_pod(pod: &mut CachedPod) {
     let meta = &mut pod.metadata;
     meta.managed_fields = None;
     meta.labels = None;
     if let Some(a) = meta.annotations.as_mut() {
         a.retain(|k, _| k == "kubernetes.io/config.mirror");
-    }
-    if let Some(spec) = pod.spec.take() {
-        pod.spec = Some(PodSpec {
-            node_name: spec.node_name,
-            node_selector: spec.node_selector,
-            tolerations: spec.tolerations,
-            priority: spec.priority,
-            priority_class_name: spec.priority_class_name,
-            ..Default::default()
-        });
-    }
-    if let Some(status) = pod.status.as_mut() {
-        *status = PodStatus { phase: status.phase.take(), ..Default::default() };
     }
 }
 
@@ -349,7 +338,7 @@ struct Stores {
     claims: Store<DynamicObject>,
     classes: Store<DynamicObject>,
     nodes: Store<Node>,
-    pods: Store<Pod>,
+    pods: Store<CachedPod>,
     deployment: Store<Deployment>,
 }
 
@@ -710,7 +699,7 @@ async fn terminate(ctx: &Ctx) {
         .await;
 }
 
-fn is_critical(pod: &Pod) -> bool {
+fn is_critical(pod: &CachedPod) -> bool {
     let spec = pod.spec.as_ref();
     matches!(
         spec.and_then(|s| s.priority_class_name.as_deref()),
@@ -720,7 +709,7 @@ fn is_critical(pod: &Pod) -> bool {
 
 /// Pods Karpenter's drain leaves alone: DaemonSet and mirror pods, finished pods, and pods that
 /// tolerate the disrupted taint (they would just come back).
-fn is_drainable(pod: &Pod) -> bool {
+fn is_drainable(pod: &CachedPod) -> bool {
     let owned_by_ds = pod.owner_references().iter().any(|o| o.kind == "DaemonSet");
     let mirror = pod.annotations().contains_key("kubernetes.io/config.mirror");
     let finished = matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"));
@@ -746,7 +735,7 @@ async fn drain(ctx: &Ctx, node: &Node) -> Result<bool, SimError> {
     {
         return Ok(false);
     }
-    let pods: Vec<Arc<Pod>> = ctx
+    let pods: Vec<Arc<CachedPod>> = ctx
         .stores
         .pods
         .state()
@@ -756,8 +745,8 @@ async fn drain(ctx: &Ctx, node: &Node) -> Result<bool, SimError> {
     if pods.is_empty() {
         return Ok(true);
     }
-    let non_critical: Vec<&Arc<Pod>> = pods.iter().filter(|p| !is_critical(p)).collect();
-    let wave: Vec<&Arc<Pod>> = if non_critical.is_empty() { pods.iter().collect() } else { non_critical };
+    let non_critical: Vec<&Arc<CachedPod>> = pods.iter().filter(|p| !is_critical(p)).collect();
+    let wave: Vec<&Arc<CachedPod>> = if non_critical.is_empty() { pods.iter().collect() } else { non_critical };
     let now = Instant::now();
     let retry_after = ctx.settings.scaled(ctx.settings.resync);
     for pod in wave.into_iter().filter(|p| !is_deleting(p.as_ref())) {
@@ -767,7 +756,10 @@ async fn drain(ctx: &Ctx, node: &Node) -> Result<bool, SimError> {
         }
         let ns = pod.namespace().unwrap_or_default();
         let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-        match ops::evict(&api, pod).await.map_err(SimError::kube(format!("evicting pod {ns}/{}", pod.name_any())))? {
+        match ops::evict(&api, pod.as_ref())
+            .await
+            .map_err(SimError::kube(format!("evicting pod {ns}/{}", pod.name_any())))?
+        {
             EvictOutcome::Evicted | EvictOutcome::Gone => {
                 lock(&ctx.retry_eviction_at).remove(&uid);
                 bump(&ctx.stats.pods_evicted, 1);
@@ -863,7 +855,7 @@ struct Candidate {
     static_deficit: Option<u64>,
 }
 
-fn pod_fits_labels(pod: &Pod, labels: &BTreeMap<String, String>, taints: &[serde_json::Value]) -> bool {
+fn pod_fits_labels(pod: &CachedPod, labels: &BTreeMap<String, String>, taints: &[serde_json::Value]) -> bool {
     let spec = match pod.spec.as_ref() {
         Some(s) => s,
         None => return false,
@@ -957,7 +949,7 @@ async fn provision(ctx: &Ctx, state: &mut State) {
     let now = Instant::now();
     let pods = ctx.stores.pods.state();
     let mut seen = HashSet::new();
-    let mut pending: Vec<Arc<Pod>> = Vec::new();
+    let mut pending: Vec<Arc<CachedPod>> = Vec::new();
     for pod in &pods {
         let unbound = pod.spec.as_ref().is_some_and(|s| s.node_name.is_none());
         let phase_pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()).is_none_or(|p| p == "Pending");
@@ -1170,7 +1162,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn pod(v: serde_json::Value) -> Pod {
+    fn pod(v: serde_json::Value) -> CachedPod {
         serde_json::from_value(v).unwrap()
     }
 

@@ -11,6 +11,7 @@
 //! cluster.
 #![forbid(unsafe_code)]
 
+pub mod cachedpod;
 pub mod cloud;
 pub mod controller;
 pub mod ec2limits;

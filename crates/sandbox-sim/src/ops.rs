@@ -170,7 +170,7 @@ pub enum EvictOutcome {
 /// Evicts a pod through `pods/eviction` (policy/v1), with the pod's uid as precondition so a
 /// replacement pod of the same name is never evicted by mistake. The typed body is posted with
 /// `create_subresource` because `Api::evict` sends delete options under the wrong key (design §5).
-pub async fn evict(api: &Api<Pod>, pod: &Pod) -> Result<EvictOutcome, kube::Error> {
+pub async fn evict(api: &Api<Pod>, pod: &impl ResourceExt) -> Result<EvictOutcome, kube::Error> {
     let name = pod.name_any();
     let mut delete_options = json!({});
     if let Some(uid) = pod.uid() {
