@@ -21,7 +21,7 @@ use futures::{StreamExt, stream};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-use crate::cachedpod::CachedPod;
+use crate::podcache::{PodCache, PodPhase, PodRecord, WirePod};
 use kube::api::{Api, DynamicObject};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::utils::Backoff;
@@ -196,7 +196,7 @@ impl SimController {
             claims: caches.spawn(Api::all_with(client.clone(), &claims_ar), claims_ar, all(), keep_whole),
             classes: caches.spawn(Api::all_with(client.clone(), &classes_ar), classes_ar, all(), keep_whole),
             nodes: caches.spawn(Api::<Node>::all(client.clone()), (), all(), keep_whole),
-            pods: caches.spawn(Api::<CachedPod>::all(client.clone()), (), all(), trim_pod),
+            pods: caches.spawn_pods(Api::<WirePod>::all(client.clone())),
             deployment: caches.spawn(
                 Api::<Deployment>::namespaced(client.clone(), &settings.namespace),
                 (),
@@ -280,19 +280,6 @@ impl Backoff for CappedBackoff {
 /// The cache keeps an object as the API served it.
 fn keep_whole<K>(_: &mut K) {}
 
-/// The cache of every pod in the cluster keeps what the simulation reads ([`CachedPod`]: placement,
-/// owners, tolerations, priority, phase) and of the metadata no field managers, labels or
-/// annotations other than the mirror-pod one: 100,000 pods with their field managers and containers
-/// were gigabytes in a process that is also the cluster's API server.
-fn trim_pod(pod: &mut CachedPod) {
-    let meta = &mut pod.metadata;
-    meta.managed_fields = None;
-    meta.labels = None;
-    if let Some(a) = meta.annotations.as_mut() {
-        a.retain(|k, _| k == "kubernetes.io/config.mirror");
-    }
-}
-
 /// What the simulation's watch caches share: the tasks that feed them, the cancellation, the
 /// signal that something changed, and the backoff between retries.
 struct Caches<'a> {
@@ -311,9 +298,36 @@ impl Caches<'_> {
     {
         let writer = reflector::store::Writer::new(dyntype);
         let reader = writer.as_reader();
+        let stream = reflector::reflector(writer, watcher(api, config).backoff(self.backoff()).modify(trim));
+        self.drive(stream, |_| {});
+        reader
+    }
+
+    /// The cache of every pod in the cluster, as records ([`PodCache`]).
+    fn spawn_pods(&mut self, api: Api<WirePod>) -> PodCache {
+        let cache = PodCache::new();
+        let stream = watcher(api, watcher::Config::default()).backoff(self.backoff());
+        let feed = cache.clone();
+        self.drive(stream, move |ev| {
+            if let Ok(ev) = ev {
+                feed.apply(&ev);
+            }
+        });
+        cache
+    }
+
+    fn backoff(&self) -> CappedBackoff {
         let min = Duration::from_millis(10);
-        let backoff = CappedBackoff { next: min, min, max: self.max_backoff };
-        let stream = reflector::reflector(writer, watcher(api, config).backoff(backoff).modify(trim));
+        CappedBackoff { next: min, min, max: self.max_backoff }
+    }
+
+    /// Runs `stream` in a task of its own until cancelled, handing each item to `consume` and
+    /// then waking the reconcile loop (errors too: the backoff retries them, and either way
+    /// the loop has news).
+    fn drive<S>(&mut self, stream: S, mut consume: impl FnMut(S::Item) + Send + 'static)
+    where
+        S: futures::Stream + Send + 'static,
+    {
         let notify = self.notify.clone();
         let cancel = self.cancel.clone();
         self.tasks.spawn(async move {
@@ -322,14 +336,15 @@ impl Caches<'_> {
                 tokio::select! {
                     _ = cancel.cancelled() => break,
                     ev = stream.next() => match ev {
-                        // errors are retried by the backoff; either way the loop has news
-                        Some(_) => notify.notify_one(),
+                        Some(ev) => {
+                            consume(ev);
+                            notify.notify_one();
+                        }
                         None => break,
                     },
                 }
             }
         });
-        reader
     }
 }
 
@@ -338,7 +353,7 @@ struct Stores {
     claims: Store<DynamicObject>,
     classes: Store<DynamicObject>,
     nodes: Store<Node>,
-    pods: Store<CachedPod>,
+    pods: PodCache,
     deployment: Store<Deployment>,
 }
 
@@ -396,7 +411,7 @@ async fn run(ctx: Arc<Ctx>, notify: Arc<Notify>, cancel: CancellationToken) {
         let s = &ctx.stores;
         let _ = s.deployment.wait_until_ready().await;
         let _ = s.nodes.wait_until_ready().await;
-        let _ = s.pods.wait_until_ready().await;
+        s.pods.wait_until_ready().await;
         let _ = s.pools.wait_until_ready().await;
         let _ = s.claims.wait_until_ready().await;
         let _ = s.classes.wait_until_ready().await;
@@ -699,30 +714,17 @@ async fn terminate(ctx: &Ctx) {
         .await;
 }
 
-fn is_critical(pod: &CachedPod) -> bool {
-    let spec = pod.spec.as_ref();
-    matches!(
-        spec.and_then(|s| s.priority_class_name.as_deref()),
-        Some("system-cluster-critical" | "system-node-critical")
-    ) || spec.and_then(|s| s.priority).is_some_and(|p| p >= 2_000_000_000)
-}
-
 /// Pods Karpenter's drain leaves alone: DaemonSet and mirror pods, finished pods, and pods that
 /// tolerate the disrupted taint (they would just come back).
-fn is_drainable(pod: &CachedPod) -> bool {
-    let owned_by_ds = pod.owner_references().iter().any(|o| o.kind == "DaemonSet");
-    let mirror = pod.annotations().contains_key("kubernetes.io/config.mirror");
-    let finished = matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"));
-    let tolerates = pod.spec.as_ref().and_then(|s| s.tolerations.as_ref()).is_some_and(|ts| {
-        ts.iter().any(|t| {
-            let key_ok = match t.key.as_deref() {
-                None | Some("") => t.operator.as_deref() == Some("Exists"),
-                Some(k) => k == karpenter::TAINT_DISRUPTED,
-            };
-            key_ok && t.effect.as_deref().is_none_or(|e| e.is_empty() || e == "NoSchedule")
-        })
+fn is_drainable(pod: &PodRecord) -> bool {
+    let tolerates = pod.placement.tolerations.iter().any(|t| {
+        let key_ok = match t.key.as_deref() {
+            None | Some("") => t.exists,
+            Some(k) => k == karpenter::TAINT_DISRUPTED,
+        };
+        key_ok && t.effect.as_deref().is_none_or(|e| e.is_empty() || e == "NoSchedule")
     });
-    !(owned_by_ds || mirror || finished || tolerates)
+    !(pod.daemonset || pod.mirror || pod.phase.finished() || tolerates)
 }
 
 /// Drains the node (non-critical pods first, critical ones after), and returns whether it is
@@ -735,30 +737,24 @@ async fn drain(ctx: &Ctx, node: &Node) -> Result<bool, SimError> {
     {
         return Ok(false);
     }
-    let pods: Vec<Arc<CachedPod>> = ctx
-        .stores
-        .pods
-        .state()
-        .into_iter()
-        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(name.as_str()) && is_drainable(p))
-        .collect();
+    let pods: Vec<Arc<PodRecord>> = ctx.stores.pods.on_node(&name).into_iter().filter(|p| is_drainable(p)).collect();
     if pods.is_empty() {
         return Ok(true);
     }
-    let non_critical: Vec<&Arc<CachedPod>> = pods.iter().filter(|p| !is_critical(p)).collect();
-    let wave: Vec<&Arc<CachedPod>> = if non_critical.is_empty() { pods.iter().collect() } else { non_critical };
+    let non_critical: Vec<&Arc<PodRecord>> = pods.iter().filter(|p| !p.critical).collect();
+    let wave: Vec<&Arc<PodRecord>> = if non_critical.is_empty() { pods.iter().collect() } else { non_critical };
     let now = Instant::now();
     let retry_after = ctx.settings.scaled(ctx.settings.resync);
-    for pod in wave.into_iter().filter(|p| !is_deleting(p.as_ref())) {
-        let uid = pod.uid().unwrap_or_default();
+    for pod in wave.into_iter().filter(|p| !p.deleting) {
+        let uid = pod.uid.to_string();
         if lock(&ctx.retry_eviction_at).get(&uid).is_some_and(|at| *at > now) {
             continue;
         }
-        let ns = pod.namespace().unwrap_or_default();
-        let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-        match ops::evict(&api, pod.as_ref())
+        let ns = &pod.namespace;
+        let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+        match ops::evict(&api, &pod.name, Some(&pod.uid))
             .await
-            .map_err(SimError::kube(format!("evicting pod {ns}/{}", pod.name_any())))?
+            .map_err(SimError::kube(format!("evicting pod {ns}/{}", pod.name)))?
         {
             EvictOutcome::Evicted | EvictOutcome::Gone => {
                 lock(&ctx.retry_eviction_at).remove(&uid);
@@ -855,26 +851,23 @@ struct Candidate {
     static_deficit: Option<u64>,
 }
 
-fn pod_fits_labels(pod: &CachedPod, labels: &BTreeMap<String, String>, taints: &[serde_json::Value]) -> bool {
-    let spec = match pod.spec.as_ref() {
-        Some(s) => s,
-        None => return false,
-    };
-    let selector_ok = spec
+fn pod_fits_labels(pod: &PodRecord, labels: &BTreeMap<String, String>, taints: &[serde_json::Value]) -> bool {
+    let placement = &pod.placement;
+    let selector_ok = placement
         .node_selector
-        .as_ref()
-        .is_none_or(|sel| sel.iter().all(|(k, v)| k == naming::LABEL_ZONE || labels.get(k) == Some(v)));
-    let tolerations = spec.tolerations.clone().unwrap_or_default();
+        .iter()
+        .all(|(k, v)| &**k == naming::LABEL_ZONE || labels.get(&**k).map(String::as_str) == Some(&**v));
+    let tolerations = &placement.tolerations;
     let taints_ok = taints.iter().all(|t| {
         let key = t["key"].as_str().unwrap_or_default();
         let effect = t["effect"].as_str().unwrap_or_default();
         effect == "PreferNoSchedule"
             || tolerations.iter().any(|tol| {
                 let key_ok = match tol.key.as_deref() {
-                    None | Some("") => tol.operator.as_deref() == Some("Exists"),
+                    None | Some("") => tol.exists,
                     Some(k) => {
                         k == key
-                            && (tol.operator.as_deref() == Some("Exists")
+                            && (tol.exists
                                 || tol.value.as_deref().unwrap_or_default() == t["value"].as_str().unwrap_or_default())
                     }
                 };
@@ -949,15 +942,12 @@ async fn provision(ctx: &Ctx, state: &mut State) {
     let now = Instant::now();
     let pods = ctx.stores.pods.state();
     let mut seen = HashSet::new();
-    let mut pending: Vec<Arc<CachedPod>> = Vec::new();
+    let mut pending: Vec<Arc<PodRecord>> = Vec::new();
     for pod in &pods {
-        let unbound = pod.spec.as_ref().is_some_and(|s| s.node_name.is_none());
-        let phase_pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()).is_none_or(|p| p == "Pending");
-        let ds = pod.owner_references().iter().any(|o| o.kind == "DaemonSet");
-        let Some(uid) = pod.uid() else { continue };
-        if !unbound || !phase_pending || ds || is_deleting(pod.as_ref()) {
+        if pod.node_name.is_some() || pod.phase != PodPhase::Pending || pod.daemonset || pod.deleting {
             continue;
         }
+        let uid = pod.uid.to_string();
         seen.insert(uid.clone());
         let since = *state.pending_since.entry(uid).or_insert(now);
         if now.duration_since(since) >= grace {
@@ -972,11 +962,10 @@ async fn provision(ctx: &Ctx, state: &mut State) {
     state.inflight.retain(|n, _| !known.contains(n));
     let mut used: HashMap<String, u32> = HashMap::new();
     for pod in &pods {
-        let finished = matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"));
-        if let Some(n) = pod.spec.as_ref().and_then(|s| s.node_name.clone())
-            && !finished
+        if let Some(n) = pod.node_name.as_deref()
+            && !pod.phase.finished()
         {
-            *used.entry(n).or_default() += 1;
+            *used.entry(n.to_string()).or_default() += 1;
         }
     }
     let mut free: Vec<(BTreeMap<String, String>, Vec<serde_json::Value>, u32)> = Vec::new();
@@ -1162,8 +1151,8 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn pod(v: serde_json::Value) -> CachedPod {
-        serde_json::from_value(v).unwrap()
+    fn pod(v: serde_json::Value) -> PodRecord {
+        PodRecord::from_json(v)
     }
 
     #[test]
@@ -1189,9 +1178,9 @@ mod tests {
         let c = pod(
             json!({"metadata": {"name": "a"}, "spec": {"containers": [], "priorityClassName": "system-cluster-critical"}}),
         );
-        assert!(is_critical(&c));
+        assert!(c.critical);
         let n = pod(json!({"metadata": {"name": "b"}, "spec": {"containers": []}}));
-        assert!(!is_critical(&n));
+        assert!(!n.critical);
     }
 
     #[test]

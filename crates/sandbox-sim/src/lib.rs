@@ -11,7 +11,6 @@
 //! cluster.
 #![forbid(unsafe_code)]
 
-pub mod cachedpod;
 pub mod cloud;
 pub mod controller;
 pub mod ec2limits;
@@ -23,6 +22,7 @@ pub mod localstack;
 pub mod naming;
 pub mod objects;
 pub mod ops;
+pub mod podcache;
 pub mod world;
 
 pub use controller::{SimController, SimSettings, SimStats};

@@ -170,19 +170,19 @@ pub enum EvictOutcome {
 /// Evicts a pod through `pods/eviction` (policy/v1), with the pod's uid as precondition so a
 /// replacement pod of the same name is never evicted by mistake. The typed body is posted with
 /// `create_subresource` because `Api::evict` sends delete options under the wrong key (design §5).
-pub async fn evict(api: &Api<Pod>, pod: &impl ResourceExt) -> Result<EvictOutcome, kube::Error> {
-    let name = pod.name_any();
+pub async fn evict(api: &Api<Pod>, name: &str, uid: Option<&str>) -> Result<EvictOutcome, kube::Error> {
     let mut delete_options = json!({});
-    if let Some(uid) = pod.uid() {
+    if let Some(uid) = uid {
         delete_options["preconditions"] = json!({"uid": uid});
     }
+    // the namespace is the API's: the path carries it, and the server takes it from there
     let body = json!({
         "apiVersion": "policy/v1",
         "kind": "Eviction",
-        "metadata": {"name": name, "namespace": pod.namespace()},
+        "metadata": {"name": name},
         "deleteOptions": delete_options,
     });
-    match api.create_subresource::<Value, Value>("eviction", &name, &PostParams::default(), &body).await {
+    match api.create_subresource::<Value, Value>("eviction", name, &PostParams::default(), &body).await {
         Ok(_) => Ok(EvictOutcome::Evicted),
         Err(kube::Error::Api(s)) if s.code == 429 => Ok(EvictOutcome::Blocked(s.message.clone())),
         Err(e) if matches!(api_code(&e), Some(404 | 409)) => Ok(EvictOutcome::Gone),
