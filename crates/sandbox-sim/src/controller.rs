@@ -192,16 +192,16 @@ impl SimController {
         let mut caches = Caches { tasks: &mut tasks, cancel: &cancel, notify: &notify, max_backoff };
         let all = watcher::Config::default;
         let stores = Stores {
-            pools: caches.spawn(Api::all_with(client.clone(), &pools_ar), pools_ar, all(), keep_whole),
-            claims: caches.spawn(Api::all_with(client.clone(), &claims_ar), claims_ar, all(), keep_whole),
-            classes: caches.spawn(Api::all_with(client.clone(), &classes_ar), classes_ar, all(), keep_whole),
-            nodes: caches.spawn(Api::<Node>::all(client.clone()), (), all(), keep_whole),
+            pools: caches.spawn(Api::all_with(client.clone(), &pools_ar), pools_ar, all(), drop_field_managers),
+            claims: caches.spawn(Api::all_with(client.clone(), &claims_ar), claims_ar, all(), drop_field_managers),
+            classes: caches.spawn(Api::all_with(client.clone(), &classes_ar), classes_ar, all(), drop_field_managers),
+            nodes: caches.spawn(Api::<Node>::all(client.clone()), (), all(), drop_field_managers),
             pods: caches.spawn_pods(Api::<WirePod>::all(client.clone())),
             deployment: caches.spawn(
                 Api::<Deployment>::namespaced(client.clone(), &settings.namespace),
                 (),
                 all().fields(&format!("metadata.name={}", settings.deployment)),
-                keep_whole,
+                drop_field_managers,
             ),
         };
         let ctx = Arc::new(Ctx {
@@ -277,8 +277,12 @@ impl Backoff for CappedBackoff {
     }
 }
 
-/// The cache keeps an object as the API served it.
-fn keep_whole<K>(_: &mut K) {}
+/// The cache keeps an object as the API served it but for its field managers, which the
+/// simulation never reads and which are the larger part of a NodeClaim or a Node (heaptrack put
+/// 20 MB of a 1,000-node rehearsal's heap peak on these caches).
+fn drop_field_managers<K: Resource>(obj: &mut K) {
+    obj.meta_mut().managed_fields = None;
+}
 
 /// What the simulation's watch caches share: the tasks that feed them, the cancellation, the
 /// signal that something changed, and the backoff between retries.
