@@ -130,6 +130,8 @@ pub async fn load(snap: &mut Snapshot, opts: &LoadOptions) -> Result<Copy, Rehea
             return Err(e);
         }
     };
+    // the copy starts as the live cluster is: its objects long there, no history of their making
+    server.store().forget_history();
     server.start_control_plane();
     let client = kube::Client::try_from(server.kube_config())
         .map_err(|e| RehearseError::Load { what: "a client for the copy".into(), detail: e.to_string() })?;
