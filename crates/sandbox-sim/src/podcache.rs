@@ -268,14 +268,12 @@ impl Records {
 #[derive(Debug, Clone)]
 pub struct PodCache {
     records: Arc<RwLock<Records>>,
-    ready_tx: Arc<watch::Sender<bool>>,
-    ready: watch::Receiver<bool>,
+    ready: Arc<watch::Sender<bool>>,
 }
 
 impl Default for PodCache {
     fn default() -> PodCache {
-        let (ready_tx, ready) = watch::channel(false);
-        PodCache { records: Arc::default(), ready_tx: Arc::new(ready_tx), ready }
+        PodCache { records: Arc::default(), ready: Arc::new(watch::Sender::new(false)) }
     }
 }
 
@@ -301,7 +299,7 @@ impl PodCache {
                 let listed = records.relisting.take().unwrap_or_default();
                 records.pods = listed;
                 records.sweep_placements();
-                self.ready_tx.send_replace(true);
+                self.ready.send_replace(true);
             }
             Event::Apply(pod) => {
                 if let Some((uid, record)) = records.record(pod) {
@@ -330,14 +328,15 @@ impl PodCache {
 
     /// Waits until the first complete list has been applied.
     pub async fn wait_until_ready(&self) {
-        let mut ready = self.ready.clone();
+        let mut ready = self.ready.subscribe();
         // Err: every sender is gone, so the cache will never fill; the caller's cancellation
         // decides what happens next.
         let _ = ready.wait_for(|r| *r).await;
     }
 
-    /// How many distinct placements the cache holds (for tests of their sharing).
-    pub fn placements(&self) -> usize {
+    /// How many distinct placements the cache holds.
+    #[cfg(test)]
+    fn placements(&self) -> usize {
         self.records.read().unwrap_or_else(PoisonError::into_inner).placements.len()
     }
 }
