@@ -324,7 +324,7 @@ impl ControlPlane {
                 let o = &*object;
                 self.observe_pod(ev, o, d);
                 note_pod_labels(&mut d.pdb_pods, &ns, &o["metadata"]["labels"]);
-                if let Some(old_labels) = ev.old_json.as_deref().map(labels_of)
+                if let Some(old_labels) = ev.old_json.as_ref().map(|j| labels_of(&j.to_vec()))
                     && old_labels != o["metadata"]["labels"]
                 {
                     note_pod_labels(&mut d.pdb_pods, &ns, &old_labels);

@@ -535,7 +535,7 @@ fn list(shared: &Shared, t: &Target, info: &ResourceInfo, q: &Query, table: bool
         }
         // stored at the version asked for: its JSON as it is
         if *item.summary().api_version == *av {
-            out.extend_from_slice(item.json());
+            item.json().write_into(&mut out);
         } else {
             let _ = serde_json::to_writer(&mut out, &as_version(Arc::unwrap_or_clone(item.value()), &av));
         }

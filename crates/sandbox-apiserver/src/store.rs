@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 use tokio::sync::broadcast;
 
 use super::kinds::{Registry, ResourceInfo};
+use super::packed::{Json, Packer};
 use super::patch::{self, PatchType, WriteRecord};
 use super::schema;
 use super::select::{FieldSelector, LabelSelector};
@@ -71,8 +72,9 @@ impl EventType {
 /// The change stream holds its last changes for receivers that fall behind, and most of the
 /// versions it holds are no longer current; as values they were most of a rehearsal's memory (a
 /// pod's small maps are B-tree nodes, several times its JSON). As JSON they are the bytes the
-/// watch history keeps anyway, shared, and a watch writes them as they are; a receiver that
-/// reads fields parses what it reads ([`StoreEvent::object`], [`StoreEvent::old`]).
+/// watch history keeps anyway, shared (compressed: [`Json`]), and a watch writes them as they
+/// are; a receiver that reads fields parses what it reads ([`StoreEvent::object`],
+/// [`StoreEvent::old`]).
 #[derive(Debug, Clone)]
 pub struct StoreEvent {
     /// The resourceVersion this change produced.
@@ -83,20 +85,20 @@ pub struct StoreEvent {
     pub key: ObjectKey,
     /// The object after the change (for deletions: its last state with the deletion's rv), as
     /// JSON.
-    pub object_json: Arc<[u8]>,
+    pub object_json: Json,
     /// The object before the change, if any, as JSON.
-    pub old_json: Option<Arc<[u8]>>,
+    pub old_json: Option<Json>,
 }
 
 impl StoreEvent {
     /// The object after the change.
     pub fn object(&self) -> Value {
-        json_value(&self.object_json)
+        self.object_json.value()
     }
 
     /// The object before the change, if any.
     pub fn old(&self) -> Option<Value> {
-        self.old_json.as_deref().map(json_value)
+        self.old_json.as_ref().map(Json::value)
     }
 }
 
@@ -112,7 +114,7 @@ struct HistoryEntry {
     at: std::time::Instant,
     event_type: EventType,
     key: ObjectKey,
-    object: Arc<[u8]>,
+    object: Json,
     old: OldVersion,
 }
 
@@ -125,7 +127,7 @@ enum OldVersion {
     /// kept twice.
     Previous,
     /// The previous entry has left the history (or there never was one): kept here.
-    Bytes(Arc<[u8]>),
+    Bytes(Json),
 }
 
 /// A key's entries in the history: how many, the object of its newest entry that has left the
@@ -134,13 +136,8 @@ enum OldVersion {
 #[derive(Debug, Default)]
 struct KeyHistory {
     entries: usize,
-    base: Option<Arc<[u8]>>,
-    latest: Option<Arc<[u8]>>,
-}
-
-fn json_bytes(v: &Value) -> Arc<[u8]> {
-    // Serializing a Value cannot fail: its map keys are strings.
-    serde_json::to_vec(v).unwrap_or_default().into()
+    base: Option<Json>,
+    latest: Option<Json>,
 }
 
 /// A value from JSON the store wrote (anything else reads as `null`).
@@ -307,6 +304,7 @@ pub(crate) struct Inner {
     tx: broadcast::Sender<Arc<StoreEvent>>,
     rng: u64,
     work: VecDeque<Work>,
+    packer: Packer,
 }
 
 /// A cheap, cloneable handle on the object store.
@@ -425,6 +423,7 @@ impl Store {
             tx,
             rng: seed | 1,
             work: VecDeque::new(),
+            packer: Packer::default(),
         };
         let store = Store { inner: Arc::new(Mutex::new(inner)) };
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
@@ -707,7 +706,7 @@ impl Inner {
     /// The history's changes of `gr` after `rv`, as events. Walks the whole history of `gr`
     /// from its start, because an entry's old version may be the object of an earlier entry.
     fn replay(&self, gr: &GroupResource, rv: u64) -> Vec<Backlogged> {
-        let mut latest: HashMap<&ObjectKey, &Arc<[u8]>> = HashMap::new();
+        let mut latest: HashMap<&ObjectKey, &Json> = HashMap::new();
         let mut out = Vec::new();
         for e in self.history.iter().filter(|e| e.key.gr == *gr) {
             if e.rv > rv {
@@ -733,7 +732,7 @@ impl Inner {
         out
     }
 
-    fn emit(&mut self, event_type: EventType, key: ObjectKey, object_json: Arc<[u8]>, old: Option<Arc<[u8]>>) {
+    fn emit(&mut self, event_type: EventType, key: ObjectKey, object_json: Json, old: Option<Json>) {
         let keyed = self.history_keys.entry(key.clone()).or_default();
         // The stored object a change replaces is the object of that key's previous change, or,
         // once that has left the history, the base kept for the key: kept once, not per entry.
@@ -798,7 +797,7 @@ impl Inner {
         }
         let ty = if old.is_some() { EventType::Modified } else { EventType::Added };
         let old_json = old.and(self.stored(&key.gr, &key.namespace, &key.name)).map(|s| s.json().clone());
-        let json = json_bytes(&obj);
+        let json = self.packer.pack(&key.gr, &obj);
         let stored = Stored::new(&obj, json.clone(), key.gr == crd_gr());
         self.emit(ty, key.clone(), json, old_json);
         self.objects.entry(key.gr).or_default().insert((key.namespace, key.name), stored);
@@ -822,7 +821,8 @@ impl Inner {
                 }
             }
         }
-        self.emit(EventType::Deleted, key.clone(), json_bytes(&last), Some(old.json().clone()));
+        let last_json = self.packer.pack(&key.gr, &last);
+        self.emit(EventType::Deleted, key.clone(), last_json, Some(old.json().clone()));
         self.work.push_back(Work::Removed { uid, owners, key: key.clone() });
         if key.gr == crd_gr() {
             let group = last["spec"]["group"].as_str().unwrap_or_default().to_string();
@@ -1275,7 +1275,7 @@ impl Inner {
                 if let Some(slot) =
                     self.objects.get_mut(gr).and_then(|b| b.get_mut(&(key.namespace.clone(), key.name.clone())))
                 {
-                    *slot = Stored::new(&created, json_bytes(&created), *gr == crd_gr());
+                    *slot = Stored::new(&created, self.packer.pack(gr, &created), *gr == crd_gr());
                 }
                 return Ok(created);
             };
@@ -1335,7 +1335,7 @@ impl Inner {
                         applied: Some(applied),
                     },
                 );
-                *slot = Stored::new(&fixed, json_bytes(&fixed), *gr == crd_gr());
+                *slot = Stored::new(&fixed, self.packer.pack(gr, &fixed), *gr == crd_gr());
                 return Ok(fixed);
             }
             return Ok(out);
@@ -1850,7 +1850,7 @@ mod tests {
         let (backlog, _rx, _) = store.watch_from(&gr, Some(listed.resource_version)).unwrap();
         assert_eq!(backlog.len(), 1);
         let Backlog::Past(ev) = &backlog[0].0 else { panic!("a change from the history") };
-        let old = json_value(ev.old_json.as_deref().expect("the replaced version"));
+        let old = ev.old_json.as_ref().expect("the replaced version").value();
         assert_eq!(old["data"]["v"], "1");
     }
 

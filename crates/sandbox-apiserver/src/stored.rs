@@ -4,12 +4,14 @@
 //! A pod of 1.7 KB of JSON is 15 KB as a `serde_json::Value` (each of its ~19 small maps is a
 //! B-tree leaf of 11 slots), and a rehearsal of a 1,000-node cluster holds up to 40,000 pods at
 //! once: as values they were two thirds of its memory. The JSON is also the bytes the watch
-//! history keeps and a watch or list writes, shared rather than serialized again.
+//! history keeps and a watch or list writes, shared rather than serialized again, and kept
+//! compressed ([`Json`]).
 
 use std::sync::Arc;
 
 use serde_json::Value;
 
+use super::packed::Json;
 use super::select::{FieldSelector, LabelSelector};
 
 /// The fields of an object read by passes over many objects, taken when it is stored.
@@ -79,7 +81,7 @@ impl Summary {
 
 #[derive(Debug)]
 struct Entry {
-    json: Arc<[u8]>,
+    json: Json,
     summary: Summary,
     /// Kept parsed as well: a CRD is read (its schema) on every write of its kind, and a
     /// Karpenter CRD is over 100 KB of JSON.
@@ -92,12 +94,12 @@ pub struct Stored(Arc<Entry>);
 
 impl Stored {
     /// Stores `obj`, already serialized as `json`; `keep_parsed` also keeps the value.
-    pub(crate) fn new(obj: &Value, json: Arc<[u8]>, keep_parsed: bool) -> Stored {
+    pub(crate) fn new(obj: &Value, json: Json, keep_parsed: bool) -> Stored {
         Stored(Arc::new(Entry { summary: Summary::of(obj), parsed: keep_parsed.then(|| Arc::new(obj.clone())), json }))
     }
 
     /// The object as JSON.
-    pub fn json(&self) -> &Arc<[u8]> {
+    pub fn json(&self) -> &Json {
         &self.0.json
     }
 
@@ -110,7 +112,7 @@ impl Stored {
     pub fn value(&self) -> Arc<Value> {
         match &self.0.parsed {
             Some(v) => v.clone(),
-            None => Arc::new(super::store::json_value(&self.0.json)),
+            None => Arc::new(self.0.json.value()),
         }
     }
 
@@ -149,7 +151,7 @@ mod tests {
     use crate::kinds::Registry;
 
     fn stored(v: &Value) -> Stored {
-        Stored::new(v, serde_json::to_vec(v).unwrap().into(), false)
+        Stored::new(v, Json::plain(serde_json::to_vec(v).unwrap()), false)
     }
 
     /// The summary answers selectors exactly as the whole object does, for the fields it holds

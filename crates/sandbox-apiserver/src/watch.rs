@@ -13,6 +13,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use super::http::{Query, Shared, Target, as_version, error_response, list_options};
 use super::kinds::ResourceInfo;
+use super::packed::Json;
 use super::store::{Backlogged, EventType, ListOptions, StoreEvent, json_value};
 use super::table;
 
@@ -53,9 +54,9 @@ impl Filter {
     }
 
     /// [`Filter::matches`] on an object as the store keeps it, parsed only for a selector.
-    fn matches_json(&self, ev_ns: &str, obj: &[u8]) -> bool {
+    fn matches_json(&self, ev_ns: &str, obj: &Json) -> bool {
         if self.reads_objects() {
-            self.matches(ev_ns, &json_value(obj))
+            self.matches(ev_ns, &obj.value())
         } else {
             self.namespace.as_deref().is_none_or(|n| n == ev_ns)
         }
@@ -120,7 +121,9 @@ pub(crate) fn serve(
     let kind = info.kind.clone();
     // The stored JSON goes out as it is when it is already what the client asked for; a table or
     // another version is built from its value.
-    let render = move |ty: &str, json: &[u8]| -> Bytes {
+    let render = move |ty: &str, json: &Json| -> Bytes {
+        let json = json.to_vec();
+        let json = json.as_slice();
         if !table_out && serde_json::from_slice::<ApiVersionOnly>(json).is_ok_and(|o| o.api_version == av) {
             return raw_line(ty, json);
         }

@@ -266,8 +266,10 @@ impl Cloud {
     }
 
     async fn describe(&self, filters: Vec<Filter>) -> Result<Vec<SimInstance>, CloudError> {
+        // pages of 200: a page is held whole, as XML and then as the SDK's types (a thousand
+        // instances were 21 MB of a 1,000-node rehearsal's heap peak)
         let mut pages =
-            self.ec2.describe_instances().set_filters(Some(filters)).max_results(1000).into_paginator().send();
+            self.ec2.describe_instances().set_filters(Some(filters)).max_results(200).into_paginator().send();
         let mut out = Vec::new();
         while let Some(page) = pages.next().await {
             let page = page.map_err(|e| CloudError::from_sdk("DescribeInstances", e))?;
