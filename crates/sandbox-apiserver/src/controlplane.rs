@@ -69,7 +69,7 @@ type PodLabels = BTreeMap<String, HashMap<String, Value>>;
 /// workload controller used to list (and copy) the whole namespace, which at 20,000 pods made a
 /// pass over thousands of workloads quadratic.
 #[derive(Default)]
-struct OwnedPods(HashMap<String, HashMap<Box<str>, Vec<Stored>>>);
+struct OwnedPods(HashMap<String, HashMap<Arc<str>, Vec<Stored>>>);
 
 impl OwnedPods {
     /// The pods of `ns` whose controller has `uid`, parsed.
@@ -81,7 +81,7 @@ impl OwnedPods {
     /// The pods of `ns` whose controller has `uid`, as stored.
     fn stored(&mut self, store: &Store, ns: &str, uid: &str) -> Vec<Stored> {
         let by_owner = self.0.entry(ns.to_string()).or_insert_with(|| {
-            let mut m: HashMap<Box<str>, Vec<Stored>> = HashMap::new();
+            let mut m: HashMap<Arc<str>, Vec<Stored>> = HashMap::new();
             let items = store.list(&pods_gr(), Some(ns), &ListOptions::default()).map(|l| l.items).unwrap_or_default();
             for p in items {
                 if let Some(owner) = p.summary().controller_uid.clone() {

@@ -16,7 +16,7 @@ use super::patch::{self, PatchType, WriteRecord};
 use super::schema;
 use super::select::{FieldSelector, LabelSelector};
 use super::status::ApiError;
-use super::stored::Stored;
+use super::stored::{Interner, Stored};
 
 /// A version-independent resource: `("", "pods")`, `("karpenter.sh", "nodeclaims")`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -305,6 +305,7 @@ pub(crate) struct Inner {
     rng: u64,
     work: VecDeque<Work>,
     packer: Packer,
+    interner: Interner,
 }
 
 /// A cheap, cloneable handle on the object store.
@@ -424,6 +425,7 @@ impl Store {
             rng: seed | 1,
             work: VecDeque::new(),
             packer: Packer::default(),
+            interner: Interner::default(),
         };
         let store = Store { inner: Arc::new(Mutex::new(inner)) };
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
@@ -798,7 +800,7 @@ impl Inner {
         let ty = if old.is_some() { EventType::Modified } else { EventType::Added };
         let old_json = old.and(self.stored(&key.gr, &key.namespace, &key.name)).map(|s| s.json().clone());
         let json = self.packer.pack(&key.gr, &obj);
-        let stored = Stored::new(&obj, json.clone(), key.gr == crd_gr());
+        let stored = Stored::new(&obj, json.clone(), key.gr == crd_gr(), &mut self.interner);
         self.emit(ty, key.clone(), json, old_json);
         self.objects.entry(key.gr).or_default().insert((key.namespace, key.name), stored);
         obj
@@ -1275,7 +1277,7 @@ impl Inner {
                 if let Some(slot) =
                     self.objects.get_mut(gr).and_then(|b| b.get_mut(&(key.namespace.clone(), key.name.clone())))
                 {
-                    *slot = Stored::new(&created, self.packer.pack(gr, &created), *gr == crd_gr());
+                    *slot = Stored::new(&created, self.packer.pack(gr, &created), *gr == crd_gr(), &mut self.interner);
                 }
                 return Ok(created);
             };
@@ -1335,7 +1337,7 @@ impl Inner {
                         applied: Some(applied),
                     },
                 );
-                *slot = Stored::new(&fixed, self.packer.pack(gr, &fixed), *gr == crd_gr());
+                *slot = Stored::new(&fixed, self.packer.pack(gr, &fixed), *gr == crd_gr(), &mut self.interner);
                 return Ok(fixed);
             }
             return Ok(out);

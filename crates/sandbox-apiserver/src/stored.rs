@@ -7,6 +7,8 @@
 //! history keeps and a watch or list writes, shared rather than serialized again, and kept
 //! compressed ([`Json`]).
 
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use serde_json::Value;
@@ -14,57 +16,126 @@ use serde_json::Value;
 use super::packed::Json;
 use super::select::{FieldSelector, LabelSelector};
 
-/// The fields of an object read by passes over many objects, taken when it is stored.
+/// The fields of an object read by passes over many objects, taken when it is stored. What pods
+/// of one workload repeat (namespace, node, phase, owner, the label set) is shared between them
+/// through the store's [`Interner`].
 #[derive(Debug, Default)]
 pub struct Summary {
     /// `apiVersion`: a watch or list at that version writes the JSON as it is.
-    pub api_version: Box<str>,
+    pub api_version: Arc<str>,
     /// `metadata.namespace`; empty for cluster-scoped objects.
-    pub namespace: Box<str>,
+    pub namespace: Arc<str>,
     /// `metadata.name`.
     pub name: Box<str>,
     /// `metadata.uid`.
     pub uid: Box<str>,
     /// `metadata.labels`, in key order.
-    pub labels: Box<[(Box<str>, Box<str>)]>,
+    pub labels: Labels,
     /// The uid of the owner reference marked `controller: true`.
-    pub controller_uid: Option<Box<str>>,
+    pub controller_uid: Option<Arc<str>>,
     /// Whether `metadata.deletionTimestamp` is set.
     pub deleting: bool,
     /// `spec.nodeName` (pods); empty when unset.
-    pub node_name: Box<str>,
+    pub node_name: Arc<str>,
     /// `status.phase`; empty when unset.
-    pub phase: Box<str>,
+    pub phase: Arc<str>,
     /// `spec.schedulerName`, when set.
-    pub scheduler_name: Option<Box<str>>,
+    pub scheduler_name: Option<Arc<str>>,
 }
+
+/// An object's labels, in key order; shared by the objects that carry the same set.
+pub type Labels = Arc<[(Arc<str>, Arc<str>)]>;
 
 fn boxed(v: &Value) -> Box<str> {
     v.as_str().unwrap_or_default().into()
 }
 
+/// The strings and label sets summaries share: one copy of each, however many objects carry it.
+/// At 40,000 pods, a summary's own copies of its namespace, node, phase, owner and labels were
+/// about 300 bytes of each. Entries no summary holds any more are dropped whenever the interner
+/// has doubled since the last sweep, so it stays the size of what is stored.
+#[derive(Debug, Default)]
+pub(crate) struct Interner {
+    strs: HashSet<Arc<str>>,
+    /// By the hash of their pairs.
+    label_sets: HashMap<u64, Vec<Labels>>,
+    label_count: usize,
+    swept_at: usize,
+}
+
+impl Interner {
+    fn str(&mut self, v: &Value) -> Arc<str> {
+        self.text(v.as_str().unwrap_or_default())
+    }
+
+    fn text(&mut self, s: &str) -> Arc<str> {
+        if let Some(shared) = self.strs.get(s) {
+            return shared.clone();
+        }
+        let shared: Arc<str> = s.into();
+        self.strs.insert(shared.clone());
+        shared
+    }
+
+    fn labels(&mut self, labels: &Value) -> Labels {
+        let Some(map) = labels.as_object().filter(|m| !m.is_empty()) else { return Labels::default() };
+        let mut pairs: Vec<(&str, &str)> =
+            map.iter().map(|(k, v)| (k.as_str(), v.as_str().unwrap_or_default())).collect();
+        // serde_json's maps are in key order already (no `preserve_order`); sorting keeps
+        // `Summary::label`'s binary search right should that change
+        pairs.sort_unstable();
+        let hash = {
+            let mut h = std::hash::DefaultHasher::new();
+            pairs.hash(&mut h);
+            h.finish()
+        };
+        let same = |set: &&Labels| {
+            set.len() == pairs.len() && set.iter().zip(&pairs).all(|((k, v), (pk, pv))| **k == **pk && **v == **pv)
+        };
+        if let Some(shared) = self.label_sets.get(&hash).and_then(|sets| sets.iter().find(same)) {
+            return shared.clone();
+        }
+        let set: Labels = pairs.iter().map(|(k, v)| (self.text(k), self.text(v))).collect();
+        self.label_sets.entry(hash).or_default().push(set.clone());
+        self.label_count += 1;
+        set
+    }
+
+    fn sweep(&mut self) {
+        let size = self.strs.len() + self.label_count;
+        if size < 1024 || size < 2 * self.swept_at {
+            return;
+        }
+        self.label_sets.retain(|_, sets| {
+            sets.retain(|set| Arc::strong_count(set) > 1);
+            !sets.is_empty()
+        });
+        self.label_count = self.label_sets.values().map(Vec::len).sum();
+        self.strs.retain(|s| Arc::strong_count(s) > 1);
+        self.swept_at = self.strs.len() + self.label_count;
+    }
+}
+
 impl Summary {
-    fn of(obj: &Value) -> Summary {
+    fn of(obj: &Value, interner: &mut Interner) -> Summary {
+        interner.sweep();
         let meta = &obj["metadata"];
         Summary {
-            api_version: boxed(&obj["apiVersion"]),
-            namespace: boxed(&meta["namespace"]),
+            api_version: interner.str(&obj["apiVersion"]),
+            namespace: interner.str(&meta["namespace"]),
             name: boxed(&meta["name"]),
             uid: boxed(&meta["uid"]),
-            labels: meta["labels"]
-                .as_object()
-                .into_iter()
-                .flatten()
-                .map(|(k, v)| (k.as_str().into(), boxed(v)))
-                .collect(),
+            labels: interner.labels(&meta["labels"]),
             controller_uid: meta["ownerReferences"]
                 .as_array()
                 .and_then(|a| a.iter().find(|r| r["controller"] == true))
-                .map(|r| boxed(&r["uid"])),
+                .map(|r| interner.str(&r["uid"])),
             deleting: !meta["deletionTimestamp"].is_null(),
-            node_name: boxed(&obj["spec"]["nodeName"]),
-            phase: boxed(&obj["status"]["phase"]),
-            scheduler_name: obj["spec"]["schedulerName"].as_str().map(Into::into),
+            node_name: interner.str(&obj["spec"]["nodeName"]),
+            phase: interner.str(&obj["status"]["phase"]),
+            scheduler_name: obj["spec"]["schedulerName"]
+                .is_string()
+                .then(|| interner.str(&obj["spec"]["schedulerName"])),
         }
     }
 
@@ -94,8 +165,12 @@ pub struct Stored(Arc<Entry>);
 
 impl Stored {
     /// Stores `obj`, already serialized as `json`; `keep_parsed` also keeps the value.
-    pub(crate) fn new(obj: &Value, json: Json, keep_parsed: bool) -> Stored {
-        Stored(Arc::new(Entry { summary: Summary::of(obj), parsed: keep_parsed.then(|| Arc::new(obj.clone())), json }))
+    pub(crate) fn new(obj: &Value, json: Json, keep_parsed: bool, interner: &mut Interner) -> Stored {
+        Stored(Arc::new(Entry {
+            summary: Summary::of(obj, interner),
+            parsed: keep_parsed.then(|| Arc::new(obj.clone())),
+            json,
+        }))
     }
 
     /// The object as JSON.
@@ -151,7 +226,7 @@ mod tests {
     use crate::kinds::Registry;
 
     fn stored(v: &Value) -> Stored {
-        Stored::new(v, Json::plain(serde_json::to_vec(v).unwrap()), false)
+        Stored::new(v, Json::plain(serde_json::to_vec(v).unwrap()), false, &mut Interner::default())
     }
 
     /// The summary answers selectors exactly as the whole object does, for the fields it holds
@@ -200,5 +275,35 @@ mod tests {
         assert_eq!(sum.summary().controller_uid.as_deref(), Some("rs1"));
         assert!(!sum.summary().deleting && stored(&pending).summary().deleting);
         assert_eq!(*sum.value(), running, "the stored JSON parses back to the object");
+    }
+
+    /// Pods of one template share their label set and repeated strings, read back as their own;
+    /// what no stored object holds any more leaves the interner.
+    #[test]
+    fn summaries_share_what_pods_of_one_template_repeat() {
+        let mut interner = Interner::default();
+        let pod = |i: usize, app: &str| {
+            json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": format!("{app}-{i}"), "namespace": "apps", "uid": format!("u{i}"),
+                    "labels": {"app": app, "pod-template-hash": "5d4f8b"},
+                    "ownerReferences": [{"kind": "ReplicaSet", "name": app, "uid": format!("rs-{app}"), "controller": true}]},
+                "spec": {"nodeName": "n1"}, "status": {"phase": "Running"}})
+        };
+        let stored = |v: &Value, interner: &mut Interner| {
+            Stored::new(v, Json::plain(serde_json::to_vec(v).unwrap()), false, interner)
+        };
+        let a = stored(&pod(1, "web"), &mut interner);
+        let b = stored(&pod(2, "web"), &mut interner);
+        let c = stored(&pod(3, "db"), &mut interner);
+        let (sa, sb, sc) = (a.summary(), b.summary(), c.summary());
+        assert!(Arc::ptr_eq(&sa.labels, &sb.labels) && !Arc::ptr_eq(&sa.labels, &sc.labels));
+        assert!(Arc::ptr_eq(&sa.namespace, &sc.namespace) && Arc::ptr_eq(&sa.node_name, &sb.node_name));
+        assert_eq!((sa.label("app"), sc.label("app"), sa.label("none")), (Some("web"), Some("db"), None));
+        assert_eq!((&*sb.name, sb.controller_uid.as_deref(), &*sb.phase), ("web-2", Some("rs-web"), "Running"));
+        drop((a, b, c));
+        for i in 0..3000 {
+            let _ = stored(&pod(i, &format!("app-{i}")), &mut interner);
+        }
+        assert!(interner.strs.len() + interner.label_count < 3000, "dropped objects' strings are swept");
     }
 }
