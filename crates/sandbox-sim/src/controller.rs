@@ -190,10 +190,13 @@ impl SimController {
         let claims_ar = objects::nodeclaim_resource();
         let classes_ar = objects::ec2nodeclass_resource();
         let mut caches = Caches { tasks: &mut tasks, cancel: &cancel, notify: &notify, max_backoff };
-        let all = watcher::Config::default;
+        // lists in pages of 50: a page is held parsed while the cache is rebuilt beside the old
+        // one, and 500 NodeClaims as values were 11.6 MB of a 1,000-node rehearsal's heap peak
+        // (a watch cut during the drain relists)
+        let all = || watcher::Config::default().page_size(50);
         let stores = Stores {
             pools: caches.spawn(Api::all_with(client.clone(), &pools_ar), pools_ar, all(), drop_field_managers),
-            claims: caches.spawn(Api::all_with(client.clone(), &claims_ar), claims_ar, all(), drop_field_managers),
+            claims: caches.spawn(Api::all_with(client.clone(), &claims_ar), claims_ar, all(), trim_claim),
             classes: caches.spawn(Api::all_with(client.clone(), &classes_ar), classes_ar, all(), drop_field_managers),
             nodes: caches.spawn(Api::<Node>::all(client.clone()), (), all(), drop_field_managers),
             pods: caches.spawn_pods(Api::<WirePod>::all(client.clone())),
@@ -282,6 +285,26 @@ impl Backoff for CappedBackoff {
 /// 20 MB of a 1,000-node rehearsal's heap peak on these caches).
 fn drop_field_managers<K: Resource>(obj: &mut K) {
     obj.meta_mut().managed_fields = None;
+}
+
+/// A NodeClaim as the simulation reads it: its metadata (finalizers, labels, owners, deletion)
+/// and the class, instance and node it names ([`objects::claim_class`],
+/// [`objects::claim_provider_id`], [`objects::claim_node_name`]). Its requirements, resources,
+/// conditions and capacity are most of it, as values 10 KB a claim, and nothing here reads them;
+/// the simulation's writes to claims are patches of their metadata and status, never the cached
+/// object written back.
+fn trim_claim(claim: &mut DynamicObject) {
+    drop_field_managers(claim);
+    let mut kept = serde_json::json!({});
+    if let Some(class) = claim.data["spec"].get_mut("nodeClassRef") {
+        kept["spec"] = serde_json::json!({"nodeClassRef": class.take()});
+    }
+    for field in ["providerID", "nodeName"] {
+        if let Some(v) = claim.data["status"].get_mut(field) {
+            kept["status"][field] = v.take();
+        }
+    }
+    claim.data = kept;
 }
 
 /// What the simulation's watch caches share: the tasks that feed them, the cancellation, the
@@ -1157,6 +1180,42 @@ mod tests {
 
     fn pod(v: serde_json::Value) -> PodRecord {
         PodRecord::from_json(v)
+    }
+
+    /// The cache's trimmed NodeClaim answers every question the simulation asks of a claim as
+    /// the whole one does.
+    #[test]
+    fn a_trimmed_claim_reads_as_the_whole_one() {
+        let whole: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
+            "metadata": {"name": "default-x7k2p", "uid": "c1", "resourceVersion": "42",
+                "labels": {"karpenter.sh/nodepool": "default", "node.kubernetes.io/instance-type": "m5.large"},
+                "finalizers": ["karpenter.sh/termination"], "deletionTimestamp": "2026-11-25T07:00:00Z",
+                "ownerReferences": [{"apiVersion": "karpenter.sh/v1", "kind": "NodePool", "name": "default", "uid": "p1"}],
+                "managedFields": [{"manager": "karpenter"}]},
+            "spec": {"nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"},
+                "requirements": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]}],
+                "resources": {"requests": {"cpu": "250m"}}},
+            "status": {"providerID": "aws:///us-west-2a/i-0abc", "nodeName": "ip-10-0-0-1", "imageID": "ami-1",
+                "capacity": {"cpu": "2"}, "conditions": [{"type": "Ready", "status": "True"}]}}))
+        .unwrap();
+        let mut trimmed = whole.clone();
+        trim_claim(&mut trimmed);
+        assert_eq!(objects::claim_class(&trimmed), objects::claim_class(&whole));
+        assert_eq!(objects::claim_provider_id(&trimmed), Some("aws:///us-west-2a/i-0abc"));
+        assert_eq!(objects::claim_node_name(&trimmed), Some("ip-10-0-0-1"));
+        assert_eq!(objects::claim_pool(&trimmed), Some("default"));
+        assert!(is_deleting(&trimmed) && has_finalizer(&trimmed, karpenter::FINALIZER_TERMINATION));
+        assert_eq!((trimmed.resource_version(), trimmed.uid()), (whole.resource_version(), whole.uid()));
+        assert!(trimmed.metadata.managed_fields.is_none() && trimmed.data["status"]["conditions"].is_null());
+        let mut fresh = whole.clone();
+        fresh.data = json!({"spec": {"nodeClassRef": {"name": "default"}}});
+        trim_claim(&mut fresh);
+        assert_eq!(
+            (objects::claim_provider_id(&fresh), objects::claim_node_name(&fresh)),
+            (None, None),
+            "not launched yet"
+        );
     }
 
     #[test]
