@@ -144,7 +144,7 @@ async fn stale_taint_writer() {
     let seen = recorder.await.unwrap();
     let mut tool_writes = 0;
     let mut violations = Vec::new();
-    for ev in seen.iter().filter(|e| e.key.gr.resource == "nodes" && names.contains(&e.key.name)) {
+    for ev in seen.iter().filter(|e| e.key.gr.resource == "nodes" && names.contains(&e.key.name.to_string())) {
         let Some(old) = ev.old() else { continue };
         let object = ev.object();
         if ev.event_type.as_str() != "MODIFIED" || !written_by(&old, &object, k8s::objects::FIELD_MANAGER) {

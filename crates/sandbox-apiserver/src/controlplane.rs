@@ -318,7 +318,7 @@ impl ControlPlane {
     fn observe(&mut self, ev: &StoreEvent, d: &mut Dirty) {
         // Changes arrive as JSON; an object is parsed only by the arms that read it.
         let object = std::cell::LazyCell::new(|| ev.object());
-        let (ns, name) = (ev.key.namespace.clone(), ev.key.name.clone());
+        let (ns, name) = (ev.key.namespace.to_string(), ev.key.name.to_string());
         match (ev.key.gr.group.as_str(), ev.key.gr.resource.as_str()) {
             ("", "pods") => {
                 let o = &*object;

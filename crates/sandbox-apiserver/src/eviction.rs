@@ -286,7 +286,7 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
                     st["disruptedPods"][name] = json!(now_rfc3339());
                     let mut o = pdb.clone();
                     o["status"] = st;
-                    let key = ObjectKey { gr: pdb_gr(), namespace: ns.into(), name: pdb_name.clone() };
+                    let key = ObjectKey { gr: pdb_gr(), namespace: ns.into(), name: pdb_name.as_str().into() };
                     inner.put(&key, o, "kube-apiserver", "status");
                 }
             }

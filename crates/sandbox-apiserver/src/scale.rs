@@ -86,7 +86,7 @@ pub(crate) fn update(
             o["metadata"]["generation"] = json!(g + 1);
             let key = ObjectKey {
                 gr: gr.clone(),
-                namespace: if info.namespaced { ns.into() } else { String::new() },
+                namespace: if info.namespaced { ns.into() } else { "".into() },
                 name: name.into(),
             };
             let out = inner.put(&key, o, manager, "scale");

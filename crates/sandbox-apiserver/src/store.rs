@@ -16,7 +16,7 @@ use super::patch::{self, PatchType, WriteRecord};
 use super::schema;
 use super::select::{FieldSelector, LabelSelector};
 use super::status::ApiError;
-use super::stored::{Interner, Stored};
+use super::stored::{Ids, Interner, Stored};
 
 /// A version-independent resource: `("", "pods")`, `("karpenter.sh", "nodeclaims")`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -40,9 +40,9 @@ pub struct ObjectKey {
     /// Its resource.
     pub gr: GroupResource,
     /// Namespace, `""` for cluster-scoped.
-    pub namespace: String,
+    pub namespace: Arc<str>,
     /// Name.
-    pub name: String,
+    pub name: Arc<str>,
 }
 
 /// Kind of a change.
@@ -272,7 +272,7 @@ pub struct ObjectList {
     pub remaining: Option<usize>,
 }
 
-type Bucket = BTreeMap<(String, String), Stored>;
+type Bucket = BTreeMap<(Arc<str>, Arc<str>), Stored>;
 
 /// Work the garbage collector and the finalizer logic still have to do.
 enum Work {
@@ -286,7 +286,7 @@ pub(crate) struct Inner {
     pub(crate) rv: u64,
     pub(crate) registry: Registry,
     objects: HashMap<GroupResource, Bucket>,
-    uids: HashMap<String, ObjectKey>,
+    uids: HashMap<Arc<str>, ObjectKey>,
     dependents: HashMap<String, BTreeSet<ObjectKey>>,
     history: VecDeque<HistoryEntry>,
     /// Per key with entries in the history: how many, and its base.
@@ -657,9 +657,25 @@ impl Inner {
             .ok_or_else(|| ApiError::no_route(&format!("{}/{}", gr.group, gr.resource)))
     }
 
+    /// `key` with the namespace and name the store already holds for it (or, for a new object,
+    /// its namespace shared with the other objects there): every copy of a key (the object's
+    /// entry, its uid, its owners' dependents, the watch history, the change stream) then
+    /// shares two strings instead of holding its own.
+    fn shared_key(&mut self, key: ObjectKey) -> ObjectKey {
+        let held = self
+            .objects
+            .get(&key.gr)
+            .and_then(|b| b.get_key_value(&(key.namespace.clone(), key.name.clone())))
+            .map(|((ns, name), _)| (ns.clone(), name.clone()));
+        match held {
+            Some((namespace, name)) => ObjectKey { gr: key.gr, namespace, name },
+            None => ObjectKey { namespace: self.interner.text(&key.namespace), ..key },
+        }
+    }
+
     /// An object as stored.
     pub(crate) fn stored(&self, gr: &GroupResource, ns: &str, name: &str) -> Option<&Stored> {
-        self.objects.get(gr).and_then(|b| b.get(&(ns.to_string(), name.to_string())))
+        self.objects.get(gr).and_then(|b| b.get(&(Arc::from(ns), Arc::from(name))))
     }
 
     /// An object, parsed.
@@ -674,11 +690,11 @@ impl Inner {
         ns: Option<&'a str>,
     ) -> impl Iterator<Item = &'a Stored> + 'a {
         let bucket = self.objects.get(gr);
-        let start = ns.unwrap_or_default().to_string();
+        let start: Arc<str> = ns.unwrap_or_default().into();
         bucket
             .into_iter()
-            .flat_map(move |b| b.range((start.clone(), String::new())..))
-            .take_while(move |((n, _), _)| ns.is_none_or(|ns| n == ns))
+            .flat_map(move |b| b.range((start.clone(), Arc::from(""))..))
+            .take_while(move |((n, _), _)| ns.is_none_or(|ns| **n == *ns))
             .map(|(_, v)| v)
     }
 
@@ -782,6 +798,7 @@ impl Inner {
 
     /// Stores `obj` under a new resourceVersion and emits the event.
     fn commit(&mut self, key: ObjectKey, mut obj: Value, old: Option<Arc<Value>>) -> Value {
+        let key = self.shared_key(key);
         self.rv += 1;
         obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
         if let Some(o) = &old {
@@ -794,13 +811,16 @@ impl Inner {
         for uid in owner_uids(&obj) {
             self.dependents.entry(uid).or_default().insert(key.clone());
         }
-        if let Some(uid) = obj["metadata"]["uid"].as_str() {
-            self.uids.insert(uid.to_string(), key.clone());
-        }
+        let uid: Option<Arc<str>> = obj["metadata"]["uid"].as_str().map(|u| {
+            let shared = self.uids.get_key_value(u).map(|(held, _)| held.clone()).unwrap_or_else(|| u.into());
+            self.uids.insert(shared.clone(), key.clone());
+            shared
+        });
         let ty = if old.is_some() { EventType::Modified } else { EventType::Added };
         let old_json = old.and(self.stored(&key.gr, &key.namespace, &key.name)).map(|s| s.json().clone());
         let json = self.packer.pack(&key.gr, &obj);
-        let stored = Stored::new(&obj, json.clone(), key.gr == crd_gr(), &mut self.interner);
+        let ids = Ids { name: Some(key.name.clone()), uid };
+        let stored = Stored::new(&obj, json.clone(), key.gr == crd_gr(), &mut self.interner, ids);
         self.emit(ty, key.clone(), json, old_json);
         self.objects.entry(key.gr).or_default().insert((key.namespace, key.name), stored);
         obj
@@ -813,7 +833,7 @@ impl Inner {
         let mut last = Arc::unwrap_or_clone(old.value());
         last["metadata"]["resourceVersion"] = json!(self.rv.to_string());
         let uid = last["metadata"]["uid"].as_str().unwrap_or_default().to_string();
-        self.uids.remove(&uid);
+        self.uids.remove(uid.as_str());
         let owners = owner_uids(&last);
         for o in &owners {
             if let Some(set) = self.dependents.get_mut(o) {
@@ -843,7 +863,7 @@ impl Inner {
     ) -> Result<ObjectList, ApiError> {
         self.info(gr)?;
         let mut list_rv = self.rv;
-        let mut start: Bound<(String, String)> = Bound::Included((ns.unwrap_or_default().to_string(), String::new()));
+        let mut start: Bound<(Arc<str>, Arc<str>)> = Bound::Included((ns.unwrap_or_default().into(), "".into()));
         if let Some(tok) = &opts.continue_token {
             let (rv, kns, kname) = decode_continue(tok)?;
             if rv < self.history_floor {
@@ -852,7 +872,7 @@ impl Inner {
                 ));
             }
             list_rv = rv;
-            start = Bound::Excluded((kns, kname));
+            start = Bound::Excluded((kns.into(), kname.into()));
         }
         let mut items = Vec::new();
         let mut next = None;
@@ -860,7 +880,7 @@ impl Inner {
         let mut last: Option<(&str, &str)> = None;
         if let Some(bucket) = self.objects.get(gr) {
             for ((kns, kname), obj) in bucket.range((start, Bound::Unbounded)) {
-                if ns.is_some_and(|n| n != kns) {
+                if ns.is_some_and(|n| n != &**kns) {
                     break;
                 }
                 if !opts.labels.as_ref().is_none_or(|l| obj.selected_by(l))
@@ -1006,7 +1026,7 @@ impl Inner {
                 },
             );
         }
-        Ok((ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name }, obj))
+        Ok((ObjectKey { gr: gr.clone(), namespace: ns.into(), name: name.into() }, obj))
     }
 
     #[expect(
@@ -1151,7 +1171,7 @@ impl Inner {
         if obj == *old {
             return Ok(obj);
         }
-        let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name: name.to_string() };
+        let key = ObjectKey { gr: gr.clone(), namespace: ns.into(), name: name.into() };
         let deleting = !obj["metadata"]["deletionTimestamp"].is_null();
         let out = self.commit(key.clone(), obj, Some(old));
         if deleting {
@@ -1254,7 +1274,7 @@ impl Inner {
                 obj["metadata"]["name"] = json!(name);
                 let mut created = self.create(gr, ns, obj, opts)?;
                 // Re-record as an Apply so the manager owns what it applied.
-                let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name: name.to_string() };
+                let key = ObjectKey { gr: gr.clone(), namespace: ns.into(), name: name.into() };
                 let mut paths = Vec::new();
                 patch::leaves(body, &mut Vec::new(), &mut paths);
                 if let Some(m) = created["metadata"].as_object_mut() {
@@ -1277,7 +1297,13 @@ impl Inner {
                 if let Some(slot) =
                     self.objects.get_mut(gr).and_then(|b| b.get_mut(&(key.namespace.clone(), key.name.clone())))
                 {
-                    *slot = Stored::new(&created, self.packer.pack(gr, &created), *gr == crd_gr(), &mut self.interner);
+                    *slot = Stored::new(
+                        &created,
+                        self.packer.pack(gr, &created),
+                        *gr == crd_gr(),
+                        &mut self.interner,
+                        Ids::default(),
+                    );
                 }
                 return Ok(created);
             };
@@ -1318,7 +1344,7 @@ impl Inner {
             }
             let out = self.update(gr, ns, name, merged, subresource, opts, "Apply")?;
             // Apply replaces the manager's field set with what it applied.
-            let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name: name.to_string() };
+            let key = ObjectKey { gr: gr.clone(), namespace: ns.into(), name: name.into() };
             if let Some(slot) =
                 self.objects.get_mut(gr).and_then(|b| b.get_mut(&(key.namespace.clone(), key.name.clone())))
             {
@@ -1337,7 +1363,13 @@ impl Inner {
                         applied: Some(applied),
                     },
                 );
-                *slot = Stored::new(&fixed, self.packer.pack(gr, &fixed), *gr == crd_gr(), &mut self.interner);
+                *slot = Stored::new(
+                    &fixed,
+                    self.packer.pack(gr, &fixed),
+                    *gr == crd_gr(),
+                    &mut self.interner,
+                    Ids::default(),
+                );
                 return Ok(fixed);
             }
             return Ok(out);
@@ -1396,7 +1428,7 @@ impl Inner {
                 ),
             ));
         }
-        let key = ObjectKey { gr: gr.clone(), namespace: ns.to_string(), name: name.to_string() };
+        let key = ObjectKey { gr: gr.clone(), namespace: ns.into(), name: name.into() };
         let is_pod = gr.group.is_empty() && gr.resource == "pods";
         let mut grace = 0i64;
         if is_pod {
@@ -1520,7 +1552,7 @@ impl Inner {
                         let Some(dep) = self.find(&d.gr, &d.namespace, &d.name) else {
                             continue;
                         };
-                        let alive = owner_uids(&dep).iter().any(|u| self.uids.contains_key(u));
+                        let alive = owner_uids(&dep).iter().any(|u| self.uids.contains_key(u.as_str()));
                         if alive {
                             let mut o = (*dep).clone();
                             if let Some(refs) = o["metadata"]["ownerReferences"].as_array_mut() {
@@ -1533,13 +1565,13 @@ impl Inner {
                     }
                     self.dependents.remove(&uid);
                     for o in owners {
-                        if let Some(ok) = self.uids.get(&o).cloned() {
+                        if let Some(ok) = self.uids.get(o.as_str()).cloned() {
                             self.work.push_back(Work::Deleting(ok));
                         }
                     }
                     // Content of a terminating namespace, custom resources of a deleting CRD.
                     if !key.namespace.is_empty() {
-                        let nk = ObjectKey { gr: ns_gr(), namespace: String::new(), name: key.namespace.clone() };
+                        let nk = ObjectKey { gr: ns_gr(), namespace: "".into(), name: key.namespace.clone() };
                         if self
                             .find(&nk.gr, "", &nk.name)
                             .is_some_and(|n| !n["metadata"]["deletionTimestamp"].is_null())
@@ -1552,8 +1584,8 @@ impl Inner {
                     {
                         let ck = ObjectKey {
                             gr: crd_gr(),
-                            namespace: String::new(),
-                            name: format!("{}.{}", key.gr.resource, key.gr.group),
+                            namespace: "".into(),
+                            name: format!("{}.{}", key.gr.resource, key.gr.group).into(),
                         };
                         if self
                             .find(&ck.gr, "", &ck.name)
@@ -1591,7 +1623,7 @@ impl Inner {
                     self.iter_ns(&gr, Some(&key.name)).map(|o| o.summary().name.to_string()).collect();
                 left += names.len();
                 for n in names {
-                    let k = ObjectKey { gr: gr.clone(), namespace: key.name.clone(), name: n };
+                    let k = ObjectKey { gr: gr.clone(), namespace: key.name.clone(), name: n.into() };
                     self.delete_quietly(&k, Propagation::Background);
                 }
             }
@@ -1652,8 +1684,8 @@ impl Inner {
                 .iter_ns(&gr, None)
                 .map(|o| ObjectKey {
                     gr: gr.clone(),
-                    namespace: o.summary().namespace.to_string(),
-                    name: o.summary().name.to_string(),
+                    namespace: o.summary().namespace.clone(),
+                    name: o.summary().name.as_ref().into(),
                 })
                 .collect();
             for k in &keys {
@@ -1927,7 +1959,7 @@ mod tests {
             .collect();
         let expect = |o: &str, p: &str| (o.to_string(), Some(p.to_string()));
         assert_eq!(seen, [expect("2", "1"), expect("3", "2"), expect("4", "3"), expect("5", "4")]);
-        assert!(events.iter().all(|e| e.event_type == EventType::Modified && e.key.name == "a"));
+        assert!(events.iter().all(|e| e.event_type == EventType::Modified && &*e.key.name == "a"));
         let err = store.watch_from(&gr, Some(last - 5)).unwrap_err();
         assert_eq!(err.to_status()["code"], 410);
 

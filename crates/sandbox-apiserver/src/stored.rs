@@ -26,9 +26,9 @@ pub struct Summary {
     /// `metadata.namespace`; empty for cluster-scoped objects.
     pub namespace: Arc<str>,
     /// `metadata.name`.
-    pub name: Box<str>,
+    pub name: Arc<str>,
     /// `metadata.uid`.
-    pub uid: Box<str>,
+    pub uid: Arc<str>,
     /// `metadata.labels`, in key order.
     pub labels: Labels,
     /// The uid of the owner reference marked `controller: true`.
@@ -46,8 +46,19 @@ pub struct Summary {
 /// An object's labels, in key order; shared by the objects that carry the same set.
 pub type Labels = Arc<[(Arc<str>, Arc<str>)]>;
 
-fn boxed(v: &Value) -> Box<str> {
-    v.as_str().unwrap_or_default().into()
+/// An object's name and uid as the store's keys already hold them, for its summary to share.
+#[derive(Debug, Default)]
+pub(crate) struct Ids {
+    /// `metadata.name`, as the object's key holds it.
+    pub name: Option<Arc<str>>,
+    /// `metadata.uid`, as the store's index of uids holds it.
+    pub uid: Option<Arc<str>>,
+}
+
+/// `held` if it is the text of `v`, else a copy of its own.
+fn shared_or_own(held: Option<Arc<str>>, v: &Value) -> Arc<str> {
+    let text = v.as_str().unwrap_or_default();
+    held.filter(|h| **h == *text).unwrap_or_else(|| text.into())
 }
 
 /// The strings and label sets summaries share: one copy of each, however many objects carry it.
@@ -68,7 +79,8 @@ impl Interner {
         self.text(v.as_str().unwrap_or_default())
     }
 
-    fn text(&mut self, s: &str) -> Arc<str> {
+    /// The shared copy of `s`.
+    pub(crate) fn text(&mut self, s: &str) -> Arc<str> {
         if let Some(shared) = self.strs.get(s) {
             return shared.clone();
         }
@@ -117,14 +129,14 @@ impl Interner {
 }
 
 impl Summary {
-    fn of(obj: &Value, interner: &mut Interner) -> Summary {
+    fn of(obj: &Value, interner: &mut Interner, ids: Ids) -> Summary {
         interner.sweep();
         let meta = &obj["metadata"];
         Summary {
             api_version: interner.str(&obj["apiVersion"]),
             namespace: interner.str(&meta["namespace"]),
-            name: boxed(&meta["name"]),
-            uid: boxed(&meta["uid"]),
+            name: shared_or_own(ids.name, &meta["name"]),
+            uid: shared_or_own(ids.uid, &meta["uid"]),
             labels: interner.labels(&meta["labels"]),
             controller_uid: meta["ownerReferences"]
                 .as_array()
@@ -165,9 +177,9 @@ pub struct Stored(Arc<Entry>);
 
 impl Stored {
     /// Stores `obj`, already serialized as `json`; `keep_parsed` also keeps the value.
-    pub(crate) fn new(obj: &Value, json: Json, keep_parsed: bool, interner: &mut Interner) -> Stored {
+    pub(crate) fn new(obj: &Value, json: Json, keep_parsed: bool, interner: &mut Interner, ids: Ids) -> Stored {
         Stored(Arc::new(Entry {
-            summary: Summary::of(obj, interner),
+            summary: Summary::of(obj, interner, ids),
             parsed: keep_parsed.then(|| Arc::new(obj.clone())),
             json,
         }))
@@ -226,7 +238,7 @@ mod tests {
     use crate::kinds::Registry;
 
     fn stored(v: &Value) -> Stored {
-        Stored::new(v, Json::plain(serde_json::to_vec(v).unwrap()), false, &mut Interner::default())
+        Stored::new(v, Json::plain(serde_json::to_vec(v).unwrap()), false, &mut Interner::default(), Ids::default())
     }
 
     /// The summary answers selectors exactly as the whole object does, for the fields it holds
@@ -290,7 +302,7 @@ mod tests {
                 "spec": {"nodeName": "n1"}, "status": {"phase": "Running"}})
         };
         let stored = |v: &Value, interner: &mut Interner| {
-            Stored::new(v, Json::plain(serde_json::to_vec(v).unwrap()), false, interner)
+            Stored::new(v, Json::plain(serde_json::to_vec(v).unwrap()), false, interner, Ids::default())
         };
         let a = stored(&pod(1, "web"), &mut interner);
         let b = stored(&pod(2, "web"), &mut interner);
