@@ -198,7 +198,7 @@ impl SimController {
             pools: caches.spawn(Api::all_with(client.clone(), &pools_ar), pools_ar, all(), drop_field_managers),
             claims: caches.spawn(Api::all_with(client.clone(), &claims_ar), claims_ar, all(), trim_claim),
             classes: caches.spawn(Api::all_with(client.clone(), &classes_ar), classes_ar, all(), drop_field_managers),
-            nodes: caches.spawn(Api::<Node>::all(client.clone()), (), all(), drop_field_managers),
+            nodes: caches.spawn(Api::<Node>::all(client.clone()), (), all(), trim_node),
             pods: caches.spawn_pods(Api::<WirePod>::all(client.clone())),
             deployment: caches.spawn(
                 Api::<Deployment>::namespaced(client.clone(), &settings.namespace),
@@ -285,6 +285,17 @@ impl Backoff for CappedBackoff {
 /// 20 MB of a 1,000-node rehearsal's heap peak on these caches).
 fn drop_field_managers<K: Resource>(obj: &mut K) {
     obj.meta_mut().managed_fields = None;
+}
+
+/// A Node as the simulation reads it: its metadata, its spec (provider id, taints,
+/// unschedulable) and the pods it has room for. Its conditions, addresses, capacity and node
+/// info are dropped: nothing here reads them, and taints are written from a fresh read.
+fn trim_node(node: &mut Node) {
+    drop_field_managers(node);
+    if let Some(status) = node.status.as_mut() {
+        *status =
+            k8s_openapi::api::core::v1::NodeStatus { allocatable: status.allocatable.take(), ..Default::default() };
+    }
 }
 
 /// A NodeClaim as the simulation reads it: its metadata (finalizers, labels, owners, deletion)
@@ -1216,6 +1227,35 @@ mod tests {
             (None, None),
             "not launched yet"
         );
+    }
+
+    /// The cache's trimmed Node answers what the simulation asks of a node as the whole one
+    /// does: schedulable or not, its instance, its room for pods.
+    #[test]
+    fn a_trimmed_node_reads_as_the_whole_one() {
+        let whole: Node = serde_json::from_value(json!({
+            "metadata": {"name": "ip-10-0-0-1", "labels": {"karpenter.sh/nodepool": "default"},
+                "finalizers": ["karpenter.sh/termination"], "managedFields": [{"manager": "kubelet"}]},
+            "spec": {"providerID": "aws:///us-west-2a/i-0abc",
+                "taints": [{"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]},
+            "status": {"allocatable": {"pods": "29", "cpu": "1930m"}, "capacity": {"pods": "29"},
+                "conditions": [{"type": "Ready", "status": "True"}], "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}],
+                "nodeInfo": {"kubeletVersion": "v1.34.0", "architecture": "amd64", "bootID": "", "containerRuntimeVersion": "",
+                    "kernelVersion": "", "kubeProxyVersion": "", "machineID": "", "operatingSystem": "linux", "osImage": "",
+                    "systemUUID": ""}}}))
+        .unwrap();
+        let mut trimmed = whole.clone();
+        trim_node(&mut trimmed);
+        assert_eq!(node_schedulable(&trimmed), node_schedulable(&whole));
+        assert_eq!(node_provider_id(&trimmed), Some("aws:///us-west-2a/i-0abc"));
+        let pods = |n: &Node| n.status.as_ref()?.allocatable.as_ref()?.get("pods").map(|q| q.0.clone());
+        assert_eq!(pods(&trimmed).as_deref(), Some("29"));
+        assert!(has_finalizer(&trimmed, karpenter::FINALIZER_TERMINATION) && trimmed.metadata.managed_fields.is_none());
+        assert!(trimmed.status.as_ref().is_some_and(|s| s.conditions.is_none() && s.node_info.is_none()));
+        let mut open = whole.clone();
+        open.spec.as_mut().unwrap().taints = None;
+        trim_node(&mut open);
+        assert!(node_schedulable(&open), "untainted, in a pool: schedulable");
     }
 
     #[test]
