@@ -55,18 +55,15 @@ impl Json {
     fn pack(raw: Vec<u8>, dictionary: &Dictionary) -> Json {
         // a JSON object of 4 GiB is far beyond what any write carries (the HTTP layer refuses
         // bodies long before); it is kept as it is rather than miscounted
-        if raw.len() < PACK_MIN || u32::try_from(raw.len()).is_err() {
+        let Ok(raw_len) = u32::try_from(raw.len()) else { return Json::stored(raw, None) };
+        if raw.len() < PACK_MIN {
             return Json::stored(raw, None);
         }
         let data = lz4_flex::block::compress_with_dict(&raw, &dictionary.0);
         if data.len() >= raw.len() {
             return Json::stored(raw, None);
         }
-        Json(Arc::new(Packed {
-            raw_len: u32::try_from(raw.len()).unwrap_or(u32::MAX),
-            dictionary: Some(dictionary.clone()),
-            data: data.into_boxed_slice(),
-        }))
+        Json(Arc::new(Packed { raw_len, dictionary: Some(dictionary.clone()), data: data.into_boxed_slice() }))
     }
 
     /// Length of the JSON.
@@ -143,22 +140,21 @@ impl Packer {
             None => self.resources.entry(gr.clone()).or_default(),
         };
         sampler.writes += 1;
-        if !sampler.writes.is_power_of_two() {
-            return match &sampler.current {
-                Some(d) => Json::pack(raw, d),
-                None => Json::stored(raw, None),
-            };
-        }
-        sampler.text.extend_from_slice(&raw);
-        if sampler.text.len() > DICTIONARY_MAX {
-            let cut = sampler.text.len() - DICTIONARY_MAX;
-            sampler.text.drain(..cut);
+        let sampled = sampler.writes.is_power_of_two();
+        if sampled {
+            sampler.text.extend_from_slice(&raw);
+            if sampler.text.len() > DICTIONARY_MAX {
+                let cut = sampler.text.len() - DICTIONARY_MAX;
+                sampler.text.drain(..cut);
+            }
         }
         let packed = match &sampler.current {
             Some(d) => Json::pack(raw, d),
             None => Json::stored(raw, None),
         };
-        sampler.current = Some(Dictionary(sampler.text.as_slice().into()));
+        if sampled {
+            sampler.current = Some(Dictionary(sampler.text.as_slice().into()));
+        }
         packed
     }
 }
