@@ -167,7 +167,7 @@ fn classify(r: &Value) -> Option<StateRef> {
                 match (str_at(values, "api_version"), str_at(values, "kind"), str_at(values, "name")) {
                     (Some(a), Some(k), Some(n)) => (a.to_string(), k.to_string(), n.to_string()),
                     _ => {
-                        let body: Value = serde_yaml::from_str(str_at(values, "yaml_body")?).ok()?;
+                        let body: Value = serde_saphyr::from_str(str_at(values, "yaml_body")?).ok()?;
                         (
                             str_at(&body, "apiVersion")?.to_string(),
                             str_at(&body, "kind")?.to_string(),

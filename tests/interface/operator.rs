@@ -131,8 +131,7 @@ fn rbac_rules() -> (BTreeSet<(String, String, String)>, Vec<String>) {
     let text = std::fs::read_to_string(repo_file("deploy/rbac.yaml")).unwrap();
     let mut allowed = BTreeSet::new();
     let mut urls = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let v: Value = serde::Deserialize::deserialize(doc).unwrap();
+    for v in serde_saphyr::from_multiple::<Value>(&text).unwrap() {
         if v["kind"] != "ClusterRole" {
             continue;
         }

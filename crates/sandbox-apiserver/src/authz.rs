@@ -55,8 +55,8 @@ impl Rbac {
     /// The rules of every ClusterRole in a YAML stream (other kinds are skipped).
     pub fn from_yaml(text: &str) -> Result<Rbac, RbacError> {
         let mut rules = Vec::new();
-        for doc in serde_yaml::Deserializer::from_str(text) {
-            let v: Value = serde::Deserialize::deserialize(doc).map_err(|e| RbacError(e.to_string()))?;
+        let docs: Vec<Value> = serde_saphyr::from_multiple(text).map_err(|e| RbacError(e.to_string()))?;
+        for v in docs {
             if v["kind"] != "ClusterRole" {
                 continue;
             }

@@ -208,7 +208,7 @@ impl ApiServer {
             "current-context": cluster_name,
             "preferences": {},
         });
-        let text = serde_yaml::to_string(&doc)
+        let text = serde_saphyr::to_string(&doc)
             .map_err(|e| SandboxError::Kubeconfig { path: path.to_path_buf(), reason: e.to_string() })?;
         std::fs::write(path, text)
             .map_err(|e| SandboxError::Kubeconfig { path: path.to_path_buf(), reason: e.to_string() })

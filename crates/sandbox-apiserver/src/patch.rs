@@ -37,7 +37,7 @@ impl PatchType {
 /// Parses a patch body: YAML for apply, JSON otherwise.
 pub fn parse_body(ty: PatchType, body: &[u8]) -> Result<Value, ApiError> {
     if ty == PatchType::Apply {
-        serde_yaml::from_slice(body).map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))
+        serde_saphyr::from_slice(body).map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))
     } else {
         serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))
     }

@@ -137,7 +137,7 @@ pub fn karpenter_crds_from(dir: &std::path::Path) -> Result<Vec<Value>, CrdFiles
         .iter()
         .map(|f| {
             let text = std::fs::read_to_string(dir.join(f)).map_err(|e| bad(format!("{f}: {e}")))?;
-            let crd: Value = serde_yaml::from_str(&text).map_err(|e| bad(format!("{f}: {e}")))?;
+            let crd: Value = serde_saphyr::from_str(&text).map_err(|e| bad(format!("{f}: {e}")))?;
             if crd["kind"] != "CustomResourceDefinition" {
                 return Err(bad(format!("{f} is not a CustomResourceDefinition")));
             }
