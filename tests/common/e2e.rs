@@ -57,20 +57,24 @@ pub async fn bed_with(cluster: &str, mut opts: ServerOptions) -> Bed {
     Bed { server, client, aws, cloud, dir, kubeconfig }
 }
 
-/// Karpenter's own CRD files of a release, from `../shared` beside the repository (another
-/// project's files: loaded from there, never copied in).
+/// Karpenter's own files of a release (CRDs, examples), from Go's module cache at the pinned
+/// version (another project's files: read from there, never copied in). Asked once per release
+/// and test binary.
+pub fn release(version: KarpenterVersion) -> sandbox_sim::karpenter_crds::ReleaseFiles {
+    static FILES: std::sync::Mutex<Vec<(KarpenterVersion, sandbox_sim::karpenter_crds::ReleaseFiles)>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut files = FILES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, f)) = files.iter().find(|(v, _)| *v == version) {
+        return f.clone();
+    }
+    let f = sandbox_sim::karpenter_crds::release_files(version).unwrap_or_else(|e| panic!("{e}"));
+    files.push((version, f.clone()));
+    f
+}
+
+/// Karpenter's own CRD files of a release.
 pub fn real_crds(version: KarpenterVersion) -> PathBuf {
-    let dir = match version {
-        KarpenterVersion::V1_0 => "crds-v1.0.14",
-        KarpenterVersion::V1_14 => "crds-v1.14.1",
-    };
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/karpenter").join(dir);
-    assert!(
-        path.is_dir(),
-        "Karpenter's CRDs are not at {}: the test bed needs ../shared beside the repository",
-        path.display()
-    );
-    path
+    release(version).crds()
 }
 
 /// A small world: 3 pools, 2 classes, 2 pods per node, managed nodes, a control-plane node, decoys,

@@ -5,20 +5,14 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use sandbox_apiserver::{ApiServer, ServerOptions};
+use sandbox_sim::KarpenterVersion;
+use sandbox_sim::karpenter_crds::ReleaseFiles;
 use serde_json::json;
 use tokio::process::Command;
 
-const KUBECTL: &str = "/usr/bin/kubectl";
+use crate::common;
 
-fn shared_karpenter() -> Option<PathBuf> {
-    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/karpenter"));
-    if p.is_dir() {
-        return Some(p);
-    }
-    assert!(std::env::var_os("CI").is_none(), "CI is set but {} is missing", p.display());
-    eprintln!("SKIPPED: {} is missing (the Karpenter CRDs live there)", p.display());
-    None
-}
+const KUBECTL: &str = "/usr/bin/kubectl";
 
 struct Kubectl {
     kubeconfig: PathBuf,
@@ -66,6 +60,14 @@ impl Kubectl {
         let o = self.run(args).await;
         assert!(o.ok, "kubectl {args:?} failed:\nstdout: {}\nstderr: {}", o.stdout, o.stderr);
         o.stdout
+    }
+
+    /// Applies the release's NodePool, NodeClaim and EC2NodeClass CRDs, as a user installs them
+    /// (the module's CRD folder holds other kinds of later releases too, which the tests skip).
+    async fn apply_crds(&self, release: &ReleaseFiles) {
+        for f in ["karpenter.sh_nodepools.yaml", "karpenter.sh_nodeclaims.yaml", "karpenter.k8s.aws_ec2nodeclasses.yaml"] {
+            self.ok(&["apply", "-f", release.crds().join(f).to_str().unwrap()]).await;
+        }
     }
 
     async fn apply_json(&self, v: serde_json::Value) -> String {
@@ -133,12 +135,12 @@ async fn get_nodes_cordon_taint_and_scale() {
 /// and turning a static NodePool dynamic.
 #[tokio::test]
 async fn real_crds_default_and_their_cel_rules_refuse_like_the_real_server() {
-    let Some(shared) = shared_karpenter() else { return };
+    let release = common::e2e::release(KarpenterVersion::V1_14);
     let s = start().await;
     let k = Kubectl::new(&s);
     let before = sandbox_apiserver::schema::unevaluated_rules();
-    k.ok(&["apply", "-f", shared.join("crds-v1.14.1").to_str().unwrap()]).await;
-    k.ok(&["apply", "-f", shared.join("examples/general-purpose.yaml").to_str().unwrap()]).await;
+    k.apply_crds(&release).await;
+    k.ok(&["apply", "-f", release.examples().join("general-purpose.yaml").to_str().unwrap()]).await;
     let pool: serde_json::Value =
         serde_json::from_str(&k.ok(&["get", "nodepool", "general-purpose", "-o", "json"]).await).unwrap();
     assert_eq!(pool["spec"]["disruption"]["budgets"], json!([{"nodes": "10%"}]), "{pool:#}");
@@ -173,11 +175,11 @@ async fn real_crds_default_and_their_cel_rules_refuse_like_the_real_server() {
 
 #[tokio::test]
 async fn apply_karpenter_crds_and_examples_then_delete_with_finalizer() {
-    let Some(shared) = shared_karpenter() else { return };
+    let release = common::e2e::release(KarpenterVersion::V1_14);
     let s = start().await;
     let k = Kubectl::new(&s);
-    k.ok(&["apply", "-f", shared.join("crds-v1.14.1").to_str().unwrap()]).await;
-    k.ok(&["apply", "-f", shared.join("examples/general-purpose.yaml").to_str().unwrap()]).await;
+    k.apply_crds(&release).await;
+    k.ok(&["apply", "-f", release.examples().join("general-purpose.yaml").to_str().unwrap()]).await;
     let pools = k.ok(&["get", "nodepools"]).await;
     assert!(pools.contains("NODECLASS") && pools.contains("general-purpose"), "{pools}");
     k.ok(&["get", "ec2nodeclasses"]).await;

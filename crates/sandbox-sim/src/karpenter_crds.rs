@@ -1,9 +1,15 @@
 //! Karpenter's CustomResourceDefinitions: written by us with the parts the sandbox and kubectl
 //! use (names, scope, the status subresource and printer columns, permissive schemas), or read
 //! from Karpenter's own CRD files, whose schemas (defaults and CEL rules) the sandbox API server
-//! then applies to every write. The tests use the real files (`../shared/karpenter/crds-v*`);
-//! they are another project's files and are never copied into this repository.
+//! then applies to every write. The tests use the real files of each release the simulation
+//! imitates: [`release_files`] has Go download the AWS provider's module at a pinned version and
+//! checksum into Go's module cache, and the files are read from there. They are another
+//! project's files and are never copied into this repository.
 
+use std::path::PathBuf;
+use std::process::Command;
+
+use crate::KarpenterVersion;
 use serde_json::{Value, json};
 
 fn col(name: &str, ty: &str, path: &str, priority: i64) -> Value {
@@ -144,4 +150,85 @@ pub fn karpenter_crds_from(dir: &std::path::Path) -> Result<Vec<Value>, CrdFiles
             Ok(crd)
         })
         .collect()
+}
+
+/// The Go module that carries Karpenter's AWS provider: its `pkg/apis/crds` holds the NodePool,
+/// NodeClaim and EC2NodeClass CRDs as the release installs them (the core's CRDs with the
+/// provider's own validation patched in), and `examples/v1` the documented NodePools.
+const PROVIDER_MODULE: &str = "github.com/aws/karpenter-provider-aws";
+
+/// The files of one Karpenter release, in Go's module cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseFiles {
+    /// The module's directory.
+    pub root: PathBuf,
+}
+
+impl ReleaseFiles {
+    /// The CRD files (`karpenter.sh_nodepools.yaml`, ...), as [`karpenter_crds_from`] reads them.
+    pub fn crds(&self) -> PathBuf {
+        self.root.join("pkg/apis/crds")
+    }
+
+    /// The release's example manifests (`general-purpose.yaml`, `spot.yaml`, ...).
+    pub fn examples(&self) -> PathBuf {
+        self.root.join("examples/v1")
+    }
+}
+
+/// A release's files that could not be had.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "cannot get Karpenter {version}'s files ({PROVIDER_MODULE}@v{version}) from Go's module cache: {reason}; the test bed needs Go (1.21 or later) and its module proxy: install Go, or set GOPROXY/GOMODCACHE to a proxy or a cache that has the module"
+)]
+pub struct ReleaseFilesError {
+    /// The release.
+    pub version: &'static str,
+    /// What went wrong.
+    pub reason: String,
+}
+
+impl KarpenterVersion {
+    /// The `go.sum` hash (`h1:`) of the provider's module at this release. Go checks it against
+    /// the checksum database on download; checking it here as well pins the exact files the
+    /// tests were written against, whatever `GONOSUMDB`/`GOFLAGS` the machine sets.
+    fn provider_module_sum(self) -> &'static str {
+        match self {
+            KarpenterVersion::V1_0 => "h1:gB7i285h6eh4X/MI+SIGO0pOyk+QVDgC5skI6rd2vvE=",
+            KarpenterVersion::V1_14 => "h1:WGtIQTQcxpElYMdWfWuPwaF2+9muR+hYhPZsTtoY8Gs=",
+        }
+    }
+}
+
+/// The files of `version`'s release: `go mod download` fetches the provider's module (once; a
+/// warm cache answers at once) and names its directory. Go locks its cache, so concurrent tests
+/// may ask together.
+pub fn release_files(version: KarpenterVersion) -> Result<ReleaseFiles, ReleaseFilesError> {
+    let v = version.as_str();
+    let bad = |reason: String| ReleaseFilesError { version: v, reason };
+    let out = Command::new(std::env::var_os("GO").unwrap_or_else(|| "go".into()))
+        .args(["mod", "download", "-json", &format!("{PROVIDER_MODULE}@v{v}")])
+        // outside any module, so no go.mod of the caller's decides what is downloaded, and with
+        // no GOFLAGS of the machine's (a `-mod=vendor` would refuse the download)
+        .current_dir(std::env::temp_dir())
+        .env("GOFLAGS", "")
+        .env("GO111MODULE", "on")
+        .output()
+        .map_err(|e| bad(format!("cannot run go: {e}")))?;
+    // `go mod download -json` prints a JSON object with `Error` set on failure, and exits 1
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        bad(format!("go printed no module description ({e}): {}", String::from_utf8_lossy(&out.stderr).trim()))
+    })?;
+    if let Some(e) = info["Error"].as_str() {
+        return Err(bad(e.to_string()));
+    }
+    if !out.status.success() {
+        return Err(bad(format!("go exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    let sum = info["Sum"].as_str().unwrap_or_default();
+    if sum != version.provider_module_sum() {
+        return Err(bad(format!("the module's checksum is {sum}, not the pinned {}", version.provider_module_sum())));
+    }
+    let root = info["Dir"].as_str().map(PathBuf::from).ok_or_else(|| bad("go named no directory".into()))?;
+    Ok(ReleaseFiles { root })
 }
