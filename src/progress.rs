@@ -393,10 +393,10 @@ mod tests {
         let (a, b, c) = (
             task("drain", "drain", Some("node-a")),
             task("drain", "drain", Some("node-b")),
-            task("stop", "fence", None),
+            task("halt", "fence", None),
         );
         for ev in [
-            EngineEvent::RunStarted { tasks: 3, steps: vec![("stop".into(), 1), ("drain".into(), 2)] },
+            EngineEvent::RunStarted { tasks: 3, steps: vec![("halt".into(), 1), ("drain".into(), 2)] },
             EngineEvent::TaskStarted(c.clone()),
             EngineEvent::TaskEnded { task: c, result: TaskResult::Done, detail: "fenced".into() },
             EngineEvent::TaskStarted(a.clone()),
@@ -411,9 +411,9 @@ mod tests {
             progress.on_engine_event(&ev);
         }
         let (header, running, blockers) = progress.snapshot();
-        assert_eq!(header, "stop 1/1 · drain 1/2 (1 blocked)");
+        assert_eq!(header, "halt 1/1 · drain 1/2 (1 blocked)");
         assert_eq!(running.len(), 1, "{running:?}");
-        // the step is named `stop` by the plan; what it does comes from its action
+        // the step is named `halt` by the plan; what it does comes from its action
         assert!(
             running[0].starts_with("drain node-a: draining, 4 pod(s) left, waiting on PodDisruptionBudget ns/web"),
             "{running:?}"

@@ -1843,7 +1843,8 @@ mod tests {
     #[test]
     fn the_history_keeps_its_window_and_list_continuations_outlive_it() {
         let store = Store::new(10_000, 1);
-        store.keep_history_for(Duration::from_millis(50));
+        // a window wide enough that 150 writes on a loaded 2-core machine all fall inside it
+        store.keep_history_for(Duration::from_millis(500));
         let gr = GroupResource::new("", "configmaps");
         let w = WriteOptions::manager("test");
         let rv_of = |o: Value| o["metadata"]["resourceVersion"].as_str().unwrap().parse::<u64>().unwrap();
@@ -1851,7 +1852,7 @@ mod tests {
             (0..150).map(|i| rv_of(store.create(&gr, "default", cm(&format!("c{i:03}"), "1"), &w).unwrap())).collect();
         let page = store.list(&gr, None, &ListOptions { limit: Some(10), ..Default::default() }).unwrap();
         assert!(store.watch_from(&gr, Some(rvs[0])).is_ok(), "nothing is old yet");
-        std::thread::sleep(Duration::from_millis(80));
+        std::thread::sleep(Duration::from_millis(600));
         store.create(&gr, "default", cm("late", "1"), &w).unwrap();
         let err = store.watch_from(&gr, Some(rvs[0])).unwrap_err();
         assert_eq!(err.to_status()["code"], 410);
