@@ -65,7 +65,9 @@ impl Kubectl {
     /// Applies the release's NodePool, NodeClaim and EC2NodeClass CRDs, as a user installs them
     /// (the module's CRD folder holds other kinds of later releases too, which the tests skip).
     async fn apply_crds(&self, release: &ReleaseFiles) {
-        for f in ["karpenter.sh_nodepools.yaml", "karpenter.sh_nodeclaims.yaml", "karpenter.k8s.aws_ec2nodeclasses.yaml"] {
+        for f in
+            ["karpenter.sh_nodepools.yaml", "karpenter.sh_nodeclaims.yaml", "karpenter.k8s.aws_ec2nodeclasses.yaml"]
+        {
             self.ok(&["apply", "-f", release.crds().join(f).to_str().unwrap()]).await;
         }
     }
