@@ -388,6 +388,7 @@ async fn run_command(args: &RunArgs) -> Exit {
             report.reclaimed = r.reclaimed;
             report.error = r.error;
             report.gitops = r.gitops;
+            report.not_ours = r.not_ours;
             r.exit
         }
         Err(e) => {

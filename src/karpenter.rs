@@ -170,6 +170,111 @@ pub fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String
     limits
 }
 
+// ---------------------------------------------------------------- whose compute it is
+
+/// API group of EKS Auto Mode's `NodeClass`. Auto Mode runs Karpenter inside EKS: its NodePools
+/// and NodeClaims are `karpenter.sh/v1` objects too, but reference this group's NodeClass, and
+/// their instances are EKS's managed instances.
+pub const AUTO_MODE_GROUP: &str = "eks.amazonaws.com";
+/// Label EKS puts on Auto Mode's NodeClaims and Nodes (`auto`).
+pub const LABEL_COMPUTE_TYPE: &str = "eks.amazonaws.com/compute-type";
+/// Label naming an Auto Mode node's NodeClass: Karpenter labels a node with
+/// `<nodeClassRef group>/<lower-case kind>`, so Auto Mode's nodes carry this one and ours
+/// [`LABEL_NODECLASS`].
+pub const LABEL_AUTO_NODECLASS: &str = "eks.amazonaws.com/nodeclass";
+/// Instance tag naming an Auto Mode instance's NodeClass (EKS's compute policy requires it on
+/// every instance Auto Mode launches, where this controller tags [`TAG_NODECLASS`]).
+pub const TAG_AUTO_NODECLASS: &str = "eks:kubernetes-node-class-name";
+/// The kind of this controller's node class.
+pub const NODECLASS_KIND: &str = "EC2NodeClass";
+
+/// Why a NodePool, NodeClaim, Node or instance is not this cluster's self-managed Karpenter's.
+/// Such an object is left alone: never fenced, cordoned, drained, deleted or terminated.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(tag = "owner", content = "detail", rename_all = "kebab-case")]
+pub enum NotOurs {
+    /// EKS Auto Mode's compute: its NodeClass, its label or its tags say so.
+    EksAutoMode,
+    /// Another Karpenter provider's (the node class `group/kind` it references).
+    OtherProvider(String),
+    /// A NodeClaim or Node of a NodePool that is not ours.
+    PoolNotOurs(String),
+    /// An instance without this controller's tags, or managed by an AWS service.
+    Instance(String),
+}
+
+impl fmt::Display for NotOurs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotOurs::EksAutoMode => f.write_str("EKS Auto Mode's"),
+            NotOurs::OtherProvider(gk) => write!(f, "another Karpenter provider's (node class {gk})"),
+            NotOurs::PoolNotOurs(p) => write!(f, "of NodePool {p}, which is not this controller's"),
+            NotOurs::Instance(why) => f.write_str(why),
+        }
+    }
+}
+
+/// Whether a `nodeClassRef` (of a NodePool's template or a NodeClaim) names this controller's
+/// `EC2NodeClass`, decided as Karpenter decides which NodePools and NodeClaims it manages: the
+/// reference's group and kind must be its provider's (`karpenter.k8s.aws`, `EC2NodeClass`).
+/// Karpenter 1.0 also served v1beta1, whose reference had an `apiVersion` instead of a group,
+/// and let both it and the kind default to the provider's own; those shapes are read the same.
+pub fn nodeclass_ref_owner(node_class_ref: &serde_json::Value) -> Result<(), NotOurs> {
+    let text = |k: &str| node_class_ref.get(k).and_then(|v| v.as_str()).filter(|s| !s.is_empty());
+    let group = text("group").or_else(|| text("apiVersion").map(|v| v.split('/').next().unwrap_or(v)));
+    let kind = text("kind");
+    match (group, kind) {
+        (Some(AWS_GROUP) | None, Some(NODECLASS_KIND) | None) => Ok(()),
+        (Some(AUTO_MODE_GROUP), _) => Err(NotOurs::EksAutoMode),
+        (g, k) => Err(NotOurs::OtherProvider(format!("{}/{}", g.unwrap_or(AWS_GROUP), k.unwrap_or(NODECLASS_KIND)))),
+    }
+}
+
+/// What a NodeClaim's or Node's labels say against it being ours: EKS marks Auto Mode's with
+/// `eks.amazonaws.com/compute-type: auto`, and Karpenter labels a node with its node class's
+/// group, so an `eks.amazonaws.com/nodeclass` label is Auto Mode's too.
+pub fn labels_owner(labels: &std::collections::BTreeMap<String, String>) -> Result<(), NotOurs> {
+    if labels.get(LABEL_COMPUTE_TYPE).is_some_and(|v| v == "auto") || labels.contains_key(LABEL_AUTO_NODECLASS) {
+        return Err(NotOurs::EksAutoMode);
+    }
+    Ok(())
+}
+
+/// Whether an EC2 instance is this cluster's self-managed Karpenter's, on the instance's own
+/// evidence (checked again right before it is terminated, whatever the Kubernetes objects
+/// said): tagged `eks:eks-cluster-name=<cluster>` and with the NodePool and EC2NodeClass tags
+/// this controller puts on every instance it launches, and not a managed instance of an AWS
+/// service (`managed_by`: DescribeInstances' `Operator.Principal` when `Operator.Managed`).
+/// EKS Auto Mode's instances are managed by `eks.amazonaws.com` and tagged
+/// `eks:kubernetes-node-class-name` instead of `karpenter.k8s.aws/ec2nodeclass`.
+pub fn instance_owner(
+    tags: &std::collections::BTreeMap<String, String>,
+    managed_by: Option<&str>,
+    cluster: &str,
+) -> Result<(), NotOurs> {
+    if let Some(principal) = managed_by {
+        return Err(if principal == AUTO_MODE_GROUP {
+            NotOurs::EksAutoMode
+        } else {
+            NotOurs::Instance(format!("a managed instance of {principal}"))
+        });
+    }
+    if tags.contains_key(TAG_AUTO_NODECLASS) {
+        return Err(NotOurs::EksAutoMode);
+    }
+    match tags.get(TAG_EKS_CLUSTER) {
+        Some(c) if c == cluster => {}
+        Some(c) => return Err(NotOurs::Instance(format!("tagged for cluster {c}"))),
+        None => return Err(NotOurs::Instance(format!("not tagged {TAG_EKS_CLUSTER}={cluster}"))),
+    }
+    for key in [TAG_NODEPOOL, TAG_NODECLASS] {
+        if tags.get(key).is_none_or(|v| v.is_empty()) {
+            return Err(NotOurs::Instance(format!("no {key} tag, which this controller puts on its instances")));
+        }
+    }
+    Ok(())
+}
+
 /// A parsed `aws:///<zone>/<instance-id>` provider id.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ProviderId {
@@ -216,6 +321,58 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+
+    fn tags(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn only_the_aws_providers_node_class_references_are_ours() {
+        let ours = serde_json::json!({"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"});
+        assert_eq!(nodeclass_ref_owner(&ours), Ok(()));
+        let auto = serde_json::json!({"group": "eks.amazonaws.com", "kind": "NodeClass", "name": "default"});
+        assert_eq!(nodeclass_ref_owner(&auto), Err(NotOurs::EksAutoMode));
+        let kwok = serde_json::json!({"group": "karpenter.kwok.sh", "kind": "KWOKNodeClass", "name": "default"});
+        assert_eq!(nodeclass_ref_owner(&kwok), Err(NotOurs::OtherProvider("karpenter.kwok.sh/KWOKNodeClass".into())));
+        let other_kind = serde_json::json!({"group": "karpenter.k8s.aws", "kind": "Other", "name": "x"});
+        assert!(nodeclass_ref_owner(&other_kind).is_err());
+        // v1beta1 shapes Karpenter 1.0 still served: apiVersion instead of group, defaults
+        let beta = serde_json::json!({"apiVersion": "karpenter.k8s.aws/v1beta1", "kind": "EC2NodeClass", "name": "d"});
+        assert_eq!(nodeclass_ref_owner(&beta), Ok(()));
+        assert_eq!(nodeclass_ref_owner(&serde_json::json!({"name": "d"})), Ok(()));
+        let auto_beta = serde_json::json!({"apiVersion": "eks.amazonaws.com/v1", "kind": "NodeClass", "name": "d"});
+        assert_eq!(nodeclass_ref_owner(&auto_beta), Err(NotOurs::EksAutoMode));
+    }
+
+    #[test]
+    fn auto_mode_labels_are_never_ours() {
+        assert_eq!(
+            labels_owner(&tags(&[(LABEL_NODEPOOL, "general-purpose"), (LABEL_COMPUTE_TYPE, "auto")])),
+            Err(NotOurs::EksAutoMode)
+        );
+        assert_eq!(
+            labels_owner(&tags(&[(LABEL_NODEPOOL, "system"), (LABEL_AUTO_NODECLASS, "default")])),
+            Err(NotOurs::EksAutoMode)
+        );
+        assert_eq!(labels_owner(&tags(&[(LABEL_NODEPOOL, "web"), (LABEL_COMPUTE_TYPE, "ec2")])), Ok(()));
+    }
+
+    #[test]
+    fn an_instance_is_ours_only_on_this_controllers_tags() {
+        let ours = tags(&[(TAG_EKS_CLUSTER, "prod"), (TAG_NODEPOOL, "web"), (TAG_NODECLASS, "default")]);
+        assert_eq!(instance_owner(&ours, None, "prod"), Ok(()));
+        assert!(matches!(instance_owner(&ours, None, "staging"), Err(NotOurs::Instance(w)) if w.contains("prod")));
+        assert_eq!(instance_owner(&ours, Some("eks.amazonaws.com"), "prod"), Err(NotOurs::EksAutoMode));
+        let auto = tags(&[
+            (TAG_EKS_CLUSTER, "prod"),
+            (TAG_NODEPOOL, "general-purpose"),
+            (TAG_AUTO_NODECLASS, "default"),
+            ("eks:kubernetes-node-pool-name", "general-purpose"),
+        ]);
+        assert_eq!(instance_owner(&auto, None, "prod"), Err(NotOurs::EksAutoMode));
+        let no_class = tags(&[(TAG_EKS_CLUSTER, "prod"), (TAG_NODEPOOL, "web")]);
+        assert!(matches!(instance_owner(&no_class, None, "prod"), Err(NotOurs::Instance(_))));
+    }
 
     #[test]
     fn provider_ids_parse_and_name_their_region() {

@@ -206,6 +206,10 @@ pub struct Report {
     /// The GitOps owners (Argo CD, Flux) of the Karpenter objects and what the run did with them.
     #[serde(skip_serializing_if = "Survey::is_empty")]
     pub gitops: Survey,
+    /// NodePools, NodeClaims and Nodes of Karpenter's kinds that are not this cluster's
+    /// self-managed Karpenter's (EKS Auto Mode's, another provider's): left alone, and why.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub not_ours: Vec<crate::engine::inventory::Foreign>,
     /// The error, when the outcome is `failed` or `refused`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -240,6 +244,7 @@ impl Report {
                 would_reclaim: Vec::new(),
                 api_calls: BTreeMap::new(),
                 gitops: Survey::default(),
+                not_ours: Vec::new(),
                 error: None,
                 #[cfg(feature = "sandbox")]
                 rehearsal: None,

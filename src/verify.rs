@@ -184,6 +184,7 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
+            managed_by: None,
         }
     }
 

@@ -82,6 +82,10 @@ pub struct InstanceInfo {
     pub zone: String,
     /// All tags.
     pub tags: BTreeMap<String, String>,
+    /// The AWS service that manages it (`Operator.Principal` of a managed instance, such as
+    /// `eks.amazonaws.com` for EKS Auto Mode's): such an instance is never this tool's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub managed_by: Option<String>,
 }
 
 impl InstanceInfo {
@@ -95,7 +99,17 @@ impl InstanceInfo {
                 .iter()
                 .filter_map(|t| Some((t.key()?.to_string(), t.value().unwrap_or_default().to_string())))
                 .collect(),
+            managed_by: i
+                .operator()
+                .filter(|o| o.managed() == Some(true))
+                .map(|o| o.principal().unwrap_or("an AWS service").to_string()),
         }
+    }
+
+    /// Whether it is this cluster's self-managed Karpenter's, on its own tags and operator
+    /// ([`karpenter::instance_owner`]).
+    pub fn is_karpenters(&self, cluster: &str) -> Result<(), karpenter::NotOurs> {
+        karpenter::instance_owner(&self.tags, self.managed_by.as_deref(), cluster)
     }
 
     /// The value of a tag.
@@ -171,10 +185,7 @@ impl InstanceScope {
     /// its volumes.
     pub fn admits(self, i: &InstanceInfo, cluster: &str) -> bool {
         i.tag(karpenter::TAG_EKS_CLUSTER) == Some(cluster)
-            && (self == InstanceScope::ClusterAny
-                || (i.tags.contains_key(karpenter::TAG_NODEPOOL)
-                    && i.tags.contains_key(karpenter::TAG_NODECLASS)
-                    && i.state.is_live()))
+            && (self == InstanceScope::ClusterAny || (i.is_karpenters(cluster).is_ok() && i.state.is_live()))
     }
 }
 

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use super::budgets::{self, Admission};
 use super::context::Ctx;
 use super::events::{EngineEvent, TaskRef, Waiting};
-use super::inventory::{Inventory, Machine, find_controller, list_dynamic};
+use super::inventory::{Inventory, Machine, claim_owner, find_controller, list_dynamic, pool_owner};
 use crate::config::DrainPolicy;
 use crate::k8s::nodes::cordon_node;
 use crate::k8s::objects::{delete_if_present, last_manager_in, patch_params, remove_finalizer};
@@ -150,7 +150,9 @@ pub async fn fence(ctx: &Ctx) -> Outcome {
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
     let pools = list_dynamic(&ctx.kube.client, &ar).await?;
     let mut fenced = 0;
-    for pool in pools {
+    // EKS Auto Mode's pools (its built-in ones may not be modified at all) and other
+    // providers' are not this controller's: their capacity is not the tool's to stop
+    for pool in pools.into_iter().filter(|p| pool_owner(p).is_ok()) {
         let name = pool.metadata.name.clone().unwrap_or_default();
         for attempt in 0..8 {
             let current = match if attempt == 0 { Ok(Some(pool.clone())) } else { api.get_opt(&name).await } {
@@ -782,7 +784,12 @@ pub async fn delete_nodepools(ctx: &Ctx, object: Option<&str>) -> Outcome {
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
     let names = match object {
         Some(o) => vec![o.to_string()],
-        None => list_dynamic(&ctx.kube.client, &ar).await?.into_iter().filter_map(|o| o.metadata.name).collect(),
+        None => list_dynamic(&ctx.kube.client, &ar)
+            .await?
+            .into_iter()
+            .filter(|p| pool_owner(p).is_ok())
+            .filter_map(|o| o.metadata.name)
+            .collect(),
     };
     let mut deleted = 0;
     for n in &names {
@@ -800,7 +807,14 @@ pub async fn wait_nodeclaims_gone(ctx: &Ctx, params: &Params) -> Outcome {
     let start = Instant::now();
     loop {
         let left = match list_dynamic(&ctx.kube.client, &k8s::nodeclaim_resource()).await {
-            Ok(l) => l.len(),
+            // only this controller's claims: EKS Auto Mode's stay as long as the cluster does
+            Ok(l) => l
+                .iter()
+                .filter(|c| {
+                    let labels = c.metadata.labels.clone().unwrap_or_default();
+                    claim_owner(c, &labels, &BTreeMap::new()).is_ok()
+                })
+                .count(),
             // a passing error must not restart the wait (and its deadline): look again shortly
             Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {
                 if !pause(ctx, Duration::from_millis(500)).await {

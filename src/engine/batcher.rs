@@ -1,6 +1,9 @@
 //! EC2 batching for per-machine tasks: terminations are gathered into `TerminateInstances` calls
 //! of up to 500 ids, and one `DescribeInstances` per round answers every task waiting for its
-//! instance to reach `terminated` (design §5), instead of one call per machine.
+//! instance to reach `terminated` (design §5), instead of one call per machine. Before a batch is
+//! terminated, one `DescribeInstances` reads each instance's own tags and operator: whatever the
+//! Kubernetes objects said, an instance that is not this cluster's self-managed Karpenter's (EKS
+//! Auto Mode's, another cluster's, untagged) is refused and left running.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -8,7 +11,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::aws::ec2::TERMINATE_BATCH;
-use crate::aws::{AwsError, Ec2, InstanceState};
+use crate::aws::{AwsError, Ec2, InstanceInfo, InstanceState};
 
 /// Why a batched call failed for one instance.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,6 +36,8 @@ impl From<&AwsError> for BatchError {
 }
 
 type Reply = oneshot::Sender<Result<(), BatchError>>;
+/// A termination asked for: the instance and who waits for the answer.
+type Asked = (String, Reply);
 
 enum Request {
     Terminate(String, Reply),
@@ -52,9 +57,9 @@ const POLL: Duration = Duration::from_millis(500);
 
 impl Ec2Batcher {
     /// The handle and the future that does the work (the engine owns and cancels it).
-    pub fn start(ec2: Ec2) -> (Ec2Batcher, impl Future<Output = ()> + Send + 'static) {
+    pub fn start(ec2: Ec2, cluster: String) -> (Ec2Batcher, impl Future<Output = ()> + Send + 'static) {
         let (tx, rx) = mpsc::channel(4096);
-        (Ec2Batcher { tx }, run(ec2, rx))
+        (Ec2Batcher { tx }, run(ec2, cluster, rx))
     }
 
     /// Terminates one instance (batched with others); unknown ids count as done.
@@ -72,7 +77,7 @@ impl Ec2Batcher {
     }
 }
 
-async fn run(ec2: Ec2, mut rx: mpsc::Receiver<Request>) {
+async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
     let mut waiting: HashMap<String, Vec<Reply>> = HashMap::new();
     loop {
         let first = if waiting.is_empty() {
@@ -98,6 +103,23 @@ async fn run(ec2: Ec2, mut rx: mpsc::Receiver<Request>) {
         while !terminate.is_empty() {
             let rest = terminate.split_off(terminate.len().min(TERMINATE_BATCH));
             let batch = std::mem::replace(&mut terminate, rest);
+            let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+            let found = match ec2.instances_by_id(&ids).await {
+                Ok(found) => found,
+                Err(e) => {
+                    for (_, tx) in batch {
+                        let _ = tx.send(Err(BatchError::from(&e)));
+                    }
+                    continue;
+                }
+            };
+            let (batch, refused) = split_ours(batch, &found, &cluster);
+            for (tx, err) in refused {
+                let _ = tx.send(Err(err));
+            }
+            if batch.is_empty() {
+                continue;
+            }
             let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
             let result = ec2.terminate(&ids).await;
             for (id, tx) in batch {
@@ -133,6 +155,27 @@ async fn run(ec2: Ec2, mut rx: mpsc::Receiver<Request>) {
     }
 }
 
+/// Splits a batch into the instances that may be terminated (this cluster's Karpenter's, or
+/// unknown to EC2: gone, which `TerminateInstances` reports as done) and the refusals of the
+/// others, each naming whose the instance is.
+fn split_ours(batch: Vec<Asked>, found: &[InstanceInfo], cluster: &str) -> (Vec<Asked>, Vec<(Reply, BatchError)>) {
+    let mut ours = Vec::new();
+    let mut refused = Vec::new();
+    for (id, tx) in batch {
+        match found.iter().find(|i| i.id == id).map(|i| i.is_karpenters(cluster)) {
+            Some(Err(why)) => {
+                tracing::warn!(instance = %id, why = %why, "refusing to terminate an instance that is not this cluster's Karpenter's");
+                let message = format!(
+                    "instance {id} is not this cluster's self-managed Karpenter's ({why}); it was left running"
+                );
+                refused.push((tx, BatchError { message, transient: false }));
+            }
+            Some(Ok(())) | None => ours.push((id, tx)),
+        }
+    }
+    (ours, refused)
+}
+
 /// Only throttling and AWS's own server errors heal by themselves: those are retried on the next
 /// round. Anything else (credentials, endpoint, a request EC2 refuses such as
 /// `FilterLimitExceeded`) fails the same way every round, so every waiter is told at once instead
@@ -146,5 +189,50 @@ fn fail_unless_transient(waiting: &mut HashMap<String, Vec<Reply>>, e: &AwsError
         }
     } else {
         tracing::warn!(error = %e, "describing instances failed; retrying");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::karpenter;
+
+    fn instance(id: &str, tags: &[(&str, &str)], managed_by: Option<&str>) -> InstanceInfo {
+        InstanceInfo {
+            id: id.into(),
+            state: InstanceState::Running,
+            zone: "us-west-2a".into(),
+            tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
+            managed_by: managed_by.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn only_this_clusters_karpenter_instances_reach_terminate() {
+        let ours =
+            [(karpenter::TAG_EKS_CLUSTER, "prod"), (karpenter::TAG_NODEPOOL, "web"), (karpenter::TAG_NODECLASS, "d")];
+        let found = vec![
+            instance("i-ours", &ours, None),
+            instance("i-auto", &ours, Some("eks.amazonaws.com")),
+            instance("i-other", &[(karpenter::TAG_EKS_CLUSTER, "staging")], None),
+        ];
+        let mut replies = Vec::new();
+        let batch: Vec<(String, Reply)> = ["i-ours", "i-auto", "i-other", "i-gone"]
+            .into_iter()
+            .map(|id| {
+                let (tx, rx) = oneshot::channel();
+                replies.push((id, rx));
+                (id.to_string(), tx)
+            })
+            .collect();
+        let (ours, refused) = split_ours(batch, &found, "prod");
+        let ids: Vec<&str> = ours.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["i-ours", "i-gone"], "an id EC2 does not know is gone: terminating it is a no-op");
+        let messages: Vec<String> = refused.iter().map(|(_, e)| e.message.clone()).collect();
+        assert_eq!(messages.len(), 2);
+        assert!(messages[0].contains("i-auto") && messages[0].contains("EKS Auto Mode"), "{messages:?}");
+        assert!(messages[1].contains("i-other") && messages[1].contains("staging"), "{messages:?}");
     }
 }

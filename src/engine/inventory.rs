@@ -8,6 +8,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams};
 use kube::core::DynamicObject;
+use serde_json::Value;
 
 use crate::gitops;
 use crate::k8s::{self, KubeError};
@@ -29,6 +30,25 @@ pub struct Machine {
     pub nodepool: Option<String>,
     /// The EC2NodeClass it was launched from.
     pub nodeclass: Option<String>,
+}
+
+/// A Karpenter object in the cluster that is not this cluster's self-managed Karpenter's (EKS
+/// Auto Mode's, another provider's): named in the plan and the report, never acted on.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct Foreign {
+    /// `NodePool`, `NodeClaim` or `Node`.
+    pub kind: &'static str,
+    /// Its name.
+    pub name: String,
+    /// Whose it is instead.
+    #[serde(flatten)]
+    pub why: karpenter::NotOurs,
+}
+
+impl std::fmt::Display for Foreign {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} ({})", self.kind, self.name, self.why)
+    }
 }
 
 /// The Karpenter controller Deployment.
@@ -62,6 +82,8 @@ pub struct Inventory {
     pub user_instance_profiles: BTreeSet<String>,
     /// The NodePools and EC2NodeClasses with the metadata that names their GitOps owners.
     pub tracked: Vec<gitops::Tracked>,
+    /// Karpenter-kind objects that are not this controller's, left alone.
+    pub not_ours: Vec<Foreign>,
 }
 
 impl Inventory {
@@ -95,17 +117,38 @@ impl Inventory {
         let nodes = k8s::list_pages(&nodes, &ListParams::default().labels(karpenter::LABEL_NODEPOOL), |n: Node| {
             let pid = n.spec.and_then(|s| s.provider_id).and_then(|p| ProviderId::parse(&p).ok());
             let mut labels = n.metadata.labels.unwrap_or_default();
+            let owner = karpenter::labels_owner(&labels);
             Some((
                 n.metadata.name.unwrap_or_default(),
                 pid,
                 labels.remove(karpenter::LABEL_NODEPOOL),
                 labels.remove(karpenter::LABEL_NODECLASS),
+                owner,
             ))
         })
         .await
         .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
         tracing::debug!(seconds = t.elapsed().as_secs_f64(), nodes = nodes.len(), "Karpenter nodes listed");
 
+        // Whose each object is, decided as Karpenter decides what it manages: pools and claims by
+        // their node class reference, nodes by their claim (or, without one, their labels and
+        // pool). What is not ours is set aside here, so no step ever sees it.
+        let mut not_ours = Vec::new();
+        let mut foreign_pools: BTreeMap<String, karpenter::NotOurs> = BTreeMap::new();
+        let pools: Vec<DynamicObject> = pools
+            .into_iter()
+            .filter(|p| match pool_owner(p) {
+                Ok(()) => true,
+                Err(why) => {
+                    let name = p.metadata.name.clone().unwrap_or_default();
+                    foreign_pools.insert(name.clone(), why.clone());
+                    not_ours.push(Foreign { kind: "NodePool", name, why });
+                    false
+                }
+            })
+            .collect();
+        let mut foreign_nodes: BTreeMap<String, karpenter::NotOurs> = BTreeMap::new();
+        let mut foreign_instances: HashMap<ProviderId, karpenter::NotOurs> = HashMap::new();
         let mut machines = BTreeMap::new();
         let mut by_node: BTreeMap<String, String> = BTreeMap::new();
         for c in &claims {
@@ -117,6 +160,12 @@ impl Inventory {
                 .and_then(|v| v.as_str())
                 .and_then(|p| ProviderId::parse(p).ok());
             let labels = c.metadata.labels.clone().unwrap_or_default();
+            if let Err(why) = claim_owner(c, &labels, &foreign_pools) {
+                foreign_nodes.extend(node.clone().map(|n| (n, why.clone())));
+                foreign_instances.extend(provider_id.clone().map(|p| (p, why.clone())));
+                not_ours.push(Foreign { kind: "NodeClaim", name, why });
+                continue;
+            }
             let nodeclass = c
                 .data
                 .pointer("/spec/nodeClassRef/name")
@@ -140,7 +189,18 @@ impl Inventory {
         }
         let by_instance: HashMap<ProviderId, String> =
             machines.values().filter_map(|m| Some((m.provider_id.clone()?, m.name.clone()))).collect();
-        for (node_name, pid, nodepool, nodeclass) in nodes {
+        for (node_name, pid, nodepool, nodeclass, owner) in nodes {
+            let foreign = owner
+                .err()
+                .or_else(|| foreign_nodes.get(&node_name).cloned())
+                .or_else(|| pid.as_ref().and_then(|p| foreign_instances.get(p)).cloned())
+                .or_else(|| {
+                    nodepool.as_ref().and_then(|p| foreign_pools.get(p)).map(|_| pool_not_ours(nodepool.as_deref()))
+                });
+            if let Some(why) = foreign {
+                not_ours.push(Foreign { kind: "Node", name: node_name, why });
+                continue;
+            }
             // a Node belongs to the NodeClaim that names it, or whose instance it runs on
             let claim =
                 by_node.get(&node_name).cloned().or_else(|| pid.as_ref().and_then(|p| by_instance.get(p)).cloned());
@@ -165,7 +225,9 @@ impl Inventory {
             .map(|p| tracked(karpenter::KARPENTER_GROUP, "NodePool", p))
             .chain(classes.iter().map(|c| tracked(karpenter::AWS_GROUP, "EC2NodeClass", c)))
             .collect();
+        not_ours.sort();
         Ok(Inventory {
+            not_ours,
             tracked,
             machines,
             nodepools: names(&pools),
@@ -215,6 +277,30 @@ impl Inventory {
         out.extend(self.nodeclasses.iter().map(|c| format!("EC2NodeClass/{c}")));
         out
     }
+}
+
+/// Whether a NodePool is this controller's: its template's node class reference decides.
+pub(crate) fn pool_owner(pool: &DynamicObject) -> Result<(), karpenter::NotOurs> {
+    karpenter::nodeclass_ref_owner(pool.data.pointer("/spec/template/spec/nodeClassRef").unwrap_or(&Value::Null))
+}
+
+/// Whether a NodeClaim is this controller's: its labels, its node class reference, and its
+/// NodePool (a claim of a pool that is not ours is not ours, whatever else it says).
+pub(crate) fn claim_owner(
+    claim: &DynamicObject,
+    labels: &BTreeMap<String, String>,
+    foreign_pools: &BTreeMap<String, karpenter::NotOurs>,
+) -> Result<(), karpenter::NotOurs> {
+    karpenter::labels_owner(labels)?;
+    karpenter::nodeclass_ref_owner(claim.data.pointer("/spec/nodeClassRef").unwrap_or(&Value::Null))?;
+    match labels.get(karpenter::LABEL_NODEPOOL) {
+        Some(p) if foreign_pools.contains_key(p) => Err(pool_not_ours(Some(p))),
+        _ => Ok(()),
+    }
+}
+
+fn pool_not_ours(pool: Option<&str>) -> karpenter::NotOurs {
+    karpenter::NotOurs::PoolNotOurs(pool.unwrap_or_default().to_string())
 }
 
 fn tracked(group: &str, kind: &str, obj: &DynamicObject) -> gitops::Tracked {

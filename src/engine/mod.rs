@@ -78,6 +78,8 @@ pub struct RunResult {
     pub plan_text: String,
     /// The GitOps owners of the Karpenter objects, and what the run did with them.
     pub gitops: Survey,
+    /// Karpenter-kind objects that are not this cluster's self-managed Karpenter's, left alone.
+    pub not_ours: Vec<inventory::Foreign>,
 }
 
 impl RunResult {
@@ -91,6 +93,7 @@ impl RunResult {
             reclaimed: Vec::new(),
             error: Some(error),
             plan_text,
+            not_ours: Vec::new(),
         }
     }
 }
@@ -259,6 +262,7 @@ pub async fn run(
             error: None,
             plan_text,
             gitops,
+            not_ours: inv.not_ours.clone(),
         };
     }
     let mut early_steps = Vec::new();
@@ -285,7 +289,7 @@ pub async fn run(
     background.spawn(pod_watch.instrument(tracing::info_span!("pod-watch")));
     let (budgets, budget_watch) = budgets::Budgets::start(kube.client.clone());
     background.spawn(budget_watch.instrument(tracing::info_span!("pdb-watch")));
-    let (ec2, batcher) = batcher::Ec2Batcher::start(aws.ec2.clone());
+    let (ec2, batcher) = batcher::Ec2Batcher::start(aws.ec2.clone(), settings.cluster.clone());
     background.spawn(batcher.instrument(tracing::info_span!("ec2-batcher")));
     let ctx = Arc::new(Ctx {
         kube,
@@ -313,7 +317,7 @@ pub async fn run(
     let leftovers = ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
     let reclaimed = ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let error = steps.iter().find(|s| s.result == TaskResult::Failed).map(|s| format!("{}: {}", label(s), s.detail));
-    RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text, gitops }
+    RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text, gitops, not_ours: inv.not_ours }
 }
 
 /// How long an Argo CD sync already running may take to finish once automated sync is off.
@@ -602,6 +606,15 @@ fn describe_plan(graph: &TaskGraph, inv: &Inventory, evidence: &preflight::Evide
     ));
     for f in &evidence.facts {
         out.push_str(&format!("Identity: {f}\n"));
+    }
+    if !inv.not_ours.is_empty() {
+        let shown: Vec<String> = inv.not_ours.iter().take(20).map(ToString::to_string).collect();
+        let more = inv.not_ours.len().saturating_sub(20);
+        out.push_str(&format!(
+            "Left alone (not this cluster's self-managed Karpenter's): {}{}\n",
+            shown.join(", "),
+            if more > 0 { format!(" and {more} more") } else { String::new() }
+        ));
     }
     out.push_str(&format!("Plan {}:\n", graph.plan_name()));
     for s in graph.summary().steps {

@@ -242,6 +242,7 @@ mod tests {
             state: InstanceState::Running,
             zone: "us-west-2a".into(),
             tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
+            managed_by: None,
         }
     }
 

@@ -10,5 +10,6 @@ mod common;
 mod default_plan;
 mod faults;
 mod field_reports;
+mod not_ours;
 mod plans;
 mod resume;

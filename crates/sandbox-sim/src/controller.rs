@@ -395,6 +395,25 @@ struct Stores {
     deployment: Store<Deployment>,
 }
 
+impl Stores {
+    /// The NodePools this controller manages: like Karpenter's own watches (filtered by
+    /// `IsManaged` in `pkg/utils/nodepool`), only those whose node class reference is the AWS
+    /// provider's. EKS Auto Mode's pools in the same cluster are someone else's.
+    fn managed_pools(&self) -> Vec<Arc<DynamicObject>> {
+        self.pools.state().into_iter().filter(|p| karpenter::manages_pool(p)).collect()
+    }
+
+    /// The NodeClaims this controller manages (`IsManaged` in `pkg/utils/nodeclaim`).
+    fn managed_claims(&self) -> Vec<Arc<DynamicObject>> {
+        self.claims.state().into_iter().filter(|c| karpenter::manages_claim(c)).collect()
+    }
+
+    /// The Nodes this controller manages (`IsManaged` in `pkg/utils/node`).
+    fn managed_nodes(&self) -> Vec<Arc<Node>> {
+        self.nodes.state().into_iter().filter(|n| karpenter::manages_node(n.labels())).collect()
+    }
+}
+
 struct Ctx {
     client: Client,
     aws: Cloud,
@@ -523,7 +542,7 @@ async fn strip_stale_disrupted_taints(ctx: &Ctx, state: &mut State) {
         return;
     }
     state.last_disruption_pass = Some(Instant::now());
-    let claims = ctx.stores.claims.state();
+    let claims = ctx.stores.managed_claims();
     let live_claim_of = |node: &Node| {
         let name = node.name_any();
         let pid = node_provider_id(node);
@@ -534,8 +553,7 @@ async fn strip_stale_disrupted_taints(ctx: &Ctx, state: &mut State) {
     };
     let stale: Vec<String> =
         ctx.stores
-            .nodes
-            .state()
+            .managed_nodes()
             .iter()
             .filter(|n| !is_deleting(n.as_ref()) && n.labels().contains_key(karpenter::LABEL_NODEPOOL))
             .filter(|n| {
@@ -558,9 +576,9 @@ async fn strip_stale_disrupted_taints(ctx: &Ctx, state: &mut State) {
 /// Keeps NodePool `status.resources` (what `kubectl get nodepools` shows, and what Karpenter
 /// counts against `spec.limits`) current; written only when it changed.
 async fn report_pool_resources(ctx: &Ctx) {
-    let claims = ctx.stores.claims.state();
+    let claims = ctx.stores.managed_claims();
     let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &objects::nodepool_resource());
-    for pool in ctx.stores.pools.state() {
+    for pool in ctx.stores.managed_pools() {
         if is_deleting(pool.as_ref()) {
             continue;
         }
@@ -633,7 +651,7 @@ async fn finalize_classes(ctx: &Ctx) {
             continue;
         }
         let name = class.name_any();
-        let referenced = ctx.stores.claims.state().iter().any(|c| objects::claim_class(c) == Some(name.as_str()));
+        let referenced = ctx.stores.managed_claims().iter().any(|c| objects::claim_class(c) == Some(name.as_str()));
         if referenced {
             continue;
         }
@@ -699,8 +717,8 @@ struct Job {
 }
 
 async fn terminate(ctx: &Ctx) {
-    let claims = ctx.stores.claims.state();
-    let nodes = ctx.stores.nodes.state();
+    let claims = ctx.stores.managed_claims();
+    let nodes = ctx.stores.managed_nodes();
     let node_by_name: HashMap<String, Arc<Node>> = nodes.iter().map(|n| (n.name_any(), n.clone())).collect();
     let node_by_pid: HashMap<&str, Arc<Node>> =
         nodes.iter().filter_map(|n| node_provider_id(n).map(|p| (p, n.clone()))).collect();
@@ -917,9 +935,9 @@ fn pod_fits_labels(pod: &PodRecord, labels: &BTreeMap<String, String>, taints: &
 
 fn candidates(ctx: &Ctx) -> Vec<Candidate> {
     let classes = ctx.stores.classes.state();
-    let claims = ctx.stores.claims.state();
+    let claims = ctx.stores.managed_claims();
     let mut out = Vec::new();
-    for pool in ctx.stores.pools.state() {
+    for pool in ctx.stores.managed_pools() {
         if is_deleting(pool.as_ref()) {
             continue;
         }

@@ -41,6 +41,41 @@ pub const TAG_REGION: &str = "topology.kubernetes.io/region";
 /// Prefix of launch-template names.
 pub const LAUNCH_TEMPLATE_PREFIX: &str = "karpenter.k8s.aws/";
 
+/// API group of EKS Auto Mode's `NodeClass` (its NodePools and NodeClaims reference it).
+pub const AUTO_MODE_GROUP: &str = "eks.amazonaws.com";
+/// Label EKS puts on Auto Mode's NodeClaims and Nodes, `auto`.
+pub const LABEL_COMPUTE_TYPE: &str = "eks.amazonaws.com/compute-type";
+/// Karpenter labels a node `<node class group>/<lower-case kind>`: Auto Mode's carry this.
+pub const LABEL_AUTO_NODECLASS: &str = "eks.amazonaws.com/nodeclass";
+/// Tags EKS's compute policy requires on every instance Auto Mode launches.
+pub const TAG_AUTO_NODEPOOL: &str = "eks:kubernetes-node-pool-name";
+/// See [`TAG_AUTO_NODEPOOL`].
+pub const TAG_AUTO_NODECLASS: &str = "eks:kubernetes-node-class-name";
+
+/// Whether a node class reference is the AWS provider's: Karpenter's `IsManaged`
+/// (`pkg/utils/nodepool`, `pkg/utils/nodeclaim`) compares the reference's group and kind with
+/// its cloud provider's supported node classes, and watches nothing else.
+pub fn manages_node_class_ref(node_class_ref: &serde_json::Value) -> bool {
+    node_class_ref["group"].as_str() == Some(AWS_GROUP) && node_class_ref["kind"].as_str() == Some("EC2NodeClass")
+}
+
+/// Whether this controller manages a NodePool ([`manages_node_class_ref`] of its template).
+pub fn manages_pool(pool: &kube::core::DynamicObject) -> bool {
+    manages_node_class_ref(&pool.data["spec"]["template"]["spec"]["nodeClassRef"])
+}
+
+/// Whether this controller manages a NodeClaim ([`manages_node_class_ref`]).
+pub fn manages_claim(claim: &kube::core::DynamicObject) -> bool {
+    manages_node_class_ref(&claim.data["spec"]["nodeClassRef"])
+}
+
+/// Whether this controller manages a Node: Karpenter's `IsManaged` (`pkg/utils/node`) asks
+/// for its provider's node class label; nodes of 1.0, which had none, are told apart by the
+/// NodePool label and the absence of Auto Mode's node class label.
+pub fn manages_node(labels: &BTreeMap<String, String>) -> bool {
+    labels.contains_key(LABEL_NODEPOOL) && !labels.contains_key(LABEL_AUTO_NODECLASS)
+}
+
 /// `kubernetes.io/cluster/<cluster>`.
 pub fn cluster_tag_key(cluster: &str) -> String {
     format!("kubernetes.io/cluster/{cluster}")

@@ -97,6 +97,11 @@ pub struct WorldSpec {
     pub grace_periods: Vec<(i64, u32)>,
     /// Seed of the grace period draw: the same seed gives the same periods to the same workloads.
     pub grace_seed: u64,
+    /// EKS Auto Mode beside the self-managed Karpenter, as AWS's migration guide runs them: this
+    /// many Auto Mode nodes of its built-in `general-purpose` pool (the built-in `system` pool is
+    /// created too), each with its NodeClaim and an instance tagged as EKS tags its own, and a
+    /// Deployment `auto-mode/auto-app` with a pod on each. 0: none.
+    pub auto_mode_nodes: usize,
     /// A directory of Karpenter's own CRD files for the release (`karpenter.sh_nodepools.yaml`,
     /// ...); `None` installs the sandbox's permissive CRDs. With the real files the API server
     /// applies their schema defaults and CEL rules, as a real cluster does.
@@ -134,6 +139,7 @@ impl Default for WorldSpec {
             grace_seed: 0,
             karpenter_crds: None,
             static_pool: false,
+            auto_mode_nodes: 0,
         }
     }
 }
@@ -294,6 +300,8 @@ pub struct World {
     pub workloads: Vec<Workload>,
     /// The DaemonSet (namespace, name).
     pub daemonset: (String, String),
+    /// EKS Auto Mode's nodes (must survive, with their NodeClaims, pods and instances).
+    pub auto_mode_nodes: Vec<GeneratedNode>,
 }
 
 impl World {
@@ -387,6 +395,7 @@ pub async fn generate(spec: &WorldSpec, client: &Client, aws: &Cloud) -> Result<
         wait_for_pods(spec, client).await?;
     }
     create_spare_nodes(spec, client).await?;
+    let auto_mode_nodes = create_auto_mode(spec, client, aws).await?;
 
     let mut nodes = nodes;
     nodes.sort_by(|a, b| a.node.cmp(&b.node));
@@ -403,6 +412,7 @@ pub async fn generate(spec: &WorldSpec, client: &Client, aws: &Cloud) -> Result<
         decoy_instances,
         workloads,
         daemonset,
+        auto_mode_nodes,
     })
 }
 
@@ -637,6 +647,147 @@ async fn create_spare_nodes(spec: &WorldSpec, client: &Client) -> Result<(), Sim
             .map_err(SimError::kube(format!("reporting Node {name} ready")))?;
     }
     Ok(())
+}
+
+/// The namespace and name of the Deployment that runs on EKS Auto Mode's nodes.
+pub const AUTO_MODE_APP: (&str, &str) = ("auto-mode", "auto-app");
+/// Auto Mode's built-in NodePools (which nobody may modify) and their NodeClass.
+const AUTO_MODE_POOLS: [&str; 2] = ["general-purpose", "system"];
+const AUTO_MODE_CLASS: &str = "default";
+
+/// EKS Auto Mode's compute: its built-in NodePools (`karpenter.sh/v1`, but referencing
+/// `eks.amazonaws.com` NodeClass `default`), nodes of `general-purpose` launched as EKS launches
+/// them, and a Deployment pinned to them. EKS's own controller is not simulated: nothing here
+/// ever changes unless someone else acts on it, which is what the tests check.
+async fn create_auto_mode(spec: &WorldSpec, client: &Client, aws: &Cloud) -> Result<Vec<GeneratedNode>, SimError> {
+    if spec.auto_mode_nodes == 0 {
+        return Ok(Vec::new());
+    }
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &objects::nodepool_resource());
+    let mut pool_uid = String::new();
+    for name in AUTO_MODE_POOLS {
+        let mut body = objects::nodepool(name, AUTO_MODE_CLASS, None, None);
+        body["spec"]["template"]["spec"]["nodeClassRef"] = auto_mode_class_ref();
+        let obj: DynamicObject = typed("NodePool", body)?;
+        let created =
+            ops::create_or_get(&api, &obj).await.map_err(SimError::kube(format!("creating NodePool {name}")))?;
+        if name == AUTO_MODE_POOLS[0] {
+            pool_uid =
+                created.uid().ok_or_else(|| SimError::Malformed { what: format!("NodePool {name}"), field: "uid" })?;
+        }
+    }
+    let mut nodes = Vec::new();
+    for i in 0..spec.auto_mode_nodes {
+        let zone = &spec.zones[i % spec.zones.len()];
+        let pool = PoolRef { name: AUTO_MODE_POOLS[0], uid: &pool_uid, class: AUTO_MODE_CLASS };
+        nodes.push(launch_auto_mode_node(spec, client, aws, &pool, zone).await?);
+    }
+    let (ns, app) = AUTO_MODE_APP;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let obj = typed("namespace", json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))?;
+    ops::create_or_get(&namespaces, &obj).await.map_err(SimError::kube(format!("creating namespace {ns}")))?;
+    let labels = json!({"app": app});
+    let mut pod_spec = workload_pod_spec(app, 1);
+    pod_spec["nodeSelector"] = json!({karpenter::LABEL_COMPUTE_TYPE: "auto"});
+    let deployment: Deployment = typed(
+        "Deployment",
+        json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": app, "namespace": ns, "labels": labels},
+            "spec": {"replicas": nodes.len(), "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": pod_spec}}}),
+    )?;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    ops::create_or_get(&deployments, &deployment)
+        .await
+        .map_err(SimError::kube(format!("creating Deployment {app}")))?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let deadline = tokio::time::Instant::now() + spec.settle_timeout;
+    loop {
+        let list = pods.list(&ListParams::default()).await.map_err(SimError::kube("listing Auto Mode pods"))?;
+        let running =
+            list.items.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")).count();
+        if running >= nodes.len() {
+            return Ok(nodes);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(SimError::NotSettled { expected: nodes.len(), running, controller_ready: true });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn auto_mode_class_ref() -> Value {
+    json!({"group": karpenter::AUTO_MODE_GROUP, "kind": "NodeClass", "name": AUTO_MODE_CLASS})
+}
+
+/// Labels Auto Mode's NodeClaims and Nodes carry where self-managed Karpenter's carry
+/// `karpenter.k8s.aws/ec2nodeclass`.
+fn make_auto_mode(obj: &mut Value) {
+    if let Some(labels) = obj["metadata"]["labels"].as_object_mut() {
+        labels.remove(karpenter::LABEL_NODECLASS);
+        labels.insert(karpenter::LABEL_COMPUTE_TYPE.into(), json!("auto"));
+        labels.insert(karpenter::LABEL_AUTO_NODECLASS.into(), json!(AUTO_MODE_CLASS));
+    }
+}
+
+/// One Auto Mode node: the NodeClaim (EKS's Karpenter guards it with the same finalizer), an
+/// instance tagged as EKS's compute policy requires (and, to leave the tool no easy way out,
+/// with the `karpenter.sh/nodepool` and `kubernetes.io/cluster/<c>` tags too), and a Node named
+/// after its instance, as Auto Mode names them.
+async fn launch_auto_mode_node(
+    spec: &WorldSpec,
+    client: &Client,
+    aws: &Cloud,
+    pool: &PoolRef<'_>,
+    zone: &str,
+) -> Result<GeneratedNode, SimError> {
+    let claims: Api<DynamicObject> = Api::all_with(client.clone(), &objects::nodeclaim_resource());
+    let nodes: Api<Node> = Api::all(client.clone());
+    let claim_name = format!("{}-{}", pool.name, naming::random_suffix(5));
+    let mut claim = objects::nodeclaim(&claim_name, pool, zone, &spec.region, spec.version);
+    claim["spec"]["nodeClassRef"] = auto_mode_class_ref();
+    make_auto_mode(&mut claim);
+    let claim: DynamicObject = typed("NodeClaim", claim)?;
+    let claim = ops::create_or_get(&claims, &claim)
+        .await
+        .map_err(SimError::kube(format!("creating NodeClaim {claim_name}")))?;
+    let claim_uid =
+        claim.uid().ok_or_else(|| SimError::Malformed { what: format!("NodeClaim {claim_name}"), field: "uid" })?;
+    let tags = BTreeMap::from([
+        (karpenter::TAG_EKS_CLUSTER.to_string(), spec.cluster.clone()),
+        (karpenter::TAG_AUTO_NODEPOOL.to_string(), pool.name.to_string()),
+        (karpenter::TAG_AUTO_NODECLASS.to_string(), AUTO_MODE_CLASS.to_string()),
+        (karpenter::TAG_NODEPOOL.to_string(), pool.name.to_string()),
+        (karpenter::cluster_tag_key(&spec.cluster), "owned".to_string()),
+    ]);
+    let instance = launch_in_zone(aws, INSTANCE_TYPE, zone, 1, &tags)
+        .await
+        .map_err(SimError::aws(format!("launching the instance of NodeClaim {claim_name}")))?
+        .into_iter()
+        .next()
+        .ok_or_else(|| SimError::ShortLaunch { what: format!("NodeClaim {claim_name}"), wanted: 1, got: 0 })?;
+    let provider_id = naming::provider_id(zone, &instance.id);
+    let node_name = instance.id.clone();
+    let claim_ref = ClaimRef { name: &claim_name, uid: &claim_uid };
+    let mut node =
+        objects::karpenter_node(&node_name, &claim_ref, pool, zone, &spec.region, &provider_id, spec.version);
+    make_auto_mode(&mut node);
+    let node: Node = typed("Node", node)?;
+    ops::create_or_get(&nodes, &node).await.map_err(SimError::kube(format!("creating Node {node_name}")))?;
+    ops::patch_status(&nodes, &node_name, objects::node_status(spec.spare_pods, &objects::internal_ip(&node_name)))
+        .await
+        .map_err(SimError::kube(format!("writing Node {node_name} status")))?;
+    ops::patch_status(&claims, &claim_name, objects::nodeclaim_status(&provider_id, Some(&node_name), spec.spare_pods))
+        .await
+        .map_err(SimError::kube(format!("writing NodeClaim {claim_name} status")))?;
+    Ok(GeneratedNode {
+        node: node_name,
+        nodeclaim: claim_name,
+        pool: pool.name.to_string(),
+        class: AUTO_MODE_CLASS.to_string(),
+        zone: zone.to_string(),
+        instance_id: instance.id,
+        provider_id,
+    })
 }
 
 async fn create_system_nodes(
