@@ -800,3 +800,48 @@ async fn a_restored_deployment_keeps_its_replicaset_and_its_running_pods() {
     assert_eq!((status, reason.as_str()), (429, "TooManyRequests"));
     s.shutdown().await;
 }
+
+/// A pod copied while it was terminating stays terminating: the control plane's kubelet removes
+/// it once the grace period it was given has passed, and one given none (stuck where it came
+/// from) stays until its node goes. A budget does not count either as healthy.
+#[tokio::test]
+async fn a_restored_terminating_pod_keeps_terminating() {
+    let (mut s, c) = server(false).await;
+    let store = s.store();
+    store.restore(&GroupResource::new("", "nodes"), "", serde_json::to_value(node("n1")).unwrap()).unwrap();
+    for (name, grace) in [("going", 1), ("stuck", 0), ("running", -1)] {
+        let mut p = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": {"app": "web"}},
+            "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "busybox"}]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}});
+        if grace >= 0 {
+            p["metadata"]["deletionTimestamp"] = json!("2026-11-25T15:00:00Z");
+            p["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
+        }
+        store.restore(&GroupResource::new("", "pods"), "default", p).unwrap();
+    }
+    store
+        .restore(
+            &GroupResource::new("policy", "poddisruptionbudgets"),
+            "default",
+            json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "web", "namespace": "default"},
+                "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}}}),
+        )
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    for name in ["going", "stuck"] {
+        let p = pods.get(name).await.unwrap();
+        assert!(p.metadata.deletion_timestamp.is_some(), "{name} is restored terminating");
+    }
+    s.start_control_plane();
+    // 1 s of grace is 10 ms here
+    eventually("the terminating pod removed", || async { pods.get_opt("going").await.unwrap().is_none() }).await;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(c.clone(), "default");
+    eventually("the budget counts the running pod alone", || async {
+        pdbs.get("web").await.unwrap().status.is_some_and(|s| s.current_healthy == 1 && s.disruptions_allowed == 0)
+    })
+    .await;
+    let stuck = pods.get("stuck").await.unwrap();
+    assert!(stuck.metadata.deletion_timestamp.is_some(), "the stuck pod is still terminating");
+    s.shutdown().await;
+}
