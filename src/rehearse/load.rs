@@ -244,6 +244,7 @@ fn restore_objects(
             Some((c["spec"]["names"]["plural"].as_str()?.to_string(), format!("{group}/{old}")))
         })
         .collect();
+    let taken_at = snap.taken_at.clone();
     let gitops_crds = sandbox_sim::gitops::crds();
     for (plural, list) in snap.kubernetes.take_kinds() {
         if plural == "gitops" && !list.is_empty() {
@@ -262,6 +263,9 @@ fn restore_objects(
             drop(raw);
             rewrite_owners(&mut obj, &uids);
             rewrite_provider_id(&mut obj, instances);
+            if plural == "pods" {
+                grace_left_at(&mut obj, &taken_at);
+            }
             let resource = if plural == "gitops" { gitops_plural(&obj) } else { plural.to_string() };
             if let Some(v) = stored_old.get(&resource) {
                 obj["apiVersion"] = json!(v);
@@ -326,6 +330,29 @@ fn rewrite_owners(obj: &mut Value, uids: &BTreeMap<String, String>) {
     });
 }
 
+/// Gives a pod that was terminating when the snapshot was taken what was left of its grace
+/// period then, as its `deletionGracePeriodSeconds`: the copy's kubelet counts that down from the
+/// moment the copy starts, as the real one was counting down to the pod's `deletionTimestamp`
+/// (the moment of the delete plus its grace period: `BeforeDelete` in kubernetes/kubernetes
+/// staging/src/k8s.io/apiserver/pkg/registry/rest/delete.go). A pod already past that moment is
+/// stuck (its node's kubelet is gone, or a finalizer holds it) and gets 0: the copy keeps it
+/// terminating until its node goes. Without this the copy took such a pod for a live one: the
+/// drain asked to evict it and its budget counted it healthy, where the real run waits for it.
+fn grace_left_at(pod: &mut Value, taken_at: &str) {
+    let Some(deletion) = pod["metadata"]["deletionTimestamp"].as_str() else { return };
+    let (Ok(deletion), Ok(taken)) = (humantime::parse_rfc3339_weak(deletion), humantime::parse_rfc3339_weak(taken_at))
+    else {
+        // a time that does not parse leaves the grace period the live server showed
+        return;
+    };
+    let left = match deletion.duration_since(taken) {
+        // whole seconds, rounded up: a pod going within the second is still there at the snapshot
+        Ok(d) => d.as_secs() + u64::from(d.subsec_nanos() > 0),
+        Err(_) => 0,
+    };
+    pod["metadata"]["deletionGracePeriodSeconds"] = json!(left);
+}
+
 /// Points a Node's or NodeClaim's provider id at the copy's instance.
 fn rewrite_provider_id(obj: &mut Value, instances: &BTreeMap<String, String>) {
     let field = match obj["kind"].as_str() {
@@ -354,6 +381,22 @@ mod tests {
             pod["metadata"]["ownerReferences"],
             json!([{"kind": "ReplicaSet", "name": "web-1", "uid": "new-rs", "controller": true}])
         );
+    }
+
+    #[test]
+    fn a_terminating_pod_keeps_what_was_left_of_its_grace_period_and_a_stuck_one_none() {
+        let taken_at = "2026-11-25T15:00:00.250Z";
+        let mut going =
+            json!({"metadata": {"deletionTimestamp": "2026-11-25T15:00:20Z", "deletionGracePeriodSeconds": 30}});
+        grace_left_at(&mut going, taken_at);
+        assert_eq!(going["metadata"]["deletionGracePeriodSeconds"], 20, "19.75 s left, rounded up");
+        let mut stuck =
+            json!({"metadata": {"deletionTimestamp": "2026-11-25T14:50:00Z", "deletionGracePeriodSeconds": 30}});
+        grace_left_at(&mut stuck, taken_at);
+        assert_eq!(stuck["metadata"]["deletionGracePeriodSeconds"], 0, "past its deletion time: stuck");
+        let mut running = json!({"metadata": {"name": "web-1"}});
+        grace_left_at(&mut running, taken_at);
+        assert_eq!(running, json!({"metadata": {"name": "web-1"}}), "a pod not terminating is left as it is");
     }
 
     #[test]

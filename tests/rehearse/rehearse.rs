@@ -216,16 +216,27 @@ async fn rehearse_writes_nothing_with_its_read_only_role() {
     b.server.shutdown().await;
 }
 
+/// Eviction requests a run made (`kubernetes:evict` in a run report's `api_calls`, in a
+/// prediction's `requests`).
+fn evictions(calls: &Value) -> u64 {
+    calls["kubernetes:evict"].as_u64().unwrap_or(0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rehearse_predicts_a_healthy_teardown() {
     let _serial = crate::SERIAL.lock().await;
-    let s = live_spec("reh-healthy", 6);
+    // containers as real ones are: what the snapshot drops of them must not change the copy
+    let s = WorldSpec { full_containers: true, ..live_spec("reh-healthy", 6) };
     let b = live_bed(&s.cluster, both_roles()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let sim = live_sim(&b, &world);
     let (prediction, real) = prediction_matches_the_real_run(&b, &world.cluster, &[]).await;
     assert_eq!(real["outcome"], "clean");
     assert_eq!(prediction["clean"], true);
+    // the copy asks for every drainable pod, once, as the real run does: no budget refuses here
+    let drainable = (s.nodes * s.pods_per_node) as u64;
+    assert_eq!(evictions(&real["api_calls"]), drainable, "{:#}", real["api_calls"]);
+    assert_eq!(evictions(&prediction["requests"]), drainable, "{:#}", prediction["requests"]);
     let drain = prediction["timing"]["steps"].as_array().unwrap().iter().find(|s| s["step"] == "drain").cloned();
     assert_eq!(drain.map(|d| d["waits_seconds"].clone()), Some(json!(3.0)), "the drain waits one 3 s grace period");
     // the plan names the objects
@@ -268,6 +279,111 @@ async fn rehearse_predicts_a_strict_budget_blocking_the_drain() {
         budget["current_healthy"], budget["desired_healthy"],
         "a strict budget: every pod must stay healthy: {pdb}"
     );
+    sim.shutdown().await;
+    b.server.shutdown().await;
+}
+
+/// A `payments` Deployment of two replicas on Karpenter nodes and a budget that wants both
+/// (`minAvailable: 2`, so `disruptionsAllowed: 0`); its container carries an environment, a
+/// command and a probe, which a snapshot drops. Returns once both pods are Running and Ready on
+/// Karpenter nodes and the budget's status says so.
+async fn payments(c: &kube::Client) {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::Namespace;
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    let pp = PostParams::default();
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "payments"}})).unwrap();
+    Api::<Namespace>::all(c.clone()).create(&pp, &ns).await.unwrap();
+    let labels = json!({"app": "payments"});
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "payments", "namespace": "payments", "labels": labels},
+        "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": {"metadata": {"labels": labels},
+            "spec": {"nodeSelector": {naming::LABEL_CAPACITY_TYPE: "on-demand"}, "terminationGracePeriodSeconds": 3,
+                "containers": [{"name": "payments", "image": "registry.example/payments:2.4.1",
+                    "command": ["/payments", "--listen=:8080"], "env": [{"name": "DB_HOST", "value": "payments-db"}],
+                    "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}},
+                    "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}}]}}},
+    }))
+    .unwrap();
+    Api::<Deployment>::namespaced(c.clone(), "payments").create(&pp, &deployment).await.unwrap();
+    let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": {"name": "payments-pdb", "namespace": "payments"},
+        "spec": {"minAvailable": 2, "selector": {"matchLabels": labels}},
+    }))
+    .unwrap();
+    let pdbs = Api::<PodDisruptionBudget>::namespaced(c.clone(), "payments");
+    pdbs.create(&pp, &pdb).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "payments");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(c.clone());
+    for _ in 0..400 {
+        let running: Vec<Pod> = pods
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|p| {
+                p.status.as_ref().is_some_and(|s| {
+                    s.phase.as_deref() == Some("Running")
+                        && s.conditions.iter().flatten().any(|c| c.type_ == "Ready" && c.status == "True")
+                })
+            })
+            .collect();
+        let mut on_karpenter = 0;
+        for p in &running {
+            let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default();
+            let n = nodes.get(&node).await.unwrap();
+            if n.metadata.labels.unwrap_or_default().contains_key("karpenter.sh/nodepool") {
+                on_karpenter += 1;
+            }
+        }
+        let blocked = pdbs
+            .get("payments-pdb")
+            .await
+            .unwrap()
+            .status
+            .is_some_and(|s| s.current_healthy == 2 && s.disruptions_allowed == 0);
+        if on_karpenter == 2 && blocked {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the payments pods did not both run on Karpenter nodes under their budget");
+}
+
+/// The cluster a user met: `rehearse` predicted `clean` and named no blocker, because its copy
+/// rolled every Deployment out (the ReplicaSets' names did not match its own hash of the copied
+/// templates) and deleted the pods the budget protects; the real run was blocked by the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rehearse_predicts_the_block_of_a_budget_that_wants_every_replica_of_a_deployment() {
+    let _serial = crate::SERIAL.lock().await;
+    // room on the Karpenter nodes for the two payments pods
+    let s = WorldSpec { full_containers: true, max_pods_per_node: Some(4), ..live_spec("reh-payments", 4) };
+    let b = live_bed(&s.cluster, both_roles()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    payments(&b.client).await;
+    let sim = live_sim(&b, &world);
+    let (prediction, real) = prediction_matches_the_real_run(&b, &world.cluster, &["--drain-deadline", "8s"]).await;
+    assert_eq!(real["outcome"], "blocked");
+    assert_eq!(prediction["outcome"], "blocked");
+    assert_eq!(prediction["exit_code"], 5);
+    let pdb = prediction["blockers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["kind"] == "pdb" && b["name"] == "payments/payments-pdb")
+        .cloned()
+        .unwrap_or_else(|| panic!("payments-pdb is named: {:#}", prediction["blockers"]));
+    assert_eq!(
+        pdb["budget"],
+        json!({"expected_pods": 2, "current_healthy": 2, "desired_healthy": 2, "disruptions_allowed": 0}),
+        "{pdb}"
+    );
+    // the copy asked for every other drainable pod (how often it asks the server again about the
+    // blocked ones follows the clock, and the copy's is faster)
+    let others = (s.nodes * s.pods_per_node) as u64;
+    assert!(evictions(&prediction["requests"]) >= others, "{:#}", prediction["requests"]);
+    assert!(evictions(&real["api_calls"]) >= others, "{:#}", real["api_calls"]);
     sim.shutdown().await;
     b.server.shutdown().await;
 }

@@ -722,3 +722,126 @@ async fn injected_watch_drops_and_latency() {
     assert!(t.elapsed() >= Duration::from_millis(200));
     s.shutdown().await;
 }
+
+/// A Deployment copied from another cluster (what `rehearse` loads) keeps the ReplicaSet and the
+/// running pods it had there. That ReplicaSet is named after the other cluster's hash of the pod
+/// template; the control plane takes it for the Deployment's current one by its template, as
+/// kube-controller-manager does, instead of rolling the Deployment out and deleting the pods a
+/// strict budget protects.
+#[tokio::test]
+async fn a_restored_deployment_keeps_its_replicaset_and_its_running_pods() {
+    let (mut s, c) = server(false).await;
+    let store = s.store();
+    let restore = |resource: GroupResource, v: Value| {
+        let ns = v["metadata"]["namespace"].as_str().unwrap_or_default().to_string();
+        store.restore(&resource, &ns, v).unwrap()
+    };
+    restore(GroupResource::new("", "nodes"), serde_json::to_value(node("n1")).unwrap());
+    let labels = json!({"app": "payments"});
+    let hashed = json!({"app": "payments", "pod-template-hash": "7d4b9c8f6"});
+    let template = |labels: &Value| {
+        json!({"metadata": {"labels": labels}, "spec": {"terminationGracePeriodSeconds": 30,
+            "containers": [{"name": "app", "image": "payments:2"}]}})
+    };
+    let dep = restore(
+        GroupResource::new("apps", "deployments"),
+        json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "payments", "namespace": "default"},
+            "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": template(&labels)},
+            "status": {"replicas": 2, "readyReplicas": 2, "availableReplicas": 2, "updatedReplicas": 2}}),
+    );
+    let owner = |kind: &str, o: &Value| {
+        json!([{"apiVersion": "apps/v1", "kind": kind, "name": o["metadata"]["name"], "uid": o["metadata"]["uid"],
+            "controller": true, "blockOwnerDeletion": true}])
+    };
+    let rs = restore(
+        GroupResource::new("apps", "replicasets"),
+        json!({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {"name": "payments-7d4b9c8f6", "namespace": "default", "labels": hashed,
+                "ownerReferences": owner("Deployment", &dep)},
+            "spec": {"replicas": 2, "selector": {"matchLabels": hashed}, "template": template(&hashed)},
+            "status": {"replicas": 2, "readyReplicas": 2, "availableReplicas": 2}}),
+    );
+    for name in ["payments-7d4b9c8f6-abcde", "payments-7d4b9c8f6-fghij"] {
+        let mut pod = template(&hashed);
+        pod["apiVersion"] = json!("v1");
+        pod["kind"] = json!("Pod");
+        pod["metadata"]["name"] = json!(name);
+        pod["metadata"]["namespace"] = json!("default");
+        pod["metadata"]["ownerReferences"] = owner("ReplicaSet", &rs);
+        pod["spec"]["nodeName"] = json!("n1");
+        pod["status"] = json!({"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]});
+        restore(GroupResource::new("", "pods"), pod);
+    }
+    restore(
+        GroupResource::new("policy", "poddisruptionbudgets"),
+        json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": "payments-pdb", "namespace": "default"},
+            "spec": {"minAvailable": 2, "selector": {"matchLabels": labels}},
+            "status": {"currentHealthy": 2, "desiredHealthy": 2, "disruptionsAllowed": 0, "expectedPods": 2,
+                "observedGeneration": 1}}),
+    );
+    s.start_control_plane();
+    // a rollout would have scaled the copied ReplicaSet to zero and deleted its pods within a
+    // pass, their 30 s grace period being 0.3 s here; the budget's status is recomputed meanwhile
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    let left: Vec<Pod> = pods.list(&ListParams::default()).await.unwrap().items;
+    let names: Vec<String> = left.iter().filter_map(|p| p.metadata.name.clone()).collect();
+    assert_eq!(names, ["payments-7d4b9c8f6-abcde", "payments-7d4b9c8f6-fghij"], "the copied pods are the pods");
+    assert!(left.iter().all(|p| p.metadata.deletion_timestamp.is_none()), "no copied pod is being deleted");
+    let sets =
+        store.list(&GroupResource::new("apps", "replicasets"), Some("default"), &ListOptions::default()).unwrap();
+    let sets: Vec<Value> = sets.items.iter().map(|r| (*r.value()).clone()).collect();
+    assert_eq!(sets.len(), 1, "no ReplicaSet of the control plane's own: {sets:?}");
+    assert_eq!(sets[0]["spec"]["replicas"], 2);
+    // and the budget blocks, as it did where the objects came from
+    let raw: Api<DynamicObject> = Api::namespaced_with(c.clone(), "default", &ApiResource::erase::<Pod>(&()));
+    let (status, reason, _) = code(evict(&raw, "payments-7d4b9c8f6-abcde", None).await.unwrap_err());
+    assert_eq!((status, reason.as_str()), (429, "TooManyRequests"));
+    s.shutdown().await;
+}
+
+/// A pod copied while it was terminating stays terminating: the control plane's kubelet removes
+/// it once the grace period it was given has passed, and one given none (stuck where it came
+/// from) stays until its node goes. A budget does not count either as healthy.
+#[tokio::test]
+async fn a_restored_terminating_pod_keeps_terminating() {
+    let (mut s, c) = server(false).await;
+    let store = s.store();
+    store.restore(&GroupResource::new("", "nodes"), "", serde_json::to_value(node("n1")).unwrap()).unwrap();
+    for (name, grace) in [("going", 1), ("stuck", 0), ("running", -1)] {
+        let mut p = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": {"app": "web"}},
+            "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "busybox"}]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}});
+        if grace >= 0 {
+            p["metadata"]["deletionTimestamp"] = json!("2026-11-25T15:00:00Z");
+            p["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
+        }
+        store.restore(&GroupResource::new("", "pods"), "default", p).unwrap();
+    }
+    store
+        .restore(
+            &GroupResource::new("policy", "poddisruptionbudgets"),
+            "default",
+            json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "web", "namespace": "default"},
+                "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}}}),
+        )
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    for name in ["going", "stuck"] {
+        let p = pods.get(name).await.unwrap();
+        assert!(p.metadata.deletion_timestamp.is_some(), "{name} is restored terminating");
+    }
+    s.start_control_plane();
+    // 1 s of grace is 10 ms here
+    eventually("the terminating pod removed", || async { pods.get_opt("going").await.unwrap().is_none() }).await;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(c.clone(), "default");
+    eventually("the budget counts the running pod alone", || async {
+        pdbs.get("web").await.unwrap().status.is_some_and(|s| s.current_healthy == 1 && s.disruptions_allowed == 0)
+    })
+    .await;
+    let stuck = pods.get("stuck").await.unwrap();
+    assert!(stuck.metadata.deletion_timestamp.is_some(), "the stuck pod is still terminating");
+    s.shutdown().await;
+}

@@ -153,8 +153,9 @@ const SCHEDULE_EVERY: Duration = Duration::from_millis(100);
 
 /// How often PDB statuses are recomputed at most. Every pod event touches them, and each refresh
 /// scans the namespace's pods per budget; coalescing keeps large worlds (thousands of pods and
-/// budgets) from spending every pass there. Evictions never read this status: they compute the
-/// budget afresh (`eviction.rs`), so the delay only affects what readers of `.status` see.
+/// budgets) from spending every pass there. Evictions decide on this stored status, as
+/// kube-apiserver does (`eviction.rs`), so the delay stands for the disruption controller's own lag
+/// behind pod changes.
 const PDB_REFRESH: Duration = Duration::from_millis(500);
 
 fn s(v: &Value) -> String {
@@ -772,8 +773,6 @@ impl ControlPlane {
         }
         let uid = s(&dep["metadata"]["uid"]);
         let replicas = dep["spec"]["replicas"].as_i64().unwrap_or(1);
-        let hash = short_hash(&dep["spec"]["template"]);
-        let rs_name = format!("{name}-{hash}");
         let all_rs: Vec<Value> = self
             .store
             .list(&apps("replicasets"), Some(ns), &ListOptions::default())
@@ -786,14 +785,17 @@ impl ControlPlane {
             })
             .unwrap_or_default();
         let wm = WriteOptions::manager("kube-controller-manager");
-        match all_rs.iter().find(|r| r["metadata"]["name"] == rs_name.as_str()) {
+        let current = current_replicaset(&dep, &all_rs);
+        match current {
             None => {
+                let hash = short_hash(&dep["spec"]["template"]);
+                let rs_name = format!("{name}-{hash}");
                 let mut template = dep["spec"]["template"].clone();
-                template["metadata"]["labels"]["pod-template-hash"] = json!(hash);
+                template["metadata"]["labels"][POD_TEMPLATE_HASH] = json!(hash);
                 let mut selector = dep["spec"]["selector"].clone();
-                selector["matchLabels"]["pod-template-hash"] = json!(hash);
+                selector["matchLabels"][POD_TEMPLATE_HASH] = json!(hash);
                 let mut labels = dep["spec"]["template"]["metadata"]["labels"].clone();
-                labels["pod-template-hash"] = json!(hash);
+                labels[POD_TEMPLATE_HASH] = json!(hash);
                 let rs = json!({"apiVersion": "apps/v1", "kind": "ReplicaSet",
                     "metadata": {"name": rs_name, "namespace": ns, "labels": labels, "ownerReferences": [owner_ref("Deployment", &dep)]},
                     "spec": {"replicas": replicas, "selector": selector, "template": template}});
@@ -803,7 +805,7 @@ impl ControlPlane {
                 let _ = self.store.patch(
                     &apps("replicasets"),
                     ns,
-                    &rs_name,
+                    &s(&rs["metadata"]["name"]),
                     PatchType::Merge,
                     &json!({"spec": {"replicas": replicas}}),
                     "",
@@ -812,8 +814,10 @@ impl ControlPlane {
             }
             Some(_) => {}
         }
+        let current_uid = current.map(|r| r["metadata"]["uid"].clone());
+        let is_current = |r: &Value| current_uid.as_ref() == Some(&r["metadata"]["uid"]);
         // Old ReplicaSets (an earlier template) scale to zero: a Recreate-style rollout.
-        for old in all_rs.iter().filter(|r| r["metadata"]["name"] != rs_name.as_str() && r["spec"]["replicas"] != 0) {
+        for old in all_rs.iter().filter(|r| !is_current(r) && r["spec"]["replicas"] != 0) {
             let _ = self.store.patch(
                 &apps("replicasets"),
                 ns,
@@ -825,11 +829,7 @@ impl ControlPlane {
             );
         }
         let sum = |k: &str| all_rs.iter().map(|r| r["status"][k].as_i64().unwrap_or(0)).sum::<i64>();
-        let updated = all_rs
-            .iter()
-            .find(|r| r["metadata"]["name"] == rs_name.as_str())
-            .map(|r| r["status"]["replicas"].as_i64().unwrap_or(0))
-            .unwrap_or(0);
+        let updated = current.map(|r| r["status"]["replicas"].as_i64().unwrap_or(0)).unwrap_or(0);
         let available = sum("availableReplicas");
         let avail_cond = if available >= replicas { "True" } else { "False" };
         let prev =
@@ -1018,6 +1018,44 @@ impl ControlPlane {
     }
 }
 
+/// The label the Deployment controller adds to its ReplicaSets' pod templates and selectors.
+const POD_TEMPLATE_HASH: &str = "pod-template-hash";
+
+/// The ReplicaSet among `owned` (those the Deployment controls) that runs the Deployment's current
+/// pod template: the oldest whose template is the Deployment's once the `pod-template-hash` label
+/// is set aside, as kube-controller-manager finds it (`FindNewReplicaSet` and `EqualIgnoreHash` in
+/// kubernetes/kubernetes pkg/controller/deployment/util/deployment_util.go). Never by its name:
+/// a ReplicaSet copied from a real cluster is named after that cluster's hash of the template
+/// (and of the template before a snapshot dropped fields from it), and taking it for an old one
+/// rolled every copied Deployment out, its running pods deleted and replaced.
+fn current_replicaset<'a>(dep: &Value, owned: &'a [Value]) -> Option<&'a Value> {
+    let template = &dep["spec"]["template"];
+    owned
+        .iter()
+        .filter(|rs| same_template_ignoring_hash(&rs["spec"]["template"], template))
+        .min_by_key(|rs| (s(&rs["metadata"]["creationTimestamp"]), s(&rs["metadata"]["name"])))
+}
+
+/// Whether two pod templates are equal but for their `pod-template-hash` label. Compared in place,
+/// field by field, without copying either: a pass runs this for every ReplicaSet of every
+/// Deployment it reconciles.
+fn same_template_ignoring_hash(a: &Value, b: &Value) -> bool {
+    type Map = serde_json::Map<String, Value>;
+    let empty = Map::new();
+    let (ma, mb) = (a["metadata"].as_object().unwrap_or(&empty), b["metadata"].as_object().unwrap_or(&empty));
+    let (la, lb) = (
+        ma.get("labels").and_then(Value::as_object).unwrap_or(&empty),
+        mb.get("labels").and_then(Value::as_object).unwrap_or(&empty),
+    );
+    // every entry of `x` but the `skip` key is in `y` with the same value
+    let within = |x: &Map, y: &Map, skip: &str| x.iter().filter(|(k, _)| *k != skip).all(|(k, v)| y.get(k) == Some(v));
+    a["spec"] == b["spec"]
+        && within(ma, mb, "labels")
+        && within(mb, ma, "labels")
+        && within(la, lb, POD_TEMPLATE_HASH)
+        && within(lb, la, POD_TEMPLATE_HASH)
+}
+
 /// Names of the budgets among `pdbs` whose selector matches any of the `changed` label sets. Budgets
 /// are indexed by one of their `matchLabels` pairs (every pair must match), so a pass costs the
 /// changed label sets times their labels, not budgets × pods.
@@ -1072,6 +1110,65 @@ mod tests {
 
     fn labels(l: Value) -> Value {
         json!({"metadata": {"labels": l}})
+    }
+
+    fn template(labels: Value, image: &str) -> Value {
+        json!({"metadata": {"labels": labels}, "spec": {"containers": [{"name": "app", "image": image}]}})
+    }
+
+    fn replicaset(name: &str, created: &str, template: Value) -> Value {
+        json!({"metadata": {"name": name, "uid": format!("uid-{name}"), "creationTimestamp": created},
+            "spec": {"replicas": 2, "template": template}})
+    }
+
+    #[test]
+    fn a_deployments_current_replicaset_is_found_by_its_template_not_its_name() {
+        let dep = json!({"metadata": {"name": "payments"}, "spec": {"template": template(json!({"app": "payments"}), "pay:2")}});
+        // named by another cluster's hash, as every ReplicaSet of a copied cluster is
+        let copied = replicaset(
+            "payments-7d4b9c8f6",
+            "2026-01-02T00:00:00Z",
+            template(json!({"app": "payments", "pod-template-hash": "7d4b9c8f6"}), "pay:2"),
+        );
+        let earlier = replicaset(
+            &format!("payments-{}", short_hash(&dep["spec"]["template"])),
+            "2026-01-01T00:00:00Z",
+            template(json!({"app": "payments", "pod-template-hash": "5f6d7c8b9"}), "pay:1"),
+        );
+        let owned = [earlier.clone(), copied.clone()];
+        assert_eq!(current_replicaset(&dep, &owned), Some(&copied));
+        assert_eq!(current_replicaset(&dep, &owned[..1]), None, "an earlier template is an old ReplicaSet");
+    }
+
+    #[test]
+    fn of_two_replicasets_with_the_current_template_the_oldest_is_current() {
+        let dep = json!({"spec": {"template": template(json!({"app": "web"}), "web:1")}});
+        let newer = replicaset(
+            "web-b",
+            "2026-01-02T00:00:00Z",
+            template(json!({"app": "web", "pod-template-hash": "b"}), "web:1"),
+        );
+        let older = replicaset(
+            "web-c",
+            "2026-01-01T00:00:00Z",
+            template(json!({"app": "web", "pod-template-hash": "c"}), "web:1"),
+        );
+        assert_eq!(current_replicaset(&dep, &[newer, older.clone()]), Some(&older));
+    }
+
+    #[test]
+    fn templates_differ_in_any_label_but_the_hash_and_in_any_other_field() {
+        let t = template(json!({"app": "web", "tier": "front"}), "web:1");
+        let with_hash = template(json!({"app": "web", "tier": "front", "pod-template-hash": "x"}), "web:1");
+        assert!(same_template_ignoring_hash(&t, &with_hash));
+        assert!(same_template_ignoring_hash(&with_hash, &t));
+        assert!(!same_template_ignoring_hash(&t, &template(json!({"app": "web", "pod-template-hash": "x"}), "web:1")));
+        assert!(!same_template_ignoring_hash(&t, &template(json!({"app": "web", "tier": "back"}), "web:1")));
+        assert!(!same_template_ignoring_hash(&t, &template(json!({"app": "web", "tier": "front"}), "web:2")));
+        let mut annotated = t.clone();
+        annotated["metadata"]["annotations"] = json!({"kubectl.kubernetes.io/restartedAt": "2026-01-01T00:00:00Z"});
+        assert!(!same_template_ignoring_hash(&t, &annotated), "a restart is a new template");
+        assert!(!same_template_ignoring_hash(&annotated, &t));
     }
 
     #[test]

@@ -505,11 +505,17 @@ impl Store {
     }
 
     /// Creates an object copied from another cluster, as that cluster holds it: a new uid and
-    /// resourceVersion like any create, but its `status`, `managedFields` and (for objects other
-    /// than pods) `deletionTimestamp` are kept instead of being reset, so that what reads them
-    /// (field managers, an object stuck terminating on a finalizer) sees what the other cluster
-    /// showed; and the apiVersion it was given, as the version it is stored at. A CRD's status
-    /// is the server's own. Only a loader uses this; no request can.
+    /// resourceVersion like any create, but its `status`, `managedFields`, `deletionTimestamp` and
+    /// `deletionGracePeriodSeconds` are kept instead of being reset, so that what reads them
+    /// (field managers, an object stuck terminating on a finalizer, a drain waiting for a pod that
+    /// is already going, a budget that no longer counts it) sees what the other cluster showed;
+    /// and the apiVersion it was given, as the version it is stored at. A CRD's status is the
+    /// server's own. Only a loader uses this; no request can.
+    ///
+    /// The control plane's kubelet removes a terminating pod once its `deletionGracePeriodSeconds`
+    /// have passed from the moment it sees the pod, so a loader gives the pod what was left of its
+    /// grace period; with 0 (or none) the pod stays terminating until its node is gone, as one
+    /// stuck past its deletion time does.
     ///
     /// An object given without `managedFields` (a snapshot drops a pod's and a node's: nothing
     /// that reads the copy needs them) is stored without them, as given, rather than with a
@@ -518,6 +524,7 @@ impl Store {
     pub fn restore(&self, gr: &GroupResource, ns: &str, obj: Value) -> Result<Value, ApiError> {
         let managed = obj["metadata"]["managedFields"].clone();
         let deleting = obj["metadata"]["deletionTimestamp"].clone();
+        let grace = obj["metadata"]["deletionGracePeriodSeconds"].clone();
         let api_version = obj["apiVersion"].clone();
         let status = obj["status"].clone();
         let mut inner = self.lock();
@@ -529,9 +536,11 @@ impl Store {
         } else if let Some(meta) = restored["metadata"].as_object_mut() {
             meta.remove("managedFields");
         }
-        let is_pod = gr.group.is_empty() && gr.resource == "pods";
-        if deleting.is_string() && !is_pod {
+        if deleting.is_string() {
             restored["metadata"]["deletionTimestamp"] = deleting;
+            if grace.is_i64() {
+                restored["metadata"]["deletionGracePeriodSeconds"] = grace;
+            }
         }
         if !status.is_null() && *gr != crd_gr() {
             restored["status"] = status;

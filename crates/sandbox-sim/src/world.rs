@@ -102,6 +102,11 @@ pub struct WorldSpec {
     /// created too), each with its NodeClaim and an instance tagged as EKS tags its own, and a
     /// Deployment `auto-mode/auto-app` with a pod on each. 0: none.
     pub auto_mode_nodes: usize,
+    /// Give every workload container what a real one carries besides its image and resources: an
+    /// environment, a command and a readiness probe. A snapshot drops them, so, as with every
+    /// Deployment copied from a real cluster, a copied template no longer hashes to the name of
+    /// the ReplicaSet that runs it.
+    pub full_containers: bool,
     /// A directory of Karpenter's own CRD files for the release (`karpenter.sh_nodepools.yaml`,
     /// ...); `None` installs the sandbox's permissive CRDs. With the real files the API server
     /// applies their schema defaults and CEL rules, as a real cluster does.
@@ -137,6 +142,7 @@ impl Default for WorldSpec {
             settle_timeout: Duration::from_secs(60),
             grace_periods: Vec::new(),
             grace_seed: 0,
+            full_containers: false,
             karpenter_crds: None,
             static_pool: false,
             auto_mode_nodes: 0,
@@ -687,7 +693,7 @@ async fn create_auto_mode(spec: &WorldSpec, client: &Client, aws: &Cloud) -> Res
     let obj = typed("namespace", json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))?;
     ops::create_or_get(&namespaces, &obj).await.map_err(SimError::kube(format!("creating namespace {ns}")))?;
     let labels = json!({"app": app});
-    let mut pod_spec = workload_pod_spec(app, 1);
+    let mut pod_spec = workload_pod_spec(app, 1, spec.full_containers);
     pod_spec["nodeSelector"] = json!({karpenter::LABEL_COMPUTE_TYPE: "auto"});
     let deployment: Deployment = typed(
         "Deployment",
@@ -952,13 +958,20 @@ async fn create_daemonset(client: &Client) -> Result<(String, String), SimError>
 
 /// Workload pods ask for Karpenter capacity through the capacity-type label, so they never land
 /// on the managed node group and their pending replicas are Karpenter's to provision for.
-fn workload_pod_spec(app: &str, grace_seconds: i64) -> Value {
-    json!({
+fn workload_pod_spec(app: &str, grace_seconds: i64, full: bool) -> Value {
+    let mut spec = json!({
         "nodeSelector": {naming::LABEL_CAPACITY_TYPE: "on-demand"},
         "terminationGracePeriodSeconds": grace_seconds,
         "containers": [{"name": app, "image": "public.ecr.aws/eks-distro/kubernetes/pause:3.2",
             "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}}],
-    })
+    });
+    if full {
+        let c = &mut spec["containers"][0];
+        c["env"] = json!([{"name": "APP_NAME", "value": app}, {"name": "LOG_LEVEL", "value": "info"}]);
+        c["command"] = json!(["/pause"]);
+        c["readinessProbe"] = json!({"tcpSocket": {"port": 8080}, "periodSeconds": 10});
+    }
+    spec
 }
 
 async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workload>, SimError> {
@@ -990,7 +1003,7 @@ async fn create_workloads(spec: &WorldSpec, client: &Client) -> Result<Vec<Workl
             async move {
                 let labels = json!({"app": w.name});
                 let mut spec_json = json!({"replicas": w.replicas, "selector": {"matchLabels": labels},
-                    "template": {"metadata": {"labels": labels}, "spec": workload_pod_spec(&w.name, w.grace_seconds)}});
+                    "template": {"metadata": {"labels": labels}, "spec": workload_pod_spec(&w.name, w.grace_seconds, spec.full_containers)}});
                 let body = json!({"apiVersion": "apps/v1", "kind": w.kind,
                     "metadata": {"name": w.name, "namespace": w.namespace, "labels": labels}});
                 if w.kind == "StatefulSet" {
