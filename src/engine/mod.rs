@@ -241,7 +241,7 @@ pub async fn run(
         Ok(o) => o,
         Err(e) => return RunResult::early(Exit::Failure, e.to_string(), plan_text),
     };
-    let mut gitops = crate::gitops::survey(&inv.gitops_subjects(), &owners.objects);
+    let mut gitops = crate::gitops::survey(&inv.gitops_subjects(), &owners.objects, &kube.server);
     for line in gitops.plan_lines(settings.gitops) {
         plan_text.push_str(&line);
         plan_text.push('\n');

@@ -10,5 +10,6 @@ mod common;
 mod default_plan;
 mod faults;
 mod field_reports;
+mod gitops;
 mod plans;
 mod resume;

@@ -16,6 +16,9 @@
 //!
 //! Before every write it reads its owner again: a pause that lands while a pass is under way is
 //! honoured from the next write on, the way a controller's next reconcile honours it.
+//!
+//! An Application for a cluster-scoped object writes its destination namespace in the tracking
+//! id, as Argo CD does (`UnstructuredToAppInstanceValue` in `util/argo/resource_tracking.go`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -185,7 +188,8 @@ pub fn crds() -> Vec<Value> {
             "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": {
                 "project": {"type": "string"},
                 "source": open,
-                "destination": {"type": "object", "properties": {"server": {"type": "string"}, "namespace": {"type": "string"}}},
+                "destination": {"type": "object", "properties": {"server": {"type": "string"}, "name": {"type": "string"},
+                                                                  "namespace": {"type": "string"}}},
                 "syncPolicy": {"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": {
                     "automated": {"type": "object", "properties": {
                         "enabled": {"type": "boolean"}, "prune": {"type": "boolean"},
@@ -271,6 +275,12 @@ fn controller_hr() -> OwnerId {
     OwnerId { kind: OwnerKind::HelmRelease, namespace: FLUX_NAMESPACE.into(), name: "karpenter".into() }
 }
 
+/// The destination namespace of the sandbox's Applications: Argo CD writes it in the tracking id
+/// of the cluster-scoped objects they apply.
+fn destination_namespace(app: &OwnerId) -> &'static str {
+    if *app == pools_app() { KARPENTER_NAMESPACE } else { ARGOCD_NAMESPACE }
+}
+
 fn key_of(group: &str, kind: &str, namespace: &str, name: &str) -> ObjectKey {
     ObjectKey { group: group.into(), kind: kind.into(), namespace: namespace.into(), name: name.into() }
 }
@@ -283,11 +293,18 @@ fn key_of_owner(id: &OwnerId) -> ObjectKey {
 fn marks(owner: &OwnerId, key: &ObjectKey) -> (Value, &'static str) {
     match owner.kind {
         // annotation tracking (Argo CD 3.x default); the Application lives in Argo CD's namespace,
-        // so the tracking id carries its bare name
-        OwnerKind::Application => (
-            json!({"metadata": {"annotations": {ARGO_TRACKING_ANNOTATION: tracking_id(&owner.name, key)}}}),
-            "argocd-controller",
-        ),
+        // so the tracking id carries its bare name, and a cluster-scoped object's empty
+        // namespace is filled with the Application's destination namespace
+        OwnerKind::Application => {
+            let mut claimed = key.clone();
+            if claimed.namespace.is_empty() {
+                claimed.namespace = destination_namespace(owner).to_string();
+            }
+            (
+                json!({"metadata": {"annotations": {ARGO_TRACKING_ANNOTATION: tracking_id(&owner.name, &claimed)}}}),
+                "argocd-controller",
+            )
+        }
         OwnerKind::Kustomization => (
             json!({"metadata": {"labels": {FLUX_KUSTOMIZATION_LABELS.0: owner.name, FLUX_KUSTOMIZATION_LABELS.1: owner.namespace}}}),
             "kustomize-controller",
@@ -406,9 +423,10 @@ pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimErr
         json!({"inventory": {"entries": keys.iter().map(|k| json!({"id": inventory_id(k), "v": "v1"})).collect::<Vec<_>>()}})
     };
     let automated = json!({"automated": {"selfHeal": true, "prune": true}});
-    let app_spec = |path: &str| {
+    let app_spec = |path: &str, app: &OwnerId| {
         json!({"project": "default", "source": {"repoURL": "https://git.example.com/platform.git", "path": path},
-               "destination": {"server": "https://kubernetes.default.svc"}, "syncPolicy": automated})
+               "destination": {"server": "https://kubernetes.default.svc", "namespace": destination_namespace(app)},
+               "syncPolicy": automated})
     };
     let ks_spec = |path: &str| json!({"interval": "1m", "path": path, "prune": true, "sourceRef": {"kind": "GitRepository", "name": "platform"}});
 
@@ -416,7 +434,7 @@ pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimErr
     create_owner(
         client,
         &pools_app(),
-        app_spec("karpenter/nodepools"),
+        app_spec("karpenter/nodepools", &pools_app()),
         json!({"resources": resources(owned(&repo, &pools_app()))}),
     )
     .await?;
@@ -430,11 +448,71 @@ pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimErr
     adopt_one(client, &mut repo, &root_app(), app_resource, key_of_owner(&pools_app())).await?;
     let hr_resource = owner_resource(OwnerKind::HelmRelease);
     adopt_one(client, &mut repo, &infra_ks(), hr_resource, key_of_owner(&controller_hr())).await?;
-    create_owner(client, &root_app(), app_spec("apps"), json!({"resources": resources(owned(&repo, &root_app()))}))
-        .await?;
+    create_owner(
+        client,
+        &root_app(),
+        app_spec("apps", &root_app()),
+        json!({"resources": resources(owned(&repo, &root_app()))}),
+    )
+    .await?;
     create_owner(client, &infra_ks(), ks_spec("./infrastructure"), inventory(owned(&repo, &infra_ks()))).await?;
 
     Ok(GitopsWorld { owners: vec![root_app(), infra_ks(), pools_app(), classes_ks(), controller_hr()], repo })
+}
+
+/// Makes the sandbox a hub as well: next to the owners [`adopt`] made, owners that apply the
+/// same objects (same names) to other clusters, as a platform team's management cluster has them:
+///
+/// - Argo CD Application `argocd/prod-karpenter`, generated by ApplicationSet `karpenter` (what
+///   its cluster generator makes of a cluster Secret: `spec.destination.server` that cluster's
+///   API server), automated with self-heal, listing every NodePool and the controller Deployment;
+/// - Argo CD Application `argocd/stage-karpenter`, destination by cluster name `stage`, same list;
+/// - Flux Kustomization `flux-system/prod-nodeclasses` with `spec.kubeConfig.secretRef`, listing
+///   every EC2NodeClass in its inventory.
+///
+/// They have no reconciler here: what they apply lives on the other clusters.
+pub async fn add_other_clusters(client: &Client, world: &GitopsWorld) -> Result<Vec<OwnerId>, SimError> {
+    let keys = |kinds: &[&str]| -> Vec<ObjectKey> {
+        world.repo.iter().filter(|d| kinds.contains(&d.key.kind.as_str())).map(|d| d.key.clone()).collect()
+    };
+    let resources: Vec<Value> = keys(&["NodePool", "Deployment"])
+        .iter()
+        .map(
+            |k| json!({"group": k.group, "kind": k.kind, "namespace": k.namespace, "name": k.name, "status": "Synced"}),
+        )
+        .collect();
+    let entries: Vec<Value> =
+        keys(&["EC2NodeClass"]).iter().map(|k| json!({"id": inventory_id(k), "v": "v1"})).collect();
+    let app =
+        |name: &str| OwnerId { kind: OwnerKind::Application, namespace: ARGOCD_NAMESPACE.into(), name: name.into() };
+    let spec = |destination: Value| {
+        json!({"project": "default", "source": {"repoURL": "https://git.example.com/platform.git", "path": "karpenter"},
+               "destination": destination, "syncPolicy": {"automated": {"selfHeal": true, "prune": true}}})
+    };
+    let prod = app("prod-karpenter");
+    let stage = app("stage-karpenter");
+    let flux =
+        OwnerId { kind: OwnerKind::Kustomization, namespace: FLUX_NAMESPACE.into(), name: "prod-nodeclasses".into() };
+    let status = json!({"resources": resources});
+    create_owner(
+        client,
+        &prod,
+        spec(json!({"server": "https://PROD0123456789.gr7.eu-west-1.eks.amazonaws.com", "namespace": KARPENTER_NAMESPACE})),
+        status.clone(),
+    )
+    .await?;
+    // what the ApplicationSet controller sets on what it generates
+    let api = dynamic_api(client, &owner_resource(OwnerKind::Application), ARGOCD_NAMESPACE);
+    let owner_ref = json!({"metadata": {"ownerReferences": [{"apiVersion": "argoproj.io/v1alpha1", "kind": "ApplicationSet",
+        "name": "karpenter", "uid": "00000000-0000-0000-0000-000000000001", "controller": true, "blockOwnerDeletion": true}]}});
+    api.patch(&prod.name, &PatchParams::default(), &Patch::Merge(owner_ref))
+        .await
+        .map_err(SimError::kube(format!("marking {prod} as generated")))?;
+    create_owner(client, &stage, spec(json!({"name": "stage", "namespace": KARPENTER_NAMESPACE})), status).await?;
+    let ks = json!({"interval": "1m", "path": "./karpenter/nodeclasses", "prune": true,
+        "sourceRef": {"kind": "GitRepository", "name": "platform"}, "kubeConfig": {"secretRef": {"name": "prod-kubeconfig"}}});
+    create_owner(client, &flux, ks, json!({"inventory": {"entries": entries}})).await?;
+    Ok(vec![prod, stage, flux])
 }
 
 /// The fields an owner sets back when they drift, per kind of object it applies.
