@@ -45,6 +45,9 @@ pub const FLUX_HELMRELEASE_LABELS: (&str, &str) = ("helm.toolkit.fluxcd.io/name"
 pub const ARGO_IN_CLUSTER_SERVER: &str = "https://kubernetes.default.svc";
 /// Argo CD's name for the cluster it runs in (`KubernetesInClusterName`).
 pub const ARGO_IN_CLUSTER_NAME: &str = "in-cluster";
+/// Flux's reconcile request (`meta.ReconcileRequestAnnotation`): the controller copies its value
+/// to `status.lastHandledReconcileAt` at the end of every pass, a suspended one included.
+pub const FLUX_RECONCILE_REQUEST: &str = "reconcile.fluxcd.io/requestedAt";
 /// Where the tool keeps an Application's `spec.syncPolicy.automated` when it turns it off, so a
 /// human can see (and restore) what it was.
 pub const PAUSED_AUTOMATED_ANNOTATION: &str = "karpenter-teardown.io/paused-automated-sync";
@@ -372,6 +375,69 @@ fn application_resources(obj: &Value) -> BTreeSet<ObjectKey> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// What an owner is still doing that would apply the Karpenter objects as Git has them, from
+/// its object as read now; `None` when nothing is in flight. Pausing stops what an owner would
+/// start next, not what it has started: an Argo CD sync runs to its end (and a failed one retries)
+/// with automated sync off, and a Flux reconcile that read the object before `suspend` finishes
+/// its apply.
+///
+/// Argo CD (`controller/appcontroller.go`, `processRequestedAppOperation`; phases in
+/// `gitops-engine/pkg/sync/common/types.go`): `operation` is set from the request until the
+/// operation completes; `status.operationState.phase` is `Running` while it runs and while a
+/// failed one waits to retry (`finishedAt` then set), `Terminating` while it is being stopped.
+///
+/// Flux (`fluxcd/pkg` `apis/meta`): `request` is the `reconcile.fluxcd.io/requestedAt` value
+/// the run wrote in the same write as `suspend: true`. The controller reconciles one object one
+/// pass at a time and copies that value to `status.lastHandledReconcileAt` at the end of every
+/// pass, a suspended one included (kustomize-controller `finalizeStatus`, helm-controller
+/// `Reconcile`): once it is there, a pass has seen the suspend and every pass before it is over.
+/// Without a request of the run's (an owner already suspended), the `Reconciling` condition says
+/// whether a pass is under way; its reason `ProgressingWithRetry` only means a failed pass would
+/// be retried, which a suspended object is not.
+pub fn in_flight(kind: OwnerKind, obj: &Value, request: Option<&str>) -> Option<String> {
+    match kind {
+        OwnerKind::Application => {
+            let state = &obj["status"]["operationState"];
+            let requested = obj.get("operation").is_some_and(|o| !o.is_null());
+            match state["phase"].as_str() {
+                Some("Terminating") => Some("a sync is being terminated (operationState.phase Terminating)".into()),
+                Some("Running") if !state["finishedAt"].is_null() => Some(format!(
+                    "a failed sync waits to retry (attempt {}): {}",
+                    state["retryCount"].as_i64().unwrap_or_default() + 1,
+                    state["message"].as_str().unwrap_or("no message")
+                )),
+                Some("Running") => Some(format!(
+                    "a sync is running (operationState.phase Running since {})",
+                    state["startedAt"].as_str().unwrap_or("an unknown time")
+                )),
+                _ if requested => Some("a sync is requested (operation set) and has not ended".into()),
+                _ => None,
+            }
+        }
+        OwnerKind::Kustomization | OwnerKind::HelmRelease => {
+            if let Some(request) = request {
+                let handled = obj["status"]["lastHandledReconcileAt"].as_str().unwrap_or_default();
+                return (handled != request).then(|| {
+                    format!(
+                        "Flux has not handled the suspend yet (status.lastHandledReconcileAt is {:?}, the run asked \
+                         {request:?}): a reconcile begun before it may still be applying",
+                        handled
+                    )
+                });
+            }
+            let conditions = obj["status"]["conditions"].as_array().cloned().unwrap_or_default();
+            let reconciling = conditions.iter().find(|c| c["type"] == "Reconciling" && c["status"] == "True")?;
+            let reason = reconciling["reason"].as_str().unwrap_or_default();
+            (reason != "ProgressingWithRetry").then(|| {
+                format!(
+                    "a reconcile is under way (condition Reconciling: {reason}: {})",
+                    reconciling["message"].as_str().unwrap_or_default()
+                )
+            })
+        }
+    }
 }
 
 /// Flux inventory entries are `<namespace>_<name>_<group>_<kind>`; none of the four can contain
@@ -1117,6 +1183,47 @@ mod tests {
         );
         let s = survey(&[deploy], &listed, HERE);
         assert!(s.owners.is_empty() && s.set_aside.len() == 1, "{s:#?}");
+    }
+
+    #[test]
+    fn an_argo_cd_operation_is_in_flight_while_requested_running_retrying_or_terminating() {
+        let app = |operation: Value, state: Value| json!({"operation": operation, "status": {"operationState": state}});
+        let busy = |v: Value| in_flight(OwnerKind::Application, &v, None);
+        assert_eq!(busy(app(Value::Null, json!({"phase": "Succeeded"}))), None);
+        assert_eq!(busy(app(Value::Null, json!({"phase": "Failed", "finishedAt": "t"}))), None, "failed for good");
+        assert_eq!(busy(json!({"status": {}})), None);
+        assert!(busy(app(json!({"sync": {}}), Value::Null)).unwrap().contains("requested"));
+        assert!(
+            busy(app(json!({"sync": {}}), json!({"phase": "Running", "startedAt": "t0"}))).unwrap().contains("running")
+        );
+        let retry = busy(app(
+            json!({"sync": {}, "retry": {"limit": 5}}),
+            json!({"phase": "Running", "finishedAt": "t1", "retryCount": 2, "message": "one or more objects failed to apply"}),
+        ))
+        .unwrap();
+        assert!(retry.contains("retry (attempt 3)") && retry.contains("failed to apply"), "{retry}");
+        assert!(busy(app(json!({"sync": {}}), json!({"phase": "Terminating"}))).unwrap().contains("terminated"));
+    }
+
+    #[test]
+    fn a_flux_reconcile_is_over_once_the_runs_request_is_handled_or_none_progresses() {
+        let obj = |handled: &str, reason: &str| {
+            json!({"status": {"lastHandledReconcileAt": handled,
+                              "conditions": [{"type": "Reconciling", "status": "True", "reason": reason, "message": "m"}]}})
+        };
+        for kind in [OwnerKind::Kustomization, OwnerKind::HelmRelease] {
+            // the run's request: only its acknowledgement counts, whatever the conditions say
+            assert!(in_flight(kind, &obj("older", "ProgressingWithRetry"), Some("now")).unwrap().contains("\"now\""));
+            assert_eq!(in_flight(kind, &obj("now", "Progressing"), Some("now")), None);
+            assert!(in_flight(kind, &json!({}), Some("now")).is_some());
+            // already suspended: the Reconciling condition
+            assert!(in_flight(kind, &obj("x", "Progressing"), None).unwrap().contains("under way"));
+            assert_eq!(in_flight(kind, &obj("x", "ProgressingWithRetry"), None), None);
+            assert_eq!(
+                in_flight(kind, &json!({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}), None),
+                None
+            );
+        }
     }
 
     #[test]

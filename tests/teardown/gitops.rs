@@ -1,10 +1,13 @@
-//! End to end: GitOps owners that apply to other clusters (a hub's).
+//! End to end: GitOps owners that apply to other clusters (a hub's), and work GitOps owners
+//! already have in flight when the run pauses them.
 
-use kube::api::{Api, DynamicObject};
+use std::time::{Duration, SystemTime};
+
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
-use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim, OwnerId};
+use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim, OwnerId, OwnerKind};
 use sandbox_sim::{SimController, SimSettings, WorldSpec, generate};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::common::e2e::{REGION, assert_torn_down, bed, spec, teardown, untouchable_nodes};
 
@@ -92,6 +95,62 @@ async fn a_hubs_owners_for_other_clusters_neither_refuse_nor_get_paused() {
     for (owner, was) in remote.iter().zip(&before) {
         let now = serde_json::to_value(owner_api(&b, owner).get(&owner.name).await.unwrap()).unwrap();
         assert_eq!(now["metadata"]["resourceVersion"], was["metadata"]["resourceVersion"], "{owner} was written");
+    }
+    reconcilers.shutdown().await;
+    sim.shutdown().await;
+    b.server.shutdown().await;
+}
+
+/// Work already in flight when the run pauses: a sync a human started on an Application whose
+/// automated sync was already off (the run does not pause it, but it applies the NodePools as Git
+/// has them until it ends), and Flux passes that take a
+/// while (a pass under way when the suspend lands still applies). The run waits until the sync
+/// has ended and Flux has handled its suspend before the fence, and ends clean with nothing put
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_in_flight_on_every_owner_ends_before_the_fence() {
+    let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-flight", 4) };
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let settings = GitopsSettings { flux_pass: Duration::from_secs(2), ..GitopsSettings::default() };
+    let reconcilers = GitopsSim::start(b.client.clone(), &g, settings);
+    // a human turned automated sync off on both Applications (the parent first, or it would
+    // turn the child's back on), then synced the NodePools' by hand
+    let pools = g.owners.iter().find(|o| o.name == "karpenter-nodepools").unwrap().clone();
+    let platform = g.owners.iter().find(|o| o.name == "platform").unwrap().clone();
+    for app in [&platform, &pools] {
+        let off = json!({"spec": {"syncPolicy": {"automated": null}}});
+        owner_api(&b, app).patch(&app.name, &PatchParams::default(), &Patch::Merge(off)).await.unwrap();
+    }
+    reconcilers.sync_in_flight(&pools, Duration::from_secs(10)).await.unwrap();
+    // every Flux owner has a pass under way
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let sim = SimController::start(
+        b.client.clone(),
+        b.cloud.clone(),
+        SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
+    );
+    let untouchable = untouchable_nodes(&b.client, &world).await;
+    let run = teardown(&b, &world.cluster, &["--yes", "--pause-gitops"]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert_torn_down(&b, &world, &untouchable).await;
+    assert_eq!(reconcilers.stats(), Default::default(), "work in flight put something back");
+    let step = &run.report["steps"][0];
+    assert_eq!(step["step"], "pause-gitops", "{step:#}");
+    let detail = step["detail"].as_str().unwrap();
+    assert!(detail.contains("waited for work in flight") && detail.contains(&pools.to_string()), "{detail}");
+    let finished = humantime::parse_rfc3339(step["finished"].as_str().unwrap()).unwrap();
+    for owner in g.owners.iter().filter(|o| *o == &pools || o.kind != OwnerKind::Application) {
+        let last = reconcilers.last_applied(owner).unwrap_or(SystemTime::UNIX_EPOCH);
+        // the report's times are in milliseconds
+        assert!(
+            last <= finished + Duration::from_millis(1),
+            "{owner} applied after the run went on: {} > {}",
+            humantime::format_rfc3339_millis(last),
+            humantime::format_rfc3339_millis(finished)
+        );
     }
     reconcilers.shutdown().await;
     sim.shutdown().await;
