@@ -379,7 +379,9 @@ async fn pause_gitops(
             let request = requests.get(id).map(String::as_str);
             let span = tracing::info_span!("task", step = "pause-gitops", object = %id);
             let first = Instant::now();
-            match wait_settled(&kube.client, owners, id, request, deadline).instrument(span).await {
+            let settled = crate::k8s::retry_transient(|| wait_settled(&kube.client, owners, id, request, deadline));
+            match settled.instrument(span).await {
+                // a poll or two is the controller's ordinary latency, not work worth naming
                 Ok(None) if first.elapsed() >= Duration::from_secs(1) => {
                     waited.push(format!("{id} ({:.0}s)", first.elapsed().as_secs_f64()));
                 }
