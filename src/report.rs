@@ -108,6 +108,8 @@ pub enum BlockerKind {
     Nodeclaim,
     /// A pod that tolerates the fence and went with its node (blocked nothing).
     PodGoesWithNode,
+    /// A GitOps owner whose sync or reconcile was still in flight at the deadline.
+    GitopsOwner,
 }
 
 impl BlockerKind {
@@ -120,6 +122,7 @@ impl BlockerKind {
             BlockerKind::Reclaim => "reclaim",
             BlockerKind::Nodeclaim => "nodeclaim",
             BlockerKind::PodGoesWithNode => "pod-goes-with-node",
+            BlockerKind::GitopsOwner => "gitops-owner",
         }
     }
 }

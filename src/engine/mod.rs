@@ -33,7 +33,7 @@ use crate::exit::Exit;
 use crate::gitops::{GitopsConsent, Survey};
 use crate::k8s::Kube;
 use crate::plan::{Action, Plan, ReadyTracker, TaskGraph, TaskId, TaskNode};
-use crate::report::{Blocker, StepRecord, TaskResult, rfc3339};
+use crate::report::{Blocker, BlockerKind, StepRecord, TaskResult, rfc3339};
 use crate::verify::Leftovers;
 
 /// What a run needs beyond the clients.
@@ -244,7 +244,7 @@ pub async fn run(
         Ok(o) => o,
         Err(e) => return RunResult::early(Exit::Failure, e.to_string(), plan_text),
     };
-    let mut gitops = crate::gitops::survey(&inv.gitops_subjects(), &owners.objects);
+    let mut gitops = crate::gitops::survey(&inv.gitops_subjects(), &owners.objects, &kube.server);
     for line in gitops.plan_lines(settings.gitops) {
         plan_text.push_str(&line);
         plan_text.push('\n');
@@ -266,11 +266,17 @@ pub async fn run(
         };
     }
     let mut early_steps = Vec::new();
-    if gitops.active().next().is_some() {
+    // owners already paused count too: a sync or reconcile they started may still be applying
+    if !gitops.owners.is_empty() {
         let (record, failed) = pause_gitops(&kube, &owners, &mut gitops).await;
         early_steps.push(record);
-        if let Some(error) = failed {
-            return RunResult { steps: early_steps, gitops, ..RunResult::early(Exit::Failure, error, plan_text) };
+        if let Some(stop) = failed {
+            return RunResult {
+                steps: early_steps,
+                gitops,
+                blockers: stop.blockers,
+                ..RunResult::early(stop.exit, stop.error, plan_text)
+            };
         }
     }
     tracing::info!(
@@ -320,55 +326,117 @@ pub async fn run(
     RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text, gitops, not_ours: inv.not_ours }
 }
 
-/// How long an Argo CD sync already running may take to finish once automated sync is off.
-const ARGO_SYNC_WAIT: Duration = Duration::from_secs(120);
+/// How long the GitOps owners' work in flight (an Argo CD sync, a Flux reconcile) may take to
+/// end once they are paused, all owners together.
+const GITOPS_SETTLE_WAIT: Duration = Duration::from_secs(120);
 
-/// Pauses every active GitOps owner, parents first, and waits for an Argo CD sync in flight to
-/// end; returns the step record and the error that stops the run, if any. Never resumed: the
-/// cluster is going away, and a resumed owner would put everything back.
+/// Why the GitOps step stops the run.
+struct GitopsStop {
+    exit: Exit,
+    error: String,
+    blockers: Vec<Blocker>,
+}
+
+/// Pauses every active GitOps owner, parents first, then waits until no owner found (paused by
+/// the run or before it) has a sync or reconcile in flight; returns the step record and what
+/// stops the run, if anything. Never resumed: the cluster is going away, and a resumed owner
+/// would put everything back.
 async fn pause_gitops(
     kube: &Kube,
     owners: &crate::k8s::gitops::Owners,
     survey: &mut Survey,
-) -> (StepRecord, Option<String>) {
-    use crate::k8s::gitops::{PauseOutcome, mark_paused, pause, wait_argo_idle};
+) -> (StepRecord, Option<GitopsStop>) {
+    use crate::k8s::gitops::{PauseOutcome, mark_paused, pause, wait_settled};
     let started = SystemTime::now();
     let active: Vec<crate::gitops::OwnerId> = survey.active().map(|f| f.owner.clone()).collect();
     let mut paused = Vec::new();
-    let mut error = None;
+    let mut requests: BTreeMap<crate::gitops::OwnerId, String> = BTreeMap::new();
+    let mut stop = None;
     for id in &active {
         let span = tracing::info_span!("task", step = "pause-gitops", object = %id);
-        let outcome = async {
-            let outcome = crate::k8s::retry_transient(|| pause(&kube.client, owners, id)).await?;
-            if outcome == PauseOutcome::Paused && !wait_argo_idle(&kube.client, owners, id, ARGO_SYNC_WAIT).await? {
-                return Err(crate::k8s::KubeError::NotPaused {
-                    owner: id.to_string(),
-                    detail: format!(
-                        "automated sync is off, but a sync it started was still running after {}s; wait for it to end (argocd app wait), then run again",
-                        ARGO_SYNC_WAIT.as_secs()
-                    ),
-                });
-            }
-            Ok(outcome)
-        }
-        .instrument(span)
-        .await;
-        match outcome {
-            Ok(PauseOutcome::Paused) => {
+        match crate::k8s::retry_transient(|| pause(&kube.client, owners, id)).instrument(span).await {
+            Ok(PauseOutcome::Paused { request }) => {
                 tracing::warn!(owner = %id, "paused a GitOps owner; it is not resumed (the cluster is going away)");
                 mark_paused(&mut survey.owners, id);
                 paused.push(id.to_string());
+                if let Some(r) = request {
+                    requests.insert(id.clone(), r);
+                }
             }
             Ok(o) => tracing::info!(owner = %id, outcome = ?o, "GitOps owner needed no pause"),
             Err(e) => {
-                error = Some(format!("pause-gitops: {e}. The owners paused so far stay paused: {}", paused.join(", ")));
+                stop = Some(GitopsStop {
+                    exit: Exit::Failure,
+                    error: format!("pause-gitops: {e}. The owners paused so far stay paused: {}", paused.join(", ")),
+                    blockers: Vec::new(),
+                });
                 break;
             }
         }
     }
-    let detail = match &error {
-        Some(e) => e.clone(),
-        None => format!("paused {} GitOps owner(s), never resumed: {}", paused.len(), paused.join(", ")),
+    let mut waited = Vec::new();
+    if stop.is_none() {
+        let deadline = tokio::time::Instant::now() + GITOPS_SETTLE_WAIT;
+        let mut unsettled = Vec::new();
+        let ids: Vec<crate::gitops::OwnerId> = survey.owners.iter().map(|f| f.owner.clone()).collect();
+        for id in &ids {
+            let request = requests.get(id).map(String::as_str);
+            let span = tracing::info_span!("task", step = "pause-gitops", object = %id);
+            let first = Instant::now();
+            let settled = crate::k8s::retry_transient(|| wait_settled(&kube.client, owners, id, request, deadline));
+            match settled.instrument(span).await {
+                // a poll or two is the controller's ordinary latency, not work worth naming
+                Ok(None) if first.elapsed() >= Duration::from_secs(1) => {
+                    waited.push(format!("{id} ({:.0}s)", first.elapsed().as_secs_f64()));
+                }
+                Ok(None) => {}
+                Ok(Some(busy)) => unsettled.push((id.clone(), busy)),
+                Err(e) => {
+                    stop = Some(GitopsStop {
+                        exit: Exit::Failure,
+                        error: format!(
+                            "pause-gitops: {e}. The owners paused so far stay paused: {}",
+                            paused.join(", ")
+                        ),
+                        blockers: Vec::new(),
+                    });
+                    break;
+                }
+            }
+        }
+        if stop.is_none() && !unsettled.is_empty() {
+            let list: Vec<String> = unsettled.iter().map(|(id, busy)| format!("{id}: {busy}")).collect();
+            stop = Some(GitopsStop {
+                exit: Exit::Blocked,
+                error: format!(
+                    "pause-gitops: still in flight after {}s, and it would apply the Karpenter objects as Git has \
+                     them: {}. Let it end (Argo CD: argocd app wait, or argocd app terminate-op; Flux: check that its \
+                     controller runs), then run again. Nothing else was changed; the owners paused so far stay paused: \
+                     {}",
+                    GITOPS_SETTLE_WAIT.as_secs(),
+                    list.join("; "),
+                    if paused.is_empty() { "none".to_string() } else { paused.join(", ") }
+                ),
+                blockers: unsettled
+                    .into_iter()
+                    .map(|(id, busy)| Blocker {
+                        kind: BlockerKind::GitopsOwner,
+                        name: format!("{}/{}", id.namespace, id.name),
+                        reason: format!("{} {} {busy}", id.kind.tool(), id.kind.kind()),
+                    })
+                    .collect(),
+            });
+        }
+    }
+    let detail = match &stop {
+        Some(s) => s.error.clone(),
+        None => {
+            let mut d = format!("paused {} GitOps owner(s), never resumed: {}", paused.len(), paused.join(", "));
+            if !waited.is_empty() {
+                d.push_str(&format!("; waited for work in flight to end: {}", waited.join(", ")));
+            }
+            d
+        }
     };
     let record = StepRecord {
         step: "pause-gitops".into(),
@@ -377,10 +445,14 @@ async fn pause_gitops(
         started: rfc3339(started),
         finished: rfc3339(SystemTime::now()),
         attempts: 1,
-        result: if error.is_some() { TaskResult::Failed } else { TaskResult::Done },
+        result: match stop.as_ref().map(|s| s.exit) {
+            None => TaskResult::Done,
+            Some(Exit::Blocked) => TaskResult::Blocked,
+            Some(_) => TaskResult::Failed,
+        },
         detail,
     };
-    (record, error)
+    (record, stop)
 }
 
 /// Proves identity from the nodes and controller alone, then sets the Karpenter CRDs' conversion

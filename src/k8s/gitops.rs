@@ -7,11 +7,14 @@ use std::time::Duration;
 
 use kube::api::{Api, ListParams, Patch};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use super::objects::patch_params;
 use super::{KubeError, status_code};
-use crate::gitops::{Finding, OwnerId, OwnerKind, OwnerObject, OwnerState, PAUSED_AUTOMATED_ANNOTATION};
+use crate::gitops::{
+    FLUX_RECONCILE_REQUEST, Finding, OwnerId, OwnerKind, OwnerObject, OwnerState, PAUSED_AUTOMATED_ANNOTATION,
+    in_flight,
+};
 
 /// The owner objects in the cluster, and the version each kind is served at.
 #[derive(Debug, Clone, Default)]
@@ -64,17 +67,23 @@ pub async fn list_owners(client: &kube::Client) -> Result<Owners, KubeError> {
 /// What pausing one owner did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PauseOutcome {
-    /// It reconciled and now does not.
-    Paused,
+    /// It reconciled and now does not. `request` is the Flux reconcile request written with the
+    /// suspend, whose handling says the controller has seen it (see [`crate::gitops::in_flight`]).
+    Paused {
+        /// The `reconcile.fluxcd.io/requestedAt` value written (Flux only).
+        request: Option<String>,
+    },
     /// It was already paused (a re-run, or someone else).
     AlreadyPaused,
     /// It is gone.
     Gone,
 }
 
-/// Pauses one owner: Flux `spec.suspend: true` (what `flux suspend` writes); Argo CD automated
-/// sync off, the original `spec.syncPolicy.automated` kept in an annotation. Conflict-safe
-/// (the write carries the resourceVersion it was decided on) and idempotent; read back after.
+/// Pauses one owner: Flux `spec.suspend: true` (what `flux suspend` writes) with a reconcile
+/// request (what `flux reconcile` writes) whose handling acknowledges the suspend; Argo CD
+/// automated sync off, the original `spec.syncPolicy.automated` kept in an annotation.
+/// Conflict-safe (the write carries the resourceVersion it was decided on) and idempotent; read
+/// back after.
 pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Result<PauseOutcome, KubeError> {
     let Some(version) = owners.versions.get(&id.kind) else { return Ok(PauseOutcome::Gone) };
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &id.namespace, &resource(id.kind, version));
@@ -88,6 +97,7 @@ pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Resu
             return Ok(PauseOutcome::AlreadyPaused);
         }
         let rv = obj.metadata.resource_version.clone().unwrap_or_default();
+        let mut request = None;
         let patch = match id.kind {
             OwnerKind::Application => {
                 let original = value["spec"]["syncPolicy"]["automated"].to_string();
@@ -97,7 +107,12 @@ pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Resu
                 })
             }
             OwnerKind::Kustomization | OwnerKind::HelmRelease => {
-                json!({"metadata": {"resourceVersion": rv}, "spec": {"suspend": true}})
+                // any value other than the last handled one is a new request; the time makes it so
+                let token = crate::report::rfc3339(std::time::SystemTime::now());
+                let patch = json!({"metadata": {"resourceVersion": rv, "annotations": {FLUX_RECONCILE_REQUEST: token}},
+                                   "spec": {"suspend": true}});
+                request = Some(token);
+                patch
             }
         };
         // the patch answers with the object as written: judged again, it says whether the pause held
@@ -111,7 +126,7 @@ pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Resu
         let value = serde_json::to_value(&written)
             .map_err(|e| KubeError::api(format!("read {id}"), kube::Error::SerdeError(e)))?;
         return match OwnerObject::from_json(id.kind, &value).state {
-            OwnerState::Paused(_) => Ok(PauseOutcome::Paused),
+            OwnerState::Paused(_) => Ok(PauseOutcome::Paused { request }),
             OwnerState::Active(d) => Err(KubeError::NotPaused {
                 owner: id.to_string(),
                 detail: format!(
@@ -128,34 +143,30 @@ pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Resu
     })
 }
 
-/// Waits until an Argo CD Application has no sync operation in flight: turning automated sync
-/// off does not stop a sync already running, which would still apply the NodePools as Git has
-/// them (and undo the fence). Flux has no equivalent to wait on: a suspended object's
-/// in-flight reconcile is one apply, over before the next step.
-pub async fn wait_argo_idle(
+/// Waits until `id` has nothing in flight (see [`crate::gitops::in_flight`]) or `deadline`
+/// passes; `request` is the Flux reconcile request the run wrote with its suspend, if it did.
+/// `Ok(None)` when it settled (or is gone), `Ok(Some(what))` with what was still in flight at the
+/// deadline.
+pub async fn wait_settled(
     client: &kube::Client,
     owners: &Owners,
     id: &OwnerId,
-    timeout: Duration,
-) -> Result<bool, KubeError> {
-    let Some(version) = owners.versions.get(&id.kind) else { return Ok(true) };
-    if id.kind != OwnerKind::Application {
-        return Ok(true);
-    }
+    request: Option<&str>,
+    deadline: tokio::time::Instant,
+) -> Result<Option<String>, KubeError> {
+    let Some(version) = owners.versions.get(&id.kind) else { return Ok(None) };
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &id.namespace, &resource(id.kind, version));
-    let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let Some(obj) = api.get_opt(&id.name).await.map_err(|e| KubeError::api(format!("read {id}"), e))? else {
-            return Ok(true);
+            return Ok(None);
         };
-        let requested = obj.data.get("operation").is_some_and(|o| !o.is_null());
-        let running = obj.data.pointer("/status/operationState/phase").and_then(Value::as_str) == Some("Running");
-        if !requested && !running {
-            return Ok(true);
-        }
+        let value =
+            serde_json::to_value(&obj).map_err(|e| KubeError::api(format!("read {id}"), kube::Error::SerdeError(e)))?;
+        let Some(busy) = in_flight(id.kind, &value, request) else { return Ok(None) };
         if tokio::time::Instant::now() >= deadline {
-            return Ok(false);
+            return Ok(Some(busy));
         }
+        tracing::debug!(owner = %id, what = %busy, "waiting for GitOps work in flight");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

@@ -225,6 +225,35 @@ pub async fn rehearse(
 /// deadline.
 type Played = (engine::RunResult, BTreeMap<String, u64>, f64, std::collections::BTreeSet<String>);
 
+/// The copy has no Argo CD or Flux controllers, and a run that pauses a Flux object waits until
+/// the controller has handled the suspend: the sandbox's simulated ones stand in, with nothing to
+/// put back (the snapshot holds no Git repository), so the copy acknowledges a suspend as the
+/// live Flux would. It has a client of its own: its requests are not the run's. `None` when the
+/// copy holds no GitOps owner.
+async fn gitops_stand_in(copy: &load::Copy) -> Result<Option<sandbox_sim::gitops::GitopsSim>, RehearseError> {
+    use sandbox_sim::gitops::{GitopsSim, GitopsWorld, OwnerId, OwnerKind};
+    let kube = Kube::from_config(copy.server.kube_config(), None)?;
+    let owners = crate::k8s::gitops::list_owners(&kube.client).await?;
+    let owners: Vec<OwnerId> = owners
+        .objects
+        .iter()
+        .map(|o| OwnerId {
+            kind: match o.id.kind {
+                crate::gitops::OwnerKind::Application => OwnerKind::Application,
+                crate::gitops::OwnerKind::Kustomization => OwnerKind::Kustomization,
+                crate::gitops::OwnerKind::HelmRelease => OwnerKind::HelmRelease,
+            },
+            namespace: o.id.namespace.clone(),
+            name: o.id.name.clone(),
+        })
+        .collect();
+    if owners.is_empty() {
+        return Ok(None);
+    }
+    let world = GitopsWorld { owners, repo: Vec::new() };
+    Ok(Some(GitopsSim::start(kube.client.clone(), &world, Default::default())))
+}
+
 async fn play(
     snap: &Snapshot,
     settings: &RehearsalSettings,
@@ -266,7 +295,11 @@ async fn play(
         }
         .instrument(span.clone()),
     );
+    let stand_in = gitops_stand_in(copy).await?;
     let run = engine::run(kube.clone(), aws.clone(), run_settings, cancel, events).instrument(span).await;
+    if let Some(g) = stand_in {
+        g.shutdown().await;
+    }
     let run_seconds = started.elapsed().as_secs_f64();
     let deadline_passed = deadlines.await.unwrap_or_default();
     let mut requests = kube.calls.snapshot();

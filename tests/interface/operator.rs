@@ -58,10 +58,16 @@ fn gitops_survey() -> karpenter_teardown::gitops::Survey {
             OwnerKind::HelmRelease,
             &json!({"metadata": {"name": "h", "namespace": "flux-system"}, "spec": {"suspend": true}}),
         ),
+        OwnerObject::from_json(
+            OwnerKind::Application,
+            &json!({"metadata": {"name": "prod", "namespace": "argocd"}, "spec": {"destination": {"server": "https://prod.example"}},
+                    "status": {"resources": [{"group": "karpenter.sh", "kind": "NodePool", "name": "e"}]}}),
+        ),
     ];
-    let mut s = survey(&objects, &listed);
+    let mut s = survey(&objects, &listed, "https://kubernetes.example");
     s.owners[1].paused_by_run = true;
     assert_eq!((s.owners.len(), s.unreachable.len(), s.set_aside.len()), (3, 1, 1), "{s:#?}");
+    assert_eq!(s.other_clusters.len(), 1, "{s:#?}");
     s
 }
 

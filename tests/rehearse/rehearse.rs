@@ -433,6 +433,24 @@ async fn rehearse_predicts_the_refusal_of_active_gitops_owners() {
     b.server.shutdown().await;
 }
 
+/// With --pause-gitops, the run suspends the Flux owners and waits until Flux has handled the
+/// suspend; the copy has no Flux of its own, so a stand-in acknowledges it there: the prediction
+/// matches the real run (the live bed's Flux is the simulated one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rehearse_predicts_a_run_that_pauses_flux_owners() {
+    let _serial = crate::SERIAL.lock().await;
+    let s = WorldSpec { pool_cpu_limit: Some(1000), ..live_spec("reh-gitops-pause", 3) };
+    let b = live_bed(&s.cluster, both_roles()).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let g = sandbox_sim::gitops::adopt(&b.client, &world).await.unwrap();
+    let flux = sandbox_sim::gitops::GitopsSim::start(b.client.clone(), &g, Default::default());
+    let (prediction, real) = prediction_matches_the_real_run(&b, &world.cluster, &["--pause-gitops"]).await;
+    assert_eq!(real["outcome"], "clean", "{real:#}");
+    assert_eq!(prediction["outcome"], "clean", "{prediction:#}");
+    flux.shutdown().await;
+    b.server.shutdown().await;
+}
+
 async fn wait_controller_pods_gone(b: &Bed) {
     let pods: Api<Pod> = Api::namespaced(b.client.clone(), naming::KARPENTER_NAMESPACE);
     let lp = ListParams::default().labels("app.kubernetes.io/name=karpenter");

@@ -10,6 +10,7 @@ mod common;
 mod default_plan;
 mod faults;
 mod field_reports;
+mod gitops;
 mod not_ours;
 mod plans;
 mod resume;

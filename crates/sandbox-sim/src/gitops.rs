@@ -10,16 +10,25 @@
 //!   a child Application's sync policy). Automated sync off (`spec.syncPolicy.automated` absent or
 //!   `enabled: false`) or `argocd.argoproj.io/skip-reconcile: "true"`: nothing. While it applies,
 //!   the Application carries `status.operationState.phase: Running`, as Argo CD's sync does.
+//!   Before every write of such a pass it reads its Application again, so a pause is honoured
+//!   from the next write on. A sync started on purpose ([`GitopsSim::sync_in_flight`]) runs to
+//!   its end whatever the sync policy says, as an Argo CD operation does: `operation` set,
+//!   `operationState.phase: Running`, then `Succeeded` and `operation` cleared.
 //! - Flux Kustomization: re-applies its inventory every interval unless `spec.suspend: true`.
 //! - Flux HelmRelease with `spec.driftDetection.mode: enabled`: corrects drift and re-creates
 //!   deleted objects unless suspended.
+//! - Flux passes read the object once, at their start: a pass under way when `suspend` is set
+//!   finishes its apply (with condition `Reconciling: Progressing` meanwhile), and every pass,
+//!   a suspended one too, ends by copying `reconcile.fluxcd.io/requestedAt` to
+//!   `status.lastHandledReconcileAt`, as kustomize-controller and helm-controller do.
 //!
-//! Before every write it reads its owner again: a pause that lands while a pass is under way is
-//! honoured from the next write on, the way a controller's next reconcile honours it.
+//! An Application for a cluster-scoped object writes its destination namespace in the tracking
+//! id, as Argo CD does (`UnstructuredToAppInstanceValue` in `util/argo/resource_tracking.go`).
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
@@ -38,6 +47,8 @@ use crate::karpenter;
 
 /// Argo CD's annotation tracking (`util/argo/resource_tracking.go`).
 pub const ARGO_TRACKING_ANNOTATION: &str = "argocd.argoproj.io/tracking-id";
+/// Flux's reconcile request annotation (`fluxcd/pkg` `apis/meta`).
+pub const FLUX_RECONCILE_REQUEST: &str = "reconcile.fluxcd.io/requestedAt";
 /// An Application Argo CD does not reconcile at all.
 const ARGO_SKIP_RECONCILE: &str = "argocd.argoproj.io/skip-reconcile";
 /// kustomize-controller's labels on what it applies.
@@ -185,7 +196,8 @@ pub fn crds() -> Vec<Value> {
             "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": {
                 "project": {"type": "string"},
                 "source": open,
-                "destination": {"type": "object", "properties": {"server": {"type": "string"}, "namespace": {"type": "string"}}},
+                "destination": {"type": "object", "properties": {"server": {"type": "string"}, "name": {"type": "string"},
+                                                                  "namespace": {"type": "string"}}},
                 "syncPolicy": {"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": {
                     "automated": {"type": "object", "properties": {
                         "enabled": {"type": "boolean"}, "prune": {"type": "boolean"},
@@ -271,6 +283,12 @@ fn controller_hr() -> OwnerId {
     OwnerId { kind: OwnerKind::HelmRelease, namespace: FLUX_NAMESPACE.into(), name: "karpenter".into() }
 }
 
+/// The destination namespace of the sandbox's Applications: Argo CD writes it in the tracking id
+/// of the cluster-scoped objects they apply.
+fn destination_namespace(app: &OwnerId) -> &'static str {
+    if *app == pools_app() { KARPENTER_NAMESPACE } else { ARGOCD_NAMESPACE }
+}
+
 fn key_of(group: &str, kind: &str, namespace: &str, name: &str) -> ObjectKey {
     ObjectKey { group: group.into(), kind: kind.into(), namespace: namespace.into(), name: name.into() }
 }
@@ -283,11 +301,18 @@ fn key_of_owner(id: &OwnerId) -> ObjectKey {
 fn marks(owner: &OwnerId, key: &ObjectKey) -> (Value, &'static str) {
     match owner.kind {
         // annotation tracking (Argo CD 3.x default); the Application lives in Argo CD's namespace,
-        // so the tracking id carries its bare name
-        OwnerKind::Application => (
-            json!({"metadata": {"annotations": {ARGO_TRACKING_ANNOTATION: tracking_id(&owner.name, key)}}}),
-            "argocd-controller",
-        ),
+        // so the tracking id carries its bare name, and a cluster-scoped object's empty
+        // namespace is filled with the Application's destination namespace
+        OwnerKind::Application => {
+            let mut claimed = key.clone();
+            if claimed.namespace.is_empty() {
+                claimed.namespace = destination_namespace(owner).to_string();
+            }
+            (
+                json!({"metadata": {"annotations": {ARGO_TRACKING_ANNOTATION: tracking_id(&owner.name, &claimed)}}}),
+                "argocd-controller",
+            )
+        }
         OwnerKind::Kustomization => (
             json!({"metadata": {"labels": {FLUX_KUSTOMIZATION_LABELS.0: owner.name, FLUX_KUSTOMIZATION_LABELS.1: owner.namespace}}}),
             "kustomize-controller",
@@ -406,9 +431,10 @@ pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimErr
         json!({"inventory": {"entries": keys.iter().map(|k| json!({"id": inventory_id(k), "v": "v1"})).collect::<Vec<_>>()}})
     };
     let automated = json!({"automated": {"selfHeal": true, "prune": true}});
-    let app_spec = |path: &str| {
+    let app_spec = |path: &str, app: &OwnerId| {
         json!({"project": "default", "source": {"repoURL": "https://git.example.com/platform.git", "path": path},
-               "destination": {"server": "https://kubernetes.default.svc"}, "syncPolicy": automated})
+               "destination": {"server": "https://kubernetes.default.svc", "namespace": destination_namespace(app)},
+               "syncPolicy": automated})
     };
     let ks_spec = |path: &str| json!({"interval": "1m", "path": path, "prune": true, "sourceRef": {"kind": "GitRepository", "name": "platform"}});
 
@@ -416,7 +442,7 @@ pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimErr
     create_owner(
         client,
         &pools_app(),
-        app_spec("karpenter/nodepools"),
+        app_spec("karpenter/nodepools", &pools_app()),
         json!({"resources": resources(owned(&repo, &pools_app()))}),
     )
     .await?;
@@ -430,11 +456,71 @@ pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimErr
     adopt_one(client, &mut repo, &root_app(), app_resource, key_of_owner(&pools_app())).await?;
     let hr_resource = owner_resource(OwnerKind::HelmRelease);
     adopt_one(client, &mut repo, &infra_ks(), hr_resource, key_of_owner(&controller_hr())).await?;
-    create_owner(client, &root_app(), app_spec("apps"), json!({"resources": resources(owned(&repo, &root_app()))}))
-        .await?;
+    create_owner(
+        client,
+        &root_app(),
+        app_spec("apps", &root_app()),
+        json!({"resources": resources(owned(&repo, &root_app()))}),
+    )
+    .await?;
     create_owner(client, &infra_ks(), ks_spec("./infrastructure"), inventory(owned(&repo, &infra_ks()))).await?;
 
     Ok(GitopsWorld { owners: vec![root_app(), infra_ks(), pools_app(), classes_ks(), controller_hr()], repo })
+}
+
+/// Makes the sandbox a hub as well: next to the owners [`adopt`] made, owners that apply the
+/// same objects (same names) to other clusters, as a platform team's management cluster has them:
+///
+/// - Argo CD Application `argocd/prod-karpenter`, generated by ApplicationSet `karpenter` (what
+///   its cluster generator makes of a cluster Secret: `spec.destination.server` that cluster's
+///   API server), automated with self-heal, listing every NodePool and the controller Deployment;
+/// - Argo CD Application `argocd/stage-karpenter`, destination by cluster name `stage`, same list;
+/// - Flux Kustomization `flux-system/prod-nodeclasses` with `spec.kubeConfig.secretRef`, listing
+///   every EC2NodeClass in its inventory.
+///
+/// They have no reconciler here: what they apply lives on the other clusters.
+pub async fn add_other_clusters(client: &Client, world: &GitopsWorld) -> Result<Vec<OwnerId>, SimError> {
+    let keys = |kinds: &[&str]| -> Vec<ObjectKey> {
+        world.repo.iter().filter(|d| kinds.contains(&d.key.kind.as_str())).map(|d| d.key.clone()).collect()
+    };
+    let resources: Vec<Value> = keys(&["NodePool", "Deployment"])
+        .iter()
+        .map(
+            |k| json!({"group": k.group, "kind": k.kind, "namespace": k.namespace, "name": k.name, "status": "Synced"}),
+        )
+        .collect();
+    let entries: Vec<Value> =
+        keys(&["EC2NodeClass"]).iter().map(|k| json!({"id": inventory_id(k), "v": "v1"})).collect();
+    let app =
+        |name: &str| OwnerId { kind: OwnerKind::Application, namespace: ARGOCD_NAMESPACE.into(), name: name.into() };
+    let spec = |destination: Value| {
+        json!({"project": "default", "source": {"repoURL": "https://git.example.com/platform.git", "path": "karpenter"},
+               "destination": destination, "syncPolicy": {"automated": {"selfHeal": true, "prune": true}}})
+    };
+    let prod = app("prod-karpenter");
+    let stage = app("stage-karpenter");
+    let flux =
+        OwnerId { kind: OwnerKind::Kustomization, namespace: FLUX_NAMESPACE.into(), name: "prod-nodeclasses".into() };
+    let status = json!({"resources": resources});
+    create_owner(
+        client,
+        &prod,
+        spec(json!({"server": "https://PROD0123456789.gr7.eu-west-1.eks.amazonaws.com", "namespace": KARPENTER_NAMESPACE})),
+        status.clone(),
+    )
+    .await?;
+    // what the ApplicationSet controller sets on what it generates
+    let api = dynamic_api(client, &owner_resource(OwnerKind::Application), ARGOCD_NAMESPACE);
+    let owner_ref = json!({"metadata": {"ownerReferences": [{"apiVersion": "argoproj.io/v1alpha1", "kind": "ApplicationSet",
+        "name": "karpenter", "uid": "00000000-0000-0000-0000-000000000001", "controller": true, "blockOwnerDeletion": true}]}});
+    api.patch(&prod.name, &PatchParams::default(), &Patch::Merge(owner_ref))
+        .await
+        .map_err(SimError::kube(format!("marking {prod} as generated")))?;
+    create_owner(client, &stage, spec(json!({"name": "stage", "namespace": KARPENTER_NAMESPACE})), status).await?;
+    let ks = json!({"interval": "1m", "path": "./karpenter/nodeclasses", "prune": true,
+        "sourceRef": {"kind": "GitRepository", "name": "platform"}, "kubeConfig": {"secretRef": {"name": "prod-kubeconfig"}}});
+    create_owner(client, &flux, ks, json!({"inventory": {"entries": entries}})).await?;
+    Ok(vec![prod, stage, flux])
 }
 
 /// The fields an owner sets back when they drift, per kind of object it applies.
@@ -454,11 +540,15 @@ pub struct GitopsSettings {
     /// Period of a pass (the sandbox's scaled time; Argo CD's self-heal and Flux's interval are
     /// minutes on a real cluster, which would only make the tests slower).
     pub interval: Duration,
+    /// How long a Flux pass that applies takes between reading its object and applying (a
+    /// source fetch, a kustomize build, a Helm render): a suspend that lands meanwhile does not
+    /// stop it.
+    pub flux_pass: Duration,
 }
 
 impl Default for GitopsSettings {
     fn default() -> Self {
-        GitopsSettings { interval: Duration::from_millis(100) }
+        GitopsSettings { interval: Duration::from_millis(100), flux_pass: Duration::ZERO }
     }
 }
 
@@ -478,32 +568,56 @@ pub struct GitopsStats {
     pub reverted: u64,
 }
 
+/// What the reconcilers share: the counters, the syncs started on purpose and when each owner
+/// last finished applying.
+#[derive(Debug, Default)]
+struct Shared {
+    stats: Stats,
+    /// Argo CD syncs in flight, until when.
+    syncs: Mutex<HashMap<OwnerId, Instant>>,
+    /// When each owner's last pass or sync that applied ended.
+    applied: Mutex<HashMap<OwnerId, SystemTime>>,
+}
+
+impl Shared {
+    fn applied_now(&self, owner: &OwnerId) {
+        self.applied.lock().unwrap_or_else(|p| p.into_inner()).insert(owner.clone(), SystemTime::now());
+    }
+}
+
 /// The running reconcilers.
 pub struct GitopsSim {
     tasks: JoinSet<()>,
     cancel: CancellationToken,
-    stats: Arc<Stats>,
+    shared: Arc<Shared>,
+    client: Client,
 }
 
 impl GitopsSim {
     /// Starts one reconciler per owner.
     pub fn start(client: Client, world: &GitopsWorld, settings: GitopsSettings) -> GitopsSim {
         let cancel = CancellationToken::new();
-        let stats = Arc::new(Stats::default());
+        let shared = Arc::new(Shared::default());
         let mut tasks = JoinSet::new();
         for owner in &world.owners {
             let repo: Vec<Desired> = world.repo.iter().filter(|d| d.owner == *owner).cloned().collect();
-            let (client, cancel, stats, owner, interval) =
-                (client.clone(), cancel.clone(), stats.clone(), owner.clone(), settings.interval);
+            let (client, cancel, shared, owner, settings) =
+                (client.clone(), cancel.clone(), shared.clone(), owner.clone(), settings.clone());
             let span = tracing::info_span!("gitops-sim", owner = %owner);
             tasks.spawn(
                 async move {
                     loop {
                         tokio::select! {
                             _ = cancel.cancelled() => return,
-                            _ = tokio::time::sleep(interval) => {}
+                            _ = tokio::time::sleep(settings.interval) => {}
                         }
-                        if let Err(e) = reconcile(&client, &owner, &repo, &stats).await {
+                        let pass = match owner.kind {
+                            OwnerKind::Application => argo_pass(&client, &owner, &repo, &shared).await,
+                            OwnerKind::Kustomization | OwnerKind::HelmRelease => {
+                                flux_pass(&client, &owner, &repo, &shared, settings.flux_pass).await
+                            }
+                        };
+                        if let Err(e) = pass {
                             tracing::debug!(error = %e, "pass failed; trying again next interval");
                         }
                     }
@@ -511,15 +625,39 @@ impl GitopsSim {
                 .instrument(span),
             );
         }
-        GitopsSim { tasks, cancel, stats }
+        GitopsSim { tasks, cancel, shared, client }
     }
 
     /// What was put back so far.
     pub fn stats(&self) -> GitopsStats {
         GitopsStats {
-            recreated: self.stats.recreated.load(Ordering::Relaxed),
-            reverted: self.stats.reverted.load(Ordering::Relaxed),
+            recreated: self.shared.stats.recreated.load(Ordering::Relaxed),
+            reverted: self.shared.stats.reverted.load(Ordering::Relaxed),
         }
+    }
+
+    /// Starts an Argo CD sync of `app` that runs for `length` whatever its sync policy (a sync a
+    /// human started, or one automated sync started before it was turned off): `operation` set
+    /// and `status.operationState.phase: Running` now; until it ends, every pass applies what Git
+    /// has; then `Succeeded`, `operation` cleared.
+    pub async fn sync_in_flight(&self, app: &OwnerId, length: Duration) -> Result<(), SimError> {
+        let api = dynamic_api(&self.client, &owner_resource(OwnerKind::Application), &app.namespace);
+        let operation = json!({"sync": {"revision": "HEAD"}, "initiatedBy": {"username": "admin"}});
+        let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+        let patch = json!({"operation": operation,
+            "status": {"operationState": {"operation": operation, "phase": "Running", "startedAt": started, "message": "syncing"}}});
+        let pp = PatchParams { field_manager: Some("argocd-server".into()), ..PatchParams::default() };
+        api.patch(&app.name, &pp, &Patch::Merge(patch))
+            .await
+            .map_err(SimError::kube(format!("starting a sync of {app}")))?;
+        self.shared.syncs.lock().unwrap_or_else(|p| p.into_inner()).insert(app.clone(), Instant::now() + length);
+        Ok(())
+    }
+
+    /// When `owner` last finished applying: a Flux pass that was not suspended when it began, or
+    /// a sync started with [`GitopsSim::sync_in_flight`] (its passes and its end).
+    pub fn last_applied(&self, owner: &OwnerId) -> Option<SystemTime> {
+        self.shared.applied.lock().unwrap_or_else(|p| p.into_inner()).get(owner).copied()
     }
 
     /// Stops the reconcilers.
@@ -559,12 +697,82 @@ async fn operation_phase(client: &Client, owner: &OwnerId, phase: &str) -> Resul
     Ok(())
 }
 
-/// One pass of one owner: what differs from Git is put back, re-reading the owner before each
-/// write.
-async fn reconcile(client: &Client, owner: &OwnerId, repo: &[Desired], stats: &Stats) -> Result<(), kube::Error> {
+/// One pass of an Application: a sync started on purpose runs (or ends); otherwise, with
+/// automated sync and self-heal, what differs from Git is put back, re-reading the Application
+/// before each write.
+async fn argo_pass(client: &Client, owner: &OwnerId, repo: &[Desired], shared: &Shared) -> Result<(), kube::Error> {
+    let sync_until = shared.syncs.lock().unwrap_or_else(|p| p.into_inner()).get(owner).copied();
+    if let Some(until) = sync_until {
+        if Instant::now() < until {
+            apply(client, owner, repo, &shared.stats, false).await?;
+            shared.applied_now(owner);
+            return Ok(());
+        }
+        let api = dynamic_api(client, &owner_resource(owner.kind), &owner.namespace);
+        let pp = PatchParams { field_manager: Some("argocd-application-controller".into()), ..PatchParams::default() };
+        let finished = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+        let patch = json!({"operation": null,
+            "status": {"operationState": {"phase": "Succeeded", "finishedAt": finished, "message": "successfully synced"}}});
+        api.patch(&owner.name, &pp, &Patch::Merge(patch)).await?;
+        shared.syncs.lock().unwrap_or_else(|p| p.into_inner()).remove(owner);
+        shared.applied_now(owner);
+        return Ok(());
+    }
     if !acting(client, owner).await?.is_some_and(|(_, a)| a) {
         return Ok(());
     }
+    apply(client, owner, repo, &shared.stats, true).await
+}
+
+/// One pass of a Flux object: the object is read once; unless suspended, it is marked
+/// `Reconciling`, the pass takes `length`, and what differs from Git is put back; every pass ends
+/// by recording the reconcile request it read as handled.
+async fn flux_pass(
+    client: &Client,
+    owner: &OwnerId,
+    repo: &[Desired],
+    shared: &Shared,
+    length: Duration,
+) -> Result<(), kube::Error> {
+    let Some((obj, acts)) = acting(client, owner).await? else { return Ok(()) };
+    let request = obj.annotations().get(FLUX_RECONCILE_REQUEST).cloned();
+    let api = dynamic_api(client, &owner_resource(owner.kind), &owner.namespace);
+    // a pass of no length writes no condition: the sandbox's store then changes only when
+    // something is put back, which the tests that check nothing was written rely on
+    let slow = !length.is_zero();
+    let result = if acts {
+        if slow {
+            let reconciling = json!([{"type": "Reconciling", "status": "True", "reason": "Progressing",
+                "message": "reconciliation in progress"}]);
+            ops::patch_status(&api, &owner.name, json!({"conditions": reconciling})).await?;
+            tokio::time::sleep(length).await;
+        }
+        let applied = apply(client, owner, repo, &shared.stats, false).await;
+        shared.applied_now(owner);
+        if slow {
+            ops::patch_status(&api, &owner.name, json!({"conditions": []})).await?;
+        }
+        applied
+    } else {
+        Ok(())
+    };
+    let handled = obj.data["status"]["lastHandledReconcileAt"].as_str();
+    if let Some(request) = request.filter(|r| handled != Some(r.as_str())) {
+        ops::patch_status(&api, &owner.name, json!({"lastHandledReconcileAt": request})).await?;
+    }
+    result
+}
+
+/// Puts back what differs from Git. An `automated` pass (Argo CD self-heal) reads the owner again
+/// before each write and stops once it no longer acts, and shows as an operation of its own
+/// while it writes; a sync already under way or a Flux pass does neither.
+async fn apply(
+    client: &Client,
+    owner: &OwnerId,
+    repo: &[Desired],
+    stats: &Stats,
+    automated: bool,
+) -> Result<(), kube::Error> {
     let mut syncing = false;
     let mut result = Ok(());
     for d in repo {
@@ -587,10 +795,10 @@ async fn reconcile(client: &Client, owner: &OwnerId, repo: &[Desired], stats: &S
             }
         };
         let Some(change) = change else { continue };
-        if !still_acting(client, owner).await? {
+        if automated && !still_acting(client, owner).await? {
             break;
         }
-        if !syncing {
+        if automated && !syncing {
             operation_phase(client, owner, "Running").await?;
             syncing = true;
         }
