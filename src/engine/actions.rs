@@ -294,12 +294,17 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
     let mut last_cordon_check = Instant::now();
     let mut deleting = false;
     let mut riders_noted: HashSet<String> = HashSet::new();
+    let mut first_seen: Option<HashSet<u64>> = None;
     loop {
         if ctx.cancel.is_cancelled() {
             return Ok(TaskOutcome::Interrupted);
         }
         let (riders, left): (Vec<Arc<PodRef>>, Vec<Arc<PodRef>>) =
             ctx.pods.pods_on(&node).into_iter().partition(|p| p.rides_with_node.is_some());
+        let seen = first_seen.get_or_insert_with(|| left.iter().map(|p| uid_hash(&p.uid)).collect());
+        let rebound: Vec<&str> =
+            left.iter().filter(|p| seen.insert(uid_hash(&p.uid))).map(|p| p.uid.as_str()).collect();
+        ctx.note_rebound(&node, rebound);
         for p in riders.iter().filter(|p| riders_noted.insert(p.uid.clone())) {
             let fence = p.rides_with_node.unwrap_or_default();
             tracing::info!(pod = %p.key(), node = %node, tolerates = fence, "not evicted: it tolerates the fence and goes with its node");
@@ -332,6 +337,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
                     )));
                 }
                 DrainPolicy::Skip => {
+                    ctx.abandoned.lock().unwrap_or_else(|p| p.into_inner()).extend(left.iter().map(|p| p.uid.clone()));
                     return Ok(TaskOutcome::Skipped(format!(
                         "drain deadline passed with {} pod(s) on node {node}; skipped by policy",
                         left.len()
@@ -422,6 +428,80 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             _ = tokio::time::sleep(Duration::from_millis(1000)) => {}
         }
     }
+}
+
+/// A pod's UID as a drain remembers the pods it found first: every drain runs at once, and a set
+/// of the UIDs themselves would hold a second copy of every pod's UID in the cluster (a collision
+/// only misses a re-bound pod in the count; the pod is drained all the same).
+fn uid_hash(uid: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    uid.hash(&mut h);
+    h.finish()
+}
+
+/// How many times the check before a node's release drains pods bound to the node since its
+/// drain before it gives up: each round is a whole drain, so only an actor that lifts the fence
+/// again and again while pods wait for a place keeps it going.
+const RELEASE_ROUNDS: usize = 5;
+
+/// Drains, before a node is released, the pods bound to it since its drain: the scheduler places
+/// pods on a node whenever something (a K3s agent, a remediation controller) lifts its fence, and
+/// a pod still bound when the instance goes dies with it, its budget bypassed. The fence is put
+/// back first, so that nothing new can be bound once the check finds the node empty; the check
+/// lists the node's pods from the API server rather than from the watch, which may be a moment
+/// behind. `None` when the node may go; otherwise the outcome the release stops with.
+async fn drain_before_release(ctx: &Ctx, machine: &str, node: &str) -> Result<Option<TaskOutcome>, TaskError> {
+    let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
+    let pods: Api<Pod> = Api::all(ctx.kube.client.clone());
+    // the drain step's defaults, under the run's --drain-deadline and --on-drain-deadline
+    let params = Params {
+        deadline: None,
+        on_deadline: OnDeadline::Fail,
+        concurrency: std::num::NonZeroUsize::MIN,
+        settle: Duration::ZERO,
+    };
+    let task = TaskRef { step: "release-check".into(), action: "drain", object: Some(machine.to_string()) };
+    for _ in 0..RELEASE_ROUNDS {
+        if ctx.cancel.is_cancelled() {
+            return Ok(Some(TaskOutcome::Interrupted));
+        }
+        if Box::pin(cordon_node(&nodes, node, false)).await?.gone {
+            return Ok(None);
+        }
+        let lp = ListParams::default().fields(&format!("spec.nodeName={node}"));
+        let list =
+            Box::pin(pods.list(&lp)).await.map_err(|e| KubeError::api(format!("list the pods on node {node}"), e))?;
+        let bound = must_leave_before_release(&list.items, &ctx.abandoned.lock().unwrap_or_else(|p| p.into_inner()));
+        if bound.is_empty() {
+            return Ok(None);
+        }
+        ctx.note_rebound(node, bound.iter().map(|p| p.uid.as_str()));
+        match Box::pin(drain(ctx, machine, &params, &task)).await? {
+            TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
+            TaskOutcome::Blocked(d) => {
+                return Ok(Some(TaskOutcome::Blocked(format!(
+                    "node {node} not released: pods were bound to it after its drain: {d}"
+                ))));
+            }
+            other => return Ok(Some(other)),
+        }
+    }
+    Ok(Some(TaskOutcome::Blocked(format!(
+        "node {node} not released: pods were bound to it again after {RELEASE_ROUNDS} drains; something keeps lifting its fence (see the field managers in the report)"
+    ))))
+}
+
+/// The pods among `on_node` that must leave before their node is released: those a drain moves
+/// (not finished, not a DaemonSet's or a mirror, not tolerating the fence) and that no drain left
+/// there by policy.
+fn must_leave_before_release(on_node: &[Pod], abandoned: &HashSet<String>) -> Vec<PodRef> {
+    on_node
+        .iter()
+        .filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")))
+        .filter_map(crate::k8s::pods::drainable)
+        .filter(|p| p.rides_with_node.is_none() && !abandoned.contains(&p.uid))
+        .collect()
 }
 
 /// What a drain has heard of each pod's eviction, and what it does next about each: the decisions
@@ -742,6 +822,13 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     if provider.is_none() && node_name.is_none() && !claim_exists {
         // Karpenter (or an earlier run) finished this machine: nothing is left to guard
         return Ok(TaskOutcome::Skipped("already gone".into()));
+    }
+    // A node goes only with no pod on it that a drain must move, however often its fence was
+    // lifted since its drain.
+    if let Some(n) = &node_name
+        && let Some(stop) = Box::pin(drain_before_release(ctx, machine, n)).await?
+    {
+        return Ok(stop);
     }
     let mut what = Vec::new();
     if let Some(p) = &provider {
