@@ -7,6 +7,7 @@ pub mod actions;
 pub mod batcher;
 pub mod budgets;
 pub mod context;
+pub mod drain;
 pub mod events;
 pub mod inventory;
 pub mod permissions;
@@ -569,7 +570,7 @@ pub(crate) async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
         Action::Drain => match object {
             Some(m) => {
                 let task = TaskRef { step: node.step.clone(), action: node.action.name(), object: node.object.clone() };
-                Box::pin(actions::drain(ctx, m, &node.params, &task)).await
+                Box::pin(drain::drain(ctx, m, &node.params, &task)).await
             }
             None => Ok(TaskOutcome::Skipped("no machine".into())),
         },
