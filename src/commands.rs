@@ -386,6 +386,7 @@ async fn run_command(args: &RunArgs) -> Exit {
             report.blockers = r.blockers;
             report.leftovers = r.leftovers;
             report.reclaimed = r.reclaimed;
+            report.pods_rebound = Some(r.pods_rebound);
             report.error = r.error;
             report.gitops = r.gitops;
             report.not_ours = r.not_ours;

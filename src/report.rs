@@ -203,6 +203,10 @@ pub struct Report {
     /// What `--reclaim` would have removed had `--yes` been given (same form as `reclaimed`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub would_reclaim: Vec<String>,
+    /// `run`: pods found bound to a node after its drain began (placed while something had
+    /// lifted the node's fence), each drained too before its node was released.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pods_rebound: Option<u64>,
     /// API calls made, by `service:verb` (e.g. `kubernetes:patch`, `ec2:TerminateInstances`); AWS
     /// keys are the IAM actions the calls need.
     pub api_calls: BTreeMap<String, u64>,
@@ -245,6 +249,7 @@ impl Report {
                 leftovers: Leftovers::default(),
                 reclaimed: Vec::new(),
                 would_reclaim: Vec::new(),
+                pods_rebound: None,
                 api_calls: BTreeMap::new(),
                 gitops: Survey::default(),
                 not_ours: Vec::new(),

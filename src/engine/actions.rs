@@ -1,28 +1,24 @@
 //! The actions: small, idempotent functions of the live state (observe, act, wait for the
 //! condition). Each treats "already gone" as "done", so a re-run finishes what a killed run began.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::sync::Arc;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use futures::{StreamExt, stream};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ListParams, Patch};
 use kube::core::DynamicObject;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use super::budgets::{self, Admission};
 use super::context::Ctx;
-use super::events::{EngineEvent, TaskRef, Waiting};
+use super::drain::drain;
+use super::events::TaskRef;
 use super::inventory::{Inventory, Machine, claim_owner, find_controller, list_dynamic, pool_owner};
-use crate::config::DrainPolicy;
 use crate::k8s::nodes::cordon_node;
 use crate::k8s::objects::{delete_if_present, last_manager_in, patch_params, remove_finalizer};
-use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict, eviction_wave};
 use crate::k8s::{self, KubeError, status_code};
 use crate::karpenter::{self, ProviderId};
 use crate::plan::{OnDeadline, Params};
@@ -125,9 +121,6 @@ pub type Outcome = Result<TaskOutcome, TaskError>;
 fn batch_failure(detail: String, e: &super::batcher::BatchError) -> TaskOutcome {
     if e.transient { TaskOutcome::Transient(detail) } else { TaskOutcome::Failed(detail) }
 }
-
-/// How long a drain waits for the first list of the PodDisruptionBudgets.
-const BUDGETS_SYNC_WAIT: Duration = Duration::from_secs(30);
 
 /// Annotation on a fenced NodePool holding its original limits and budgets.
 pub const FENCE_ANNOTATION: &str = "karpenter-teardown.io/original-limits-and-budgets";
@@ -257,277 +250,11 @@ async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
         .collect())
 }
 
-// ---------------------------------------------------------------- drain
+// ---------------------------------------------------------------- drain (see `drain.rs`)
 
-/// Cordons the machine's node, evicts its pods in Karpenter's order respecting
-/// PodDisruptionBudgets, waits for them by watch, and applies the deadline policy.
-pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) -> Outcome {
-    // Only a NodeClaim that names no node (or is gone) means there is nothing to drain; an error
-    // reading it must never be taken for that, or the instance would be terminated undrained.
-    // Every machine drains at once (5,000 at the largest clusters) and a future is as large as
-    // its largest await: the requests' futures are boxed, so a drain that waits holds a few
-    // hundred bytes instead of kilobytes (issue 19).
-    let Some(node) = Box::pin(node_of(ctx, machine)).await? else {
-        return Ok(TaskOutcome::Skipped("no node".into()));
-    };
-    let deadline = ctx.drain.deadline.or(params.deadline).unwrap_or(Duration::from_secs(600));
-    let policy = ctx.drain.policy.unwrap_or(match params.on_deadline {
-        OnDeadline::Delete => DrainPolicy::Delete,
-        OnDeadline::Skip | OnDeadline::Continue => DrainPolicy::Skip,
-        OnDeadline::Fail => DrainPolicy::Fail,
-    });
-    let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
-    if Box::pin(cordon_node(&nodes, &node, false)).await?.gone {
-        return Ok(TaskOutcome::Done("node already gone".into()));
-    }
-    ctx.pods.synced().await;
-    // Without a first list of the budgets every pod goes straight to the server, which decides
-    // anyway: a budget watch that cannot start must not hold the drain past its deadline.
-    if tokio::time::timeout(BUDGETS_SYNC_WAIT, ctx.budgets.synced()).await.is_err() {
-        tracing::warn!(node = %node, "no PodDisruptionBudget list yet; evicting without reading budgets first");
-    }
-    let mut changes = ctx.pods.subscribe(&node);
-    // woken when a budget this drain waits on changes its status
-    let budget_changed = Arc::new(tokio::sync::Notify::new());
-    let mut shown: Option<(u64, Waiting)> = None;
-    let mut started = Instant::now();
-    let mut dispatched = !ctx.drain.deadline_from_dispatch;
-    let mut book = EvictionBook::default();
-    let mut last_cordon_check = Instant::now();
-    let mut deleting = false;
-    let mut riders_noted: HashSet<String> = HashSet::new();
-    loop {
-        if ctx.cancel.is_cancelled() {
-            return Ok(TaskOutcome::Interrupted);
-        }
-        let (riders, left): (Vec<Arc<PodRef>>, Vec<Arc<PodRef>>) =
-            ctx.pods.pods_on(&node).into_iter().partition(|p| p.rides_with_node.is_some());
-        for p in riders.iter().filter(|p| riders_noted.insert(p.uid.clone())) {
-            let fence = p.rides_with_node.unwrap_or_default();
-            tracing::info!(pod = %p.key(), node = %node, tolerates = fence, "not evicted: it tolerates the fence and goes with its node");
-            ctx.note(
-                BlockerKind::PodGoesWithNode,
-                &p.key(),
-                format!(
-                    "tolerates {fence}: evicting it would only put it back on a fenced node, so, as Karpenter does, it is not evicted and goes with node {node}"
-                ),
-            );
-        }
-        if left.is_empty() {
-            let riding = if riders.is_empty() {
-                String::new()
-            } else {
-                format!("; {} pod(s) that tolerate the fence go with the node", riders.len())
-            };
-            return Ok(TaskOutcome::Done(format!("{} pod(s) evicted{riding}", book.evicted)));
-        }
-        let now = Instant::now();
-        if dispatched && now >= started + deadline && !deleting {
-            ctx.events.send(EngineEvent::DrainDeadlinePassed { task: task.clone(), pods_left: left.len() as u64 });
-            match policy {
-                DrainPolicy::Fail => {
-                    let names = Box::pin(describe_blockers(ctx, &left, &book.blocked)).await;
-                    return Ok(TaskOutcome::Blocked(format!(
-                        "{} pod(s) still on node {node} after {}: {names}",
-                        left.len(),
-                        humantime::format_duration(deadline)
-                    )));
-                }
-                DrainPolicy::Skip => {
-                    return Ok(TaskOutcome::Skipped(format!(
-                        "drain deadline passed with {} pod(s) on node {node}; skipped by policy",
-                        left.len()
-                    )));
-                }
-                DrainPolicy::Delete => {
-                    deleting = true;
-                    for p in &left {
-                        Box::pin(delete_pod(&ctx.kube.client, p)).await?;
-                    }
-                    tracing::warn!(node = %node, pods = left.len(), "drain deadline passed: deleting the remaining pods (policy delete)");
-                }
-            }
-        }
-        for p in eviction_wave(&left) {
-            if deleting || !book.due(p, now) {
-                continue;
-            }
-            let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &*p.labels, p.ready, &budget_changed) {
-                Admission::Ask(reserved) => reserved,
-                // nothing heard of the budget for a while: the watch may be behind the server
-                Admission::Probe(budget) => {
-                    tracing::debug!(pod = %p.key(), budget = %budget, "asking the server although the budget shows no allowance");
-                    None
-                }
-                // the budget allows nothing now: no request until its status changes
-                Admission::Wait(budget) => {
-                    book.held(p, budget, now);
-                    continue;
-                }
-            };
-            let outcome = Box::pin(evict(&ctx.kube.client, p)).await;
-            if let Some(key) = &reserved {
-                match &outcome {
-                    Ok(EvictionOutcome::Evicted) => {}
-                    Ok(EvictionOutcome::Blocked(_)) => {
-                        tracing::debug!(pod = %p.key(), budget = %key, "the server refused what the watched budget allowed");
-                        ctx.budgets.refused(key, &p.name)
-                    }
-                    _ => ctx.budgets.release(key, &p.name),
-                }
-            }
-            book.answer(p, outcome, reserved.as_deref(), now)?;
-        }
-        if !dispatched {
-            dispatched = true;
-            started = Instant::now();
-        }
-        let now_shown = (left.len() as u64, book.waiting(&left));
-        if shown.as_ref() != Some(&now_shown) {
-            ctx.events.send(EngineEvent::DrainProgress {
-                task: task.clone(),
-                pods_left: now_shown.0,
-                waiting: now_shown.1.clone(),
-            });
-            shown = Some(now_shown);
-        }
-        // Something may undo the cordon meanwhile (design §1.6). The node watch shows it as it
-        // happens; a read is needed only when the watch says so (at most once a second, while the
-        // watch catches up with our own write) or has nothing on the node (every 3 s).
-        let recheck_after = match ctx.pods.fenced(&node) {
-            Some(true) => None,
-            Some(false) => Some(Duration::from_secs(1)),
-            None => Some(Duration::from_secs(3)),
-        };
-        if recheck_after.is_some_and(|after| last_cordon_check.elapsed() >= after) {
-            last_cordon_check = Instant::now();
-            match Box::pin(cordon_node(&nodes, &node, true)).await {
-                Ok(o) if o.gone => return Ok(TaskOutcome::Done("node went away during the drain".into())),
-                Ok(o) => {
-                    if let Some(who) = o.reverted_by {
-                        tracing::warn!(node = %node, field_manager = %who, "the cordon was reverted; re-asserted it");
-                        ctx.note(
-                            BlockerKind::FieldManager,
-                            &who,
-                            format!("uncordoned node {node} during the drain; re-asserted"),
-                        );
-                    }
-                }
-                Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        tokio::select! {
-            _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
-            _ = changes.changed() => {}
-            _ = budget_changed.notified() => book.budget_changed(),
-            _ = tokio::time::sleep(Duration::from_millis(1000)) => {}
-        }
-    }
-}
-
-/// What a drain has heard of each pod's eviction, and what it does next about each: the decisions
-/// of [`drain`] without its requests, so that they can be tested without an API server.
-#[derive(Debug, Default)]
-struct EvictionBook {
-    /// Pods held back by a budget (by the watched status or the server's refusal): UID → budget.
-    held_by_budget: HashMap<String, String>,
-    /// UID → when to ask again.
-    next_try: HashMap<String, Instant>,
-    /// UIDs whose eviction the server accepted (or that were already gone).
-    accepted: HashSet<String>,
-    /// UID → the pod and why it is blocked, to name at the deadline.
-    blocked: BTreeMap<String, (PodRef, String)>,
-    /// Evictions the server accepted.
-    evicted: usize,
-}
-
-impl EvictionBook {
-    /// Whether to ask for the pod's eviction `now`.
-    fn due(&self, p: &PodRef, now: Instant) -> bool {
-        !(p.terminating || self.accepted.contains(&p.uid) || self.next_try.get(&p.uid).is_some_and(|t| *t > now))
-    }
-
-    /// The watched `budget` allows nothing now: no request until its status changes (or a probe).
-    fn held(&mut self, p: &PodRef, budget: String, now: Instant) {
-        // the server's own refusal, when there was one, says more than the watched status
-        self.blocked.entry(p.uid.clone()).or_insert_with(|| {
-            (
-                p.clone(),
-                format!("PodDisruptionBudget {budget} allows no disruption now (status.disruptionsAllowed is 0)"),
-            )
-        });
-        self.next_try.insert(p.uid.clone(), now + budgets::PROBE);
-        self.held_by_budget.insert(p.uid.clone(), budget);
-    }
-
-    /// Takes the server's answer to an eviction asked `now`; `reserved` is the budget whose
-    /// allowance the request used. An error that asking again cannot cure is handed back.
-    fn answer(
-        &mut self,
-        p: &PodRef,
-        outcome: Result<EvictionOutcome, KubeError>,
-        reserved: Option<&str>,
-        now: Instant,
-    ) -> Result<(), KubeError> {
-        match outcome {
-            // An accepted eviction is a delete of that very pod (the UID precondition): it
-            // only has to leave now. Evicting it again when the watch is slow to show its
-            // deletionTimestamp would double the requests on a busy API server.
-            Ok(EvictionOutcome::Evicted) => {
-                self.evicted += 1;
-                self.blocked.remove(&p.uid);
-                self.accepted.insert(p.uid.clone());
-            }
-            Ok(EvictionOutcome::Gone) => {
-                self.accepted.insert(p.uid.clone());
-            }
-            // the budget's status is behind the server's: wait for the next one, probing
-            Ok(EvictionOutcome::Blocked(msg)) => {
-                self.blocked.insert(p.uid.clone(), (p.clone(), msg));
-                self.next_try.insert(p.uid.clone(), now + budgets::PROBE);
-                self.held_by_budget.insert(p.uid.clone(), reserved.unwrap_or("a PodDisruptionBudget").to_string());
-            }
-            // nothing changes until someone removes a budget: ask again now and then, and
-            // name the pod and its budgets at the deadline
-            Ok(EvictionOutcome::MultipleBudgets(msg)) => {
-                self.blocked.insert(
-                    p.uid.clone(),
-                    (p.clone(), format!("{msg} Remove all but one of the budgets that select it.")),
-                );
-                self.next_try.insert(p.uid.clone(), now + Duration::from_secs(5));
-            }
-            // the API server is throttling, not a budget: wait as long as it asked
-            Ok(EvictionOutcome::Throttled(after)) => {
-                self.next_try.insert(p.uid.clone(), now + after);
-            }
-            Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {
-                self.next_try.insert(p.uid.clone(), now + Duration::from_secs(1));
-            }
-            Err(e) => return Err(e),
-        }
-        Ok(())
-    }
-
-    /// A budget this drain waits on has a new status: ask again now for every pod it held.
-    fn budget_changed(&mut self) {
-        for (uid, _) in self.held_by_budget.drain() {
-            self.next_try.remove(&uid);
-        }
-    }
-
-    /// What the drain of the pods `left` waits on, for the progress view.
-    fn waiting<P: std::borrow::Borrow<PodRef>>(&self, left: &[P]) -> Waiting {
-        let pods = || left.iter().map(|p| p.borrow());
-        match pods().find_map(|p| self.held_by_budget.get(&p.uid).filter(|_| !self.accepted.contains(&p.uid))) {
-            Some(budget) => Waiting::Budget(budget.clone()),
-            None if pods().all(|p| p.terminating || self.accepted.contains(&p.uid)) => Waiting::GracePeriods,
-            None => Waiting::Evicting,
-        }
-    }
-}
-
-async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, KubeError> {
+/// The node of a machine (a NodeClaim's `status.nodeName`, or `node/<name>`); `None` when the
+/// NodeClaim is gone or names no node.
+pub(super) async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, KubeError> {
     if let Some(n) = machine.strip_prefix("node/") {
         return Ok(Some(n.to_string()));
     }
@@ -537,54 +264,6 @@ async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, KubeError> 
         Ok(None) => Ok(None),
         Err(e) => Err(KubeError::api(format!("read NodeClaim {machine}"), e)),
     }
-}
-
-/// Names the pods that block and the PodDisruptionBudgets that select them, and records them.
-async fn describe_blockers(ctx: &Ctx, left: &[Arc<PodRef>], blocked: &BTreeMap<String, (PodRef, String)>) -> String {
-    let mut parts = Vec::new();
-    for p in left {
-        let why = blocked.get(&p.uid).map(|(_, m)| m.clone()).unwrap_or_else(|| "still terminating".into());
-        let pdbs = match matching_pdbs(ctx, p).await {
-            Ok(found) => found,
-            Err(e) => {
-                ctx.note(
-                    BlockerKind::Pdb,
-                    &format!("{}/?", p.namespace),
-                    format!("could not be read for pod {}: {e}", p.key()),
-                );
-                Vec::new()
-            }
-        };
-        for (pdb, allowed) in &pdbs {
-            ctx.note(BlockerKind::Pdb, pdb, format!("allows {allowed} disruption(s); blocks pod {}", p.key()));
-        }
-        ctx.note(BlockerKind::Pod, &p.key(), why.clone());
-        let pdb_names: Vec<&str> = pdbs.iter().map(|(n, _)| n.as_str()).collect();
-        parts.push(if pdb_names.is_empty() { p.key() } else { format!("{} (PDB {})", p.key(), pdb_names.join(", ")) });
-    }
-    parts.join(", ")
-}
-
-async fn matching_pdbs(ctx: &Ctx, p: &PodRef) -> Result<Vec<(String, i32)>, kube::Error> {
-    let pods: Api<Pod> = Api::namespaced(ctx.kube.client.clone(), &p.namespace);
-    let labels = match pods.get_opt(&p.name).await? {
-        Some(pod) => pod.metadata.labels.unwrap_or_default(),
-        None => return Ok(Vec::new()),
-    };
-    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(ctx.kube.client.clone(), &p.namespace);
-    let list = pdbs.list(&ListParams::default()).await?;
-    Ok(list
-        .items
-        .into_iter()
-        .filter(|pdb| {
-            let sel = pdb.spec.as_ref().and_then(|s| s.selector.as_ref());
-            sel.is_some_and(|s| budgets::selects(s, &labels))
-        })
-        .map(|pdb| {
-            let allowed = pdb.status.as_ref().map(|s| s.disruptions_allowed).unwrap_or(0);
-            (format!("{}/{}", p.namespace, pdb.metadata.name.unwrap_or_default()), allowed)
-        })
-        .collect())
 }
 
 // ---------------------------------------------------------------- remove controller
@@ -745,6 +424,13 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         // Karpenter (or an earlier run) finished this machine: nothing is left to guard
         return Ok(TaskOutcome::Skipped("already gone".into()));
     }
+    // A node goes only with no pod on it that a drain must move, however often its fence was
+    // lifted since its drain.
+    if let Some(n) = &node_name
+        && let Some(stop) = Box::pin(super::drain::drain_before_release(ctx, machine, n)).await?
+    {
+        return Ok(stop);
+    }
     let mut what = Vec::new();
     if let Some(p) = &provider {
         if let Err(e) = ctx.ec2.terminate(&p.instance_id).await {
@@ -812,7 +498,7 @@ pub async fn wait_nodeclaims_gone(ctx: &Ctx, params: &Params) -> Outcome {
                 .iter()
                 .filter(|c| {
                     let labels = c.metadata.labels.clone().unwrap_or_default();
-                    claim_owner(c, &labels, &BTreeMap::new()).is_ok()
+                    claim_owner(c, &labels, &std::collections::BTreeMap::new()).is_ok()
                 })
                 .count(),
             // a passing error must not restart the wait (and its deadline): look again shortly
@@ -977,136 +663,6 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
     Ok(if clean { TaskOutcome::Done("nothing left".into()) } else { TaskOutcome::Leftovers(lines.join("; ")) })
 }
 
-#[cfg(test)]
-mod tests {
-    use kube::core::Status;
-
-    use super::*;
-
-    fn pod(uid: &str) -> PodRef {
-        PodRef {
-            namespace: "shop".into(),
-            name: format!("web-{uid}"),
-            uid: uid.into(),
-            critical: false,
-            terminating: false,
-            grace_seconds: None,
-            rides_with_node: None,
-            labels: Default::default(),
-            ready: true,
-        }
-    }
-
-    fn api_error(code: u16) -> KubeError {
-        KubeError::api("evict", kube::Error::Api(Status::failure("no", "Failure").with_code(code).boxed()))
-    }
-
-    fn reason(book: &EvictionBook, p: &PodRef) -> Option<String> {
-        book.blocked.get(&p.uid).map(|(_, why)| why.clone())
-    }
-
-    #[test]
-    fn an_accepted_eviction_counts_once_and_is_never_asked_again() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        assert!(book.due(&p, now));
-        book.answer(&p, Ok(EvictionOutcome::Evicted), None, now).unwrap();
-        assert_eq!(book.evicted, 1);
-        assert!(!book.due(&p, now + Duration::from_secs(3600)), "the watch only has to show it leave");
-        assert_eq!(book.waiting(&[p]), Waiting::GracePeriods);
-    }
-
-    #[test]
-    fn a_pod_already_gone_is_done_but_not_counted_as_evicted() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        book.answer(&p, Ok(EvictionOutcome::Gone), None, now).unwrap();
-        assert_eq!(book.evicted, 0);
-        assert!(!book.due(&p, now + Duration::from_secs(3600)));
-    }
-
-    #[test]
-    fn a_terminating_pod_is_not_asked_for_and_only_waits_for_its_grace_period() {
-        let book = EvictionBook::default();
-        let p = PodRef { terminating: true, ..pod("a") };
-        assert!(!book.due(&p, Instant::now()));
-        assert_eq!(book.waiting(&[p, pod("b")]), Waiting::Evicting, "b is still to be asked for");
-    }
-
-    #[test]
-    fn a_budget_refusal_waits_a_probe_interval_and_shows_the_budget() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        book.answer(&p, Ok(EvictionOutcome::Blocked("budget says no".into())), Some("shop/web"), now).unwrap();
-        assert!(!book.due(&p, now + budgets::PROBE - Duration::from_millis(1)));
-        assert!(book.due(&p, now + budgets::PROBE));
-        assert_eq!(book.waiting(std::slice::from_ref(&p)), Waiting::Budget("shop/web".into()));
-        assert_eq!(reason(&book, &p).as_deref(), Some("budget says no"));
-        let (mut unwatched, q) = (EvictionBook::default(), pod("b"));
-        unwatched.answer(&q, Ok(EvictionOutcome::Blocked("no".into())), None, now).unwrap();
-        assert_eq!(unwatched.waiting(&[q]), Waiting::Budget("a PodDisruptionBudget".into()));
-    }
-
-    #[test]
-    fn a_budget_that_changes_releases_the_pods_it_held_at_once() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        book.held(&p, "shop/web".into(), now);
-        assert!(!book.due(&p, now));
-        book.budget_changed();
-        assert!(book.due(&p, now));
-        assert_eq!(book.waiting(&[p]), Waiting::Evicting);
-    }
-
-    #[test]
-    fn a_watched_budget_keeps_the_servers_reason_when_there_is_one() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        book.held(&p, "shop/web".into(), now);
-        assert_eq!(
-            reason(&book, &p).as_deref(),
-            Some("PodDisruptionBudget shop/web allows no disruption now (status.disruptionsAllowed is 0)")
-        );
-        book.answer(&p, Ok(EvictionOutcome::Blocked("refused by shop/web".into())), Some("shop/web"), now).unwrap();
-        book.held(&p, "shop/web".into(), now);
-        assert_eq!(reason(&book, &p).as_deref(), Some("refused by shop/web"));
-    }
-
-    #[test]
-    fn an_eviction_accepted_after_a_refusal_is_no_longer_blocked() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        book.answer(&p, Ok(EvictionOutcome::Blocked("no".into())), Some("shop/web"), now).unwrap();
-        book.answer(&p, Ok(EvictionOutcome::Evicted), Some("shop/web"), now + budgets::PROBE).unwrap();
-        assert_eq!(reason(&book, &p), None);
-        assert_eq!(book.waiting(&[p]), Waiting::GracePeriods, "an accepted pod no longer waits on its budget");
-    }
-
-    #[test]
-    fn a_pod_under_several_budgets_is_asked_again_every_5_s_and_says_what_to_do() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        book.answer(&p, Ok(EvictionOutcome::MultipleBudgets("two budgets.".into())), None, now).unwrap();
-        assert!(!book.due(&p, now + Duration::from_millis(4999)));
-        assert!(book.due(&p, now + Duration::from_secs(5)));
-        assert_eq!(
-            reason(&book, &p).as_deref(),
-            Some("two budgets. Remove all but one of the budgets that select it.")
-        );
-        assert_eq!(book.waiting(&[p]), Waiting::Evicting, "not a budget's status to wait for");
-    }
-
-    #[test]
-    fn throttling_waits_as_long_as_the_server_asked() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        book.answer(&p, Ok(EvictionOutcome::Throttled(Duration::from_secs(7))), None, now).unwrap();
-        assert!(!book.due(&p, now + Duration::from_secs(6)));
-        assert!(book.due(&p, now + Duration::from_secs(7)));
-        assert_eq!(reason(&book, &p), None, "throttling blocks nothing at the deadline");
-    }
-
-    #[test]
-    fn a_transient_error_is_asked_again_after_a_second_and_any_other_ends_the_drain() {
-        let (mut book, p, now) = (EvictionBook::default(), pod("a"), Instant::now());
-        book.answer(&p, Err(api_error(503)), None, now).unwrap();
-        assert!(!book.due(&p, now + Duration::from_millis(999)));
-        assert!(book.due(&p, now + Duration::from_secs(1)));
-        assert!(book.answer(&p, Err(api_error(403)), None, now).is_err());
-    }
-}
 #[cfg(test)]
 mod future_sizes {
     use super::*;

@@ -1,7 +1,7 @@
 //! What every task can reach: the clients, the shared pod index and EC2 batcher, the run's
 //! settings and a sink for what it observed.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -70,12 +70,30 @@ pub struct Ctx {
     /// deleted): nothing of Karpenter's can start a launch after it, so verification's settle
     /// counts from here.
     pub controller_gone_at: Mutex<Option<std::time::Instant>>,
+    /// UIDs of the pods found bound to a node after its drain began (the scheduler placed them
+    /// while something had lifted the node's fence): each is drained too, and counted once.
+    pub rebound: Mutex<HashSet<String>>,
+    /// UIDs of the pods a drain left on their node by policy (`skip` at the deadline): the
+    /// user's consent to let them go with the node, which the check before a node's release
+    /// honours.
+    pub abandoned: Mutex<HashSet<String>>,
 }
 
 impl Ctx {
     /// Records that the Karpenter controller's pods are gone (the first time counts).
     pub fn controller_seen_gone(&self) {
         self.controller_gone_at.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(std::time::Instant::now);
+    }
+
+    /// Records pods found bound to `node` after its drain began; returns how many were new.
+    pub(crate) fn note_rebound<'a>(&self, node: &str, uids: impl IntoIterator<Item = &'a str>) -> usize {
+        let mut rebound = self.rebound.lock().unwrap_or_else(|p| p.into_inner());
+        let new = uids.into_iter().filter(|u| rebound.insert((*u).to_string())).count();
+        drop(rebound);
+        if new > 0 {
+            tracing::warn!(node = %node, pods = new, "pods were bound to the node after its drain began; draining them too");
+        }
+        new
     }
 
     /// Records a blocker or an actor that fought the run.

@@ -7,13 +7,14 @@ pub mod actions;
 pub mod batcher;
 pub mod budgets;
 pub mod context;
+pub mod drain;
 pub mod events;
 pub mod inventory;
 pub mod permissions;
 pub mod podindex;
 pub mod preflight;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -72,6 +73,8 @@ pub struct RunResult {
     pub leftovers: Leftovers,
     /// What `--reclaim` removed.
     pub reclaimed: Vec<String>,
+    /// Pods found bound to a node after its drain began, each drained too.
+    pub pods_rebound: u64,
     /// The error or refusal, if any.
     pub error: Option<String>,
     /// The concrete plan, for a dry run (and the log of a real one).
@@ -91,6 +94,7 @@ impl RunResult {
             blockers: Vec::new(),
             leftovers: Leftovers::default(),
             reclaimed: Vec::new(),
+            pods_rebound: 0,
             error: Some(error),
             plan_text,
             not_ours: Vec::new(),
@@ -259,6 +263,7 @@ pub async fn run(
             blockers: Vec::new(),
             leftovers: Leftovers::default(),
             reclaimed: Vec::new(),
+            pods_rebound: 0,
             error: None,
             plan_text,
             gitops,
@@ -315,6 +320,8 @@ pub async fn run(
         leftovers: Mutex::new(None),
         reclaimed: Mutex::new(Vec::new()),
         controller_gone_at: Mutex::new(None),
+        rebound: Mutex::new(HashSet::new()),
+        abandoned: Mutex::new(HashSet::new()),
     });
     let (exit, mut steps) = execute(&graph, ctx.clone()).await;
     steps.splice(0..0, early_steps);
@@ -322,8 +329,20 @@ pub async fn run(
     let blockers = ctx.notes.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let leftovers = ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
     let reclaimed = ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let pods_rebound = ctx.rebound.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
     let error = steps.iter().find(|s| s.result == TaskResult::Failed).map(|s| format!("{}: {}", label(s), s.detail));
-    RunResult { exit, steps, blockers, leftovers, reclaimed, error, plan_text, gitops, not_ours: inv.not_ours }
+    RunResult {
+        exit,
+        steps,
+        blockers,
+        leftovers,
+        reclaimed,
+        pods_rebound,
+        error,
+        plan_text,
+        gitops,
+        not_ours: inv.not_ours,
+    }
 }
 
 /// How long the GitOps owners' work in flight (an Argo CD sync, a Flux reconcile) may take to
@@ -638,7 +657,7 @@ pub(crate) async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
         Action::Drain => match object {
             Some(m) => {
                 let task = TaskRef { step: node.step.clone(), action: node.action.name(), object: node.object.clone() };
-                Box::pin(actions::drain(ctx, m, &node.params, &task)).await
+                Box::pin(drain::drain(ctx, m, &node.params, &task)).await
             }
             None => Ok(TaskOutcome::Skipped("no machine".into())),
         },

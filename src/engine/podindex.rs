@@ -1,6 +1,6 @@
 //! One watch over all pods, indexed by node, and one over all nodes, that every drain task waits
 //! on: draining a node costs its evictions and no polling (design §2.3). The node watch tells a
-//! drain whether its node is still cordoned, so that re-asserting the cordon (design
+//! drain whether its node is still fenced (cordoned and tainted), so that re-asserting the fence (design
 //! §1.6) costs nothing while nobody undoes it; reading each draining node every few seconds cost
 //! more requests than the evictions once every node drains at once.
 //!
@@ -17,7 +17,7 @@ use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
 
-use crate::k8s::nodes::is_cordoned;
+use crate::k8s::nodes::is_fenced;
 use crate::k8s::pods::{Labels, PodRef, drainable};
 
 /// Labels as pods share them.
@@ -46,7 +46,7 @@ struct Index {
     list_round: u64,
     /// node → its change signal, for the nodes someone waits on
     signals: HashMap<String, watch::Sender<u64>>,
-    /// node → whether the node watch last saw it cordoned
+    /// node → whether the node watch last saw it fenced (cordoned and tainted)
     fenced: HashMap<String, bool>,
     /// during a (re)list of the nodes: what was seen so far
     nodes_relisting: Option<HashMap<String, bool>>,
@@ -88,7 +88,7 @@ impl PodIndex {
     }
 
     fn apply_node(&self, ev: watcher::Event<Node>) {
-        let fenced = is_cordoned;
+        let fenced = is_fenced;
         let mut idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         match ev {
             watcher::Event::Init => idx.nodes_relisting = Some(HashMap::new()),
@@ -123,7 +123,7 @@ impl PodIndex {
         }
     }
 
-    /// Whether the node watch last saw `node` cordoned; `None` if it has not seen the
+    /// Whether the node watch last saw `node` fenced (cordoned and tainted); `None` if it has not seen the
     /// node (not listed yet, or deleted): only a read can tell then.
     pub fn fenced(&self, node: &str) -> Option<bool> {
         let idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());

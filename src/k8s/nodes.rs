@@ -1,16 +1,23 @@
-//! Node writes: the cordon, conflict-safely.
+//! Node writes: the fence of a node being drained, conflict-safely.
 //!
-//! The tool cordons Karpenter's nodes (`spec.unschedulable`) and writes no taint. The taint
-//! Karpenter itself uses, `karpenter.sh/disrupted:NoSchedule`, belongs to Karpenter's disruption
-//! controller: while Karpenter runs, it removes that taint from every node of its own that it is
-//! not disrupting itself (`pkg/controllers/disruption/controller.go`, every 10 s), so a tool that
-//! adds it fights a write war on every node. Nothing in Karpenter undoes a cordon, and the cordon
-//! keeps exactly the pods off that the taint would (both are NoSchedule; a pod tolerating either
-//! is handled by the drain, see `engine::drain`).
+//! The fence is the cordon (`spec.unschedulable`) and the tool's own taint,
+//! [`TAINT_DRAINING`]`:NoSchedule`. The cordon alone does not hold: K3s agents and node
+//! remediation controllers uncordon nodes, and a pod the scheduler binds meanwhile would go with
+//! its node undrained. A taint holds against them, but not Karpenter's own: while Karpenter runs,
+//! its disruption controller removes `karpenter.sh/disrupted:NoSchedule` from every node of its own
+//! that is neither in its orchestration queue nor being deleted (`RequireNoScheduleTaint(..., false,
+//! ...)` at the start of every pass, `pkg/controllers/disruption/controller.go` in
+//! kubernetes-sigs/karpenter), so a tool that added it would fight a write war on every node;
+//! Karpenter puts it back itself only on nodes it deletes (`pkg/controllers/node/termination/
+//! controller.go`), which the tool's nodes are not until their instance is gone. That clean-up
+//! matches that one taint by key and effect and no other (`pkg/controllers/state/statenode.go`), so
+//! a taint of the tool's own key is left alone by Karpenter, alive or gone. Like every NoSchedule
+//! taint, it keeps new pods off and evicts nothing already running (DaemonSet pods keep running:
+//! the DaemonSet controller stops only pods that do not tolerate a NoExecute taint).
 //!
 //! Taints are an atomic list (design §1.5): a whole-list write from a stale read erases taints
-//! another controller added meanwhile. The cordon never writes the list, and its JSON patch
-//! carries a `test` of the resourceVersion it was computed from.
+//! another controller added meanwhile. The fence appends to the list with a JSON patch that
+//! carries a `test` of the resourceVersion it was computed from, and never rewrites it.
 
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch};
@@ -19,14 +26,17 @@ use serde_json::{Value, json};
 use super::objects::{last_manager_in, patch_params};
 use super::{KubeError, status_code};
 
+/// The tool's own taint on the nodes it drains, with effect `NoSchedule`.
+pub const TAINT_DRAINING: &str = "karpenter-teardown.io/draining";
+
 /// What cordoning a node found and did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CordonOutcome {
     /// The node is gone: nothing to do.
     pub gone: bool,
-    /// We wrote (the node was schedulable).
+    /// We wrote (the node was not fenced).
     pub wrote: bool,
-    /// Someone had uncordoned it after we cordoned it before: their field manager.
+    /// Someone had lifted the fence after we set it before: their field manager.
     pub reverted_by: Option<String>,
 }
 
@@ -35,8 +45,40 @@ pub fn is_cordoned(node: &Node) -> bool {
     node.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false)
 }
 
-/// Cordons the node if it is schedulable. `seen_cordoned` says the tool cordoned it earlier in
-/// this run: finding it schedulable again means something reverted the cordon, and the field
+/// True if the node carries the tool's [`TAINT_DRAINING`]`:NoSchedule`.
+pub fn has_draining_taint(node: &Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == TAINT_DRAINING && t.effect == "NoSchedule"))
+}
+
+/// True if the node is fenced: cordoned and carrying the tool's taint.
+pub fn is_fenced(node: &Node) -> bool {
+    is_cordoned(node) && has_draining_taint(node)
+}
+
+/// The JSON patch operations that fence `node` (after the resourceVersion `test`): none when it is
+/// fenced already. The taint is appended, so that a taint someone added since the read is either
+/// kept or fails the `test`.
+pub(crate) fn fence_ops(node: &Node) -> Vec<Value> {
+    let mut ops = Vec::new();
+    if !is_cordoned(node) {
+        ops.push(json!({"op": "add", "path": "/spec/unschedulable", "value": true}));
+    }
+    if !has_draining_taint(node) {
+        let taint = json!({"key": TAINT_DRAINING, "effect": "NoSchedule"});
+        if node.spec.as_ref().is_some_and(|s| s.taints.is_some()) {
+            ops.push(json!({"op": "add", "path": "/spec/taints/-", "value": taint}));
+        } else {
+            ops.push(json!({"op": "add", "path": "/spec/taints", "value": [taint]}));
+        }
+    }
+    ops
+}
+
+/// Fences the node (cordon and taint) unless it is fenced. `seen_cordoned` says the tool fenced
+/// it earlier in this run: finding the fence lifted means something reverted it, and the field
 /// manager that did it is returned (design §1.6).
 pub async fn cordon_node(api: &Api<Node>, name: &str, seen_cordoned: bool) -> Result<CordonOutcome, KubeError> {
     for _ in 0..8 {
@@ -45,20 +87,20 @@ pub async fn cordon_node(api: &Api<Node>, name: &str, seen_cordoned: bool) -> Re
             Ok(None) => return Ok(CordonOutcome { gone: true, wrote: false, reverted_by: None }),
             Err(e) => return Err(KubeError::api(format!("read node {name}"), e)),
         };
-        if is_cordoned(&node) {
+        let fence = fence_ops(&node);
+        if fence.is_empty() {
             return Ok(CordonOutcome { gone: false, wrote: false, reverted_by: None });
         }
         let reverted_by = if seen_cordoned {
             let managed = serde_json::to_value(&node.metadata.managed_fields).unwrap_or(Value::Null);
-            Some(last_manager_in(&managed, &["spec", "unschedulable"]).unwrap_or_else(|| "unknown".into()))
+            let field = if is_cordoned(&node) { "taints" } else { "unschedulable" };
+            Some(last_manager_in(&managed, &["spec", field]).unwrap_or_else(|| "unknown".into()))
         } else {
             None
         };
         let rv = node.metadata.resource_version.clone().unwrap_or_default();
-        let ops = vec![
-            json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv}),
-            json!({"op": "add", "path": "/spec/unschedulable", "value": true}),
-        ];
+        let mut ops = vec![json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv})];
+        ops.extend(fence);
         let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops))
             .map_err(|e| KubeError::api(format!("build the cordon patch for {name}"), kube::Error::SerdeError(e)))?;
         match api.patch(name, &patch_params(), &Patch::<()>::Json(patch)).await {
@@ -75,4 +117,42 @@ pub async fn cordon_node(api: &Api<Node>, name: &str, seen_cordoned: bool) -> Re
         format!("cordon node {name}"),
         kube::Error::Service("the node kept changing under every attempt".into()),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(spec: Value) -> Node {
+        serde_json::from_value(json!({"metadata": {"name": "n"}, "spec": spec})).unwrap()
+    }
+
+    #[test]
+    fn the_fence_adds_what_is_missing_and_keeps_every_other_taint() {
+        let bare = node(json!({}));
+        assert_eq!(
+            fence_ops(&bare),
+            [
+                json!({"op": "add", "path": "/spec/unschedulable", "value": true}),
+                json!({"op": "add", "path": "/spec/taints", "value": [{"key": TAINT_DRAINING, "effect": "NoSchedule"}]}),
+            ]
+        );
+        // an uncordoned node whose taints someone else owns: the taint is appended, never the list written
+        let uncordoned = node(json!({"unschedulable": false, "taints": [{"key": "gpu", "effect": "NoSchedule"},
+            {"key": TAINT_DRAINING, "effect": "NoSchedule"}]}));
+        assert_eq!(fence_ops(&uncordoned), [json!({"op": "add", "path": "/spec/unschedulable", "value": true})]);
+        assert!(!is_fenced(&uncordoned));
+        let untainted = node(json!({"unschedulable": true, "taints": [{"key": "gpu", "effect": "NoSchedule"}]}));
+        assert_eq!(
+            fence_ops(&untainted),
+            [json!({"op": "add", "path": "/spec/taints/-", "value": {"key": TAINT_DRAINING, "effect": "NoSchedule"}})]
+        );
+        // the tool's key with another effect does not keep pods off
+        let other_effect =
+            node(json!({"unschedulable": true, "taints": [{"key": TAINT_DRAINING, "effect": "PreferNoSchedule"}]}));
+        assert!(!is_fenced(&other_effect));
+        let fenced = node(json!({"unschedulable": true, "taints": [{"key": TAINT_DRAINING, "effect": "NoSchedule"}]}));
+        assert!(is_fenced(&fenced));
+        assert!(fence_ops(&fenced).is_empty());
+    }
 }

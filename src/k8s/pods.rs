@@ -156,9 +156,9 @@ fn tolerates(t: &Toleration, key: &str, effect: &str, value: &str) -> bool {
 /// those are gone), and within the wave the longest termination grace period first. A node is
 /// empty only when its slowest pod has finished, so starting that pod's clock first makes the
 /// node's drain as long as its longest grace period plus one eviction, not plus all of them.
-pub fn eviction_wave(left: &[Arc<PodRef>]) -> Vec<&PodRef> {
+pub fn eviction_wave(left: &[Arc<PodRef>]) -> Vec<&Arc<PodRef>> {
     let non_critical = left.iter().any(|p| !p.critical);
-    let mut wave: Vec<&PodRef> = left.iter().map(|p| &**p).filter(|p| !non_critical || !p.critical).collect();
+    let mut wave: Vec<&Arc<PodRef>> = left.iter().filter(|p| !non_critical || !p.critical).collect();
     // a pod that names no grace period gets the Kubernetes default, 30 s
     wave.sort_by_key(|p| std::cmp::Reverse(p.grace_seconds.unwrap_or(30)));
     wave
@@ -294,7 +294,7 @@ mod tests {
         }
     }
 
-    fn names<'a>(wave: &[&'a PodRef]) -> Vec<&'a str> {
+    fn names<'a>(wave: &[&'a Arc<PodRef>]) -> Vec<&'a str> {
         wave.iter().map(|p| p.name.as_str()).collect()
     }
 

@@ -91,11 +91,25 @@ fn entry_of<'a>(obj: &'a Value, manager: &str) -> Option<&'a Value> {
     obj["metadata"]["managedFields"].as_array()?.iter().find(|e| e["manager"] == manager)
 }
 
-/// Whether `manager` made the write from `old` to `new`: its managedFields entry changed. (The
-/// entry with the latest time cannot tell: times have one-second precision, so a write of the
-/// stale writer in the same second as the tool's would be blamed on the tool.)
+/// Whether `manager` made the write from `old` to `new`: its managedFields entry changed, other
+/// than by losing fields. (The entry with the latest time cannot tell: times have one-second
+/// precision, so a write of the stale writer in the same second as the tool's would be blamed on
+/// the tool. And another manager's write of a field `manager` owned, such as the atomic taint
+/// list, takes the field out of `manager`'s entry: that change is the other manager's write.)
 fn written_by(old: &Value, new: &Value, manager: &str) -> bool {
-    entry_of(new, manager).is_some() && entry_of(old, manager) != entry_of(new, manager)
+    let (before, after) = (entry_of(old, manager), entry_of(new, manager));
+    let Some(after) = after else { return false };
+    let lost_fields_only =
+        before.is_some_and(|b| b["fieldsV1"] != after["fieldsV1"] && fields_within(&after["fieldsV1"], &b["fieldsV1"]));
+    before != Some(after) && !lost_fields_only
+}
+
+/// Whether every field of the managedFields set `inner` is in `outer`.
+fn fields_within(inner: &Value, outer: &Value) -> bool {
+    match (inner.as_object(), outer.as_object()) {
+        (Some(i), Some(o)) => i.iter().all(|(k, v)| o.get(k).is_some_and(|ov| fields_within(v, ov))),
+        _ => true,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -456,5 +470,175 @@ async fn a_pdb_heavy_cluster_is_drained_with_one_eviction_request_per_pod() {
         let n = nodes.get(name).await.unwrap();
         assert!(n.spec.unwrap_or_default().unschedulable != Some(true), "the tool cordoned {name}, not Karpenter's");
     }
+    b.server.shutdown().await;
+}
+
+/// The key of every taint the tool writes: the remediation controller below strips them with the
+/// cordon, as an agent that owns a node's scheduling state undoes every fence it did not set.
+const TOOL_TAINT_PREFIX: &str = "karpenter-teardown.io/";
+
+/// Undoes every fence on Karpenter's nodes every 200 ms (the cordon, and any taint of the tool's)
+/// until the Karpenter controller is scaled to zero. It stops there because no drain can close
+/// the moment between its last look at a node and the instance's termination against an actor
+/// that lifts every fence in that moment; what is tested is that pods bound while the fence was
+/// down are drained before their node goes, not that moment.
+async fn fence_reverter(client: Client, reverts: Arc<AtomicU64>) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let deployments: Api<Deployment> = Api::namespaced(client, naming::KARPENTER_NAMESPACE);
+    let pp = PatchParams { field_manager: Some("node-remediator".into()), ..PatchParams::default() };
+    loop {
+        let replicas = deployments.get_opt(naming::KARPENTER_NAME).await.ok().flatten().and_then(|d| d.spec?.replicas);
+        if replicas.is_none_or(|r| r == 0) {
+            return;
+        }
+        if let Ok(list) = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await {
+            for n in list.items {
+                let spec = n.spec.clone().unwrap_or_default();
+                let taints = spec.taints.unwrap_or_default();
+                let kept: Vec<&Taint> = taints.iter().filter(|t| !t.key.starts_with(TOOL_TAINT_PREFIX)).collect();
+                if spec.unschedulable != Some(true) && kept.len() == taints.len() {
+                    continue;
+                }
+                let patch = json!({"metadata": {"resourceVersion": n.metadata.resource_version},
+                    "spec": {"unschedulable": false, "taints": kept}});
+                let name = n.metadata.name.unwrap_or_default();
+                if nodes.patch(&name, &pp, &Patch::Merge(patch)).await.is_ok() {
+                    reverts.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether a pod is one a drain must move: not a DaemonSet's or a mirror pod, not finished, and
+/// not tolerating a fence (such a pod goes with its node).
+fn must_be_drained(pod: &Value) -> bool {
+    let daemonset =
+        pod["metadata"]["ownerReferences"].as_array().is_some_and(|os| os.iter().any(|o| o["kind"] == "DaemonSet"));
+    let mirror = pod["metadata"]["annotations"].get("kubernetes.io/config.mirror").is_some();
+    let finished = matches!(pod["status"]["phase"].as_str(), Some("Succeeded" | "Failed"));
+    let tolerates = pod["spec"]["tolerations"].as_array().is_some_and(|ts| {
+        ts.iter().any(|t| {
+            t["operator"] == "Exists" && t["key"].as_str().is_none_or(str::is_empty)
+                || t["key"] == "node.kubernetes.io/unschedulable"
+                || t["key"] == "karpenter.sh/disrupted"
+        })
+    });
+    !(daemonset || mirror || finished || tolerates)
+}
+
+/// What the store's history shows of pods and Karpenter nodes.
+#[derive(Default)]
+struct PodFates {
+    /// Pods bound to a Karpenter node after the tool first fenced it.
+    rebound: Vec<String>,
+    /// Pods still bound to a Karpenter node (terminating or not) when it was deleted.
+    died_with_node: Vec<String>,
+}
+
+fn pod_fates(events: &[Arc<sandbox_apiserver::StoreEvent>], karpenter_nodes: &BTreeSet<String>) -> PodFates {
+    let mut fenced: BTreeSet<String> = BTreeSet::new();
+    let mut gone: BTreeSet<String> = BTreeSet::new();
+    // pod uid → (namespace/name, node), for the pods a drain must move
+    let mut bound: BTreeMap<String, (String, String)> = BTreeMap::new();
+    let mut fates = PodFates::default();
+    for ev in events {
+        let object = ev.object();
+        match &*ev.key.gr.resource {
+            "nodes" if karpenter_nodes.contains(&*ev.key.name) => {
+                let name = ev.key.name.to_string();
+                if let Some(old) = ev.old()
+                    && written_by(&old, &object, k8s::objects::FIELD_MANAGER)
+                {
+                    fenced.insert(name.clone());
+                }
+                let deleting =
+                    ev.event_type.as_str() == "DELETED" || !object["metadata"]["deletionTimestamp"].is_null();
+                if deleting && gone.insert(name.clone()) {
+                    fates.died_with_node.extend(bound.values().filter(|(_, n)| *n == name).map(|(p, _)| p.clone()));
+                }
+            }
+            "pods" => {
+                let uid = object["metadata"]["uid"].as_str().unwrap_or_default().to_string();
+                let node = object["spec"]["nodeName"].as_str().unwrap_or_default().to_string();
+                let key = format!("{}/{}", ev.key.namespace, ev.key.name);
+                if ev.event_type.as_str() == "DELETED" || !must_be_drained(&object) || node.is_empty() {
+                    bound.remove(&uid);
+                    continue;
+                }
+                let was = ev.old().and_then(|o| o["spec"]["nodeName"].as_str().map(str::to_string)).unwrap_or_default();
+                if was.is_empty() && fenced.contains(&node) {
+                    fates.rebound.push(key.clone());
+                }
+                if karpenter_nodes.contains(&node) {
+                    bound.insert(uid, (key, node));
+                }
+            }
+            _ => {}
+        }
+    }
+    fates
+}
+
+/// The field report: pods the scheduler bound to a node while another actor had lifted its fence
+/// were never evicted; they died with their node, bypassing their budgets, in a run reported
+/// clean. Every pod a drain must move has to leave its node before the node goes, however often
+/// the fence was lifted, and the report counts the pods that were bound to a fenced node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_bound_after_the_fence_was_lifted_are_evicted_before_their_node_goes() {
+    let s = spec("fr-rebound", 4);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let before = untouchable_nodes(&b.client, &world).await;
+    let karpenter_nodes: BTreeSet<String> = world.nodes.iter().map(|n| n.node.clone()).collect();
+    // keeps one drain going (8 s at time scale 0.01) while the other nodes are drained and their
+    // fences lifted, so that evicted pods' replacements are bound to them after their drain
+    slow_pod(&b.client, &world.nodes[0].node, "slow-to-leave", 800).await;
+
+    let mut events = b.server.store().subscribe();
+    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+    let recorder = tokio::spawn(async move {
+        use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+        let mut seen = Vec::new();
+        loop {
+            tokio::select! {
+                ev = events.recv() => match ev {
+                    Ok(ev) => seen.push(ev),
+                    Err(RecvError::Lagged(n)) => panic!("the recorder lagged by {n} events"),
+                    Err(RecvError::Closed) => return seen,
+                },
+                _ = &mut done_rx => loop {
+                    match events.try_recv() {
+                        Ok(ev) => seen.push(ev),
+                        Err(TryRecvError::Lagged(n)) => panic!("the recorder lagged by {n} events"),
+                        Err(_) => return seen,
+                    }
+                },
+            }
+        }
+    });
+    let reverts = Arc::new(AtomicU64::new(0));
+    let reverter = tokio::spawn(fence_reverter(b.client.clone(), reverts.clone()));
+
+    let run = teardown(&b, &world.cluster, &[]).await;
+    reverter.abort();
+    let _ = done_tx.send(());
+    let seen = recorder.await.unwrap();
+    assert!(reverts.load(Ordering::Relaxed) > 0, "the reverter never lifted a fence: the test proves nothing");
+    let fates = pod_fates(&seen, &karpenter_nodes);
+    eprintln!("{} pod(s) bound to fenced nodes; report: {}", fates.rebound.len(), run.report["pods_rebound"]);
+    assert!(!fates.rebound.is_empty(), "no pod was bound to a fenced node: the test proves nothing\n{}", run.dump());
+    assert!(fates.died_with_node.is_empty(), "pods died with their node: {:?}\n{}", fates.died_with_node, run.dump());
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let counted = run.report["pods_rebound"].as_u64();
+    assert!(
+        counted.is_some_and(|n| n > 0 && n <= fates.rebound.len() as u64),
+        "the report counts {counted:?} re-bound pods, the server bound {}:\n{}",
+        fates.rebound.len(),
+        run.dump()
+    );
+    assert_eq!(crate::common::schema::schema_errors(&run.report), Vec::<String>::new(), "{}", run.dump());
+    assert_torn_down(&b, &world, &before).await;
     b.server.shutdown().await;
 }

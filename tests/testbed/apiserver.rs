@@ -845,3 +845,38 @@ async fn a_restored_terminating_pod_keeps_terminating() {
     assert!(stuck.metadata.deletion_timestamp.is_some(), "the stuck pod is still terminating");
     s.shutdown().await;
 }
+
+/// Like the DaemonSet controller, a NoSchedule taint (a drain's fence) keeps a DaemonSet's pod
+/// running on its node; only an untolerated NoExecute taint stops it.
+#[tokio::test]
+async fn a_daemonset_pod_stays_under_a_noschedule_taint_and_goes_under_noexecute() {
+    let (s, c) = server(true).await;
+    let nodes: Api<Node> = Api::all(c.clone());
+    nodes.create(&PostParams::default(), &node("n1")).await.unwrap();
+    let ds: k8s_openapi::api::apps::v1::DaemonSet = serde_json::from_value(json!({"metadata": {"name": "agent"},
+        "spec": {"selector": {"matchLabels": {"app": "agent"}},
+            "template": {"metadata": {"labels": {"app": "agent"}}, "spec": {"containers": [{"name": "c", "image": "agent"}]}}}}))
+    .unwrap();
+    Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(c.clone(), "default")
+        .create(&PostParams::default(), &ds)
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    let uids = || async {
+        let l = pods.list(&ListParams::default().labels("app=agent")).await.unwrap().items;
+        l.into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| p.metadata.uid)
+            .collect::<Vec<_>>()
+    };
+    eventually("the agent runs on n1", || async { uids().await.len() == 1 }).await;
+    let first = uids().await;
+    let taint = |effect: &str| json!({"spec": {"taints": [{"key": "drain", "effect": effect}]}});
+    nodes.patch("n1", &PatchParams::default(), &Patch::Merge(taint("NoSchedule"))).await.unwrap();
+    // several passes of the control plane
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(uids().await, first, "a NoSchedule taint stopped the DaemonSet's pod");
+    nodes.patch("n1", &PatchParams::default(), &Patch::Merge(taint("NoExecute"))).await.unwrap();
+    eventually("the agent is stopped", || async { uids().await.is_empty() }).await;
+    s.shutdown().await;
+}

@@ -225,6 +225,21 @@ fn fits(spec: &Value, node: &Value) -> bool {
     taints_ok && selector_ok
 }
 
+/// Whether a DaemonSet's pod already on a node keeps running there: like `NodeShouldRunDaemonPod`'s
+/// `shouldContinueRunning` (kubernetes `pkg/controller/daemon/daemon_controller.go`), a taint stops
+/// it only with effect NoExecute; a NoSchedule taint or a cordon keeps new pods off and leaves it.
+fn keeps_running(spec: &Value, node: &Value) -> bool {
+    let tolerations = spec["tolerations"].as_array().cloned().unwrap_or_default();
+    let taints_ok = node["spec"]["taints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .all(|t| t["effect"] != "NoExecute" || tolerates(&tolerations, t));
+    let labels = &node["metadata"]["labels"];
+    let selector_ok = spec["nodeSelector"].as_object().is_none_or(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)));
+    taints_ok && selector_ok
+}
+
 fn capacity(node: &Value) -> usize {
     let v = &node["status"]["allocatable"]["pods"];
     v.as_u64().map(|n| n as usize).or_else(|| v.as_str().and_then(|s| s.parse().ok())).unwrap_or(110)
@@ -905,19 +920,18 @@ impl ControlPlane {
         let mut t = spec["tolerations"].as_array().cloned().unwrap_or_default();
         t.extend(tolerations.iter().cloned());
         spec["tolerations"] = json!(t);
-        let eligible: BTreeSet<String> = self
-            .placement_nodes(|_| true)
-            .iter()
-            .filter(|n| fits(&spec, n))
-            .map(|n| s(&n["metadata"]["name"]))
-            .collect();
+        let nodes = self.placement_nodes(|_| true);
+        let eligible: BTreeSet<String> =
+            nodes.iter().filter(|n| fits(&spec, n)).map(|n| s(&n["metadata"]["name"])).collect();
+        let keep: BTreeSet<String> =
+            nodes.iter().filter(|n| keeps_running(&spec, n)).map(|n| s(&n["metadata"]["name"])).collect();
         // a DaemonSet has a pod on every node: read from the summaries, parsed one at a time
         let pods: Vec<Stored> =
             owned.stored(&self.store, ns, &uid).into_iter().filter(|p| !p.summary().deleting).collect();
         let mut covered = BTreeSet::new();
         for p in &pods {
             let node = &*p.summary().node_name;
-            if eligible.contains(node) && covered.insert(node.to_string()) {
+            if keep.contains(node) && covered.insert(node.to_string()) {
                 continue;
             }
             self.delete_pod(&p.value());
