@@ -112,6 +112,8 @@ impl Board {
                 };
                 self.push_blocker(line);
             }
+            // the drains' own progress lines show the pods; the report counts them
+            EngineEvent::PodsRebound { .. } | EngineEvent::Verified { .. } => {}
         }
     }
 

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use super::context::Ctx;
 use super::drain::drain;
-use super::events::TaskRef;
+use super::events::{EngineEvent, TaskRef};
 use super::inventory::{Inventory, Machine, claim_owner, find_controller, list_dynamic, pool_owner};
 use crate::k8s::nodes::cordon_node;
 use crate::k8s::objects::{delete_if_present, last_manager_in, patch_params, remove_finalizer};
@@ -645,11 +645,12 @@ async fn sweep_machine(ctx: &Ctx, machine: &str) -> Outcome {
 /// the first) and the API that nothing is left; reclaims the AWS leftovers when asked and
 /// verifies again.
 pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
-    let quiet_since = *ctx.controller_gone_at.lock().unwrap_or_else(|p| p.into_inner());
+    let quiet_since = ctx.controller_gone_at.get().copied();
     let mut left =
         verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle, quiet_since).await?;
+    let mut reclaimed = Vec::new();
     if !left.is_clean() && ctx.reclaim {
-        ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).extend(left.describe());
+        reclaimed = left.describe();
         for f in verify::reclaim(&ctx.aws, &left).await? {
             ctx.note(BlockerKind::Reclaim, &f, "could not be reclaimed");
         }
@@ -659,7 +660,7 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
     left.objects = Inventory::read(&ctx.kube.client).await?.object_names();
     let clean = left.is_clean();
     let lines = left.describe();
-    *ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()) = Some(left);
+    ctx.events.send(EngineEvent::Verified { leftovers: left, reclaimed });
     Ok(if clean { TaskOutcome::Done("nothing left".into()) } else { TaskOutcome::Leftovers(lines.join("; ")) })
 }
 

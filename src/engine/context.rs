@@ -2,7 +2,7 @@
 //! settings and a sink for what it observed.
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -60,19 +60,10 @@ pub struct Ctx {
     pub cancel: CancellationToken,
     /// Where the run's typed events go (the live view, the interrupt handler).
     pub events: super::events::Events,
-    /// Things that blocked or fought the run, for the report.
-    pub notes: Mutex<Vec<Blocker>>,
-    /// The leftovers verification found, for the report.
-    pub leftovers: Mutex<Option<crate::verify::Leftovers>>,
-    /// What `--reclaim` removed.
-    pub reclaimed: Mutex<Vec<String>>,
     /// When this run saw the Karpenter controller's pods gone (scaled to zero, or its Deployment
     /// deleted): nothing of Karpenter's can start a launch after it, so verification's settle
     /// counts from here.
-    pub controller_gone_at: Mutex<Option<std::time::Instant>>,
-    /// UIDs of the pods found bound to a node after its drain began (the scheduler placed them
-    /// while something had lifted the node's fence): each is drained too, and counted once.
-    pub rebound: Mutex<HashSet<String>>,
+    pub controller_gone_at: OnceLock<std::time::Instant>,
     /// UIDs of the pods a drain left on their node by policy (`skip` at the deadline): the
     /// user's consent to let them go with the node, which the check before a node's release
     /// honours.
@@ -82,29 +73,24 @@ pub struct Ctx {
 impl Ctx {
     /// Records that the Karpenter controller's pods are gone (the first time counts).
     pub fn controller_seen_gone(&self) {
-        self.controller_gone_at.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(std::time::Instant::now);
+        let _ = self.controller_gone_at.set(std::time::Instant::now());
     }
 
-    /// Records pods found bound to `node` after its drain began; returns how many were new.
-    pub(crate) fn note_rebound<'a>(&self, node: &str, uids: impl IntoIterator<Item = &'a str>) -> usize {
-        let mut rebound = self.rebound.lock().unwrap_or_else(|p| p.into_inner());
-        let new = uids.into_iter().filter(|u| rebound.insert((*u).to_string())).count();
-        drop(rebound);
-        if new > 0 {
-            tracing::warn!(node = %node, pods = new, "pods were bound to the node after its drain began; draining them too");
+    /// Reports pods found bound to `node` after its drain began (the run's record counts each
+    /// pod once, however often it is reported).
+    pub(crate) fn note_rebound<'a>(&self, node: &str, uids: impl IntoIterator<Item = &'a str>) {
+        let uids: Vec<String> = uids.into_iter().map(str::to_string).collect();
+        if uids.is_empty() {
+            return;
         }
-        new
+        tracing::warn!(node = %node, pods = uids.len(), "pods were bound to the node after its drain began; draining them too");
+        self.events.send(super::events::EngineEvent::PodsRebound { node: node.to_string(), uids });
     }
 
-    /// Records a blocker or an actor that fought the run.
+    /// Reports a blocker or an actor that fought the run (the run's record keeps each once).
     pub fn note(&self, kind: BlockerKind, name: &str, reason: impl Into<String>) {
         let b = Blocker { kind, name: name.into(), reason: reason.into() };
-        let mut notes = self.notes.lock().unwrap_or_else(|p| p.into_inner());
-        if !notes.contains(&b) {
-            notes.push(b.clone());
-            drop(notes);
-            self.events.send(super::events::EngineEvent::Blocker(b));
-        }
+        self.events.send(super::events::EngineEvent::Blocker(b));
     }
 }
 

@@ -5,6 +5,7 @@
 use tokio::sync::mpsc;
 
 use crate::report::{Blocker, TaskResult};
+use crate::verify::Leftovers;
 
 /// One task of the plan, as the events name it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -70,6 +71,21 @@ pub enum EngineEvent {
     },
     /// Something blocked or fought the run.
     Blocker(Blocker),
+    /// Pods found bound to a node after its drain began (the scheduler placed them while
+    /// something had lifted the node's fence); each is drained too.
+    PodsRebound {
+        /// The node.
+        node: String,
+        /// The pods' UIDs.
+        uids: Vec<String>,
+    },
+    /// Verification's answer: what is left, and what `--reclaim` removed before it looked again.
+    Verified {
+        /// What AWS and the cluster still hold.
+        leftovers: Leftovers,
+        /// What `--reclaim` removed.
+        reclaimed: Vec<String>,
+    },
     /// A task is over.
     TaskEnded {
         /// The task.

@@ -13,6 +13,7 @@ pub mod inventory;
 pub mod permissions;
 pub mod podindex;
 pub mod preflight;
+mod record;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -302,6 +303,36 @@ pub async fn run(
     background.spawn(budget_watch.instrument(tracing::info_span!("pdb-watch")));
     let (ec2, batcher) = batcher::Ec2Batcher::start(aws.ec2.clone(), settings.cluster.clone());
     background.spawn(batcher.instrument(tracing::info_span!("ec2-batcher")));
+    // The tasks report what they find as events; the run's record is a fold over them, which
+    // passes each on to the caller's readers (the live view, the interrupt handler).
+    let (task_events, mut task_rx) = events::Events::channel();
+    let (flush, flushed) = tokio::sync::oneshot::channel::<()>();
+    let readers = events.clone();
+    let recorder = tokio::spawn(async move {
+        let mut record = record::RunRecord::default();
+        let pass = |ev: EngineEvent, record: &mut record::RunRecord| {
+            if record.apply(&ev) {
+                readers.send(ev);
+            }
+        };
+        tokio::pin!(flushed);
+        loop {
+            tokio::select! {
+                ev = task_rx.recv() => match ev {
+                    Some(ev) => pass(ev, &mut record),
+                    None => break,
+                },
+                _ = &mut flushed => {
+                    // every task is over: what they sent is already queued
+                    while let Ok(ev) = task_rx.try_recv() {
+                        pass(ev, &mut record);
+                    }
+                    break;
+                }
+            }
+        }
+        record
+    });
     let ctx = Arc::new(Ctx {
         kube,
         aws,
@@ -315,21 +346,22 @@ pub async fn run(
         inventoried: inv.machines.keys().cloned().collect(),
         user_instance_profiles: inv.user_instance_profiles.clone(),
         cancel,
-        events,
-        notes: Mutex::new(Vec::new()),
-        leftovers: Mutex::new(None),
-        reclaimed: Mutex::new(Vec::new()),
-        controller_gone_at: Mutex::new(None),
-        rebound: Mutex::new(HashSet::new()),
+        events: task_events,
+        controller_gone_at: std::sync::OnceLock::new(),
         abandoned: Mutex::new(HashSet::new()),
     });
     let (exit, mut steps) = execute(&graph, ctx.clone()).await;
     steps.splice(0..0, early_steps);
     background.shutdown().await;
-    let blockers = ctx.notes.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let leftovers = ctx.leftovers.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
-    let reclaimed = ctx.reclaimed.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let pods_rebound = ctx.rebound.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+    drop(ctx);
+    let _ = flush.send(());
+    // the recorder only ends by this signal or with its senders gone; a panic in it loses the
+    // record, not the run's exit status
+    let record = recorder.await.unwrap_or_default();
+    let blockers = record.blockers;
+    let leftovers = record.leftovers;
+    let reclaimed = record.reclaimed;
+    let pods_rebound = record.rebound.len() as u64;
     let error = steps.iter().find(|s| s.result == TaskResult::Failed).map(|s| format!("{}: {}", label(s), s.detail));
     RunResult {
         exit,
