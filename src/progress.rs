@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::engine::events::{EngineEvent, TaskRef, Waiting};
+use crate::plan::Action;
 use crate::report::{BlockerKind, TaskResult};
 
 /// How many running tasks get a line of their own; the rest are counted in the header.
@@ -54,7 +55,7 @@ pub struct TaskLine {
     /// Running or over.
     pub state: TaskState,
     /// The action the task runs.
-    pub action: &'static str,
+    pub action: Action,
     /// A drain's pods left and what it waits on.
     pub drain: Option<(u64, Waiting)>,
 }
@@ -188,18 +189,18 @@ impl Board {
 }
 
 /// What a task of an action is doing while it runs, in words.
-fn doing(action: &str) -> &'static str {
+fn doing(action: Action) -> &'static str {
     match action {
-        "drain" => "draining",
-        "discharge-finalizers" => "terminating the instance, then releasing the finalizer",
-        "remove-controller" => "scaling the controller to zero",
-        "fence" => "fencing NodePools",
-        "cordon" => "cordoning the Karpenter nodes",
-        "wait-nodeclaims-gone" => "waiting for NodeClaims to go",
-        "delete-nodeclasses" => "deleting launch templates, instance profiles, then the EC2NodeClass",
-        "delete-nodepools" => "deleting NodePools",
-        "verify" => "verifying through EC2",
-        _ => "running",
+        Action::Drain => "draining",
+        Action::DischargeFinalizers => "terminating the instance, then releasing the finalizer",
+        Action::RemoveController => "scaling the controller to zero",
+        Action::Fence => "fencing NodePools",
+        Action::Cordon => "cordoning the Karpenter nodes",
+        Action::WaitNodeclaimsGone => "waiting for NodeClaims to go",
+        Action::DeleteNodeclasses => "deleting launch templates, instance profiles, then the EC2NodeClass",
+        Action::DeleteNodepools => "deleting NodePools",
+        Action::Verify => "verifying through EC2",
+        Action::Preflight => "proving identity and taking inventory",
     }
 }
 
@@ -385,7 +386,7 @@ mod tests {
     use super::*;
     use crate::report::Blocker;
 
-    fn task(step: &str, action: &'static str, object: Option<&str>) -> TaskRef {
+    fn task(step: &str, action: Action, object: Option<&str>) -> TaskRef {
         TaskRef { step: step.into(), action, object: object.map(str::to_string) }
     }
 
@@ -393,9 +394,9 @@ mod tests {
     fn the_board_follows_the_engine_events() {
         let progress = Progress::with_target(ProgressDrawTarget::hidden());
         let (a, b, c) = (
-            task("drain", "drain", Some("node-a")),
-            task("drain", "drain", Some("node-b")),
-            task("halt", "fence", None),
+            task("drain", Action::Drain, Some("node-a")),
+            task("drain", Action::Drain, Some("node-b")),
+            task("halt", Action::Fence, None),
         );
         for ev in [
             EngineEvent::RunStarted { tasks: 3, steps: vec![("halt".into(), 1), ("drain".into(), 2)] },

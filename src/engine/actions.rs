@@ -620,7 +620,7 @@ async fn sweep_machine(ctx: &Ctx, machine: &str) -> Outcome {
         settle: Duration::ZERO,
     };
     // shown as a drain of its own: it is not a task of the graph
-    let task = TaskRef { step: "sweep".into(), action: "drain", object: Some(machine.to_string()) };
+    let task = TaskRef { step: "sweep".into(), action: crate::plan::Action::Drain, object: Some(machine.to_string()) };
     // An error is taken as its outcome here rather than propagated, so that a failure names the
     // NodeClaim that no task of the graph knows.
     match drain(ctx, machine, &params, &task).await.unwrap_or_else(TaskOutcome::from) {

@@ -446,7 +446,8 @@ pub(super) async fn drain_before_release(
         concurrency: std::num::NonZeroUsize::MIN,
         settle: Duration::ZERO,
     };
-    let task = TaskRef { step: "release-check".into(), action: "drain", object: Some(machine.to_string()) };
+    let task =
+        TaskRef { step: "release-check".into(), action: crate::plan::Action::Drain, object: Some(machine.to_string()) };
     for _ in 0..RELEASE_ROUNDS {
         if ctx.cancel.is_cancelled() {
             return Ok(Some(TaskOutcome::Interrupted));

@@ -14,7 +14,7 @@ pub struct TaskRef {
     pub step: String,
     /// The step's action (`drain`, `discharge-finalizers`, ...): what the task does, whatever the
     /// user named the step.
-    pub action: &'static str,
+    pub action: crate::plan::Action,
     /// The object of a per-object task.
     pub object: Option<String>,
 }

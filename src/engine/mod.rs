@@ -571,8 +571,7 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                     // closed only if the semaphore is dropped, which happens after every task ends
                     let _permit = limit.acquire_owned().await;
                     let started = SystemTime::now();
-                    let task =
-                        TaskRef { step: node.step.clone(), action: node.action.name(), object: node.object.clone() };
+                    let task = TaskRef { step: node.step.clone(), action: node.action, object: node.object.clone() };
                     ctx.events.send(EngineEvent::TaskStarted(task.clone()));
                     tracing::debug!("started");
                     let (outcome, attempts) = run_with_retries(&ctx, &node).await;
@@ -688,7 +687,7 @@ pub(crate) async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
         Action::Cordon => Box::pin(actions::cordon(ctx, object, &node.params)).await,
         Action::Drain => match object {
             Some(m) => {
-                let task = TaskRef { step: node.step.clone(), action: node.action.name(), object: node.object.clone() };
+                let task = TaskRef { step: node.step.clone(), action: node.action, object: node.object.clone() };
                 Box::pin(drain::drain(ctx, m, &node.params, &task)).await
             }
             None => Ok(TaskOutcome::Skipped("no machine".into())),
