@@ -14,6 +14,7 @@ pub mod permissions;
 pub mod podindex;
 pub mod preflight;
 mod record;
+mod refusal;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -29,6 +30,7 @@ use self::actions::TaskOutcome;
 use self::context::{Ctx, DrainOverrides};
 use self::events::{EngineEvent, TaskRef};
 use self::inventory::Inventory;
+use self::refusal::Refusal;
 use crate::aws::AwsClients;
 use crate::config::DrainPolicy;
 use crate::exit::Exit;
@@ -87,6 +89,10 @@ pub struct RunResult {
 }
 
 impl RunResult {
+    fn refused(refusal: Refusal, plan_text: String) -> RunResult {
+        RunResult::early(refusal.exit(), refusal.to_string(), plan_text)
+    }
+
     fn early(exit: Exit, error: String, plan_text: String) -> RunResult {
         RunResult {
             gitops: Survey::default(),
@@ -140,26 +146,11 @@ async fn check_permissions(
     if k8s_missing.is_empty() && ec2_missing.is_empty() {
         return Ok(());
     }
-    let mut parts = Vec::new();
-    if !k8s_missing.is_empty() {
-        let list: Vec<String> = k8s_missing.iter().map(ToString::to_string).collect();
-        parts.push(format!(
-            "Kubernetes RBAC does not allow: {} (apply deploy/rbac.yaml and bind it to the identity of the kubeconfig)",
-            list.join(", ")
-        ));
-    }
-    if !ec2_missing.is_empty() {
-        parts.push(format!(
-            "IAM does not allow: {} (attach deploy/iam-policy.json to the AWS identity)",
-            ec2_missing.join(", ")
-        ));
-    }
-    Err(RunResult::early(
-        Exit::BadInput,
-        format!(
-            "refusing: the run would stop half-way on missing permissions. {}. Nothing was changed; see the README, Real use against EKS",
-            parts.join("; ")
-        ),
+    Err(RunResult::refused(
+        Refusal::MissingPermissions {
+            kubernetes: k8s_missing.iter().map(ToString::to_string).collect(),
+            ec2: ec2_missing.iter().map(ToString::to_string).collect(),
+        },
         plan_text.to_string(),
     ))
 }
@@ -217,28 +208,18 @@ pub async fn run(
         tracing::info!(evidence = %f, "identity");
     }
     if !evidence.contradictions.is_empty() {
-        return RunResult::early(
-            Exit::Refused,
-            format!(
-                "refusing: the kubeconfig does not reach cluster {} in {}: {}. Nothing was changed; check --cluster, --region, --context and KUBECONFIG",
-                settings.cluster,
-                settings.region,
-                evidence.contradictions.join("; ")
-            ),
-            String::new(),
-        );
+        let refusal = Refusal::WrongCluster {
+            cluster: settings.cluster.clone(),
+            region: settings.region.clone(),
+            contradictions: evidence.contradictions,
+        };
+        return RunResult::refused(refusal, String::new());
     }
     let nodes = inv.machines.values().filter(|m| m.node.is_some()).count();
     if let Some(max) = settings.max_nodes
         && nodes > max as usize
     {
-        return RunResult::early(
-            Exit::Refused,
-            format!(
-                "refusing: this run would act on {nodes} Karpenter nodes, more than --max-nodes {max}. Nothing was changed; raise --max-nodes if this is the right cluster"
-            ),
-            String::new(),
-        );
+        return RunResult::refused(Refusal::BlastRadius { nodes, max }, String::new());
     }
     let graph = settings.plan.expand(&inv.object_sets());
     let mut plan_text = describe_plan(&graph, &inv, &evidence);
@@ -255,7 +236,7 @@ pub async fn run(
         plan_text.push('\n');
     }
     if let Some(refusal) = gitops.refusal(settings.gitops) {
-        return RunResult { gitops, ..RunResult::early(Exit::Refused, refusal, plan_text) };
+        return RunResult { gitops, ..RunResult::refused(Refusal::GitOps(refusal), plan_text) };
     }
     if settings.dry_run {
         return RunResult {
@@ -520,9 +501,8 @@ async fn unstrand(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Resu
             .await
             .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))?;
     if !evidence.contradictions.is_empty() {
-        return Err(RunResult::early(
-            Exit::Refused,
-            format!("refusing: {}. Nothing was changed", evidence.contradictions.join("; ")),
+        return Err(RunResult::refused(
+            Refusal::WrongClusterStranded { contradictions: evidence.contradictions },
             String::new(),
         ));
     }
