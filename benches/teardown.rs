@@ -1,4 +1,4 @@
-//! Teardown benchmark (issue 8): for each cluster size, the same generated world is torn down by
+//! Teardown benchmark: for each cluster size, the same generated world is torn down by
 //! the default plan, the delegate plan and the baseline users write today (`kubectl drain` node by
 //! node, then `kubectl delete nodepools --all` and a poll until the NodeClaims are gone), each on a
 //! fresh sandbox API server so every run starts from the same state.

@@ -676,7 +676,7 @@ mod future_sizes {
 
     /// Every machine's drain is in flight at once, each in a task that holds its future from
     /// the moment it is spawned: at 5,000 machines a task of 7 KB (its state sized for the
-    /// largest action and the largest request) cost 35 MB of the tool's peak (issue 19).
+    /// largest action and the largest request) cost 35 MB of the tool's peak.
     #[test]
     fn a_drain_task_stays_small_while_it_waits() {
         // the lifetimes do not change a future's size; 'static names them without values

@@ -1,4 +1,4 @@
-//! PodDisruptionBudgets from one watch, and the evictions they allow right now (issue 19).
+//! PodDisruptionBudgets from one watch, and the evictions they allow right now.
 //!
 //! Asking the Eviction API blindly and retrying refusals once a second sent 1,771 evictions for
 //! 800 pods on a PDB-heavy cluster: every refusal is a request that changes nothing, and under API

@@ -657,7 +657,7 @@ pub(crate) async fn run_with_retries(ctx: &Ctx, node: &TaskNode) -> (TaskOutcome
 
 pub(crate) async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
     let object = node.object.as_deref();
-    // Each action's future is boxed (issue 19): a task's state is otherwise the largest of all
+    // Each action's future is boxed: a task's state is otherwise the largest of all
     // the actions' (7 KB), held by every task from its spawn, and 5,000 drains run at once.
     let outcome = match node.action {
         // the preflight ran before the graph was expanded: identity and inventory decide what

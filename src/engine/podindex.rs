@@ -23,7 +23,7 @@ use crate::k8s::pods::{Labels, PodRef, drainable};
 /// Labels as pods share them.
 type SharedLabels = Arc<Labels>;
 
-/// Memory (issue 19): the index holds every drainable pod of the cluster (100,000 at 5,000
+/// Memory: the index holds every drainable pod of the cluster (100,000 at 5,000
 /// nodes), and each drain task takes its node's pods at every wake-up. So a pod is held once,
 /// behind an `Arc` that a drain's copy only counts, a node's name once per node, and a label set
 /// once for all the pods that carry it (the pods of one ReplicaSet; a StatefulSet's pods each
@@ -42,7 +42,7 @@ struct Index {
     /// which (re)list the pod watch is in or last finished: a relist writes each pod it reads
     /// straight into the index, marked with this number, and at its end removes the pods it did
     /// not read. Holding the list apart until its end, as the index once did, held a second
-    /// copy of every pod, labels unshared: the tool's peak at 5,000 nodes (issue 19).
+    /// copy of every pod, labels unshared: the tool's peak at 5,000 nodes.
     list_round: u64,
     /// node → its change signal, for the nodes someone waits on
     signals: HashMap<String, watch::Sender<u64>>,

@@ -18,7 +18,7 @@ const CRITICAL_CLASSES: [&str; 2] = ["system-cluster-critical", "system-node-cri
 /// A pod's labels, held compactly: the sorted pairs in one slice. The index holds every drainable
 /// pod's labels (100,000 at 5,000 nodes) and a StatefulSet's pods share no set (each carries its
 /// own name and index), while a `BTreeMap` allocates a whole B-tree leaf (about 540 bytes) for
-/// even one pair (issue 19).
+/// even one pair.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Labels(Box<[(Box<str>, Box<str>)]>);
 

@@ -197,7 +197,7 @@ async fn wrong_cluster() {
     g.assert_unchanged(&dry).await;
 }
 
-/// Issue 15.11: a permission the shipped RBAC grants is missing (here the eviction). Asked
+/// A permission the shipped RBAC grants is missing (here the eviction). Asked
 /// through SelfSubjectAccessReview before the first write, it refuses the run with exit 2 naming
 /// the permission and the file, instead of a 403 with the cluster half torn down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -216,7 +216,7 @@ async fn a_missing_rbac_permission_is_refused_before_any_change() {
     g.assert_unchanged(&run).await;
 }
 
-/// Issue 15.11: the AWS identity lacks `ec2:TerminateInstances` (the proxy answers as IAM would,
+/// The AWS identity lacks `ec2:TerminateInstances` (the proxy answers as IAM would,
 /// `UnauthorizedOperation`). EC2's `DryRun` finds it before the first write: exit 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_iam_permission_is_refused_before_any_change() {

@@ -1,4 +1,4 @@
-//! `rehearse` end to end (issue 17): the real binary against sandbox clusters on the real clock,
+//! `rehearse` end to end: the real binary against sandbox clusters on the real clock,
 //! its predictions held to real runs of the same clusters.
 //!
 //! A binary of its own, its tests one at a time: a prediction of wall time is compared with a

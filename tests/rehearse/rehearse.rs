@@ -1,4 +1,4 @@
-//! `rehearse` (issue 17): it writes nothing to the live cluster or AWS, with exactly the
+//! `rehearse`: it writes nothing to the live cluster or AWS, with exactly the
 //! read-only role it ships; and on sandbox clusters of several kinds it predicts the real run's
 //! outcome, exit code and named blockers exactly and its wall time within 20%.
 //!

@@ -33,7 +33,7 @@ async fn torn_down_with_a_live_controller(s: &WorldSpec) -> (Bed, World, SimCont
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_plan_tears_down_a_generated_cluster_with_a_live_controller() {
     let (b, world, sim) = torn_down_with_a_live_controller(&spec("e2e-default", 20)).await;
-    // issue 15.5: a live Karpenter removes karpenter.sh/disrupted from nodes it is not disrupting
+    // A live Karpenter removes karpenter.sh/disrupted from nodes it is not disrupting
     // itself; a tool that writes that taint fights it on every node
     assert_eq!(sim.stats().disrupted_taints_removed, 0, "the tool wrote a taint the live controller owns");
 
@@ -108,7 +108,7 @@ async fn max_nodes_refuses_a_larger_blast_radius() {
     b.server.shutdown().await;
 }
 
-/// Issue 15.3: a GovCloud cluster (four-part region, `aws-us-gov` partition, the kube context
+/// A GovCloud cluster (four-part region, `aws-us-gov` partition, the kube context
 /// named by its EKS ARN as `aws eks update-kubeconfig` names it) is torn down like any other.
 /// On the old zone-to-region rule every such cluster was refused (exit 3, region `us-gov-`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,7 +147,7 @@ async fn a_govcloud_cluster_is_torn_down_from_its_arn_context() {
     b.server.shutdown().await;
 }
 
-/// Issue 15.4: a static NodePool (Karpenter ≥ 1.8, `spec.replicas`) under the real CRD's CEL
+/// A static NodePool (Karpenter ≥ 1.8, `spec.replicas`) under the real CRD's CEL
 /// rules, with a live controller that keeps static pools at their replicas. The fence writes
 /// `limits.nodes` (the only limit a static pool may have; the old `limits.cpu` fence got 422 and
 /// failed the run), so the controller launches no replacement while the tool takes the nodes.
@@ -158,7 +158,7 @@ async fn a_static_nodepool_is_fenced_on_nodes_and_torn_down_with_a_live_controll
     b.server.shutdown().await;
 }
 
-/// Issue 18: NodePools under Argo CD (self-heal, with an app-of-apps parent), EC2NodeClasses
+/// NodePools under Argo CD (self-heal, with an app-of-apps parent), EC2NodeClasses
 /// under a Flux Kustomization and the controller under a Flux HelmRelease (itself applied by a
 /// Kustomization), with the simulated reconcilers running. Without --pause-gitops, a run (and a
 /// dry run) refuses with exit 3 naming every owner and the flag, and changes nothing; the dry
@@ -207,7 +207,7 @@ async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
     b.server.shutdown().await;
 }
 
-/// Issue 18: the same world with a live Karpenter and the reconcilers running; with
+/// The same world with a live Karpenter and the reconcilers running; with
 /// --pause-gitops the owners are suspended (parents first) before the fence and the teardown ends
 /// clean with nothing put back. They stay paused; a second run has nothing to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -270,7 +270,7 @@ async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() 
     b.server.shutdown().await;
 }
 
-/// Issue 16: the engine speaks in typed events on one channel: the run's size, every task's
+/// The engine speaks in typed events on one channel: the run's size, every task's
 /// start and end, and each drain's pods left (what the live view shows as "N pod(s) left"),
 /// counting down from the node's drainable pods.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

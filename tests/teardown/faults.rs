@@ -43,7 +43,7 @@ async fn kubernetes_errors_latency_and_watch_drops() {
     assert!(b.server.requests().total() > served_before, "the run made no requests");
     let calls = run.report["api_calls"].as_object().expect("api_calls in the report");
     assert!(calls.keys().any(|k| k.starts_with("kubernetes:")), "{calls:?}");
-    // issue 15.7: the injected 429s are API Priority and Fairness's (plain text, Retry-After):
+    // The injected 429s are API Priority and Fairness's (plain text, Retry-After):
     // counted as throttling, and never reported as a PodDisruptionBudget blocking anything
     assert!(calls.get("kubernetes:throttled").and_then(Value::as_u64).unwrap_or(0) > 0, "{calls:?}");
     let blockers = run.report["blockers"].as_array().expect("blockers in the report");

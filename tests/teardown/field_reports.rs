@@ -1,4 +1,4 @@
-//! The field reports of design §1 (issue 6), each as a scenario the real binary must survive:
+//! The field reports of design §1, each as a scenario the real binary must survive:
 //! objects vanishing underneath, a stale taint writer, a cordon reverter, platform-owned taints,
 //! the controller removed first, a strict PodDisruptionBudget, and an instance that launched but
 //! never registered.
@@ -360,7 +360,7 @@ async fn launched_never_registered() {
     b.server.shutdown().await;
 }
 
-/// Issue 15.6: a log shipper pinned to a NodePool that tolerates everything (`operator: Exists`).
+/// A log shipper pinned to a NodePool that tolerates everything (`operator: Exists`).
 /// A real scheduler puts an evicted replica straight back on another cordoned node of its pool
 /// (it tolerates the cordon), so evicting it is a chase until the deadline (exit 5). Like
 /// Karpenter, the tool leaves such pods to go with their node, and names them in the report.
@@ -428,7 +428,7 @@ async fn pods_tolerating_everything_go_with_their_node() {
     b.server.shutdown().await;
 }
 
-/// Issue 19: a PDB-heavy cluster (every workload `maxUnavailable: 1`) with spare capacity outside
+/// A PDB-heavy cluster (every workload `maxUnavailable: 1`) with spare capacity outside
 /// Karpenter, so each budget allows its next eviction once the last evicted pod's replacement is
 /// ready elsewhere. The drain asks the Eviction API only when the budget's watched status allows
 /// it: about one eviction request per evicted pod, where asking blindly and retrying each refusal

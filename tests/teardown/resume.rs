@@ -145,7 +145,7 @@ async fn sigterm_mid_drain_exits_130() {
     b.server.shutdown().await;
 }
 
-/// Issue 16: a second interrupt ends the run at once (exit 130), naming what was in flight. The
+/// A second interrupt ends the run at once (exit 130), naming what was in flight. The
 /// first one, during verification's settle, would let the verify task finish its two reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_interrupt_stops_at_once_naming_the_tasks_in_flight() {

@@ -350,7 +350,7 @@ async fn eviction_respects_pod_disruption_budgets() {
     s.shutdown().await;
 }
 
-/// Issue 15.7, on the wire through the tool's own client: a PodDisruptionBudget's 429 is a
+/// On the wire through the tool's own client: a PodDisruptionBudget's 429 is a
 /// block, API Priority and Fairness's 429 (plain text, `Retry-After`) is throttling with the
 /// server's delay, and two budgets over one pod (500) are named as such.
 #[tokio::test]

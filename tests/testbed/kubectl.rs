@@ -131,7 +131,7 @@ async fn get_nodes_cordon_taint_and_scale() {
     s.shutdown().await;
 }
 
-/// Issue 15.4: the real CRDs' schemas hold as on a real server. A NodePool applied without
+/// The real CRDs' schemas hold as on a real server. A NodePool applied without
 /// `disruption` or `expireAfter` comes back with the defaults kube-apiserver fills in, and the
 /// CEL rules refuse what they refuse on EKS: limits other than `nodes` on a static NodePool,
 /// and turning a static NodePool dynamic.

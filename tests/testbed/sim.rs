@@ -569,7 +569,7 @@ async fn an_applied_nodeclass_gets_its_finalizer_launch_template_and_instance_pr
     cleanup(b, &world, &[]).await;
 }
 
-/// Issue 18: the simulated Argo CD and Flux put back what is deleted or changed while they are
+/// The simulated Argo CD and Flux put back what is deleted or changed while they are
 /// not paused (a NodePool, an EC2NodeClass, the controller's replicas, a child Application's
 /// automated sync), and nothing once paused: the refusal and `--pause-gitops` are tested
 /// against reconcilers with teeth.

@@ -1,5 +1,5 @@
 //! Simulated Argo CD and Flux: what they write on the objects they apply, and a reconciler that
-//! puts back what is removed or changed while they are not paused (issue 18).
+//! puts back what is removed or changed while they are not paused.
 //!
 //! The CRDs are ours, with just the fields these controllers use. The "Git repository" is the
 //! manifests of the adopted objects as they were when adopted, held in memory. What the
