@@ -306,7 +306,7 @@ impl ProviderId {
     /// `us-west-2`); the zone itself when it names no region (it then matches no `--region`,
     /// which refuses the run rather than guessing).
     pub fn region(&self) -> String {
-        crate::aws::partition::region_of_zone(&self.zone).unwrap_or_else(|| self.zone.clone())
+        crate::partition::region_of_zone(&self.zone).unwrap_or_else(|| self.zone.clone())
     }
 }
 

@@ -348,6 +348,7 @@ impl Progress {
     }
 
     /// A copy of what the board shows: the header, the running lines and the blockers.
+    #[cfg(test)]
     pub fn snapshot(&self) -> (String, Vec<String>, Vec<String>) {
         self.with(|v| {
             let (lines, _) = v.board.running_lines(Instant::now());

@@ -220,10 +220,11 @@ pub struct Report {
     /// The error, when the outcome is `failed` or `refused`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    /// `rehearse`: the snapshot it played and what it predicts for the real run.
-    #[cfg(feature = "sandbox")]
+    /// `rehearse`: the snapshot it played and what it predicts for the real run, as `rehearse`
+    /// writes it (the report knows the run's vocabulary, not the rehearsal's; the schema
+    /// describes both).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub rehearsal: Option<crate::rehearse::Rehearsal>,
+    pub rehearsal: Option<serde_json::Value>,
 }
 
 impl Report {
@@ -254,7 +255,6 @@ impl Report {
                 gitops: Survey::default(),
                 not_ours: Vec::new(),
                 error: None,
-                #[cfg(feature = "sandbox")]
                 rehearsal: None,
             },
             now,

@@ -7,7 +7,6 @@
 pub mod calls;
 pub mod ec2;
 pub mod iam;
-pub mod partition;
 
 use aws_config::{BehaviorVersion, Region, retry::RetryConfig};
 use aws_credential_types::provider::ProvideCredentials;

@@ -83,12 +83,12 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
         Ok(prediction) => {
             println!("{}", render(&prediction));
             let exit = if cancel.is_cancelled() { Exit::Interrupted } else { prediction.exit() };
-            report.rehearsal = Some(Rehearsal { snapshot: summary, prediction: Some(prediction) });
+            report.rehearsal = section(Rehearsal { snapshot: summary, prediction: Some(prediction) });
             exit
         }
         Err(e) => {
             report.error = Some(e.to_string());
-            report.rehearsal = Some(Rehearsal { snapshot: summary, prediction: None });
+            report.rehearsal = section(Rehearsal { snapshot: summary, prediction: None });
             eprintln!("error: {e}");
             match e {
                 RehearseError::LocalStack { .. } => Exit::BadInput,
@@ -223,4 +223,10 @@ fn render(p: &Prediction) -> String {
     let _ = writeln!(s, "  verification: {}", if p.clean { "clean" } else { "leftovers" });
     let _ = write!(s, "  the plan, as it would run:\n{}", p.plan.trim_end());
     s
+}
+
+/// The report's `rehearsal` section. Serialising plain data cannot fail; were it ever to, the
+/// report would lack the section rather than the run fail.
+fn section(r: Rehearsal) -> Option<serde_json::Value> {
+    serde_json::to_value(r).ok()
 }

@@ -7,10 +7,10 @@
 use std::collections::BTreeSet;
 
 use super::inventory::Inventory;
-use crate::aws::partition::{EksClusterArn, partition_of_region};
 use crate::aws::{AwsClients, InstanceInfo};
 use crate::k8s::Kube;
 use crate::karpenter::{self, ProviderId};
+use crate::partition::{EksClusterArn, partition_of_region};
 
 /// What the preflight found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -61,11 +61,6 @@ pub struct Copy {
 }
 
 impl Copy {
-    /// The live instance id behind a copy's id.
-    pub fn live_id(&self, copy_id: &str) -> Option<&str> {
-        self.instances.iter().find(|(_, c)| c.as_str() == copy_id).map(|(l, _)| l.as_str())
-    }
-
     /// Replaces the copy's instance ids and account in `text` with the live ones.
     pub fn to_live_ids(&self, text: &str) -> String {
         let mut out = text.replace(self.account.as_str(), &self.live_account);

@@ -27,7 +27,7 @@ use crate::plan::Plan;
 use crate::report::{BlockerKind, Outcome};
 use crate::snapshot::Snapshot;
 
-pub use predict::{StepPrediction, Timing};
+pub use predict::Timing;
 
 /// Why a rehearsal could not be played (a prediction of a failed teardown is not an error).
 #[derive(Debug, thiserror::Error)]
