@@ -354,7 +354,8 @@ async fn detached_vpc_cni_interfaces_of_the_cluster_are_leftovers_and_reclaimed(
     }
 }
 
-#[tokio::test]
+// multi-threaded: the proxy serves the spawned tool from this test's runtime while it waits
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_reclaim_ends_clean_when_its_instances_stay_shutting_down_for_a_minute() {
     // EC2 keeps an instance shutting-down for a while after TerminateInstances, and a read right
     // after the call may still say running; the proxy models both, a minute of it at a tenth of
@@ -378,13 +379,15 @@ async fn verify_reclaim_ends_clean_when_its_instances_stay_shutting_down_for_a_m
     let dir = tempfile::tempdir().unwrap();
     let report_path = dir.path().join("report.json");
     let started = std::time::Instant::now();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
         .args(["verify", "--cluster", &cluster, "--region", REGION, "--reclaim", "--yes", "--report"])
         .arg(&report_path)
         .envs(common::localstack_env())
         .env("AWS_ENDPOINT_URL", proxy.url())
         .env("AWS_ACCESS_KEY_ID", &key)
+        .kill_on_drop(true)
         .output()
+        .await
         .unwrap();
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     assert_eq!(out.status.code(), Some(0), "{}\n{report:#}", String::from_utf8_lossy(&out.stderr));
