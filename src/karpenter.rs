@@ -52,6 +52,95 @@ pub fn cni_interface_is_settled(created_at: Option<&str>, now: std::time::System
     now.duration_since(created).is_ok_and(|age| age >= VPC_CNI_COOLDOWN)
 }
 
+/// Tag both the VPC CNI and the VPC resource controller put on the network interfaces they create
+/// for a node, naming its instance.
+pub const TAG_VPC_CNI_NODE: &str = "node.k8s.amazonaws.com/instance_id";
+/// Description prefix of every network interface the VPC CNI creates (`aws-K8S-<instance-id>`).
+pub const VPC_CNI_DESCRIPTION_PREFIX: &str = "aws-K8S-";
+/// Tag naming which EKS component owns a network interface.
+pub const TAG_ENI_OWNER: &str = "eks:eni:owner";
+/// [`TAG_ENI_OWNER`]'s value on the VPC resource controller's branch and trunk interfaces.
+pub const ENI_OWNER_RESOURCE_CONTROLLER: &str = "eks-vpc-resource-controller";
+/// Prefix of the VPC resource controller's own tags (`vpcresources.k8s.aws/vlan-id`,
+/// `vpcresources.k8s.aws/trunk-eni-id`).
+pub const RESOURCE_CONTROLLER_TAG_PREFIX: &str = "vpcresources.k8s.aws/";
+/// Description prefixes of the VPC resource controller's trunk and branch interfaces.
+pub const RESOURCE_CONTROLLER_DESCRIPTIONS: [&str; 2] = ["aws-k8s-trunk-eni", "aws-k8s-branch-eni"];
+
+/// Who a detached network interface tagged for the cluster belongs to, and so what `--reclaim`
+/// may do with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InterfaceVerdict {
+    /// A leak of this cluster's nodes that no live owner will attach again: reclaimed, for the
+    /// reason given.
+    Reclaim(String),
+    /// Left alone, for the reason given (reported, not counted against a clean result).
+    Leave(String),
+}
+
+/// Judges one detached (`available`) network interface found by the cluster's tags, from its
+/// description and tags only (so the rule is the same wherever the interface was read):
+///
+/// - the VPC resource controller's (Security Groups for Pods) trunk and branch interfaces
+///   (`eks:eni:owner=eks-vpc-resource-controller`, a `vpcresources.k8s.aws/` tag, or the
+///   `aws-k8s-trunk-eni`/`aws-k8s-branch-eni` description) are left to it: it creates a branch
+///   interface before it associates it with a trunk, and its own cleaner deletes one only after
+///   it stayed available across two of its cycles, 30 minutes apart (amazon-vpc-resource-controller-k8s,
+///   pkg/aws/ec2/api/cleanup/eni_cleanup.go, pkg/config/type.go `ENICleanUpInterval`). It runs
+///   in EKS's control plane, so it is still there after Karpenter is gone;
+/// - the VPC CNI's (`cluster.k8s.amazonaws.com/name=<cluster>`, a `node.k8s.amazonaws.com/instance_id`
+///   tag and an `aws-K8S-` description: exactly the CNI's own leak query) are reclaimed once
+///   their `node.k8s.amazonaws.com/createdAt` tag is [`VPC_CNI_COOLDOWN`] old, as the CNI's own
+///   collector does (amazon-vpc-cni-k8s, pkg/awsutils/awsutils.go `getLeakedENIs`);
+/// - Karpenter's (its launch templates tag network interfaces with the node's tags:
+///   `eks:eks-cluster-name=<cluster>` and `karpenter.sh/nodepool`) are created attached by the
+///   launch, so a detached one outlived its instance and is reclaimed;
+/// - anything else that only carries `kubernetes.io/cluster/<cluster>` has no owner the tool can
+///   name, and is left alone.
+pub fn judge_detached_interface(
+    description: &str,
+    tags: &std::collections::BTreeMap<String, String>,
+    cluster: &str,
+    now: std::time::SystemTime,
+) -> InterfaceVerdict {
+    let tag = |k: &str| tags.get(k).map(String::as_str);
+    if tag(TAG_ENI_OWNER) == Some(ENI_OWNER_RESOURCE_CONTROLLER)
+        || tags.keys().any(|k| k.starts_with(RESOURCE_CONTROLLER_TAG_PREFIX))
+        || RESOURCE_CONTROLLER_DESCRIPTIONS.iter().any(|d| description.starts_with(d))
+    {
+        return InterfaceVerdict::Leave(
+            "the VPC resource controller's trunk or branch interface: left to its own cleaner, which deletes it after it stayed detached across two of its 30-minute cycles".into(),
+        );
+    }
+    if tag(TAG_VPC_CNI_CLUSTER) == Some(cluster) {
+        if !tags.contains_key(TAG_VPC_CNI_NODE) || !description.starts_with(VPC_CNI_DESCRIPTION_PREFIX) {
+            return InterfaceVerdict::Leave(format!(
+                "tagged {TAG_VPC_CNI_CLUSTER}={cluster} but without the VPC CNI's {TAG_VPC_CNI_NODE} tag or {VPC_CNI_DESCRIPTION_PREFIX} description: not the CNI's"
+            ));
+        }
+        return if cni_interface_is_settled(tag(TAG_VPC_CNI_CREATED_AT), now) {
+            InterfaceVerdict::Reclaim(format!(
+                "the VPC CNI's, detached and created more than {} ago (the CNI's own leak rule)",
+                humantime::format_duration(VPC_CNI_COOLDOWN)
+            ))
+        } else {
+            InterfaceVerdict::Leave(format!(
+                "the VPC CNI's, but created less than {} ago or without a readable {TAG_VPC_CNI_CREATED_AT} tag: a live CNI may be about to attach it",
+                humantime::format_duration(VPC_CNI_COOLDOWN)
+            ))
+        };
+    }
+    if tag(TAG_EKS_CLUSTER) == Some(cluster) && tags.contains_key(TAG_NODEPOOL) {
+        return InterfaceVerdict::Reclaim(
+            "Karpenter's (tagged by its launch template with the node's NodePool): it outlived its instance".into(),
+        );
+    }
+    InterfaceVerdict::Leave(format!(
+        "tagged {} but by no owner the tool can name (neither Karpenter's, the VPC CNI's nor the VPC resource controller's tags)",
+        cluster_tag_key(cluster)
+    ))
+}
+
 /// The `kubernetes.io/cluster/<c>` tag key of a cluster.
 pub fn cluster_tag_key(cluster: &str) -> String {
     format!("kubernetes.io/cluster/{cluster}")
@@ -431,6 +520,56 @@ mod tests {
         assert!(!cni_interface_is_settled(Some("2026-11-23T11:58:00Z"), now), "2 minutes old: the CNI may attach it");
         assert!(!cni_interface_is_settled(None, now));
         assert!(!cni_interface_is_settled(Some("yesterday"), now));
+    }
+
+    fn eni_tags(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn detached_interfaces_are_reclaimed_only_on_their_owners_evidence() {
+        let now = humantime::parse_rfc3339("2026-11-23T12:00:00Z").unwrap();
+        let (old, young) = ("2026-11-23T11:50:00Z", "2026-11-23T11:59:00Z");
+        let reclaimed = |d: &str, t: &[(&str, &str)]| {
+            matches!(judge_detached_interface(d, &eni_tags(t), "prod", now), InterfaceVerdict::Reclaim(_))
+        };
+        let cluster_tag = cluster_tag_key("prod");
+        let cni = |created: &'static str| {
+            vec![
+                (TAG_VPC_CNI_CLUSTER, "prod"),
+                (TAG_VPC_CNI_NODE, "i-0123456789abcdef0"),
+                (TAG_ENI_OWNER, "amazon-vpc-cni"),
+                (TAG_VPC_CNI_CREATED_AT, created),
+            ]
+        };
+        assert!(reclaimed("aws-K8S-i-0123456789abcdef0", &cni(old)), "a settled CNI interface");
+        assert!(!reclaimed("aws-K8S-i-0123456789abcdef0", &cni(young)), "inside the CNI's cool-down");
+        assert!(!reclaimed("my interface", &cni(old)), "the CNI's tags without its description");
+        assert!(!reclaimed("aws-K8S-i-1", &cni(old)[..1]), "the CNI's cluster tag alone");
+        let mut other_cluster = cni(old);
+        other_cluster[0] = (TAG_VPC_CNI_CLUSTER, "staging");
+        assert!(!reclaimed("aws-K8S-i-1", &other_cluster), "another cluster's CNI");
+        // the resource controller's, young or old, with any of its marks
+        let branch = [
+            (cluster_tag.as_str(), "owned"),
+            (TAG_ENI_OWNER, ENI_OWNER_RESOURCE_CONTROLLER),
+            ("vpcresources.k8s.aws/trunk-eni-id", "eni-1"),
+            ("vpcresources.k8s.aws/vlan-id", "3"),
+            (TAG_VPC_CNI_NODE, "i-1"),
+        ];
+        assert!(!reclaimed("aws-k8s-branch-eni", &branch));
+        assert!(!reclaimed("", &branch[..2]), "the owner tag alone");
+        assert!(!reclaimed("aws-k8s-trunk-eni", &branch[..1]), "the description alone");
+        assert!(!reclaimed("", &[(cluster_tag.as_str(), "owned"), ("vpcresources.k8s.aws/vlan-id", "1")]));
+        // the resource controller's mark wins over the CNI's tags
+        let mut both = cni(old);
+        both.push((TAG_ENI_OWNER, ENI_OWNER_RESOURCE_CONTROLLER));
+        assert!(!reclaimed("aws-K8S-i-1", &both));
+        // Karpenter's own, and an interface with only the cluster tag
+        let karpenter = [(cluster_tag.as_str(), "owned"), (TAG_EKS_CLUSTER, "prod"), (TAG_NODEPOOL, "default")];
+        assert!(reclaimed("", &karpenter));
+        assert!(!reclaimed("", &[(TAG_EKS_CLUSTER, "staging"), (TAG_NODEPOOL, "default")]));
+        assert!(!reclaimed("", &karpenter[..1]), "the cluster tag alone names no owner");
     }
 
     #[test]

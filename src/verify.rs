@@ -16,8 +16,13 @@ pub struct Leftovers {
     pub launch_templates: Vec<LaunchTemplateInfo>,
     /// Karpenter instance profiles of the cluster.
     pub instance_profiles: Vec<InstanceProfileInfo>,
-    /// Detached network interfaces tagged for the cluster.
+    /// Detached network interfaces of the cluster that the tool may delete, each with why
+    /// ([`crate::karpenter::judge_detached_interface`]).
     pub network_interfaces: Vec<DetachedResource>,
+    /// Detached network interfaces tagged for the cluster that the tool leaves alone (the VPC
+    /// resource controller's, the VPC CNI's inside its cool-down, ones no owner of which is
+    /// known), each with why: reported, never deleted, not counted against a clean result.
+    pub network_interfaces_left: Vec<DetachedResource>,
     /// Detached volumes tagged for the cluster: reported, never deleted (they may hold data),
     /// and not counted against a clean result.
     pub volumes: Vec<DetachedResource>,
@@ -26,7 +31,8 @@ pub struct Leftovers {
 }
 
 impl Leftovers {
-    /// True when nothing that counts is left (volumes do not count, see above).
+    /// True when nothing that counts is left (volumes and the interfaces left alone do not count,
+    /// see above).
     pub fn is_clean(&self) -> bool {
         self.instances.is_empty()
             && self.launch_templates.is_empty()
@@ -35,10 +41,11 @@ impl Leftovers {
             && self.objects.is_empty()
     }
 
-    /// What [`reclaim`] would remove, one line per kind (everything but volumes and the cluster's
-    /// objects, which only a teardown removes).
+    /// What [`reclaim`] would remove, one line per kind (everything but volumes, the interfaces
+    /// left alone and the cluster's objects, which only a teardown removes).
     pub fn reclaimable(&self) -> Vec<String> {
-        Leftovers { volumes: Vec::new(), objects: Vec::new(), ..self.clone() }.describe()
+        Leftovers { volumes: Vec::new(), network_interfaces_left: Vec::new(), objects: Vec::new(), ..self.clone() }
+            .describe()
     }
 
     /// One line per kind with the ids, for the human summary.
@@ -54,6 +61,10 @@ impl Leftovers {
         line("instance profile(s)", self.instance_profiles.iter().map(|p| p.name.as_str()).collect());
         line("detached network interface(s)", self.network_interfaces.iter().map(|n| n.id.as_str()).collect());
         line("Kubernetes object(s)", self.objects.iter().map(String::as_str).collect());
+        line(
+            "detached network interface(s) left to their owner (never deleted)",
+            self.network_interfaces_left.iter().map(|n| n.id.as_str()).collect(),
+        );
         line("detached volume(s) (reported only, never deleted)", self.volumes.iter().map(|v| v.id.as_str()).collect());
         out
     }
@@ -70,8 +81,10 @@ pub struct Described {
     pub launch_templates: Vec<LaunchTemplateInfo>,
     /// The cluster's Karpenter instance profiles, the user's among them.
     pub instance_profiles: Vec<InstanceProfileInfo>,
-    /// The cluster's detached network interfaces.
+    /// The cluster's detached network interfaces that may be reclaimed.
     pub network_interfaces: Vec<DetachedResource>,
+    /// The cluster's detached network interfaces that are left alone.
+    pub network_interfaces_left: Vec<DetachedResource>,
     /// The cluster's detached volumes.
     pub volumes: Vec<DetachedResource>,
 }
@@ -82,12 +95,20 @@ pub struct Described {
 /// `spec.instanceProfile`, never counted even when they look like Karpenter's). The rest is
 /// taken as read; volumes are kept to be reported, [`Leftovers::is_clean`] does not count them.
 pub fn leftovers(described: Described, cluster: &str, user_profiles: &BTreeSet<String>) -> Leftovers {
-    let Described { instances, launch_templates, instance_profiles, network_interfaces, volumes } = described;
+    let Described {
+        instances,
+        launch_templates,
+        instance_profiles,
+        network_interfaces,
+        network_interfaces_left,
+        volumes,
+    } = described;
     Leftovers {
         instances: instances.into_iter().filter(|i| InstanceScope::KarpenterLive.admits(i, cluster)).collect(),
         launch_templates,
         instance_profiles: instance_profiles.into_iter().filter(|p| !user_profiles.contains(&p.name)).collect(),
         network_interfaces,
+        network_interfaces_left,
         volumes,
         objects: Vec::new(),
     }
@@ -95,14 +116,21 @@ pub fn leftovers(described: Described, cluster: &str, user_profiles: &BTreeSet<S
 
 /// Reads everything once and judges it with [`leftovers`].
 pub async fn collect(aws: &AwsClients, cluster: &str, user_profiles: &BTreeSet<String>) -> Result<Leftovers, AwsError> {
-    let (instances, launch_templates, instance_profiles, network_interfaces, volumes) = tokio::try_join!(
+    let (instances, launch_templates, instance_profiles, (network_interfaces, network_interfaces_left), volumes) = tokio::try_join!(
         aws.ec2.cluster_instances(cluster, InstanceScope::KarpenterLive),
         aws.ec2.launch_templates(cluster),
         aws.iam.cluster_instance_profiles(aws.region(), cluster),
         aws.ec2.detached_network_interfaces(cluster),
         aws.ec2.detached_volumes(cluster),
     )?;
-    let described = Described { instances, launch_templates, instance_profiles, network_interfaces, volumes };
+    let described = Described {
+        instances,
+        launch_templates,
+        instance_profiles,
+        network_interfaces,
+        network_interfaces_left,
+        volumes,
+    };
     Ok(leftovers(described, cluster, user_profiles))
 }
 
@@ -136,16 +164,32 @@ fn second_read_pause(settle: Duration, quiet_since: Option<Instant>, now: Instan
     }
 }
 
-/// Removes what the leftovers list (never volumes): terminates the instances, deletes launch
-/// templates, instance profiles and detached network interfaces. Everything listed was selected
-/// by the cluster's tags (instance profiles by location and tags together), so nothing outside
-/// the cluster is touched.
+/// How long [`reclaim`] waits for the instances it terminated to reach `terminated`: a real
+/// instance stays `shutting-down` for tens of seconds to minutes after `TerminateInstances`, and
+/// a check made before it is gone would count it as left over.
+pub const RECLAIM_TERMINATION_WAIT: Duration = Duration::from_secs(600);
+/// How often [`reclaim`] asks EC2 about the instances still shutting down.
+const RECLAIM_POLL: Duration = Duration::from_secs(2);
+
+/// Removes what the leftovers list (never volumes, never the interfaces left alone): terminates
+/// the instances and waits up to [`RECLAIM_TERMINATION_WAIT`] for EC2 to report them
+/// `terminated`, deletes launch templates, instance profiles and the reclaimable detached network
+/// interfaces. Everything listed was selected by the cluster's tags (instance profiles by
+/// location and tags together, interfaces by their owner's evidence), so nothing outside the
+/// cluster is touched.
 pub async fn reclaim(aws: &AwsClients, leftovers: &Leftovers) -> Result<Vec<String>, AwsError> {
     let mut failures = Vec::new();
     let ids: Vec<String> = leftovers.instances.iter().map(|i| i.id.clone()).collect();
     if !ids.is_empty() {
         let out = aws.ec2.terminate(&ids).await?;
         failures.extend(out.failed.into_iter().map(|(id, e)| format!("{id}: {e}")));
+        let still_live = wait_terminated(aws, &out.accepted, RECLAIM_TERMINATION_WAIT).await?;
+        failures.extend(still_live.into_iter().map(|id| {
+            format!(
+                "{id}: not terminated {} after TerminateInstances",
+                humantime::format_duration(RECLAIM_TERMINATION_WAIT)
+            )
+        }));
     }
     for lt in &leftovers.launch_templates {
         if let Err(e) = aws.ec2.delete_launch_template(&lt.id).await {
@@ -163,6 +207,28 @@ pub async fn reclaim(aws: &AwsClients, leftovers: &Leftovers) -> Result<Vec<Stri
         }
     }
     Ok(failures)
+}
+
+/// Waits until EC2 reports none of `ids` live (an id EC2 no longer knows counts as gone), or
+/// `limit` has passed: the ids still live then.
+async fn wait_terminated(aws: &AwsClients, ids: &[String], limit: Duration) -> Result<Vec<String>, AwsError> {
+    let deadline = Instant::now() + limit;
+    let mut live: Vec<String> = ids.to_vec();
+    while !live.is_empty() {
+        let found = aws.ec2.instances_by_id(&live).await?;
+        live = still_live(&live, &found);
+        if live.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(RECLAIM_POLL.min(deadline.saturating_duration_since(Instant::now()))).await;
+    }
+    Ok(live)
+}
+
+/// Which of `ids` a read shows live: present and not `terminated` (a `running` read right after
+/// the termination is EC2's eventual consistency, not a refusal, and is waited out too).
+fn still_live(ids: &[String], found: &[InstanceInfo]) -> Vec<String> {
+    ids.iter().filter(|id| found.iter().any(|i| &i.id == *id && i.state.is_live())).cloned().collect()
 }
 
 #[cfg(test)]
@@ -200,7 +266,7 @@ mod tests {
     }
 
     fn detached(id: &str) -> DetachedResource {
-        DetachedResource { id: id.into(), status: "available".into() }
+        DetachedResource { id: id.into(), status: "available".into(), reason: None }
     }
 
     fn template(id: &str) -> LaunchTemplateInfo {
@@ -317,6 +383,18 @@ mod tests {
             ..Leftovers::default()
         };
         assert_eq!(left.reclaimable(), ["2 instance(s): i-1, i-2", "1 detached network interface(s): eni-1"]);
+    }
+
+    #[test]
+    fn a_reclaim_waits_for_every_instance_it_terminated_until_ec2_says_terminated() {
+        let ids: Vec<String> = ["i-1", "i-2", "i-3", "i-4"].iter().map(|s| s.to_string()).collect();
+        let found = [
+            instance("i-1", "prod", InstanceState::Running),
+            instance("i-2", "prod", InstanceState::ShuttingDown),
+            instance("i-3", "prod", InstanceState::Terminated),
+        ];
+        assert_eq!(still_live(&ids, &found), ["i-1", "i-2"], "i-4 is no longer known: gone");
+        assert!(still_live(&ids, &found[2..]).is_empty());
     }
 
     #[test]

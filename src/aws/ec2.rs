@@ -139,6 +139,9 @@ pub struct DetachedResource {
     pub id: String,
     /// EC2's status string (`available` for detached).
     pub status: String,
+    /// Why a network interface is taken or left ([`karpenter::judge_detached_interface`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// What EC2 said to a `DryRun` request.
@@ -371,22 +374,21 @@ impl Ec2 {
     }
 
     /// The cluster's network interfaces that are detached (`available`): those tagged
-    /// `kubernetes.io/cluster/<c>`, and those the VPC CNI made for the cluster's nodes, tagged
-    /// `cluster.k8s.amazonaws.com/name=<c>` (it sets that tag only when its CLUSTER_NAME is set,
-    /// which EKS's managed add-on does). A detached CNI interface blocks the VPC's deletion.
-    ///
-    /// A CNI interface younger than the CNI's own cool-down (5 minutes by its
-    /// `node.k8s.amazonaws.com/createdAt` tag, or without that tag) is left out, exactly as the
-    /// CNI's own leak collector does: it may be one a live CNI (a managed node group's) has just
-    /// created and is about to attach.
-    pub async fn detached_network_interfaces(&self, cluster: &str) -> Result<Vec<DetachedResource>, AwsError> {
+    /// `kubernetes.io/cluster/<c>` (Karpenter's and the VPC resource controller's carry it) and
+    /// those the VPC CNI made for the cluster's nodes, tagged `cluster.k8s.amazonaws.com/name=<c>`
+    /// (it sets that tag only when its CLUSTER_NAME is set, which EKS's managed add-on does). A
+    /// detached interface blocks the VPC's deletion. Each is judged by
+    /// [`karpenter::judge_detached_interface`]: the first list is what `--reclaim` may delete, the
+    /// second what is left to its owner (or to no one), each with its reason.
+    pub async fn detached_network_interfaces(
+        &self,
+        cluster: &str,
+    ) -> Result<(Vec<DetachedResource>, Vec<DetachedResource>), AwsError> {
         let now = std::time::SystemTime::now();
-        let mut out: BTreeMap<String, DetachedResource> = BTreeMap::new();
-        let selectors = [
-            (tag_key_filter(&karpenter::cluster_tag_key(cluster)), false),
-            (tag_filter(karpenter::TAG_VPC_CNI_CLUSTER, cluster), true),
-        ];
-        for (selector, from_cni) in selectors {
+        let (mut taken, mut left) = (BTreeMap::new(), BTreeMap::new());
+        let selectors =
+            [tag_key_filter(&karpenter::cluster_tag_key(cluster)), tag_filter(karpenter::TAG_VPC_CNI_CLUSTER, cluster)];
+        for selector in selectors {
             let mut pages = self
                 .client
                 .describe_network_interfaces()
@@ -398,23 +400,30 @@ impl Ec2 {
             while let Some(page) = pages.next().await {
                 let page = page.map_err(|e| self.err("DescribeNetworkInterfaces", e))?;
                 for ni in page.network_interfaces() {
-                    if from_cni {
-                        let created = ni
-                            .tag_set()
-                            .iter()
-                            .find(|t| t.key() == Some(karpenter::TAG_VPC_CNI_CREATED_AT))
-                            .and_then(|t| t.value());
-                        if !karpenter::cni_interface_is_settled(created, now) {
-                            continue;
-                        }
-                    }
+                    let tags: BTreeMap<String, String> = ni
+                        .tag_set()
+                        .iter()
+                        .filter_map(|t| Some((t.key()?.to_string(), t.value().unwrap_or_default().to_string())))
+                        .collect();
+                    let verdict =
+                        karpenter::judge_detached_interface(ni.description().unwrap_or_default(), &tags, cluster, now);
                     let id = ni.network_interface_id().unwrap_or_default().to_string();
                     let status = ni.status().map(|s| s.as_str().to_string()).unwrap_or_default();
-                    out.insert(id.clone(), DetachedResource { id, status });
+                    let (list, reason) = match verdict {
+                        karpenter::InterfaceVerdict::Reclaim(r) => (&mut taken, r),
+                        karpenter::InterfaceVerdict::Leave(r) => (&mut left, r),
+                    };
+                    list.insert(id.clone(), DetachedResource { id, status, reason: Some(reason) });
                 }
             }
         }
-        Ok(out.into_values().collect())
+        Ok((taken.into_values().collect(), left.into_values().collect()))
+    }
+
+    /// Asks EC2 whether these credentials may delete the network interface (`DryRun`).
+    pub async fn delete_network_interface_dry_run(&self, id: &str) -> Result<DryRun, AwsError> {
+        let answer = self.client.delete_network_interface().network_interface_id(id).dry_run(true).send().await;
+        DryRun::judge(answer.map(|_| ()).map_err(|e| self.err("DeleteNetworkInterface", e)))
     }
 
     /// Deletes a detached network interface; one already gone counts as deleted.
@@ -445,6 +454,7 @@ impl Ec2 {
                 out.push(DetachedResource {
                     id: v.volume_id().unwrap_or_default().to_string(),
                     status: v.state().map(|s| s.as_str().to_string()).unwrap_or_default(),
+                    reason: None,
                 });
             }
         }

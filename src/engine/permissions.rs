@@ -148,6 +148,8 @@ pub enum Ec2Need {
     TerminateInstances,
     /// `ec2:DeleteLaunchTemplate` (delete-nodeclasses, `--reclaim`).
     DeleteLaunchTemplate,
+    /// `ec2:DeleteNetworkInterface` (`--reclaim`: detached interfaces of the cluster's nodes).
+    DeleteNetworkInterface,
 }
 
 /// The mutating EC2 calls a run of `plan` makes. (IAM's calls have no `DryRun`; they are covered
@@ -163,7 +165,11 @@ pub fn ec2_needs(plan: &Plan, reclaim: bool) -> BTreeSet<Ec2Need> {
                 need.insert(Ec2Need::DeleteLaunchTemplate);
             }
             Action::Verify if reclaim => {
-                need.extend([Ec2Need::TerminateInstances, Ec2Need::DeleteLaunchTemplate]);
+                need.extend([
+                    Ec2Need::TerminateInstances,
+                    Ec2Need::DeleteLaunchTemplate,
+                    Ec2Need::DeleteNetworkInterface,
+                ]);
             }
             _ => {}
         }
@@ -230,9 +236,12 @@ pub async fn missing_kubernetes(
 }
 
 /// Asks EC2 (`DryRun`) about each mutating call, on resources of this cluster (`instances`: the
-/// inventory's instance ids, since the shipped policy allows termination by tag): the IAM
-/// actions the credentials lack. A call that cannot be tried on a real resource (no instance or
-/// launch template left) is not asked about.
+/// inventory's instance ids, since the shipped policy allows termination by tag; a launch
+/// template and a reclaimable network interface of the cluster, found as verification finds
+/// them): the IAM actions the credentials lack. EC2 evaluates a dry run's authorization as it
+/// would the call's, resource tags included, so a policy whose conditions miss these resources
+/// is caught here. A call that cannot be tried on a real resource (no instance, launch template
+/// or reclaimable interface left) is not asked about.
 pub async fn missing_ec2(
     aws: &AwsClients,
     cluster: &str,
@@ -248,6 +257,10 @@ pub async fn missing_ec2(
             }
             Ec2Need::DeleteLaunchTemplate => match aws.ec2.launch_templates(cluster).await?.first() {
                 Some(lt) => ("ec2:DeleteLaunchTemplate", aws.ec2.delete_launch_template_dry_run(&lt.id).await?),
+                None => continue,
+            },
+            Ec2Need::DeleteNetworkInterface => match aws.ec2.detached_network_interfaces(cluster).await?.0.first() {
+                Some(ni) => ("ec2:DeleteNetworkInterface", aws.ec2.delete_network_interface_dry_run(&ni.id).await?),
                 None => continue,
             },
             Ec2Need::TerminateInstances => continue,
@@ -294,6 +307,10 @@ mod tests {
         let text = "version = 1\nname = \"p\"\n[[step]]\nid = \"preflight\"\naction = \"preflight\"\n[[step]]\nid = \"verify\"\naction = \"verify\"\nafter = [\"preflight\"]\n";
         let verify_only = Plan::from_str(text, "test").unwrap();
         assert!(ec2_needs(&verify_only, false).is_empty());
-        assert_eq!(ec2_needs(&verify_only, true).len(), 2);
+        assert_eq!(
+            ec2_needs(&verify_only, true),
+            [Ec2Need::TerminateInstances, Ec2Need::DeleteLaunchTemplate, Ec2Need::DeleteNetworkInterface].into(),
+            "--reclaim may delete detached interfaces: their permission is asked too"
+        );
     }
 }

@@ -172,7 +172,7 @@ async fn verify_command_reports_a_leftover_with_exit_4_and_reclaims_it_with_exit
     let verify = |extra: &[&str]| {
         let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
         c.args(["verify", "--cluster", &cluster, "--region", REGION, "--report"]).arg(&report_path).args(extra);
-        c.envs(common::localstack_env());
+        c.envs(common::localstack_env()).env("AWS_ACCESS_KEY_ID", common::judged_key(&cluster, REGION));
         c.output().unwrap()
     };
     let out = verify(&[]);
@@ -262,8 +262,8 @@ async fn verify_reclaim_never_deletes_profiles_that_only_share_the_clusters_name
     }
 }
 
-/// Creates a detached network interface with `tags` in a fresh subnet.
-async fn detached_interface(cloud: &sandbox_sim::cloud::Cloud, tags: &[(String, String)]) -> String {
+/// Creates a detached network interface with `description` and `tags` in a fresh subnet.
+async fn detached_interface(cloud: &sandbox_sim::cloud::Cloud, description: &str, tags: &[(String, String)]) -> String {
     use aws_sdk_ec2::types::{ResourceType, Tag, TagSpecification};
     let ec2 = cloud.ec2_sdk();
     let vpc = ec2.create_vpc().cidr_block("10.42.0.0/16").send().await.unwrap();
@@ -274,7 +274,14 @@ async fn detached_interface(cloud: &sandbox_sim::cloud::Cloud, tags: &[(String, 
         .resource_type(ResourceType::NetworkInterface)
         .set_tags(Some(tags.iter().map(|(k, v)| Tag::builder().key(k).value(v).build()).collect()))
         .build();
-    let ni = ec2.create_network_interface().subnet_id(subnet_id).tag_specifications(spec).send().await.unwrap();
+    let ni = ec2
+        .create_network_interface()
+        .subnet_id(subnet_id)
+        .description(description)
+        .tag_specifications(spec)
+        .send()
+        .await
+        .unwrap();
     ni.network_interface().and_then(|n| n.network_interface_id()).unwrap().to_string()
 }
 
@@ -282,25 +289,47 @@ async fn detached_interface(cloud: &sandbox_sim::cloud::Cloud, tags: &[(String, 
 async fn detached_vpc_cni_interfaces_of_the_cluster_are_leftovers_and_reclaimed() {
     let aws = common::localstack(REGION).await;
     let cloud = common::cloud(REGION).await;
-    let tool = common::localstack_as_aws(REGION).await;
     let cluster = common::unique_cluster("eni");
+    // held to deploy/iam-policy.json: a reclaim the policy does not allow fails here as on AWS
+    let tool = common::localstack_as_aws_with_key(REGION, &common::judged_key(&cluster, REGION)).await;
     let other = common::unique_cluster("eni-other");
     let old = "2026-01-01T00:00:00Z";
     let fresh = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let node = "i-0123456789abcdef0";
+    let cni_description = format!("{}{node}", karpenter::VPC_CNI_DESCRIPTION_PREFIX);
     let cni = |c: &str, created: &str| {
         vec![
             (karpenter::TAG_VPC_CNI_CLUSTER.to_string(), c.to_string()),
-            ("node.k8s.amazonaws.com/instance_id".to_string(), "i-0123456789abcdef0".to_string()),
+            (karpenter::TAG_VPC_CNI_NODE.to_string(), node.to_string()),
+            (karpenter::TAG_ENI_OWNER.to_string(), "amazon-vpc-cni".to_string()),
             (karpenter::TAG_VPC_CNI_CREATED_AT.to_string(), created.to_string()),
         ]
     };
-    let leaked = detached_interface(&cloud, &cni(&cluster, old)).await;
-    let others = detached_interface(&cloud, &cni(&other, old)).await;
-    let young = detached_interface(&cloud, &cni(&cluster, &fresh)).await;
+    // a branch interface the VPC resource controller (Security Groups for Pods) has just created
+    // and not yet associated with its trunk: tagged for the cluster, detached, and not ours
+    let branch_tags = vec![
+        (karpenter::cluster_tag_key(&cluster), "owned".to_string()),
+        (karpenter::TAG_ENI_OWNER.to_string(), karpenter::ENI_OWNER_RESOURCE_CONTROLLER.to_string()),
+        ("vpcresources.k8s.aws/trunk-eni-id".to_string(), "eni-0123456789abcdef0".to_string()),
+        ("vpcresources.k8s.aws/vlan-id".to_string(), "1".to_string()),
+        (karpenter::TAG_VPC_CNI_NODE.to_string(), node.to_string()),
+    ];
+    let leaked = detached_interface(&cloud, &cni_description, &cni(&cluster, old)).await;
+    let others = detached_interface(&cloud, &cni_description, &cni(&other, old)).await;
+    let young = detached_interface(&cloud, &cni_description, &cni(&cluster, &fresh)).await;
+    let branch = detached_interface(&cloud, "aws-k8s-branch-eni", &branch_tags).await;
 
     let left = verify::collect(&tool, &cluster, &BTreeSet::new()).await.unwrap();
     let ids: Vec<&str> = left.network_interfaces.iter().map(|n| n.id.as_str()).collect();
     assert_eq!(ids, [leaked.as_str()], "only the cluster's settled CNI interface is a leftover");
+    assert!(left.network_interfaces[0].reason.as_deref().is_some_and(|r| r.contains("VPC CNI")), "{left:?}");
+    let mut alone: Vec<&str> = left.network_interfaces_left.iter().map(|n| n.id.as_str()).collect();
+    alone.sort();
+    let mut expected_alone = vec![young.as_str(), branch.as_str()];
+    expected_alone.sort();
+    assert_eq!(alone, expected_alone, "the young CNI interface and the branch interface are reported, left alone");
+    let branch_reason = left.network_interfaces_left.iter().find(|n| n.id == branch).and_then(|n| n.reason.clone());
+    assert!(branch_reason.is_some_and(|r| r.contains("VPC resource controller")));
     assert!(!left.is_clean());
 
     let failures = verify::reclaim(&tool, &left).await.unwrap();
@@ -317,7 +346,95 @@ async fn detached_vpc_cni_interfaces_of_the_cluster_are_leftovers_and_reclaimed(
     assert!(!exists(leaked.clone()).await, "the leaked interface was deleted");
     assert!(exists(others.clone()).await, "another cluster's interface survives");
     assert!(exists(young.clone()).await, "an interface inside the CNI's cool-down survives");
-    for id in [others, young] {
+    assert!(exists(branch.clone()).await, "the resource controller's branch interface survives --reclaim");
+    let after = verify::collect(&tool, &cluster, &BTreeSet::new()).await.unwrap();
+    assert!(after.is_clean(), "what is left alone does not count against a clean result: {after:?}");
+    for id in [others, young, branch] {
         aws.ec2.delete_network_interface(&id).await.unwrap();
     }
+}
+
+// multi-threaded: the proxy serves the spawned tool from this test's runtime while it waits
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reclaim_ends_clean_when_its_instances_stay_shutting_down_for_a_minute() {
+    // EC2 keeps an instance shutting-down for a while after TerminateInstances, and a read right
+    // after the call may still say running; the proxy models both, a minute of it at a tenth of
+    // EC2's time. A reclaim must wait for what it terminated before it checks again.
+    let aws = common::localstack(REGION).await;
+    let cloud = common::cloud(REGION).await;
+    let cluster = common::unique_cluster("slowterm");
+    let leaked =
+        cloud.launch_tagged("ami-12c6146b", "m5.large", None, 2, &karpenter_tags(&cluster, "general")).await.unwrap();
+    let proxy =
+        sandbox_sim::ec2proxy::Ec2Proxy::start(common::LOCALSTACK, sandbox_sim::ec2proxy::ProxyFaults::default())
+            .await
+            .unwrap();
+    let timing = sandbox_sim::ec2time::Ec2Timing {
+        shutting_down: std::time::Duration::from_secs(6),
+        stale_reads: std::time::Duration::from_secs(1),
+    };
+    proxy.control().set_timing(timing);
+    let key = common::fresh_key();
+    proxy.control().attach_policy(&key, common::principal(common::shipped_policy(&cluster, REGION)));
+    let dir = tempfile::tempdir().unwrap();
+    let report_path = dir.path().join("report.json");
+    let started = std::time::Instant::now();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .args(["verify", "--cluster", &cluster, "--region", REGION, "--reclaim", "--yes", "--report"])
+        .arg(&report_path)
+        .envs(common::localstack_env())
+        .env("AWS_ENDPOINT_URL", proxy.url())
+        .env("AWS_ACCESS_KEY_ID", &key)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}\n{report:#}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(report["outcome"], "clean", "{report:#}");
+    assert!(started.elapsed() >= timing.shutting_down, "the reclaim waited out the shutting-down instances");
+    assert!(proxy.control().unauthorized().is_empty(), "{:?}", proxy.control().unauthorized());
+    let ids: Vec<String> = leaked.iter().map(|i| i.id.clone()).collect();
+    let after = aws.ec2.instances_by_id(&ids).await.unwrap();
+    assert!(after.iter().all(|i| i.state == InstanceState::Terminated), "{after:?}");
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_ec2_proxy_shows_terminations_as_ec2_would_and_filters_on_that_state() {
+    let cloud = common::cloud(REGION).await;
+    let cluster = common::unique_cluster("ec2clock");
+    let ours =
+        cloud.launch_tagged("ami-12c6146b", "m5.large", None, 1, &karpenter_tags(&cluster, "general")).await.unwrap();
+    let proxy =
+        sandbox_sim::ec2proxy::Ec2Proxy::start(common::LOCALSTACK, sandbox_sim::ec2proxy::ProxyFaults::default())
+            .await
+            .unwrap();
+    proxy.control().set_timing(sandbox_sim::ec2time::Ec2Timing {
+        shutting_down: std::time::Duration::from_secs(4),
+        stale_reads: std::time::Duration::from_secs(2),
+    });
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .region(aws_config::Region::new(REGION))
+        .endpoint_url(proxy.url())
+        .credentials_provider(aws_credential_types::Credentials::new("test", "test", None, None, "tests"))
+        .load()
+        .await;
+    let tool = karpenter_teardown::aws::AwsClients::from_config(&config).await.unwrap();
+    let id = ours[0].id.clone();
+    tool.ec2.terminate(std::slice::from_ref(&id)).await.unwrap();
+    let state = |tool: &karpenter_teardown::aws::AwsClients| {
+        let (tool, id) = (tool.clone(), id.clone());
+        async move { tool.ec2.instances_by_id(&[id]).await.unwrap().first().map(|i| i.state) }
+    };
+    assert_eq!(state(&tool).await, Some(InstanceState::Running), "a read right after the call is stale");
+    let live = tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap();
+    assert_eq!(live.len(), 1, "the live-state filter still finds it");
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    assert_eq!(state(&tool).await, Some(InstanceState::ShuttingDown));
+    assert_eq!(tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().len(), 1);
+    tokio::time::sleep(std::time::Duration::from_millis(2000)).await;
+    assert_eq!(state(&tool).await, Some(InstanceState::Terminated));
+    assert!(tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().is_empty());
+    proxy.shutdown().await;
 }

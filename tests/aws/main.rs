@@ -6,3 +6,4 @@
 mod common;
 
 mod localstack;
+mod policy;

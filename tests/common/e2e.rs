@@ -127,6 +127,8 @@ pub async fn teardown(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
         .arg(&report)
         .args(extra)
         .envs(super::localstack_env())
+        // held to deploy/iam-policy.json by the EC2 proxy, as AWS holds the user's identity
+        .env("AWS_ACCESS_KEY_ID", super::judged_key(cluster, REGION))
         .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
     run_of(cmd, &report).await
 }

@@ -12,7 +12,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use aws_config::{BehaviorVersion, Region};
 use aws_credential_types::Credentials;
 use karpenter_teardown::aws::AwsClients;
-use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
+use sandbox_sim::ec2auth::Principal;
+use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyControl, ProxyFaults};
+use sandbox_sim::iampolicy::Policy;
 
 /// Where `localstack/up` serves LocalStack.
 pub const LOCALSTACK: &str = "http://127.0.0.1:4566";
@@ -64,10 +66,15 @@ pub async fn localstack_as_aws(region: &str) -> AwsClients {
 ///
 /// Everything the tool does goes through it ([`localstack_env`], [`localstack_as_aws`]); the
 /// test bed's own setup (playing Karpenter: launching instances, creating templates) talks to
-/// LocalStack directly ([`localstack`]).
+/// LocalStack directly ([`localstack`]). A tool run with a [`judged_key`] is also held to
+/// `deploy/iam-policy.json`.
 pub fn ec2_proxy() -> &'static str {
-    static URL: OnceLock<String> = OnceLock::new();
-    URL.get_or_init(|| {
+    &shared_proxy().0
+}
+
+fn shared_proxy() -> &'static (String, ProxyControl) {
+    static PROXY: OnceLock<(String, ProxyControl)> = OnceLock::new();
+    PROXY.get_or_init(|| {
         require_localstack();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
@@ -76,13 +83,75 @@ pub fn ec2_proxy() -> &'static str {
                 let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("proxy runtime");
                 rt.block_on(async {
                     let proxy = Ec2Proxy::start(LOCALSTACK, ProxyFaults::default()).await.expect("EC2 proxy");
-                    tx.send(proxy.url()).expect("test thread waits for the proxy URL");
+                    tx.send((proxy.url(), proxy.control())).expect("test thread waits for the proxy URL");
                     std::future::pending::<()>().await;
                 });
             })
             .expect("EC2 proxy thread");
         rx.recv().expect("EC2 proxy URL")
     })
+}
+
+/// LocalStack's account: every access key that is not 12 digits (or one of its encoded forms)
+/// is its default account.
+pub const LOCALSTACK_ACCOUNT: &str = "000000000000";
+
+/// The shipped `deploy/iam-policy.json` with its placeholders bound, as a user attaches it.
+pub fn shipped_policy(cluster: &str, region: &str) -> Policy {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/iam-policy.json"))
+        .expect("deploy/iam-policy.json");
+    policy_from(&text, cluster, region)
+}
+
+/// A policy document in the shipped one's form (placeholders `CLUSTER_NAME`, `REGION`,
+/// `ACCOUNT_ID`, `PARTITION`), bound for `cluster` in `region` of LocalStack's account.
+pub fn policy_from(text: &str, cluster: &str, region: &str) -> Policy {
+    // ACCOUNT_ID before the others: none of the values contains a placeholder
+    let bindings = [
+        ("CLUSTER_NAME", cluster),
+        ("ACCOUNT_ID", LOCALSTACK_ACCOUNT),
+        ("PARTITION", karpenter_teardown::aws::partition::partition_of_region(region)),
+        ("REGION", region),
+    ];
+    Policy::parse(text, &bindings).expect("the policy parses")
+}
+
+/// A caller of LocalStack's account held to `policy`.
+pub fn principal(policy: Policy) -> Principal {
+    Principal { policy, account: LOCALSTACK_ACCOUNT.into(), partition: "aws".into() }
+}
+
+/// A fresh access key of LocalStack's default account (like `test`), for a caller a proxy holds
+/// to a policy.
+pub fn fresh_key() -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("KTDTEST{}X{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A fresh access key that the shared EC2 proxy holds to `policy`.
+pub fn key_with_policy(policy: Policy) -> String {
+    let key = fresh_key();
+    shared_proxy().1.attach_policy(&key, principal(policy));
+    key
+}
+
+/// An access key that the shared EC2 proxy holds to `deploy/iam-policy.json` bound for
+/// `cluster`: every EC2, IAM and STS call made with it is authorized as AWS would authorize it,
+/// and refused with `UnauthorizedOperation`/`AccessDenied` otherwise.
+pub fn judged_key(cluster: &str, region: &str) -> String {
+    key_with_policy(shipped_policy(cluster, region))
+}
+
+/// [`localstack_as_aws`] signing with `access_key` (a [`judged_key`]).
+pub async fn localstack_as_aws_with_key(region: &str, access_key: &str) -> AwsClients {
+    require_localstack();
+    let config = aws_config::defaults(BehaviorVersion::latest())
+        .region(Region::new(region.to_string()))
+        .endpoint_url(ec2_proxy())
+        .credentials_provider(Credentials::new(access_key, "test", None, None, "tests"))
+        .load()
+        .await;
+    AwsClients::from_config(&config).await.expect("LocalStack clients through the EC2 proxy")
 }
 
 /// The environment a spawned `karpenter-teardown` needs to reach LocalStack (through the

@@ -95,7 +95,10 @@ fn a_report_with_every_kind_of_leftover_matches_the_schema() {
         nodeclass: "default".into(),
         tags: Default::default(),
     }];
-    report.leftovers.network_interfaces = vec![DetachedResource { id: "eni-1".into(), status: "available".into() }];
+    let eni =
+        |id: &str, why: &str| DetachedResource { id: id.into(), status: "available".into(), reason: Some(why.into()) };
+    report.leftovers.network_interfaces = vec![eni("eni-1", "the VPC CNI's")];
+    report.leftovers.network_interfaces_left = vec![eni("eni-2", "the VPC resource controller's")];
     report.leftovers.objects = vec!["NodeClaim/x".into()];
     report.would_reclaim = report.leftovers.reclaimable();
     report.gitops = gitops_survey();

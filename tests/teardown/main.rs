@@ -8,6 +8,7 @@
 mod common;
 
 mod default_plan;
+mod ec2_time;
 mod faults;
 mod field_reports;
 mod gitops;

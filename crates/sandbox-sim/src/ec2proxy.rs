@@ -6,6 +6,14 @@
 //!
 //! Only EC2 requests (query protocol, `Version=2016-11-15`) are faulted; IAM and STS requests
 //! sharing the endpoint are forwarded untouched, so a test isolates EC2 throttling.
+//!
+//! Two more things real AWS does that LocalStack does not:
+//! - a caller whose access key has a policy attached ([`ProxyControl::attach_policy`]) is held to
+//!   it, on EC2, IAM and STS alike ([`super::ec2auth`], [`super::iampolicy`]): a request the
+//!   policy does not allow is answered `UnauthorizedOperation` (EC2) or `AccessDenied` (IAM), a
+//!   `DryRun` included. Callers with no policy attached are not judged;
+//! - EC2's time ([`ProxyControl::set_timing`], [`super::ec2time`]): terminated instances stay
+//!   `shutting-down` for a while, and reads right after a termination still show them running.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +29,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
+use super::ec2auth::{Caller, Principal};
 use super::ec2limits::Ec2Limits;
+use super::ec2time::{Ec2Timing, Terminations};
+use crate::cloud::Cloud;
 
 /// The API version every EC2 query-protocol request carries.
 const EC2_API_VERSION: &str = "Version=2016-11-15";
@@ -90,6 +101,42 @@ struct Shared {
     /// Every request that reached the proxy, by its `Action` (EC2, IAM and STS alike): what a
     /// write audit reads.
     actions: Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Callers held to a policy, by access key.
+    principals: Mutex<std::collections::HashMap<String, Principal>>,
+    /// LocalStack clients for reading resources' tags, by region and access key.
+    clouds: Mutex<std::collections::HashMap<(String, String), Cloud>>,
+    timing: Mutex<Ec2Timing>,
+    terminations: Mutex<Terminations>,
+    /// `service:Action on resource` of each request a caller's policy refused.
+    unauthorized: Mutex<Vec<String>>,
+}
+
+/// A handle on a running proxy's settings that other threads and tasks can hold.
+#[derive(Clone)]
+pub struct ProxyControl {
+    shared: Arc<Shared>,
+}
+
+impl ProxyControl {
+    /// Holds the caller with this access key id to `principal`'s policy from now on.
+    pub fn attach_policy(&self, access_key: &str, principal: Principal) {
+        lock(&self.shared.principals).insert(access_key.to_string(), principal);
+    }
+
+    /// Models EC2's timing of terminations from now on.
+    pub fn set_timing(&self, timing: Ec2Timing) {
+        *lock(&self.shared.timing) = timing;
+    }
+
+    /// Requests refused because the caller's policy did not allow them, so far.
+    pub fn unauthorized(&self) -> Vec<String> {
+        lock(&self.shared.unauthorized).clone()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // a poisoned lock only means another request's task panicked; the data is still usable
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A running proxy. Dropping it without [`Ec2Proxy::shutdown`] aborts its task.
@@ -116,6 +163,11 @@ impl Ec2Proxy {
             faults: Mutex::new((faults, faults.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)),
             counters: Counters::default(),
             actions: Mutex::default(),
+            principals: Mutex::default(),
+            clouds: Mutex::default(),
+            timing: Mutex::default(),
+            terminations: Mutex::default(),
+            unauthorized: Mutex::default(),
         });
         let app = Router::new().fallback(handle).with_state(shared.clone());
         let task = tokio::spawn(async move {
@@ -143,6 +195,11 @@ impl Ec2Proxy {
     pub fn deny_actions(&self, actions: &[&str]) {
         let mut d = self.shared.denied.lock().unwrap_or_else(|p| p.into_inner());
         d.extend(actions.iter().map(|a| a.to_string()));
+    }
+
+    /// A handle on the proxy's settings (policies, timing).
+    pub fn control(&self) -> ProxyControl {
+        ProxyControl { shared: self.shared.clone() }
     }
 
     /// What the proxy did so far.
@@ -217,31 +274,90 @@ fn ec2_error(status: StatusCode, code: &str, message: &str) -> Response {
     r
 }
 
+/// IAM's error answer (query protocol).
+fn iam_error(status: StatusCode, code: &str, message: &str) -> Response {
+    let id = crate::naming::random_suffix(12);
+    let body = format!(
+        "<ErrorResponse><Error><Type>Sender</Type><Code>{code}</Code><Message>{message}</Message></Error><RequestId>{id}</RequestId></ErrorResponse>"
+    );
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert("content-type", HeaderValue::from_static("text/xml"));
+    r
+}
+
+impl Shared {
+    /// LocalStack clients of the caller's region and account, for reading resources' tags.
+    async fn cloud(&self, caller: &Caller) -> Cloud {
+        let key = (caller.region.clone(), caller.key.clone());
+        if let Some(c) = lock(&self.clouds).get(&key) {
+            return c.clone();
+        }
+        let endpoint = format!("http://{}", self.upstream);
+        let cloud = Cloud::from_config(&crate::localstack::config_at(&endpoint, &caller.region, &caller.key).await);
+        lock(&self.clouds).insert(key, cloud.clone());
+        cloud
+    }
+
+    /// The answer AWS would give a caller whose policy does not allow the request, if so.
+    async fn authorize(&self, headers: &HeaderMap, action: &str, params: &[(String, String)]) -> Option<Response> {
+        let caller = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(Caller::of)?;
+        let principal = lock(&self.principals).get(&caller.key).cloned()?;
+        let cloud = self.cloud(&caller).await;
+        let denial = match super::ec2auth::judge(&cloud, &principal, &caller, action, params).await {
+            Ok(None) => return None,
+            Ok(Some(d)) => d,
+            Err(e) => {
+                self.counters.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                return Some(plain(
+                    StatusCode::BAD_GATEWAY,
+                    format!("the EC2 proxy cannot read the resource's tags: {e}"),
+                ));
+            }
+        };
+        self.counters.refused.fetch_add(1, Ordering::Relaxed);
+        let message = format!(
+            "You are not authorized to perform: {} on resource: {} because no identity-based policy allows the {} action",
+            denial.action, denial.resource, denial.action
+        );
+        lock(&self.unauthorized).push(format!("{} on {}", denial.action, denial.resource));
+        Some(if caller.service == "ec2" {
+            ec2_error(StatusCode::FORBIDDEN, "UnauthorizedOperation", &message)
+        } else {
+            iam_error(StatusCode::FORBIDDEN, "AccessDenied", &message)
+        })
+    }
+}
+
 async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let body = match axum::body::to_bytes(body, MAX_BODY).await {
         Ok(b) => b,
         Err(e) => return plain(StatusCode::BAD_REQUEST, format!("cannot read the request body: {e}")),
     };
-    let text = String::from_utf8_lossy(&body);
-    {
-        let action = super::ec2limits::action_of(&text)
-            .or_else(|| parts.uri.query().and_then(super::ec2limits::action_of))
-            .unwrap_or_else(|| "(none)".to_string());
-        *shared.actions.lock().unwrap_or_else(|p| p.into_inner()).entry(action).or_default() += 1;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    let query = parts.uri.query().unwrap_or_default();
+    let action = super::ec2limits::action_of(&text)
+        .or_else(|| super::ec2limits::action_of(query))
+        .unwrap_or_else(|| "(none)".to_string());
+    *lock(&shared.actions).entry(action.clone()).or_default() += 1;
+    let params: Vec<(String, String)> = form_urlencoded::parse(text.as_bytes())
+        .chain(form_urlencoded::parse(query.as_bytes()))
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    let is_ec2 = text.contains(EC2_API_VERSION) || query.contains(EC2_API_VERSION);
+    if is_ec2 && lock(&shared.denied).contains(&action) {
+        shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+        return ec2_error(
+            StatusCode::FORBIDDEN,
+            "UnauthorizedOperation",
+            "You are not authorized to perform this operation.",
+        );
     }
-    let is_ec2 = text.contains(EC2_API_VERSION) || parts.uri.query().is_some_and(|q| q.contains(EC2_API_VERSION));
+    if let Some(refusal) = shared.authorize(&parts.headers, &action, &params).await {
+        return refusal;
+    }
     if is_ec2 {
-        let denied = super::ec2limits::action_of(&text)
-            .is_some_and(|a| shared.denied.lock().unwrap_or_else(|p| p.into_inner()).contains(&a));
-        if denied {
-            shared.counters.refused.fetch_add(1, Ordering::Relaxed);
-            return ec2_error(
-                StatusCode::FORBIDDEN,
-                "UnauthorizedOperation",
-                "You are not authorized to perform this operation.",
-            );
-        }
         if let Some(r) = shared.limits.check(&text, std::time::Instant::now()) {
             let counter = if r.status == 503 { &shared.counters.over_budget } else { &shared.counters.refused };
             counter.fetch_add(1, Ordering::Relaxed);
@@ -265,15 +381,46 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
             None => {}
         }
     }
-    match forward(&shared.upstream, &parts.method, &parts.uri, &parts.headers, &body).await {
+    // EC2's time: instances whose termination is under way are shown as EC2 would show them, and
+    // a state filter is applied to that state, so it is taken off the request LocalStack sees
+    let timing = *lock(&shared.timing);
+    let modeled = (is_ec2 && action == "DescribeInstances")
+        .then(|| lock(&shared.terminations).in_flight(&timing, std::time::Instant::now()))
+        .filter(|m| !m.is_empty());
+    let (upstream_body, wanted) = match &modeled {
+        Some(_) => {
+            let (b, w) = super::ec2time::split_state_filter(&text);
+            (Bytes::from(b), w)
+        }
+        None => (body.clone(), None),
+    };
+    let answer = match forward(&shared.upstream, &parts.method, &parts.uri, &parts.headers, &upstream_body).await {
         Ok(r) => {
             shared.counters.forwarded.fetch_add(1, Ordering::Relaxed);
             r
         }
         Err(e) => {
             shared.counters.upstream_errors.fetch_add(1, Ordering::Relaxed);
-            plain(StatusCode::BAD_GATEWAY, format!("the EC2 proxy cannot reach {}: {e}", shared.upstream))
+            return plain(StatusCode::BAD_GATEWAY, format!("the EC2 proxy cannot reach {}: {e}", shared.upstream));
         }
+    };
+    let dry_run = params.iter().any(|(k, v)| k == "DryRun" && v.eq_ignore_ascii_case("true"));
+    if is_ec2 && action == "TerminateInstances" && !dry_run && answer.status().is_success() {
+        let ids = params.iter().filter(|(k, _)| k.starts_with("InstanceId.")).map(|(_, v)| v.clone());
+        lock(&shared.terminations).record(ids, std::time::Instant::now());
+    }
+    match modeled {
+        Some(m) if answer.status().is_success() => {
+            let (head, body) = answer.into_parts();
+            match axum::body::to_bytes(body, MAX_BODY).await {
+                Ok(b) => {
+                    let xml = super::ec2time::rewrite_instances(&String::from_utf8_lossy(&b), &m, wanted.as_ref());
+                    Response::from_parts(head, Body::from(xml))
+                }
+                Err(e) => plain(StatusCode::BAD_GATEWAY, format!("the EC2 proxy cannot read LocalStack's answer: {e}")),
+            }
+        }
+        _ => answer,
     }
 }
 
@@ -387,6 +534,11 @@ mod tests {
             faults: Mutex::new((ProxyFaults { throttle_rate: 0.2, error_rate: 0.1, seed: 7 }, 7 | 1)),
             counters: Counters::default(),
             actions: Mutex::default(),
+            principals: Mutex::default(),
+            clouds: Mutex::default(),
+            timing: Mutex::default(),
+            terminations: Mutex::default(),
+            unauthorized: Mutex::default(),
         };
         let (mut t, mut i) = (0, 0);
         for _ in 0..10_000 {

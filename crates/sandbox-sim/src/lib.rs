@@ -1,8 +1,8 @@
 //! The simulated side of karpenter-teardown's test bed: a generator of Karpenter-managed clusters
 //! ([`world`]), a simulated Karpenter controller ([`controller`]) that behaves as design §3 says,
 //! simulated Argo CD and Flux reconcilers ([`gitops`]), the LocalStack connection
-//! ([`localstack`]) and an EC2 proxy that enforces EC2's request limits and injects faults
-//! ([`ec2proxy`], [`ec2limits`]).
+//! ([`localstack`]) and an EC2 proxy that enforces EC2's request limits, its callers' IAM policy
+//! ([`iampolicy`]) and EC2's own timing, and injects faults ([`ec2proxy`], [`ec2limits`]).
 //!
 //! Everything here talks to the sandbox API server (crate `sandbox-apiserver`) only through a
 //! [`kube::Client`] over HTTP, exactly like the real controller talks to EKS, and to EC2/IAM
@@ -13,9 +13,12 @@
 
 pub mod cloud;
 pub mod controller;
+pub mod ec2auth;
 pub mod ec2limits;
 pub mod ec2proxy;
+pub mod ec2time;
 pub mod gitops;
+pub mod iampolicy;
 pub mod karpenter;
 pub mod karpenter_crds;
 pub mod localstack;
