@@ -130,9 +130,15 @@ pub fn judge_detached_interface(
             ))
         };
     }
-    if tag(TAG_EKS_CLUSTER) == Some(cluster) && tags.contains_key(TAG_NODEPOOL) {
+    // Karpenter's launch templates tag interfaces with the instance's tags, its node class
+    // included; EKS Auto Mode's carry its own node class tag instead and are EKS's to clean up
+    if tag(TAG_EKS_CLUSTER) == Some(cluster)
+        && tags.contains_key(TAG_NODEPOOL)
+        && tags.contains_key(TAG_NODECLASS)
+        && !tags.contains_key(TAG_AUTO_NODECLASS)
+    {
         return InterfaceVerdict::Reclaim(
-            "Karpenter's (tagged by its launch template with the node's NodePool): it outlived its instance".into(),
+            "Karpenter's (tagged by its launch template with the node's NodePool and EC2NodeClass): it outlived its instance".into(),
         );
     }
     InterfaceVerdict::Leave(format!(
@@ -566,9 +572,16 @@ mod tests {
         both.push((TAG_ENI_OWNER, ENI_OWNER_RESOURCE_CONTROLLER));
         assert!(!reclaimed("aws-K8S-i-1", &both));
         // Karpenter's own, and an interface with only the cluster tag
-        let karpenter = [(cluster_tag.as_str(), "owned"), (TAG_EKS_CLUSTER, "prod"), (TAG_NODEPOOL, "default")];
+        let karpenter = [
+            (cluster_tag.as_str(), "owned"),
+            (TAG_EKS_CLUSTER, "prod"),
+            (TAG_NODEPOOL, "default"),
+            (TAG_NODECLASS, "default"),
+        ];
         assert!(reclaimed("", &karpenter));
-        assert!(!reclaimed("", &[(TAG_EKS_CLUSTER, "staging"), (TAG_NODEPOOL, "default")]));
+        assert!(!reclaimed("", &[(TAG_EKS_CLUSTER, "staging"), (TAG_NODEPOOL, "default"), (TAG_NODECLASS, "d")]));
+        let auto_mode = [(TAG_EKS_CLUSTER, "prod"), (TAG_NODEPOOL, "general-purpose"), (TAG_AUTO_NODECLASS, "default")];
+        assert!(!reclaimed("", &auto_mode), "EKS Auto Mode's interfaces are EKS's");
         assert!(!reclaimed("", &karpenter[..1]), "the cluster tag alone names no owner");
     }
 

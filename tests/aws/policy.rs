@@ -97,8 +97,19 @@ fn never() -> Vec<Call> {
         (karpenter::TAG_VPC_CNI_NODE, "i-1"),
     ];
     let staging_cni = [(karpenter::TAG_VPC_CNI_CLUSTER, "staging"), (karpenter::TAG_VPC_CNI_NODE, "i-2")];
+    // EKS Auto Mode's, tagged as its compute policy requires, and pessimistically with Karpenter's
+    // NodePool and the cluster tags too: only this controller's EC2NodeClass tag tells them apart
+    let auto_mode = [
+        (karpenter::TAG_EKS_CLUSTER, CLUSTER),
+        ("kubernetes.io/cluster/prod", "owned"),
+        (karpenter::TAG_NODEPOOL, "general-purpose"),
+        ("eks:kubernetes-node-pool-name", "general-purpose"),
+        (karpenter::TAG_AUTO_NODECLASS, "default"),
+    ];
     vec![
         call("another cluster's instance", "ec2:TerminateInstances", arn("instance", "i-2"), &other),
+        call("an EKS Auto Mode instance", "ec2:TerminateInstances", arn("instance", "i-5"), &auto_mode),
+        call("an EKS Auto Mode interface", "ec2:DeleteNetworkInterface", arn("network-interface", "eni-6"), &auto_mode),
         call(
             "a managed node group's instance",
             "ec2:TerminateInstances",
@@ -202,8 +213,19 @@ fn a_policy_too_narrow_or_too_wide_is_caught() {
     });
     assert_eq!(
         policy_faults(&cluster_only),
-        ["too wide: allows ec2:TerminateInstances on a managed node group's instance"]
+        [
+            "too wide: allows ec2:TerminateInstances on an EKS Auto Mode instance",
+            "too wide: allows ec2:TerminateInstances on a managed node group's instance"
+        ]
     );
+    // termination on Karpenter's NodePool tag without the EC2NodeClass tag reaches EKS Auto
+    // Mode's instances
+    let nodepool_only = with_statements(|st| {
+        for s in st.iter_mut().filter(|s| s["Action"] == json!(["ec2:TerminateInstances"])) {
+            s["Condition"]["Null"].as_object_mut().unwrap().remove("aws:ResourceTag/karpenter.k8s.aws/ec2nodeclass");
+        }
+    });
+    assert_eq!(policy_faults(&nodepool_only), ["too wide: allows ec2:TerminateInstances on an EKS Auto Mode instance"]);
     // a policy without the IAM statement cannot reclaim instance profiles
     let no_iam = with_statements(|st| st.retain(|s| s["Sid"] != "DeleteThisClustersKarpenterInstanceProfiles"));
     assert_eq!(

@@ -110,7 +110,7 @@ pub fn policy_from(text: &str, cluster: &str, region: &str) -> Policy {
     let bindings = [
         ("CLUSTER_NAME", cluster),
         ("ACCOUNT_ID", LOCALSTACK_ACCOUNT),
-        ("PARTITION", karpenter_teardown::aws::partition::partition_of_region(region)),
+        ("PARTITION", karpenter_teardown::partition::partition_of_region(region)),
         ("REGION", region),
     ];
     Policy::parse(text, &bindings).expect("the policy parses")
