@@ -79,7 +79,7 @@ pub fn real_crds(version: KarpenterVersion) -> PathBuf {
 
 /// A small world: 3 pools, 2 classes, 2 pods per node, managed nodes, a control-plane node, decoys,
 /// on Karpenter's real CRDs (their defaults and CEL rules hold, as on a real cluster).
-pub fn spec(prefix: &str, nodes: usize) -> WorldSpec {
+pub fn small_world(prefix: &str, nodes: usize) -> WorldSpec {
     WorldSpec {
         karpenter_crds: Some(real_crds(KarpenterVersion::default())),
         cluster: super::unique_cluster(prefix),
@@ -112,8 +112,19 @@ impl Run {
     }
 }
 
-/// Runs `karpenter-teardown run` against the bed with `extra` arguments; reads its JSON report.
-pub async fn teardown(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
+/// Whether a run may change anything: every call of [`teardown`] says so, so no test is a dry
+/// run (or a real one) by accident of which helper is in scope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consent {
+    /// No `--yes`: the run reads, plans and changes nothing.
+    DryRun,
+    /// `--yes`: the run tears down.
+    Yes,
+}
+
+/// Runs `karpenter-teardown run` against the bed with `consent` and `extra` arguments; reads
+/// its JSON report.
+pub async fn teardown(b: &Bed, cluster: &str, consent: Consent, extra: &[&str]) -> Run {
     let report = b.dir.path().join("report.json");
     let _ = std::fs::remove_file(&report);
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
@@ -125,6 +136,7 @@ pub async fn teardown(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
         .arg(&b.kubeconfig)
         .arg("--report")
         .arg(&report)
+        .args((consent == Consent::Yes).then_some("--yes"))
         .args(extra)
         .envs(super::localstack_env())
         // held to deploy/iam-policy.json by the EC2 proxy, as AWS holds the user's identity

@@ -12,13 +12,14 @@ use crate::common;
 // each test file uses its own subset of these
 #[allow(unused_imports, reason = "each test file uses its own subset of these")]
 pub use crate::common::e2e::{
-    Bed, REGION, Run, assert_torn_down, bed, bed_with, count, states, untouchable_names, untouchable_nodes,
+    Bed, Consent, REGION, Run, assert_torn_down, bed, bed_with, count, states, teardown, untouchable_names,
+    untouchable_nodes,
 };
 
 /// A small world: few nodes, one decoy, a managed node group of 2 (one tainted) and a
 /// control-plane node.
-pub fn spec(prefix: &str, nodes: usize) -> WorldSpec {
-    WorldSpec { node_pools: 2, replicas_per_workload: 2, decoys: 1, ..crate::common::e2e::spec(prefix, nodes) }
+pub fn two_pool_world(prefix: &str, nodes: usize) -> WorldSpec {
+    WorldSpec { node_pools: 2, replicas_per_workload: 2, decoys: 1, ..crate::common::e2e::small_world(prefix, nodes) }
 }
 
 /// How to invoke the binary beyond `<subcommand> --cluster --region --kubeconfig --report`.
@@ -75,13 +76,6 @@ pub async fn tool(b: &Bed, sub: &str, cluster: &str, inv: &Invocation<'_>) -> Ru
         stderr: String::from_utf8_lossy(&out.stderr).into(),
         report: read_report(b, sub),
     }
-}
-
-/// `run --yes` plus `extra`.
-pub async fn teardown(b: &Bed, cluster: &str, extra: &[&str]) -> Run {
-    let mut args = vec!["--yes"];
-    args.extend_from_slice(extra);
-    tool(b, "run", cluster, &Invocation { args, ..Invocation::default() }).await
 }
 
 /// True when the report's blockers name `name` (as a blocker's name or in its reason).

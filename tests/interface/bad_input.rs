@@ -27,7 +27,7 @@ async fn guarded(prefix: &str) -> Guarded {
 
 /// A guarded world whose kubeconfig identity holds `rbac` instead of `deploy/rbac.yaml`.
 async fn guarded_with(prefix: &str, rbac: Option<Rbac>) -> Guarded {
-    let mut s = spec(prefix, 2);
+    let mut s = two_pool_world(prefix, 2);
     s.pods_per_node = 1;
     s.decoys = 0;
     let opts = ServerOptions { time_scale: 0.01, rbac, ..ServerOptions::default() };

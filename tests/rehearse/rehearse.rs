@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::common;
-use crate::common::e2e::{Bed, REGION, Run, bed_with, real_crds, run_of, scale_controller, spec};
+use crate::common::e2e::{Bed, REGION, Run, bed_with, real_crds, run_of, scale_controller, small_world};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -37,7 +37,7 @@ fn both_roles() -> Rbac {
 
 /// A small world on the real clock: every workload pod has a 3 s grace period.
 fn live_spec(prefix: &str, nodes: usize) -> WorldSpec {
-    WorldSpec { grace_periods: vec![(3, 1)], ..spec(prefix, nodes) }
+    WorldSpec { grace_periods: vec![(3, 1)], ..small_world(prefix, nodes) }
 }
 
 /// The live cluster's API server, with its AWS side in a LocalStack account of its own: the real

@@ -6,7 +6,7 @@ use crate::common;
 use std::time::Duration;
 
 use crate::common::e2e::{
-    Bed, REGION, assert_torn_down, bed, scale_controller, spec, states, teardown, untouchable_nodes,
+    Bed, Consent, REGION, assert_torn_down, bed, scale_controller, small_world, states, teardown, untouchable_nodes,
 };
 use karpenter_teardown::aws::InstanceState;
 use sandbox_sim::{SimController, SimSettings, World, WorldSpec, generate};
@@ -22,7 +22,7 @@ async fn torn_down_with_a_live_controller(s: &WorldSpec) -> (Bed, World, SimCont
         SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
     );
     let before = untouchable_nodes(&b.client, &world).await;
-    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "stdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
     assert_eq!(run.report["outcome"], "clean");
     assert_torn_down(&b, &world, &before).await;
@@ -32,13 +32,13 @@ async fn torn_down_with_a_live_controller(s: &WorldSpec) -> (Bed, World, SimCont
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_plan_tears_down_a_generated_cluster_with_a_live_controller() {
-    let (b, world, sim) = torn_down_with_a_live_controller(&spec("e2e-default", 20)).await;
+    let (b, world, sim) = torn_down_with_a_live_controller(&small_world("e2e-default", 20)).await;
     // A live Karpenter removes karpenter.sh/disrupted from nodes it is not disrupting
     // itself; a tool that writes that taint fights it on every node
     assert_eq!(sim.stats().disrupted_taints_removed, 0, "the tool wrote a taint the live controller owns");
 
     // a second run finds nothing to do and exits 0
-    let again = teardown(&b, &world.cluster, &["--yes"]).await;
+    let again = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(again.code, 0, "{}", again.stderr);
     sim.shutdown().await;
     b.server.shutdown().await;
@@ -46,7 +46,7 @@ async fn default_plan_tears_down_a_generated_cluster_with_a_live_controller() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_plan_finishes_with_the_controller_gone_first() {
-    let s = spec("e2e-nocontroller", 8);
+    let s = small_world("e2e-nocontroller", 8);
     let b = bed(&s.cluster).await;
     let t = std::time::Instant::now();
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -54,7 +54,7 @@ async fn default_plan_finishes_with_the_controller_gone_first() {
     scale_controller(&b.client, 0).await;
     let before = untouchable_nodes(&b.client, &world).await;
 
-    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "stdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
     assert_torn_down(&b, &world, &before).await;
     b.server.shutdown().await;
@@ -62,14 +62,14 @@ async fn default_plan_finishes_with_the_controller_gone_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_yes_nothing_changes_and_the_plan_is_shown() {
-    let s = spec("e2e-dry", 4);
+    let s = small_world("e2e-dry", 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     // let the control plane settle, then take the resourceVersion of the whole store
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rv = b.server.store().resource_version();
     let ids = world.karpenter_instance_ids();
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::DryRun, &[]).await;
     assert_eq!(run.code, 0, "{}", run.stderr);
     assert_eq!(run.report["outcome"], "dry-run");
     assert!(run.stdout.contains("Dry run: nothing was changed"), "{}", run.stdout);
@@ -82,12 +82,12 @@ async fn without_yes_nothing_changes_and_the_plan_is_shown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_cluster_name_is_refused_with_the_evidence_and_nothing_changes() {
-    let s = spec("e2e-wrong", 3);
+    let s = small_world("e2e-wrong", 3);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rv = b.server.store().resource_version();
-    let run = teardown(&b, "some-other-cluster", &["--yes"]).await;
+    let run = teardown(&b, "some-other-cluster", Consent::Yes, &[]).await;
     assert_eq!(run.code, 3, "{}", run.stderr);
     assert!(run.stderr.contains(&world.cluster), "the evidence names the real cluster: {}", run.stderr);
     assert_eq!(run.report["outcome"], "refused");
@@ -99,10 +99,10 @@ async fn a_wrong_cluster_name_is_refused_with_the_evidence_and_nothing_changes()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_nodes_refuses_a_larger_blast_radius() {
-    let s = spec("e2e-max", 3);
+    let s = small_world("e2e-max", 3);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    let run = teardown(&b, &world.cluster, &["--yes", "--max-nodes", "2"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--max-nodes", "2"]).await;
     assert_eq!(run.code, 3, "{}", run.stderr);
     assert!(run.stderr.contains("--max-nodes 2"), "{}", run.stderr);
     b.server.shutdown().await;
@@ -118,7 +118,7 @@ async fn a_govcloud_cluster_is_torn_down_from_its_arn_context() {
         region: GOV.into(),
         zones: vec![format!("{GOV}a"), format!("{GOV}b")],
         decoys: 0,
-        ..spec("e2e-gov", 3)
+        ..small_world("e2e-gov", 3)
     };
     let b = bed(&s.cluster).await;
     let aws = common::localstack(GOV).await;
@@ -153,7 +153,8 @@ async fn a_govcloud_cluster_is_torn_down_from_its_arn_context() {
 /// failed the run), so the controller launches no replacement while the tool takes the nodes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_static_nodepool_is_fenced_on_nodes_and_torn_down_with_a_live_controller() {
-    let (b, _, sim) = torn_down_with_a_live_controller(&WorldSpec { static_pool: true, ..spec("e2e-static", 6) }).await;
+    let (b, _, sim) =
+        torn_down_with_a_live_controller(&WorldSpec { static_pool: true, ..small_world("e2e-static", 6) }).await;
     sim.shutdown().await;
     b.server.shutdown().await;
 }
@@ -166,7 +167,7 @@ async fn a_static_nodepool_is_fenced_on_nodes_and_torn_down_with_a_live_controll
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
     use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim};
-    let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-refuse", 4) };
+    let s = WorldSpec { pool_cpu_limit: Some(1000), ..small_world("e2e-gitops-refuse", 4) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let g = gitops::adopt(&b.client, &world).await.unwrap();
@@ -174,12 +175,12 @@ async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rv = b.server.store().resource_version();
 
-    for args in [&["--yes"][..], &[][..]] {
-        let run = teardown(&b, &world.cluster, args).await;
+    for consent in [Consent::Yes, Consent::DryRun] {
+        let run = teardown(&b, &world.cluster, consent, &[]).await;
         if std::env::var_os("KT_SHOW").is_some() {
             eprintln!("{}", run.dump());
         }
-        assert_eq!(run.code, 3, "{args:?}: {}", run.dump());
+        assert_eq!(run.code, 3, "{consent:?}: {}", run.dump());
         assert_eq!(run.report["outcome"], "refused");
         for owner in &g.owners {
             assert!(run.stderr.contains(&owner.to_string()), "{owner} is named:\n{}", run.stderr);
@@ -190,7 +191,7 @@ async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
         assert_eq!(owners.len(), g.owners.len(), "{:#}", run.report["gitops"]);
         assert!(owners.iter().all(|o| o["state"] == "active" && o["paused_by_run"] == false));
     }
-    let dry = teardown(&b, &world.cluster, &["--pause-gitops"]).await;
+    let dry = teardown(&b, &world.cluster, Consent::DryRun, &["--pause-gitops"]).await;
     assert_eq!(dry.code, 0, "{}", dry.dump());
     for owner in &g.owners {
         assert!(
@@ -213,7 +214,7 @@ async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() {
     use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim};
-    let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-pause", 6) };
+    let s = WorldSpec { pool_cpu_limit: Some(1000), ..small_world("e2e-gitops-pause", 6) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let g = gitops::adopt(&b.client, &world).await.unwrap();
@@ -224,7 +225,7 @@ async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() 
         SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
     );
     let before = untouchable_nodes(&b.client, &world).await;
-    let run = teardown(&b, &world.cluster, &["--yes", "--pause-gitops"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--pause-gitops"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_torn_down(&b, &world, &before).await;
     assert_eq!(reconcilers.stats(), Default::default(), "a GitOps owner put something back");
@@ -263,7 +264,7 @@ async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() 
             _ => assert_eq!(o.data["spec"]["suspend"], true, "{owner}"),
         }
     }
-    let again = teardown(&b, &world.cluster, &["--yes"]).await;
+    let again = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(again.code, 0, "paused owners do not refuse a re-run: {}", again.dump());
     reconcilers.shutdown().await;
     sim.shutdown().await;
@@ -277,7 +278,7 @@ async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() 
 async fn the_engine_reports_typed_events_with_the_pods_each_drain_has_left() {
     use karpenter_teardown::engine::events::{EngineEvent, Events};
     use karpenter_teardown::engine::{self, RunSettings};
-    let s = spec("e2e-events", 4);
+    let s = small_world("e2e-events", 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let kube = karpenter_teardown::k8s::Kube::from_config(b.server.kube_config(), None).unwrap();

@@ -30,7 +30,7 @@ pub fn slow_terminations() -> Ec2Timing {
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_plan_ends_clean_when_instances_stay_shutting_down_for_a_minute() {
-    let s = spec("ec2-time", 4);
+    let s = two_pool_world("ec2-time", 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;

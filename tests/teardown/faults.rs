@@ -27,14 +27,14 @@ fn kubernetes_faults(seed: u64) -> FaultConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubernetes_errors_latency_and_watch_drops() {
-    let s = spec("faults-k8s", 4);
+    let s = two_pool_world("faults-k8s", 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let served_before = b.server.requests().total();
     b.server.set_faults(kubernetes_faults(42));
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     // the checks below read through the same server: no faults for them
     b.server.set_faults(FaultConfig::default());
     assert_eq!(run.code, 0, "{}", run.dump());
@@ -60,7 +60,7 @@ async fn kubernetes_errors_latency_and_watch_drops() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ec2_throttling_and_errors() {
-    let s = spec("faults-ec2", 4);
+    let s = two_pool_world("faults-ec2", 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;

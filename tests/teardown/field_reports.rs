@@ -33,7 +33,7 @@ async fn remove_node_underneath(client: &Client, name: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vanished_underneath() {
-    let s = spec("fr-vanished", 4);
+    let s = two_pool_world("fr-vanished", 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
@@ -44,7 +44,7 @@ async fn vanished_underneath() {
     // node 1: only its instance was terminated out of band
     b.aws.ec2.terminate(std::slice::from_ref(&world.nodes[1].instance_id)).await.unwrap();
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_eq!(run.report["outcome"], "clean");
     assert_torn_down(&b, &world, &before).await;
@@ -114,7 +114,7 @@ fn fields_within(inner: &Value, outer: &Value) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_taint_writer() {
-    let s = spec("fr-stale", 4);
+    let s = two_pool_world("fr-stale", 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
@@ -148,7 +148,7 @@ async fn stale_taint_writer() {
     let writer =
         tokio::spawn(toggle_not_ready(b.client.clone(), names.iter().cloned().collect(), stop.clone(), writes.clone()));
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     stop.store(true, Ordering::Relaxed);
     writer.await.unwrap();
     assert_eq!(run.code, 0, "{}", run.dump());
@@ -212,7 +212,7 @@ async fn slow_pod(client: &Client, node: &str, name: &str, grace_seconds: i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cordon_reverter_is_named() {
-    let s = spec("fr-reverter", 2);
+    let s = two_pool_world("fr-reverter", 2);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
@@ -222,7 +222,7 @@ async fn cordon_reverter_is_named() {
     let reverts = Arc::new(AtomicU64::new(0));
     let reverter = tokio::spawn(cordon_reverter(b.client.clone(), stop.clone(), reverts.clone()));
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     stop.store(true, Ordering::Relaxed);
     reverter.await.unwrap();
     assert_eq!(run.code, 0, "{}", run.dump());
@@ -234,7 +234,7 @@ async fn cordon_reverter_is_named() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn platform_owned_taints() {
-    let mut s = spec("fr-platform", 2);
+    let mut s = two_pool_world("fr-platform", 2);
     s.managed_nodes = 4;
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -259,7 +259,7 @@ async fn platform_owned_taints() {
     let before = untouchable_nodes(&b.client, &world).await;
     assert!(before.values().filter(|v| v["taints"].as_array().is_some_and(|t| !t.is_empty())).count() >= 4);
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_torn_down(&b, &world, &before).await;
     // not even a no-op write: the tool's field manager appears on none of them
@@ -274,14 +274,14 @@ async fn platform_owned_taints() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_gone_first() {
-    let s = spec("fr-helm-uninstall", 3);
+    let s = two_pool_world("fr-helm-uninstall", 3);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let deployments: Api<Deployment> = Api::namespaced(b.client.clone(), naming::KARPENTER_NAMESPACE);
     deployments.delete(naming::KARPENTER_NAME, &DeleteParams::default()).await.unwrap();
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_torn_down(&b, &world, &before).await;
     b.server.shutdown().await;
@@ -289,7 +289,7 @@ async fn controller_gone_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_pdb() {
-    let mut s = spec("fr-strict-pdb", 3);
+    let mut s = two_pool_world("fr-strict-pdb", 3);
     s.strict_pdb = true;
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -297,7 +297,7 @@ async fn strict_pdb() {
     let strict = world.workloads.iter().find(|w| w.strict_pdb).unwrap();
     let pdb = format!("{}/{}", strict.namespace, strict.name);
 
-    let blocked = teardown(&b, &world.cluster, &["--drain-deadline", "2s"]).await;
+    let blocked = teardown(&b, &world.cluster, Consent::Yes, &["--drain-deadline", "2s"]).await;
     assert_eq!(blocked.code, 5, "{}", blocked.dump());
     assert_eq!(blocked.report["outcome"], "blocked");
     assert!(
@@ -319,7 +319,8 @@ async fn strict_pdb() {
     let ours = states(&b.aws, &world.karpenter_instance_ids()).await;
     assert!(ours.values().all(|s| *s == InstanceState::Running), "{ours:?}");
 
-    let run = teardown(&b, &world.cluster, &["--drain-deadline", "2s", "--on-drain-deadline", "delete"]).await;
+    let run =
+        teardown(&b, &world.cluster, Consent::Yes, &["--drain-deadline", "2s", "--on-drain-deadline", "delete"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_eq!(run.report["outcome"], "clean");
     assert_torn_down(&b, &world, &before).await;
@@ -336,7 +337,7 @@ async fn launch_orphan(b: &Bed, world: &World) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn launched_never_registered() {
-    let s = spec("fr-orphan", 2);
+    let s = two_pool_world("fr-orphan", 2);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
@@ -346,13 +347,13 @@ async fn launched_never_registered() {
     assert_eq!(verify.code, 4, "{}", verify.dump());
     assert!(verify.report.to_string().contains(&orphan), "verify does not name {orphan}:\n{}", verify.dump());
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 4, "{}", run.dump());
     assert_eq!(run.report["outcome"], "leftovers");
     assert!(run.report["leftovers"].to_string().contains(&orphan), "run does not name {orphan}:\n{}", run.dump());
     assert_eq!(states(&b.aws, std::slice::from_ref(&orphan)).await[&orphan], InstanceState::Running);
 
-    let reclaim = teardown(&b, &world.cluster, &["--reclaim"]).await;
+    let reclaim = teardown(&b, &world.cluster, Consent::Yes, &["--reclaim"]).await;
     assert_eq!(reclaim.code, 0, "{}", reclaim.dump());
     assert!(reclaim.report["reclaimed"].to_string().contains(&orphan), "{}", reclaim.dump());
     assert_eq!(states(&b.aws, std::slice::from_ref(&orphan)).await[&orphan], InstanceState::Terminated);
@@ -367,7 +368,7 @@ async fn launched_never_registered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_tolerating_everything_go_with_their_node() {
     // room for the shipper's pods next to the workloads
-    let s = WorldSpec { max_pods_per_node: Some(8), ..spec("fr-tolerate-all", 3) };
+    let s = WorldSpec { max_pods_per_node: Some(8), ..two_pool_world("fr-tolerate-all", 3) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
@@ -407,7 +408,7 @@ async fn pods_tolerating_everything_go_with_their_node() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    let run = teardown(&b, &world.cluster, &["--drain-deadline", "20s"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--drain-deadline", "20s"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_eq!(run.report["outcome"], "clean");
     let named: Vec<&str> = run.report["blockers"]
@@ -443,7 +444,7 @@ async fn a_pdb_heavy_cluster_is_drained_with_one_eviction_request_per_pod() {
         pods_per_node: 4,
         replicas_per_workload: 4,
         node_pools: 2,
-        ..spec("fr-pdb-heavy", 6)
+        ..two_pool_world("fr-pdb-heavy", 6)
     };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -451,7 +452,7 @@ async fn a_pdb_heavy_cluster_is_drained_with_one_eviction_request_per_pod() {
     let spare: Vec<String> = (0..s.spare_nodes).map(|i| format!("spare-{i}.{REGION}.compute.internal")).collect();
     let before = untouchable_nodes(&b.client, &world).await;
 
-    let run = teardown(&b, &world.cluster, &["--drain-deadline", "60s"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--drain-deadline", "60s"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_torn_down(&b, &world, &before).await;
     let evicted: u64 = run.report["steps"]
@@ -587,7 +588,7 @@ fn pod_fates(events: &[Arc<sandbox_apiserver::StoreEvent>], karpenter_nodes: &BT
 /// the fence was lifted, and the report counts the pods that were bound to a fenced node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_bound_after_the_fence_was_lifted_are_evicted_before_their_node_goes() {
-    let s = spec("fr-rebound", 4);
+    let s = two_pool_world("fr-rebound", 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
@@ -621,7 +622,7 @@ async fn pods_bound_after_the_fence_was_lifted_are_evicted_before_their_node_goe
     let reverts = Arc::new(AtomicU64::new(0));
     let reverter = tokio::spawn(fence_reverter(b.client.clone(), reverts.clone()));
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     reverter.abort();
     let _ = done_tx.send(());
     let seen = recorder.await.unwrap();

@@ -9,7 +9,7 @@ use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim, OwnerId, OwnerKind};
 use sandbox_sim::{SimController, SimSettings, WorldSpec, generate};
 use serde_json::{Value, json};
 
-use crate::common::e2e::{REGION, assert_torn_down, bed, spec, teardown, untouchable_nodes};
+use crate::common::e2e::{Consent, REGION, assert_torn_down, bed, small_world, teardown, untouchable_nodes};
 
 fn owner_api(b: &crate::common::e2e::Bed, owner: &OwnerId) -> Api<DynamicObject> {
     let ar = ApiResource::from_gvk_with_plural(
@@ -28,14 +28,14 @@ fn owner_api(b: &crate::common::e2e::Bed, owner: &OwnerId) -> Api<DynamicObject>
 /// writes them for cluster-scoped objects: they still name their Application.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hubs_owners_for_other_clusters_neither_refuse_nor_get_paused() {
-    let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-hub", 4) };
+    let s = WorldSpec { pool_cpu_limit: Some(1000), ..small_world("e2e-gitops-hub", 4) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let g = gitops::adopt(&b.client, &world).await.unwrap();
     let remote = gitops::add_other_clusters(&b.client, &g).await.unwrap();
     let reconcilers = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
 
-    let refused = teardown(&b, &world.cluster, &["--yes"]).await;
+    let refused = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(refused.code, 3, "the in-cluster owners still refuse: {}", refused.dump());
     for owner in &g.owners {
         assert!(refused.stderr.contains(&owner.to_string()), "{owner} is named:\n{}", refused.stderr);
@@ -80,7 +80,7 @@ async fn a_hubs_owners_for_other_clusters_neither_refuse_nor_get_paused() {
         SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
     );
     let untouchable = untouchable_nodes(&b.client, &world).await;
-    let run = teardown(&b, &world.cluster, &["--yes", "--pause-gitops"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--pause-gitops"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_torn_down(&b, &world, &untouchable).await;
     assert_eq!(reconcilers.stats(), Default::default(), "a GitOps owner put something back");
@@ -109,7 +109,7 @@ async fn a_hubs_owners_for_other_clusters_neither_refuse_nor_get_paused() {
 /// back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_in_flight_on_every_owner_ends_before_the_fence() {
-    let s = WorldSpec { pool_cpu_limit: Some(1000), ..spec("e2e-gitops-flight", 4) };
+    let s = WorldSpec { pool_cpu_limit: Some(1000), ..small_world("e2e-gitops-flight", 4) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let g = gitops::adopt(&b.client, &world).await.unwrap();
@@ -133,7 +133,7 @@ async fn work_in_flight_on_every_owner_ends_before_the_fence() {
         SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
     );
     let untouchable = untouchable_nodes(&b.client, &world).await;
-    let run = teardown(&b, &world.cluster, &["--yes", "--pause-gitops"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--pause-gitops"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_torn_down(&b, &world, &untouchable).await;
     assert_eq!(reconcilers.stats(), Default::default(), "work in flight put something back");

@@ -14,7 +14,7 @@ use sandbox_sim::world::AUTO_MODE_APP;
 use sandbox_sim::{SimController, SimSettings, World, generate};
 use serde_json::{Value, json};
 
-use crate::common::e2e::{Bed, REGION, bed, spec, states, teardown};
+use crate::common::e2e::{Bed, Consent, REGION, bed, small_world, states, teardown};
 
 /// Everything of Auto Mode's that a teardown could touch, as it is now.
 async fn auto_mode_state(b: &Bed, world: &World) -> Value {
@@ -53,7 +53,7 @@ async fn auto_mode_state(b: &Bed, world: &World) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eks_auto_mode_compute_is_left_alone_while_karpenters_is_torn_down() {
-    let mut s = spec("e2e-automode", 6);
+    let mut s = small_world("e2e-automode", 6);
     s.auto_mode_nodes = 2;
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -67,7 +67,7 @@ async fn eks_auto_mode_compute_is_left_alone_while_karpenters_is_torn_down() {
     assert_eq!(before["pods"].as_array().map(Vec::len), Some(2), "{before:#}");
     let auto_instances: Vec<String> = world.auto_mode_nodes.iter().map(|n| n.instance_id.clone()).collect();
 
-    let dry = teardown(&b, &world.cluster, &[]).await;
+    let dry = teardown(&b, &world.cluster, Consent::DryRun, &[]).await;
     assert_eq!(dry.code, 0, "{}", dry.dump());
     assert!(
         dry.stdout.contains("Left alone (not this cluster's self-managed Karpenter's)")
@@ -76,7 +76,7 @@ async fn eks_auto_mode_compute_is_left_alone_while_karpenters_is_torn_down() {
         dry.stdout
     );
 
-    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_eq!(run.report["outcome"], "clean");
 

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::common::e2e::{
-    Bed, REGION, Run, assert_torn_down, bed, bed_with, count, real_crds, scale_controller, spec, states, teardown,
-    untouchable_nodes,
+    Bed, Consent, REGION, Run, assert_torn_down, bed, bed_with, count, real_crds, scale_controller, small_world,
+    states, teardown, untouchable_nodes,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -76,13 +76,13 @@ fn sim_settings(cluster: &str, version: KarpenterVersion) -> SimSettings {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delegate_plan_lets_a_healthy_karpenter_do_the_work() {
-    let s = spec("plans-delegate", 5);
+    let s = small_world("plans-delegate", 5);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let sim = SimController::start(b.client.clone(), b.cloud.clone(), sim_settings(&world.cluster, world.version));
     let before = untouchable_nodes(&b.client, &world).await;
 
-    let run = teardown(&b, &world.cluster, &["--yes", "--plan", "delegate"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", "delegate"]).await;
     assert_eq!(run.code, 0, "{}", explain(&run));
     assert_eq!(run.report["outcome"], "clean");
     assert_eq!(run.report["plan"], "delegate");
@@ -106,7 +106,7 @@ async fn delegate_plan_lets_a_healthy_karpenter_do_the_work() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delegate_plan_falls_back_when_karpenter_is_broken() {
-    let s = spec("plans-fallback", 5);
+    let s = small_world("plans-fallback", 5);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     // a controller that exists but does nothing: the NodeClaims never go by themselves
@@ -115,7 +115,7 @@ async fn delegate_plan_falls_back_when_karpenter_is_broken() {
     let before = untouchable_nodes(&b.client, &world).await;
     let plan = plan_file(&b, "delegate-3s.toml", &delegate_waiting("3s"));
 
-    let run = teardown(&b, &world.cluster, &["--yes", "--plan", plan.to_str().unwrap()]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", plan.to_str().unwrap()]).await;
     assert_eq!(run.code, 0, "{}", explain(&run));
     assert_eq!(run.report["outcome"], "clean");
     let wait = step(&run, "wait-nodeclaims-gone");
@@ -136,7 +136,7 @@ async fn delegate_plan_falls_back_when_karpenter_is_broken() {
 /// (server time scale 0.3: a 1 s grace period is 0.3 s) so that evicted pods' replacements are
 /// Pending long enough for the controller (pending grace 20 ms) to react.
 async fn growing_world(prefix: &str) -> (Bed, sandbox_sim::World, SimController) {
-    let s = spec(prefix, 4);
+    let s = small_world(prefix, 4);
     assert_eq!(s.pool_cpu_limit, None, "the pools must allow growth");
     let b = bed_with(&s.cluster, ServerOptions { time_scale: 0.3, ..ServerOptions::default() }).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -150,7 +150,7 @@ async fn without_the_fence_karpenter_chases_the_drain() {
     let before = untouchable_nodes(&b.client, &world).await;
     let plan = plan_file(&b, "no-fence.toml", &default_without_fence());
 
-    let run = teardown(&b, &world.cluster, &["--yes", "--plan", plan.to_str().unwrap()]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", plan.to_str().unwrap()]).await;
     let stats = sim.stats();
     sim.shutdown().await;
     assert!(stats.nodeclaims_launched > 0, "evicted pods made Karpenter launch replacements: {stats:?}");
@@ -175,7 +175,7 @@ async fn with_the_fence_karpenter_launches_nothing_under_the_same_pressure() {
     let (b, world, sim) = growing_world("plans-fence").await;
     let before = untouchable_nodes(&b.client, &world).await;
 
-    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     let stats = sim.stats();
     sim.shutdown().await;
     assert_eq!(run.code, 0, "{}", explain(&run));
@@ -203,7 +203,7 @@ fn default_sequential() -> String {
 /// Nodes with room to spare (real nodes rarely run full), drained one at a time. Returns the
 /// bed, the world and the number of workload pods on Karpenter nodes at the start.
 async fn roomy_world(prefix: &str) -> (Bed, sandbox_sim::World, u64) {
-    let mut s = spec(prefix, 5);
+    let mut s = small_world(prefix, 5);
     s.max_pods_per_node = Some(s.pods_per_node * 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -215,7 +215,7 @@ async fn with_the_cordon_step_every_pod_is_evicted_exactly_once() {
     let (b, world, pods) = roomy_world("plans-cordon").await;
     let before = untouchable_nodes(&b.client, &world).await;
     let plan = plan_file(&b, "cordon.toml", &default_sequential());
-    let run = teardown(&b, &world.cluster, &["--yes", "--plan", plan.to_str().unwrap()]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", plan.to_str().unwrap()]).await;
     assert_eq!(run.code, 0, "{}", explain(&run));
     assert_eq!(b.server.requests().count("evict", "pods"), pods, "{}", explain(&run));
     assert_eq!(step(&run, "cordon")["result"], "done", "{}", explain(&run));
@@ -267,7 +267,7 @@ async fn karpenter_1_0_default_plan_leaves_nothing_unreachable() {
     let s = sandbox_sim::WorldSpec {
         version: KarpenterVersion::V1_0,
         karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
-        ..spec("plans-v10", 5)
+        ..small_world("plans-v10", 5)
     };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -275,7 +275,7 @@ async fn karpenter_1_0_default_plan_leaves_nothing_unreachable() {
     let sim = SimController::start(b.client.clone(), b.cloud.clone(), sim_settings(&world.cluster, world.version));
     let before = untouchable_nodes(&b.client, &world).await;
 
-    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     sim.shutdown().await;
     assert_eq!(run.code, 0, "{}", explain(&run));
     assert_eq!(run.report["outcome"], "clean");
@@ -303,7 +303,7 @@ async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
         node_pools: 1,
         node_classes: 1,
         decoys: 0,
-        ..spec("plans-conv", 1)
+        ..small_world("plans-conv", 1)
     };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -346,13 +346,13 @@ async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
     assert_eq!(count(&b.client, &k8s::nodeclaim_resource()).await, 1, "NodeClaims are all stored at v1");
 
     // without consent the tool cannot take inventory: it changes nothing and says how to get out
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::DryRun, &[]).await;
     assert_eq!(run.code, 1, "{}", explain(&run));
     assert!(run.stderr.contains("strategy") && run.stderr.contains("nodepools.karpenter.sh"), "{}", explain(&run));
     assert_eq!(status(v1beta1.list(&ListParams::default()).await.map(|_| ())).0, 500, "a dry run changed the CRDs");
 
     // with --yes it proves identity from the nodes, turns the dead webhook off and finishes
-    let run = teardown(&b, &world.cluster, &["--yes"]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{}", explain(&run));
     let crds: Api<CustomResourceDefinition> = Api::all(b.client.clone());
     for name in ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"] {

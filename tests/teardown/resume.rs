@@ -96,7 +96,7 @@ async fn run_until(
 }
 
 async fn kill_and_resume(point: KillPoint) {
-    let s = spec(&format!("resume-{point:?}").to_lowercase(), 4);
+    let s = two_pool_world(&format!("resume-{point:?}").to_lowercase(), 4);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
@@ -105,7 +105,7 @@ async fn kill_and_resume(point: KillPoint) {
     let (code, lines) = run_until(&b, &world.cluster, det, &[("-KILL", delay)]).await;
     assert_eq!(code, None, "{point:?}: the run was not killed by the signal:\n{}", lines.join("\n"));
 
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{point:?}: the fresh run failed:\n{}", run.dump());
     assert_eq!(run.report["outcome"], "clean", "{point:?}");
     assert_torn_down(&b, &world, &before).await;
@@ -131,7 +131,7 @@ async fn a_fresh_run_finishes_what_a_sigkilled_run_began() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_drain_exits_130() {
-    let mut s = spec("resume-sigterm", 2);
+    let mut s = two_pool_world("resume-sigterm", 2);
     // a strict PDB keeps the drain going (default deadline 10 minutes)
     s.strict_pdb = true;
     let b = bed(&s.cluster).await;
@@ -149,7 +149,7 @@ async fn sigterm_mid_drain_exits_130() {
 /// first one, during verification's settle, would let the verify task finish its two reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_interrupt_stops_at_once_naming_the_tasks_in_flight() {
-    let s = spec("resume-twice", 2);
+    let s = two_pool_world("resume-twice", 2);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let det = Detector { point: KillPoint::MidVerify, pools: world.node_pools.len(), pools_ended: 0 };
@@ -159,7 +159,7 @@ async fn a_second_interrupt_stops_at_once_naming_the_tasks_in_flight() {
     let said = lines.iter().find(|l| l.contains("interrupted twice")).unwrap_or_else(|| panic!("{}", lines.join("\n")));
     assert!(said.contains("1 task(s) in flight: verify"), "{said}");
     // the run is resumable: a re-run verifies and ends clean
-    let run = teardown(&b, &world.cluster, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
     b.server.shutdown().await;
 }
