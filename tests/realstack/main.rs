@@ -1,0 +1,116 @@
+//! The test bed on a real control plane: kube-apiserver and etcd built from source
+//! (`crates/realstack`), the tool's identity held to `deploy/rbac.yaml` by the real RBAC
+//! authorizer, Karpenter's real CRDs with the real server's defaulting and validation.
+//!
+//! The first run builds the binary (many minutes cold; `crates/realstack/build-real`), later runs
+//! only check that it is current. Each test starts its own etcd and kube-apiserver and kills them
+//! when it ends, failing or not.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DynamicObject, PostParams};
+use realstack::{KUBERNETES_VERSION, RealStack};
+use sandbox_sim::KarpenterVersion;
+use serde_json::json;
+
+fn shipped_rbac_yaml() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml")).expect("deploy/rbac.yaml")
+}
+
+async fn stack(context: &str) -> RealStack {
+    RealStack::start(context, &shipped_rbac_yaml()).await.unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_server_reports_the_pinned_version() {
+    let t = Instant::now();
+    let s = stack("realstack-version").await;
+    eprintln!("real control plane ready in {:?}", t.elapsed());
+    // as the tool: /version is open to every authenticated user (system:public-info-viewer)
+    let client = s.tool_client().await.unwrap();
+    let v = client.apiserver_version().await.unwrap();
+    assert_eq!(v.git_version, KUBERNETES_VERSION);
+    let minor = KUBERNETES_VERSION.trim_start_matches('v').split('.').nth(1).unwrap();
+    assert_eq!((v.major.as_str(), v.minor.as_str()), ("1", minor));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_identity_holds_exactly_the_shipped_rbac() {
+    let s = stack("realstack-rbac").await;
+    let tool = s.tool_client().await.unwrap();
+    // granted by deploy/rbac.yaml: listing nodes
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(tool.clone());
+    nodes.list(&Default::default()).await.unwrap();
+    // not granted: reading Secrets
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(tool, "kube-system");
+    let err = secrets.list(&Default::default()).await.unwrap_err();
+    assert!(matches!(&err, kube::Error::Api(s) if s.code == 403), "{err}");
+}
+
+/// Waits until the real server serves every CRD it was given: it answers 404 for a custom
+/// resource until its CRD's `Established` condition is true.
+async fn wait_established(client: &kube::Client, names: &[String]) {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for name in names {
+        loop {
+            let crd = api.get(name).await.unwrap();
+            let established = crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            if established {
+                break;
+            }
+            assert!(Instant::now() < deadline, "CRD {name} not Established within 60s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn karpenter_crds_install_and_a_node_pool_gets_its_schema_defaults() {
+    let s = stack("realstack-crds").await;
+    let admin = s.admin_client().await.unwrap();
+    let crds = common::e2e::real_crds(KarpenterVersion::default());
+    sandbox_sim::world::install_crds(&admin, KarpenterVersion::default(), Some(&crds)).await.unwrap();
+    let names: Vec<String> = sandbox_sim::karpenter_crds::karpenter_crds_from(&crds)
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["metadata"]["name"].as_str().map(str::to_string))
+        .collect();
+    assert!(names.iter().any(|n| n == "nodepools.karpenter.sh"), "{names:?}");
+    wait_established(&admin, &names).await;
+
+    let pools: Api<DynamicObject> = Api::all_with(admin, &sandbox_sim::objects::nodepool_resource());
+    let pool: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "karpenter.sh/v1",
+        "kind": "NodePool",
+        "metadata": {"name": "defaults"},
+        "spec": {"template": {"spec": {
+            "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"},
+            "requirements": [],
+        }}},
+    }))
+    .unwrap();
+    let created = pools.create(&PostParams::default(), &pool).await.unwrap();
+    let spec = &created.data["spec"];
+    // the defaults of Karpenter's own schema, applied by the real server's structural defaulting
+    assert_eq!(spec["disruption"]["consolidateAfter"], "0s", "{spec:#}");
+    assert_eq!(spec["disruption"]["consolidationPolicy"], "WhenEmptyOrUnderutilized", "{spec:#}");
+    assert_eq!(spec["disruption"]["budgets"], json!([{"nodes": "10%"}]), "{spec:#}");
+    assert_eq!(spec["template"]["spec"]["expireAfter"], "720h", "{spec:#}");
+
+    // and its validation: a NodePool without a nodeClassRef is refused
+    let mut bad = pool.clone();
+    bad.metadata.name = Some("no-class".into());
+    bad.data["spec"]["template"]["spec"].as_object_mut().unwrap().remove("nodeClassRef");
+    let err = pools.create(&PostParams::default(), &bad).await.unwrap_err();
+    assert!(matches!(&err, kube::Error::Api(s) if s.code == 422), "{err}");
+}
