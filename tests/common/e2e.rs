@@ -178,6 +178,12 @@ pub async fn untouchable_nodes(client: &Client, world: &World) -> BTreeMap<Strin
 
 /// The end state every successful teardown must reach.
 pub async fn assert_torn_down(b: &Bed, world: &World, before: &BTreeMap<String, Value>) {
+    assert_torn_down_on(&b.client, &b.aws, world, before).await;
+}
+
+/// [`assert_torn_down`] for any API server (`client` may read everything) and LocalStack.
+pub async fn assert_torn_down_on(client: &Client, aws: &AwsClients, world: &World, before: &BTreeMap<String, Value>) {
+    let b = TornDown { client, aws };
     let ours = states(&b.aws, &world.karpenter_instance_ids()).await;
     assert_eq!(ours.len(), world.nodes.len());
     assert!(ours.values().all(|s| *s == InstanceState::Terminated), "Karpenter instances: {ours:?}");
@@ -196,7 +202,13 @@ pub async fn assert_torn_down(b: &Bed, world: &World, before: &BTreeMap<String, 
         b.aws.iam.cluster_instance_profiles(REGION, &world.cluster).await.unwrap().is_empty(),
         "instance profiles left"
     );
-    assert_eq!(&untouchable_nodes(&b.client, world).await, before, "non-Karpenter nodes changed");
+    assert_eq!(&untouchable_nodes(b.client, world).await, before, "non-Karpenter nodes changed");
+}
+
+/// What [`assert_torn_down_on`] reads through.
+struct TornDown<'a> {
+    client: &'a Client,
+    aws: &'a AwsClients,
 }
 
 /// Scales the Karpenter Deployment.

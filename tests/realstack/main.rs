@@ -114,3 +114,49 @@ async fn karpenter_crds_install_and_a_node_pool_gets_its_schema_defaults() {
     let err = pools.create(&PostParams::default(), &bad).await.unwrap_err();
     assert!(matches!(&err, kube::Error::Api(s) if s.code == 422), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_tears_down_a_generated_world_on_the_real_server() {
+    use common::e2e::{REGION, assert_torn_down_on, run_of, untouchable_nodes};
+    use sandbox_sim::{SimController, SimSettings, generate};
+
+    // Nodes are plain Node objects and nothing runs pods here (no kubelet, no kwok, no
+    // controller-manager), so the world has no workload pods to wait for.
+    let spec = sandbox_sim::WorldSpec { pods_per_node: 0, ..common::e2e::spec("rs-e2e", 6) };
+    let s = stack(&spec.cluster).await;
+    let admin = s.admin_client().await.unwrap();
+    let cloud = common::cloud(REGION).await;
+    let aws = common::localstack(REGION).await;
+    let t = Instant::now();
+    let world = generate(&spec, &admin, &cloud)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\nkube-apiserver:\n{}", s.log_tail("kube-apiserver")));
+    eprintln!("generated in {:?}", t.elapsed());
+    let sim = SimController::start(
+        admin.clone(),
+        cloud.clone(),
+        SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
+    );
+    let before = untouchable_nodes(&admin, &world).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    if std::env::var_os("KT_TEST_LOGS").is_some() {
+        cmd.stderr(std::process::Stdio::inherit());
+    }
+    cmd.args(["run", "--cluster", &world.cluster, "--region", REGION, "--yes", "--kubeconfig"])
+        .arg(s.tool_kubeconfig())
+        .arg("--report")
+        .arg(&report)
+        .envs(common::localstack_env())
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+    let t = Instant::now();
+    let run = run_of(cmd, &report).await;
+    eprintln!("torn down in {:?}", t.elapsed());
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert_eq!(run.report["outcome"], "clean", "{}", run.dump());
+    assert_torn_down_on(&admin, &aws, &world, &before).await;
+    assert_eq!(sim.stats().nodeclaims_launched, 0, "the fence kept Karpenter from launching replacements");
+    sim.shutdown().await;
+}

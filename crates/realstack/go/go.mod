@@ -1,7 +1,8 @@
 // The real Kubernetes control plane for the test bed: one binary that runs kube-apiserver or an
 // embedded etcd, chosen by its first argument. k8s.io/kubernetes is not meant to be imported, so
 // every staging module it names as v0.0.0 (its own go.mod replaces them with ./staging/src/...) is
-// replaced here by the published v0.34.x of the same release, as k3s builds against it.
+// replaced here by the published v0.34.x of the same release (kubernetes/kubernetes#79384; k3s's
+// go.mod does the same with the staging directories of its fork).
 module karpenter-teardown/realstack
 
 go 1.24.0
