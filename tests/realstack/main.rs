@@ -9,9 +9,8 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DynamicObject, PostParams};
 use realstack::{KUBERNETES_VERSION, RealStack};
 use sandbox_sim::KarpenterVersion;
@@ -39,6 +38,23 @@ async fn the_real_server_reports_the_pinned_version() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_test_leaves_no_process_of_the_stack_behind() {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let test = tokio::spawn(async move {
+        let s = stack("realstack-panic").await;
+        tx.send(s.pids()).unwrap();
+        panic!("a failing test, holding the stack");
+    });
+    let pids = rx.await.unwrap();
+    assert_eq!(pids.len(), 2, "etcd and kube-apiserver");
+    assert!(test.await.unwrap_err().is_panic());
+    // the stack's drop ran while the panic unwound: both are killed and reaped
+    for pid in pids {
+        assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "process {pid} outlived the stack");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tool_identity_holds_exactly_the_shipped_rbac() {
     let s = stack("realstack-rbac").await;
     let tool = s.tool_client().await.unwrap();
@@ -49,29 +65,6 @@ async fn the_tool_identity_holds_exactly_the_shipped_rbac() {
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(tool, "kube-system");
     let err = secrets.list(&Default::default()).await.unwrap_err();
     assert!(matches!(&err, kube::Error::Api(s) if s.code == 403), "{err}");
-}
-
-/// Waits until the real server serves every CRD it was given: it answers 404 for a custom
-/// resource until its CRD's `Established` condition is true.
-async fn wait_established(client: &kube::Client, names: &[String]) {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for name in names {
-        loop {
-            let crd = api.get(name).await.unwrap();
-            let established = crd
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            if established {
-                break;
-            }
-            assert!(Instant::now() < deadline, "CRD {name} not Established within 60s");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -86,7 +79,6 @@ async fn karpenter_crds_install_and_a_node_pool_gets_its_schema_defaults() {
         .filter_map(|c| c["metadata"]["name"].as_str().map(str::to_string))
         .collect();
     assert!(names.iter().any(|n| n == "nodepools.karpenter.sh"), "{names:?}");
-    wait_established(&admin, &names).await;
 
     let pools: Api<DynamicObject> = Api::all_with(admin, &sandbox_sim::objects::nodepool_resource());
     let pool: DynamicObject = serde_json::from_value(json!({
@@ -159,4 +151,33 @@ async fn the_tool_tears_down_a_generated_world_on_the_real_server() {
     assert_torn_down_on(&admin, &aws, &world, &before).await;
     assert_eq!(sim.stats().nodeclaims_launched, 0, "the fence kept Karpenter from launching replacements");
     sim.shutdown().await;
+}
+
+#[test]
+fn a_component_exits_by_itself_once_the_process_that_started_it_is_gone() {
+    let bin = realstack::binary().unwrap_or_else(|e| panic!("{e}"));
+    let dir = tempfile::tempdir().unwrap();
+    let port = |_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (client, peer) = (port(0), port(1));
+    // a shell starts etcd in the background as its child, names itself the parent, and exits
+    let script = format!(
+        "REALSTACK_PARENT_PID=$$ '{}' etcd --data-dir '{}' --listen-client-url http://127.0.0.1:{client} --listen-peer-url http://127.0.0.1:{peer} >/dev/null 2>&1 & echo $!",
+        bin.display(),
+        dir.path().join("etcd").display()
+    );
+    let out = std::process::Command::new("bash").args(["-c", &script]).output().unwrap();
+    let pid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let deadline = Instant::now() + std::time::Duration::from_secs(10);
+    // gone, or a zombie its new parent has not reaped yet
+    let running = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+    };
+    while running() {
+        if Instant::now() > deadline {
+            let _ = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            panic!("etcd ({pid}) outlived the process that started it by 10s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }

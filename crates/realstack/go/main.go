@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"os"
 	"os/signal"
+	"strconv"
 	"syscall"
 	"time"
 	_ "time/tzdata" // kube-apiserver validates CronJob time zones against it
@@ -29,6 +30,7 @@ func main() {
 		os.Exit(2)
 	}
 	component, rest := os.Args[1], os.Args[2:]
+	go exitWhenOrphaned()
 	switch component {
 	case "etcd":
 		if err := runEtcd(rest); err != nil {
@@ -97,5 +99,23 @@ func runEtcd(args []string) error {
 		return err
 	case <-stop:
 		return nil
+	}
+}
+
+// exitWhenOrphaned ends the process once the process named by REALSTACK_PARENT_PID is no longer
+// its parent. The test bed kills its stack when it is dropped, but a test binary that is killed
+// outright (a CI timeout, an abort) runs no drop, and the stack, in a process group of its own,
+// would outlive it. The parent passes its pid because it may be gone before this process could
+// first ask for it.
+func exitWhenOrphaned() {
+	want, err := strconv.Atoi(os.Getenv("REALSTACK_PARENT_PID"))
+	if err != nil {
+		return
+	}
+	for ; ; time.Sleep(time.Second) {
+		if os.Getppid() != want {
+			fmt.Fprintf(os.Stderr, "realstack: process %d, which started this one, is gone; exiting\n", want)
+			os.Exit(1)
+		}
 	}
 }

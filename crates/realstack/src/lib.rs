@@ -394,6 +394,8 @@ impl RealStack {
         let child = Command::new(bin)
             .args(args)
             .stdin(Stdio::null())
+            // each component exits by itself once this process is gone (go/main.go)
+            .env("REALSTACK_PARENT_PID", std::process::id().to_string())
             .stdout(log)
             .stderr(log2)
             .process_group(group)
@@ -464,6 +466,11 @@ impl RealStack {
         self.layout.server()
     }
 
+    /// The process ids of the components, in start order (etcd, kube-apiserver).
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|(_, c)| c.id()).collect()
+    }
+
     /// The log of a component (`etcd`, `kube-apiserver`), for assertion messages.
     pub fn log_tail(&self, component: &str) -> String {
         log_tail(&self.layout.file(&format!("{component}.log")))
@@ -498,6 +505,22 @@ mod tests {
         let go_mod = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/go/go.mod")).unwrap();
         let pinned = go_mod.lines().find_map(|l| l.trim().strip_prefix("k8s.io/kubernetes ")).unwrap();
         assert_eq!(pinned.trim(), KUBERNETES_VERSION);
+    }
+
+    #[test]
+    fn the_build_script_names_the_fix_when_go_is_missing() {
+        // a PATH with only what the script needs before it looks for Go
+        let bin = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("/usr/bin/dirname", bin.path().join("dirname")).unwrap();
+        // the child's PATH is also where std looks `bash` up: name it by this process's PATH
+        let bash = std::env::split_paths(&std::env::var_os("PATH").unwrap())
+            .map(|d| d.join("bash"))
+            .find(|p| p.exists())
+            .unwrap();
+        let out = Command::new(bash).arg(build_script()).env("PATH", bin.path()).output().unwrap();
+        assert_eq!(out.status.code(), Some(127), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("Go is not installed") && stderr.contains("go.dev/doc/install"), "{stderr}");
     }
 
     #[test]

@@ -442,9 +442,11 @@ pub async fn install_crds(
         ops::create_or_get(&api, &obj).await.map_err(SimError::kube(format!("creating CRD {name}")))?;
         names.push(name);
     }
-    // kube-apiserver answers 404 for a custom resource until its CRD is Established, which
-    // takes it a moment after the create (kubernetes/kubernetes#57042): wait, as every installer
-    // must (the sandbox server establishes a CRD as it creates it, so this returns at once there)
+    // kube-apiserver serves a custom resource only once its CRD's names are accepted, which its
+    // own controllers record after the create has returned (apiextensions-apiserver's
+    // pkg/apiserver/customresource_handler.go; kubernetes/kubernetes#57042): until then a create
+    // answers 404. Wait for Established, as installers of CRDs do (the sandbox server
+    // establishes a CRD as it creates it, so this returns at once there).
     for name in names {
         let established = kube::runtime::wait::await_condition(
             api.clone(),
