@@ -190,11 +190,11 @@ impl Layout {
             "--service-account-issuer=https://kubernetes.default.svc".into(),
             "--service-cluster-ip-range=10.96.0.0/16".into(),
             // Without kube-controller-manager nobody creates a namespace's `default`
-            // ServiceAccount, and the ServiceAccount admission plugin refuses every pod that
-            // names none until it exists.
+            // ServiceAccount, and the ServiceAccount admission plugin refuses every pod of a
+            // namespace until it exists (kubernetes' plugin/pkg/admission/serviceaccount).
             "--disable-admission-plugins=ServiceAccount".into(),
-            // The `kubernetes` Service's endpoints may not be a loopback address (Endpoints
-            // validation refuses it); there is no Service network here anyway.
+            // The `kubernetes` Service's endpoints may not be a loopback address (kubernetes'
+            // pkg/apis/core/validation refuses it); there is no Service network here anyway.
             "--endpoint-reconciler-type=none".into(),
             "--profiling=false".into(),
         ]
