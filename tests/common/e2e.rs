@@ -192,25 +192,30 @@ pub async fn untouchable_nodes(client: &Client, world: &World) -> BTreeMap<Strin
 
 /// The end state every successful teardown must reach.
 pub async fn assert_torn_down(b: &Bed, world: &World, before: &BTreeMap<String, Value>) {
-    let ours = states(&b.aws, &world.karpenter_instance_ids()).await;
+    assert_torn_down_on(&b.client, &b.aws, world, before).await;
+}
+
+/// [`assert_torn_down`] for any API server (`client` may read everything) and LocalStack.
+pub async fn assert_torn_down_on(client: &Client, aws: &AwsClients, world: &World, before: &BTreeMap<String, Value>) {
+    let ours = states(aws, &world.karpenter_instance_ids()).await;
     assert_eq!(ours.len(), world.nodes.len());
     assert!(ours.values().all(|s| *s == InstanceState::Terminated), "Karpenter instances: {ours:?}");
     let mut keep = world.managed_instance_ids();
     keep.extend(world.decoy_instances.clone());
-    let kept = states(&b.aws, &keep).await;
+    let kept = states(aws, &keep).await;
     assert!(kept.values().all(|s| *s == InstanceState::Running), "managed and decoy instances: {kept:?}");
-    assert_eq!(count(&b.client, &k8s::nodeclaim_resource()).await, 0, "NodeClaims left");
-    assert_eq!(count(&b.client, &k8s::nodepool_resource()).await, 0, "NodePools left");
-    assert_eq!(count(&b.client, &k8s::nodeclass_resource()).await, 0, "EC2NodeClasses left");
-    let nodes: Api<Node> = Api::all(b.client.clone());
+    assert_eq!(count(client, &k8s::nodeclaim_resource()).await, 0, "NodeClaims left");
+    assert_eq!(count(client, &k8s::nodepool_resource()).await, 0, "NodePools left");
+    assert_eq!(count(client, &k8s::nodeclass_resource()).await, 0, "EC2NodeClasses left");
+    let nodes: Api<Node> = Api::all(client.clone());
     let karpenter_nodes = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
     assert!(karpenter_nodes.items.is_empty(), "Karpenter nodes left");
-    assert!(b.aws.ec2.launch_templates(&world.cluster).await.unwrap().is_empty(), "launch templates left");
+    assert!(aws.ec2.launch_templates(&world.cluster).await.unwrap().is_empty(), "launch templates left");
     assert!(
-        b.aws.iam.cluster_instance_profiles(REGION, &world.cluster).await.unwrap().is_empty(),
+        aws.iam.cluster_instance_profiles(REGION, &world.cluster).await.unwrap().is_empty(),
         "instance profiles left"
     );
-    assert_eq!(&untouchable_nodes(&b.client, world).await, before, "non-Karpenter nodes changed");
+    assert_eq!(&untouchable_nodes(client, world).await, before, "non-Karpenter nodes changed");
 }
 
 /// Scales the Karpenter Deployment.

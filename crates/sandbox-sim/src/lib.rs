@@ -130,6 +130,14 @@ pub enum SimError {
         /// Whether the karpenter Deployment had a ready replica.
         controller_ready: bool,
     },
+    /// The API server did not start serving a CRD that was created.
+    #[error("the API server did not serve CRD {crd} after it was created: {reason}; see the server's log")]
+    NotEstablished {
+        /// The CRD's name.
+        crd: String,
+        /// The timeout or the watch's error.
+        reason: String,
+    },
     /// The world specification cannot be generated.
     #[error("invalid world specification: {0}")]
     BadSpec(String),

@@ -435,13 +435,39 @@ pub async fn install_crds(
         Some(dir) => karpenter_crds_from(dir).map_err(|e| SimError::BadSpec(e.to_string()))?,
         None => karpenter_crds(version.has_conversion_webhook()),
     };
+    let mut names = Vec::new();
     for crd in crds {
         let name = crd["metadata"]["name"].as_str().unwrap_or_default().to_string();
         let obj: CustomResourceDefinition = typed("CRD", crd)?;
         ops::create_or_get(&api, &obj).await.map_err(SimError::kube(format!("creating CRD {name}")))?;
+        names.push(name);
+    }
+    // kube-apiserver serves a custom resource only once its CRD's names are accepted, which its
+    // own controllers record after the create has returned (apiextensions-apiserver's
+    // pkg/apiserver/customresource_handler.go; kubernetes/kubernetes#57042): until then a create
+    // answers 404. Wait for Established, as installers of CRDs do (the sandbox server
+    // establishes a CRD as it creates it, so this returns at once there).
+    for name in names {
+        let established = kube::runtime::wait::await_condition(
+            api.clone(),
+            &name,
+            kube::runtime::wait::conditions::is_crd_established(),
+        );
+        match tokio::time::timeout(CRD_ESTABLISH_TIMEOUT, established).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(SimError::NotEstablished { crd: name, reason: e.to_string() }),
+            Err(_) => {
+                let reason = format!("not Established within {CRD_ESTABLISH_TIMEOUT:?}");
+                return Err(SimError::NotEstablished { crd: name, reason });
+            }
+        }
     }
     Ok(())
 }
+
+/// How long [`install_crds`] waits for the server to serve a new CRD: a real kube-apiserver
+/// takes well under a second on an idle machine.
+const CRD_ESTABLISH_TIMEOUT: Duration = Duration::from_secs(60);
 
 async fn create_classes(spec: &WorldSpec, client: &Client, aws: &Cloud) -> Result<Vec<GeneratedClass>, SimError> {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &objects::ec2nodeclass_resource());
