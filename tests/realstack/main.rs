@@ -114,7 +114,7 @@ async fn the_tool_tears_down_a_generated_world_on_the_real_server() {
 
     // Nodes are plain Node objects and nothing runs pods here (no kubelet, no kwok, no
     // controller-manager), so the world has no workload pods to wait for.
-    let spec = sandbox_sim::WorldSpec { pods_per_node: 0, ..common::e2e::spec("rs-e2e", 6) };
+    let spec = sandbox_sim::WorldSpec { pods_per_node: 0, ..common::e2e::small_world("rs-e2e", 6) };
     let s = stack(&spec.cluster).await;
     let admin = s.admin_client().await.unwrap();
     let cloud = common::cloud(REGION).await;
