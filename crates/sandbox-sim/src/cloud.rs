@@ -200,21 +200,27 @@ impl Cloud {
     /// cluster tag of either release (1.0.x `karpenter.k8s.aws/cluster`, later
     /// `eks:eks-cluster-name`).
     pub async fn class_launch_templates(&self, cluster: &str, class: &str) -> Result<Vec<Template>, CloudError> {
-        let filter = Filter::builder().name(format!("tag:{}", karpenter::TAG_NODECLASS)).values(class).build();
-        let mut pages = self.ec2.describe_launch_templates().filters(filter).max_results(200).into_paginator().send();
+        // Asked by the cluster's tags, which are unique to the cluster, and the class checked here:
+        // LocalStack pages DescribeLaunchTemplates without a NextToken, so a filter as wide as a
+        // class name (every test world has a `class-0`) loses templates once a long-lived
+        // LocalStack holds more than a page of them.
         let mut out = Vec::new();
-        while let Some(page) = pages.next().await {
-            let page = page.map_err(|e| CloudError::from_sdk("DescribeLaunchTemplates", e))?;
-            for lt in page.launch_templates() {
-                let of_cluster = lt.tags().iter().any(|t| {
-                    matches!(t.key(), Some(karpenter::TAG_EKS_CLUSTER | karpenter::TAG_LEGACY_CLUSTER))
-                        && t.value() == Some(cluster)
-                });
-                if of_cluster {
-                    out.push(Template {
-                        id: lt.launch_template_id().unwrap_or_default().to_string(),
-                        name: lt.launch_template_name().unwrap_or_default().to_string(),
-                    });
+        for cluster_tag in [karpenter::TAG_EKS_CLUSTER, karpenter::TAG_LEGACY_CLUSTER] {
+            let filter = Filter::builder().name(format!("tag:{cluster_tag}")).values(cluster).build();
+            let mut pages =
+                self.ec2.describe_launch_templates().filters(filter).max_results(200).into_paginator().send();
+            while let Some(page) = pages.next().await {
+                let page = page.map_err(|e| CloudError::from_sdk("DescribeLaunchTemplates", e))?;
+                for lt in page.launch_templates() {
+                    let of_class =
+                        lt.tags().iter().any(|t| t.key() == Some(karpenter::TAG_NODECLASS) && t.value() == Some(class));
+                    let id = lt.launch_template_id().unwrap_or_default();
+                    if of_class && !out.iter().any(|t: &Template| t.id == id) {
+                        out.push(Template {
+                            id: id.to_string(),
+                            name: lt.launch_template_name().unwrap_or_default().to_string(),
+                        });
+                    }
                 }
             }
         }
