@@ -218,6 +218,19 @@ pub async fn assert_torn_down_on(client: &Client, aws: &AwsClients, world: &Worl
     assert_eq!(&untouchable_nodes(client, world).await, before, "non-Karpenter nodes changed");
 }
 
+/// The simulated Karpenter, live on the bed's world at the tests' usual accelerated clock.
+pub fn live_karpenter(b: &Bed, world: &World) -> sandbox_sim::SimController {
+    sandbox_sim::SimController::start(
+        b.client.clone(),
+        b.cloud.clone(),
+        sandbox_sim::SimSettings {
+            version: world.version,
+            time_scale: 0.02,
+            ..sandbox_sim::SimSettings::new(&world.cluster, REGION)
+        },
+    )
+}
+
 /// Scales the Karpenter Deployment.
 pub async fn scale_controller(c: &Client, replicas: i32) {
     let api: Api<Deployment> = Api::namespaced(c.clone(), naming::KARPENTER_NAMESPACE);

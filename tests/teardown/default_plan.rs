@@ -6,21 +6,18 @@ use crate::common;
 use std::time::Duration;
 
 use crate::common::e2e::{
-    Bed, Consent, REGION, assert_torn_down, bed, scale_controller, small_world, states, teardown, untouchable_nodes,
+    Bed, Consent, REGION, assert_torn_down, bed, live_karpenter, scale_controller, small_world, states, teardown,
+    untouchable_nodes,
 };
 use karpenter_teardown::aws::InstanceState;
-use sandbox_sim::{SimController, SimSettings, World, WorldSpec, generate};
+use sandbox_sim::{SimController, World, WorldSpec, generate};
 
 /// Generates `s`, starts the simulated controller on it, and tears it down with `--yes`: the run
 /// must end clean with every end-state check passed and no capacity launched meanwhile.
 async fn torn_down_with_a_live_controller(s: &WorldSpec) -> (Bed, World, SimController) {
     let b = bed(&s.cluster).await;
     let world = generate(s, &b.client, &b.cloud).await.unwrap();
-    let sim = SimController::start(
-        b.client.clone(),
-        b.cloud.clone(),
-        SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
-    );
+    let sim = live_karpenter(&b, &world);
     let before = untouchable_nodes(&b.client, &world).await;
     let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "stdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
@@ -219,11 +216,7 @@ async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() 
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let g = gitops::adopt(&b.client, &world).await.unwrap();
     let reconcilers = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
-    let sim = SimController::start(
-        b.client.clone(),
-        b.cloud.clone(),
-        SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
-    );
+    let sim = live_karpenter(&b, &world);
     let before = untouchable_nodes(&b.client, &world).await;
     let run = teardown(&b, &world.cluster, Consent::Yes, &["--pause-gitops"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());

@@ -6,10 +6,10 @@ use std::time::{Duration, SystemTime};
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim, OwnerId, OwnerKind};
-use sandbox_sim::{SimController, SimSettings, WorldSpec, generate};
+use sandbox_sim::{WorldSpec, generate};
 use serde_json::{Value, json};
 
-use crate::common::e2e::{Consent, REGION, assert_torn_down, bed, small_world, teardown, untouchable_nodes};
+use crate::common::e2e::{Consent, assert_torn_down, bed, live_karpenter, small_world, teardown, untouchable_nodes};
 
 fn owner_api(b: &crate::common::e2e::Bed, owner: &OwnerId) -> Api<DynamicObject> {
     let ar = ApiResource::from_gvk_with_plural(
@@ -74,11 +74,7 @@ async fn a_hubs_owners_for_other_clusters_neither_refuse_nor_get_paused() {
         v
     };
 
-    let sim = SimController::start(
-        b.client.clone(),
-        b.cloud.clone(),
-        SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
-    );
+    let sim = live_karpenter(&b, &world);
     let untouchable = untouchable_nodes(&b.client, &world).await;
     let run = teardown(&b, &world.cluster, Consent::Yes, &["--pause-gitops"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
@@ -127,11 +123,7 @@ async fn work_in_flight_on_every_owner_ends_before_the_fence() {
     // every Flux owner has a pass under way
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    let sim = SimController::start(
-        b.client.clone(),
-        b.cloud.clone(),
-        SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
-    );
+    let sim = live_karpenter(&b, &world);
     let untouchable = untouchable_nodes(&b.client, &world).await;
     let run = teardown(&b, &world.cluster, Consent::Yes, &["--pause-gitops"]).await;
     assert_eq!(run.code, 0, "{}", run.dump());

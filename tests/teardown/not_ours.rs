@@ -11,10 +11,10 @@ use karpenter_teardown::aws::InstanceState;
 use karpenter_teardown::k8s;
 use kube::api::{Api, DynamicObject, ListParams};
 use sandbox_sim::world::AUTO_MODE_APP;
-use sandbox_sim::{SimController, SimSettings, World, generate};
+use sandbox_sim::{World, generate};
 use serde_json::{Value, json};
 
-use crate::common::e2e::{Bed, Consent, REGION, bed, small_world, states, teardown};
+use crate::common::e2e::{Bed, Consent, bed, live_karpenter, small_world, states, teardown};
 
 /// Everything of Auto Mode's that a teardown could touch, as it is now.
 async fn auto_mode_state(b: &Bed, world: &World) -> Value {
@@ -58,11 +58,7 @@ async fn eks_auto_mode_compute_is_left_alone_while_karpenters_is_torn_down() {
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     assert_eq!(world.auto_mode_nodes.len(), 2);
-    let sim = SimController::start(
-        b.client.clone(),
-        b.cloud.clone(),
-        SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
-    );
+    let sim = live_karpenter(&b, &world);
     let before = auto_mode_state(&b, &world).await;
     assert_eq!(before["pods"].as_array().map(Vec::len), Some(2), "{before:#}");
     let auto_instances: Vec<String> = world.auto_mode_nodes.iter().map(|n| n.instance_id.clone()).collect();
