@@ -59,7 +59,20 @@ async fn eks_auto_mode_compute_is_left_alone_while_karpenters_is_torn_down() {
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     assert_eq!(world.auto_mode_nodes.len(), 2);
     let sim = live_karpenter(&b, &world);
+    // Karpenter's garbage collector must have looked at Auto Mode's claims (whose instances are
+    // not this controller's) a few times over before anything is compared: a collector that
+    // took them for its own would delete them within two rounds.
+    let rounds = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while sim.stats().gc_rounds < 4 {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(rounds.is_ok(), "the simulated Karpenter ran no garbage collection: {:?}", sim.stats());
     let before = auto_mode_state(&b, &world).await;
+    for n in &world.auto_mode_nodes {
+        assert_eq!(before[format!("NodeClaim/{}", n.nodeclaim)]["deleting"], false, "{before:#}");
+    }
     assert_eq!(before["pods"].as_array().map(Vec::len), Some(2), "{before:#}");
     let auto_instances: Vec<String> = world.auto_mode_nodes.iter().map(|n| n.instance_id.clone()).collect();
 

@@ -109,6 +109,7 @@ pub struct SimStats {
     instance_profiles_deleted: AtomicU64,
     disrupted_taints_removed: AtomicU64,
     passes: AtomicU64,
+    gc_rounds: AtomicU64,
     errors: AtomicU64,
 }
 
@@ -137,6 +138,8 @@ pub struct SimStatsSnapshot {
     pub disrupted_taints_removed: u64,
     /// Reconcile passes made while active.
     pub passes: u64,
+    /// Garbage-collection rounds completed while active.
+    pub gc_rounds: u64,
     /// API or AWS errors met (each retried on a later pass).
     pub errors: u64,
 }
@@ -156,6 +159,7 @@ impl SimStats {
             instance_profiles_deleted: g(&self.instance_profiles_deleted),
             disrupted_taints_removed: g(&self.disrupted_taints_removed),
             passes: g(&self.passes),
+            gc_rounds: g(&self.gc_rounds),
             errors: g(&self.errors),
         }
     }
@@ -1148,6 +1152,7 @@ async fn run_gc(ctx: Arc<Ctx>, cancel: CancellationToken) {
         }
         if *ctx.active.borrow() {
             collect_garbage(&ctx, &mut state).await;
+            bump(&ctx.stats.gc_rounds, 1);
         } else {
             state = GcState::default();
         }
@@ -1162,7 +1167,12 @@ async fn collect_garbage(ctx: &Ctx, state: &mut GcState) {
         Ok(l) => l,
         Err(e) => return record_error(ctx, &SimError::aws("listing the cluster's instances")(e)),
     };
-    let claims = ctx.stores.claims.state();
+    // Only this provider's claims, as `ListManaged` gives them to Karpenter's collector: EKS
+    // Auto Mode's instances are not among this controller's, so its claims would all look
+    // orphaned. (Karpenter also spares a claim whose Node is still Ready; the sandbox has no
+    // node lifecycle controller to mark a dead instance's Node NotReady, so that check is not
+    // modelled.)
+    let claims = ctx.stores.managed_claims();
     let claimed: HashSet<String> = claims
         .iter()
         .filter_map(|c| objects::claim_provider_id(c))
