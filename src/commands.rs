@@ -24,7 +24,7 @@ use crate::verify;
 
 /// Any error a command can end with, mapped to its exit code by [`CommandError::exit`].
 #[derive(Debug, thiserror::Error)]
-pub enum CommandError {
+pub(crate) enum CommandError {
     /// A flag or environment value is wrong.
     #[error(transparent)]
     Config(#[from] ConfigError),
@@ -56,7 +56,7 @@ pub enum CommandError {
 
 impl CommandError {
     /// The exit code this error stands for.
-    pub fn exit(&self) -> Exit {
+    pub(crate) fn exit(&self) -> Exit {
         match self {
             CommandError::Config(_) | CommandError::Plan(_) => Exit::BadInput,
             CommandError::TfPrune(crate::tfprune::TfPruneError::Kube(e)) if e.is_configuration() => Exit::BadInput,

@@ -8,7 +8,7 @@ use crate::cli::{DrainPolicyArg, RunArgs, TargetArgs, TeardownArgs};
 
 /// A flag or environment value that cannot be used, with the fix.
 #[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
+pub(crate) enum ConfigError {
     /// The cluster name is not a valid EKS cluster name.
     #[error(
         "--cluster {0:?} is not a valid EKS cluster name (1-100 characters: letters, digits, '-' and '_', starting with a letter or digit)"
@@ -62,7 +62,7 @@ impl From<DrainPolicyArg> for DrainPolicy {
 
 /// Which cluster, proven later against the evidence (design §7).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Target {
+pub(crate) struct Target {
     /// EKS cluster name.
     pub cluster: String,
     /// AWS region.
@@ -77,7 +77,7 @@ pub struct Target {
 
 /// Where the Kubernetes API is.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct KubeTarget {
+pub(crate) struct KubeTarget {
     /// Explicit kubeconfig file.
     pub kubeconfig: Option<PathBuf>,
     /// Explicit context.
@@ -86,7 +86,7 @@ pub struct KubeTarget {
 
 /// Whether writes are allowed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Consent {
+pub(crate) enum Consent {
     /// No `--yes`: show the plan, change nothing.
     DryRun,
     /// `--yes`: act.
@@ -95,7 +95,7 @@ pub enum Consent {
 
 /// Which plan to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PlanSource {
+pub(crate) enum PlanSource {
     /// A plan compiled into the binary (`default`, `delegate`).
     Builtin(String),
     /// A plan file.
@@ -104,7 +104,7 @@ pub enum PlanSource {
 
 impl PlanSource {
     /// `None` → the default plan; a built-in name → that plan; anything else → a file.
-    pub fn from_arg(arg: Option<&str>) -> PlanSource {
+    pub(crate) fn from_arg(arg: Option<&str>) -> PlanSource {
         match arg {
             None => PlanSource::Builtin("default".into()),
             Some(name @ ("default" | "delegate")) => PlanSource::Builtin(name.into()),
@@ -115,7 +115,7 @@ impl PlanSource {
 
 /// The validated `run` configuration.
 #[derive(Debug, Clone)]
-pub struct RunConfig {
+pub(crate) struct RunConfig {
     /// Cluster and region.
     pub target: Target,
     /// Kubernetes access.
@@ -136,7 +136,7 @@ pub struct RunConfig {
 
 impl Target {
     /// Validates cluster, region and account.
-    pub fn from_args(a: &TargetArgs) -> Result<Target, ConfigError> {
+    pub(crate) fn from_args(a: &TargetArgs) -> Result<Target, ConfigError> {
         let region = match &a.region {
             Some(r) => r.clone(),
             None => std::env::var("AWS_REGION")
@@ -162,7 +162,7 @@ impl Target {
 
 impl RunConfig {
     /// Validates every `run` flag.
-    pub fn from_args(a: &RunArgs) -> Result<RunConfig, ConfigError> {
+    pub(crate) fn from_args(a: &RunArgs) -> Result<RunConfig, ConfigError> {
         let target = Target::from_args(&a.target)?;
         let t = TeardownConfig::from_args(&a.teardown)?;
         Ok(RunConfig {
@@ -180,7 +180,7 @@ impl RunConfig {
 
 /// The validated [`TeardownArgs`], shared by `run` and `rehearse`.
 #[derive(Debug, Clone)]
-pub struct TeardownConfig {
+pub(crate) struct TeardownConfig {
     /// Kubernetes access.
     pub kube: KubeTarget,
     /// Plan.
@@ -197,7 +197,7 @@ pub struct TeardownConfig {
 
 impl TeardownConfig {
     /// Validates the flags that describe a teardown.
-    pub fn from_args(a: &TeardownArgs) -> Result<TeardownConfig, ConfigError> {
+    pub(crate) fn from_args(a: &TeardownArgs) -> Result<TeardownConfig, ConfigError> {
         let drain_deadline = a.drain_deadline.as_deref().map(|d| parse_duration("drain-deadline", d)).transpose()?;
         if a.max_nodes == Some(0) {
             return Err(ConfigError::ZeroMaxNodes);
@@ -214,7 +214,7 @@ impl TeardownConfig {
 }
 
 /// Parses a humantime duration (`90s`, `10m`, `1h30m`) for `flag`.
-pub fn parse_duration(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
+pub(crate) fn parse_duration(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
     humantime::parse_duration(value.trim()).map_err(|e| ConfigError::BadDuration {
         flag,
         value: value.to_string(),

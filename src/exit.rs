@@ -40,7 +40,11 @@ impl Exit {
     }
 
     /// The status a process exit code stands for (any code this tool does not use is a failure).
-    pub fn from_code(code: u8) -> Exit {
+    #[cfg_attr(
+        not(feature = "sandbox"),
+        allow(dead_code, reason = "only `rehearse` uses it, and the lean build leaves `rehearse` out")
+    )]
+    pub(crate) fn from_code(code: u8) -> Exit {
         match code {
             0 => Exit::Clean,
             2 => Exit::BadInput,
@@ -53,7 +57,7 @@ impl Exit {
     }
 
     /// Combines two outcomes of one run, keeping the one that takes precedence.
-    pub fn worst(self, other: Exit) -> Exit {
+    pub(crate) fn worst(self, other: Exit) -> Exit {
         if other.rank() > self.rank() { other } else { self }
     }
 
@@ -86,7 +90,7 @@ impl fmt::Display for Exit {
 }
 
 /// The exit-code table as shown in `--help` and the README.
-pub const EXIT_CODES_HELP: &str = "\
+pub(crate) const EXIT_CODES_HELP: &str = "\
 Exit codes:
   0    clean: verification found nothing left
   1    failure (see the message and the report)

@@ -31,23 +31,24 @@ use serde::Serialize;
 use serde_json::Value;
 
 /// Argo CD's annotation tracking (`<app>:<group>/<kind>:<namespace>/<name>`).
-pub const ARGO_TRACKING_ANNOTATION: &str = "argocd.argoproj.io/tracking-id";
+pub(crate) const ARGO_TRACKING_ANNOTATION: &str = "argocd.argoproj.io/tracking-id";
 /// Argo CD's label tracking (and the well-known label Helm charts set themselves).
-pub const ARGO_INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
+pub(crate) const ARGO_INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
 /// An Application Argo CD does not reconcile at all.
-pub const ARGO_SKIP_RECONCILE: &str = "argocd.argoproj.io/skip-reconcile";
+pub(crate) const ARGO_SKIP_RECONCILE: &str = "argocd.argoproj.io/skip-reconcile";
 /// Flux kustomize-controller's labels on what it applies.
-pub const FLUX_KUSTOMIZATION_LABELS: (&str, &str) =
+pub(crate) const FLUX_KUSTOMIZATION_LABELS: (&str, &str) =
     ("kustomize.toolkit.fluxcd.io/name", "kustomize.toolkit.fluxcd.io/namespace");
 /// Flux helm-controller's labels on what a HelmRelease renders.
-pub const FLUX_HELMRELEASE_LABELS: (&str, &str) = ("helm.toolkit.fluxcd.io/name", "helm.toolkit.fluxcd.io/namespace");
+pub(crate) const FLUX_HELMRELEASE_LABELS: (&str, &str) =
+    ("helm.toolkit.fluxcd.io/name", "helm.toolkit.fluxcd.io/namespace");
 /// Argo CD's address for the cluster it runs in (`KubernetesInternalAPIServerAddr`).
-pub const ARGO_IN_CLUSTER_SERVER: &str = "https://kubernetes.default.svc";
+pub(crate) const ARGO_IN_CLUSTER_SERVER: &str = "https://kubernetes.default.svc";
 /// Argo CD's name for the cluster it runs in (`KubernetesInClusterName`).
-pub const ARGO_IN_CLUSTER_NAME: &str = "in-cluster";
+pub(crate) const ARGO_IN_CLUSTER_NAME: &str = "in-cluster";
 /// Flux's reconcile request (`meta.ReconcileRequestAnnotation`): the controller copies its value
 /// to `status.lastHandledReconcileAt` at the end of every pass, a suspended one included.
-pub const FLUX_RECONCILE_REQUEST: &str = "reconcile.fluxcd.io/requestedAt";
+pub(crate) const FLUX_RECONCILE_REQUEST: &str = "reconcile.fluxcd.io/requestedAt";
 /// Where the tool keeps an Application's `spec.syncPolicy.automated` when it turns it off, so a
 /// human can see (and restore) what it was.
 pub const PAUSED_AUTOMATED_ANNOTATION: &str = "karpenter-teardown.io/paused-automated-sync";
@@ -72,10 +73,10 @@ pub enum OwnerKind {
 
 impl OwnerKind {
     /// Every kind, in the order they are listed.
-    pub const ALL: [OwnerKind; 3] = [OwnerKind::Application, OwnerKind::Kustomization, OwnerKind::HelmRelease];
+    pub(crate) const ALL: [OwnerKind; 3] = [OwnerKind::Application, OwnerKind::Kustomization, OwnerKind::HelmRelease];
 
     /// The API group.
-    pub fn group(self) -> &'static str {
+    pub(crate) fn group(self) -> &'static str {
         match self {
             OwnerKind::Application => "argoproj.io",
             OwnerKind::Kustomization => "kustomize.toolkit.fluxcd.io",
@@ -84,7 +85,7 @@ impl OwnerKind {
     }
 
     /// The resource (plural) name.
-    pub fn plural(self) -> &'static str {
+    pub(crate) fn plural(self) -> &'static str {
         match self {
             OwnerKind::Application => "applications",
             OwnerKind::Kustomization => "kustomizations",
@@ -94,7 +95,7 @@ impl OwnerKind {
 
     /// The versions to read it at, newest first: clusters run Flux releases from before the
     /// v1/v2 APIs, and a version the server does not serve answers 404.
-    pub fn versions(self) -> &'static [&'static str] {
+    pub(crate) fn versions(self) -> &'static [&'static str] {
         match self {
             OwnerKind::Application => &["v1alpha1"],
             OwnerKind::Kustomization => &["v1", "v1beta2"],
@@ -103,7 +104,7 @@ impl OwnerKind {
     }
 
     /// The kind name.
-    pub fn kind(self) -> &'static str {
+    pub(crate) fn kind(self) -> &'static str {
         match self {
             OwnerKind::Application => "Application",
             OwnerKind::Kustomization => "Kustomization",
@@ -112,7 +113,7 @@ impl OwnerKind {
     }
 
     /// The product, for messages.
-    pub fn tool(self) -> &'static str {
+    pub(crate) fn tool(self) -> &'static str {
         match self {
             OwnerKind::Application => "Argo CD",
             OwnerKind::Kustomization | OwnerKind::HelmRelease => "Flux",
@@ -276,7 +277,7 @@ impl Destination {
     /// `GetClusterServersByName`). Other names are resolved through cluster Secrets, which the
     /// tool does not read (they hold credentials); such an Application counts as another
     /// cluster's, and the survey treats what it cannot place with care (see [`survey`]).
-    pub fn elsewhere(&self, this_server: &str) -> Option<String> {
+    pub(crate) fn elsewhere(&self, this_server: &str) -> Option<String> {
         match self {
             Destination::Server(s) if s == ARGO_IN_CLUSTER_SERVER || s == this_server.trim_end_matches('/') => None,
             Destination::Server(s) => Some(format!("deploys to the cluster at {s}")),
@@ -305,7 +306,7 @@ pub enum OwnerState {
 
 impl OwnerState {
     /// True when it reconciles.
-    pub fn is_active(&self) -> bool {
+    pub(crate) fn is_active(&self) -> bool {
         matches!(self, OwnerState::Active(_))
     }
 }
@@ -396,7 +397,7 @@ fn application_resources(obj: &Value) -> BTreeSet<ObjectKey> {
 /// Without a request of the run's (an owner already suspended), the `Reconciling` condition says
 /// whether a pass is under way; its reason `ProgressingWithRetry` only means a failed pass would
 /// be retried, which a suspended object is not.
-pub fn in_flight(kind: OwnerKind, obj: &Value, request: Option<&str>) -> Option<String> {
+pub(crate) fn in_flight(kind: OwnerKind, obj: &Value, request: Option<&str>) -> Option<String> {
     match kind {
         OwnerKind::Application => {
             let state = &obj["status"]["operationState"];
@@ -450,7 +451,7 @@ fn kustomization_inventory(obj: &Value) -> BTreeSet<ObjectKey> {
 }
 
 /// Parses a Flux inventory id.
-pub fn parse_inventory_id(id: &str) -> Option<ObjectKey> {
+pub(crate) fn parse_inventory_id(id: &str) -> Option<ObjectKey> {
     let parts: Vec<&str> = id.split('_').collect();
     let [namespace, name, group, kind] = parts.as_slice() else { return None };
     Some(ObjectKey {
@@ -461,15 +462,10 @@ pub fn parse_inventory_id(id: &str) -> Option<ObjectKey> {
     })
 }
 
-/// Formats a Flux inventory id (the sandbox's Flux writes them).
-pub fn inventory_id(key: &ObjectKey) -> String {
+/// Formats a Flux inventory id.
+#[cfg(test)]
+pub(crate) fn inventory_id(key: &ObjectKey) -> String {
     format!("{}_{}_{}_{}", key.namespace, key.name, key.group, key.kind)
-}
-
-/// Argo CD's tracking id of an object owned by application `app` (`<ns>_<name>` outside Argo
-/// CD's own namespace).
-pub fn tracking_id(app: &str, key: &ObjectKey) -> String {
-    format!("{app}:{}/{}:{}/{}", key.group, key.kind, key.namespace, key.name)
 }
 
 /// A tracking id, parsed: the application (namespace when given, name) and the object it claims.
@@ -527,7 +523,7 @@ pub struct Finding {
 
 impl Finding {
     /// One line for the plan, the refusal and the logs.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let state = match &self.state {
             OwnerState::Active(d) => d.clone(),
             OwnerState::Paused(d) => format!("already paused: {d}"),
@@ -584,7 +580,7 @@ pub struct GitopsConsent {
 
 impl Survey {
     /// True when nothing GitOps was found (the report then leaves the section out).
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.owners.is_empty()
             && self.unreachable.is_empty()
             && self.set_aside.is_empty()
@@ -602,12 +598,12 @@ impl Survey {
     }
 
     /// The owners that reconcile now.
-    pub fn active(&self) -> impl Iterator<Item = &Finding> {
+    pub(crate) fn active(&self) -> impl Iterator<Item = &Finding> {
         self.owners.iter().filter(|f| f.state.is_active())
     }
 
     /// Why a run must not start, given what the user consented to; `None` when it may.
-    pub fn refusal(&self, consent: GitopsConsent) -> Option<String> {
+    pub(crate) fn refusal(&self, consent: GitopsConsent) -> Option<String> {
         let mut reasons = Vec::new();
         let stuck: Vec<String> =
             self.active().filter_map(|f| f.unpausable.as_ref().map(|why| format!("{}: {why}", f.owner))).collect();
@@ -635,7 +631,7 @@ impl Survey {
     }
 
     /// Lines for the concrete plan.
-    pub fn plan_lines(&self, consent: GitopsConsent) -> Vec<String> {
+    pub(crate) fn plan_lines(&self, consent: GitopsConsent) -> Vec<String> {
         let mut out: Vec<String> = self
             .owners
             .iter()

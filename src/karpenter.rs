@@ -4,11 +4,11 @@
 use std::fmt;
 
 /// API group of NodePool and NodeClaim.
-pub const KARPENTER_GROUP: &str = "karpenter.sh";
+pub(crate) const KARPENTER_GROUP: &str = "karpenter.sh";
 /// API group of EC2NodeClass.
-pub const AWS_GROUP: &str = "karpenter.k8s.aws";
+pub(crate) const AWS_GROUP: &str = "karpenter.k8s.aws";
 /// The version all three kinds are served at since Karpenter 1.0.
-pub const VERSION: &str = "v1";
+pub(crate) const VERSION: &str = "v1";
 
 /// Label on every Karpenter node naming its NodePool; nodes without it are never touched.
 pub const LABEL_NODEPOOL: &str = "karpenter.sh/nodepool";
@@ -27,12 +27,10 @@ pub const TAG_EKS_CLUSTER: &str = "eks:eks-cluster-name";
 pub const TAG_NODEPOOL: &str = "karpenter.sh/nodepool";
 /// Instance tag naming the EC2NodeClass.
 pub const TAG_NODECLASS: &str = "karpenter.k8s.aws/ec2nodeclass";
-/// Instance tag naming the NodeClaim (set after registration).
-pub const TAG_NODECLAIM: &str = "karpenter.sh/nodeclaim";
 /// Launch-template tag naming the cluster in Karpenter 1.0.x (later releases use the EKS tag).
 pub const TAG_LEGACY_CLUSTER: &str = "karpenter.k8s.aws/cluster";
 /// Launch templates Karpenter creates are named with this prefix and a hash.
-pub const LAUNCH_TEMPLATE_PREFIX: &str = "karpenter.k8s.aws/";
+pub(crate) const LAUNCH_TEMPLATE_PREFIX: &str = "karpenter.k8s.aws/";
 
 /// Tag the Amazon VPC CNI puts on the network interfaces it creates, naming the cluster (only
 /// when the CNI's CLUSTER_NAME is set, as EKS's managed add-on sets it).
@@ -40,12 +38,12 @@ pub const TAG_VPC_CNI_CLUSTER: &str = "cluster.k8s.amazonaws.com/name";
 /// Tag the VPC CNI puts on its network interfaces with their creation time (RFC 3339).
 pub const TAG_VPC_CNI_CREATED_AT: &str = "node.k8s.amazonaws.com/createdAt";
 /// How long the VPC CNI's own leak collector leaves a detached interface alone after creating it.
-pub const VPC_CNI_COOLDOWN: std::time::Duration = std::time::Duration::from_secs(5 * 60);
+pub(crate) const VPC_CNI_COOLDOWN: std::time::Duration = std::time::Duration::from_secs(5 * 60);
 
 /// Whether a detached VPC CNI interface is old enough to be a leak rather than one a live CNI is
 /// about to attach: its `createdAt` tag is more than [`VPC_CNI_COOLDOWN`] before `now`. Without a
 /// readable tag the CNI's collector tags it and waits; the tool waits too (reports nothing).
-pub fn cni_interface_is_settled(created_at: Option<&str>, now: std::time::SystemTime) -> bool {
+pub(crate) fn cni_interface_is_settled(created_at: Option<&str>, now: std::time::SystemTime) -> bool {
     let Some(created) = created_at.and_then(|c| humantime::parse_rfc3339_weak(c).ok()) else {
         return false;
     };
@@ -63,14 +61,14 @@ pub const TAG_ENI_OWNER: &str = "eks:eni:owner";
 pub const ENI_OWNER_RESOURCE_CONTROLLER: &str = "eks-vpc-resource-controller";
 /// Prefix of the VPC resource controller's own tags (`vpcresources.k8s.aws/vlan-id`,
 /// `vpcresources.k8s.aws/trunk-eni-id`).
-pub const RESOURCE_CONTROLLER_TAG_PREFIX: &str = "vpcresources.k8s.aws/";
+pub(crate) const RESOURCE_CONTROLLER_TAG_PREFIX: &str = "vpcresources.k8s.aws/";
 /// Description prefixes of the VPC resource controller's trunk and branch interfaces.
-pub const RESOURCE_CONTROLLER_DESCRIPTIONS: [&str; 2] = ["aws-k8s-trunk-eni", "aws-k8s-branch-eni"];
+pub(crate) const RESOURCE_CONTROLLER_DESCRIPTIONS: [&str; 2] = ["aws-k8s-trunk-eni", "aws-k8s-branch-eni"];
 
 /// Who a detached network interface tagged for the cluster belongs to, and so what `--reclaim`
 /// may do with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum InterfaceVerdict {
+pub(crate) enum InterfaceVerdict {
     /// A leak of this cluster's nodes that no live owner will attach again: reclaimed, for the
     /// reason given.
     Reclaim(String),
@@ -97,7 +95,7 @@ pub enum InterfaceVerdict {
 ///   launch, so a detached one outlived its instance and is reclaimed;
 /// - anything else that only carries `kubernetes.io/cluster/<cluster>` has no owner the tool can
 ///   name, and is left alone.
-pub fn judge_detached_interface(
+pub(crate) fn judge_detached_interface(
     description: &str,
     tags: &std::collections::BTreeMap<String, String>,
     cluster: &str,
@@ -159,13 +157,13 @@ pub fn instance_profile_path_prefix(region: &str, cluster: &str) -> String {
 }
 
 /// Name prefix of instance profiles Karpenter < 1.7 created at path `/` (`<cluster>_<hash>`).
-pub fn legacy_instance_profile_prefix(cluster: &str) -> String {
+pub(crate) fn legacy_instance_profile_prefix(cluster: &str) -> String {
     format!("{cluster}_")
 }
 
 /// Tag Karpenter puts on the instance profiles it creates naming their region (IAM is global, so
 /// this is what tells two clusters of the same name in two regions apart).
-pub const TAG_REGION: &str = "topology.kubernetes.io/region";
+pub(crate) const TAG_REGION: &str = "topology.kubernetes.io/region";
 
 /// Why an instance profile is taken to be this cluster's Karpenter's: where it is, and (always
 /// required as well) every tag Karpenter's own IAM policy requires before Karpenter may delete it
@@ -186,7 +184,12 @@ pub enum ProfileEvidence {
 ///
 /// A name prefix alone is never enough: `<cluster>_bastion`, or every profile of a cluster named
 /// `<cluster>_eu` (EKS names allow `_`), start with `<cluster>_` too.
-pub fn instance_profile_location(name: &str, path: &str, cluster: &str, region: &str) -> Option<ProfileEvidence> {
+pub(crate) fn instance_profile_location(
+    name: &str,
+    path: &str,
+    cluster: &str,
+    region: &str,
+) -> Option<ProfileEvidence> {
     if path.starts_with(&instance_profile_path_prefix(region, cluster)) {
         Some(ProfileEvidence::ClusterPath)
     } else if path == "/" && is_legacy_profile_name(name, cluster) {
@@ -200,7 +203,7 @@ pub fn instance_profile_location(name: &str, path: &str, cluster: &str, region: 
 /// log; empty when the profile carries all of them. These are the conditions of Karpenter's own
 /// IAM policy for `iam:DeleteInstanceProfile`, so a profile without them is one Karpenter itself
 /// could not delete.
-pub fn missing_instance_profile_tags(
+pub(crate) fn missing_instance_profile_tags(
     tags: &std::collections::BTreeMap<String, String>,
     cluster: &str,
     region: &str,
@@ -249,7 +252,7 @@ fn is_legacy_profile_name(name: &str, cluster: &str) -> bool {
 ///   deprovisioner delete NodeClaims itself, without consulting disruption budgets, racing the
 ///   tool's ordered drain; with `nodes` at zero it neither adds nor removes nodes, and the tool
 ///   drains and terminates them in its own order.
-pub fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+pub(crate) fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
     let zero = || serde_json::Value::String("0".into());
     let mut limits = serde_json::Map::new();
     if nodepool_spec.get("replicas").is_some_and(|r| !r.is_null()) {
@@ -270,18 +273,18 @@ pub fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String
 /// API group of EKS Auto Mode's `NodeClass`. Auto Mode runs Karpenter inside EKS: its NodePools
 /// and NodeClaims are `karpenter.sh/v1` objects too, but reference this group's NodeClass, and
 /// their instances are EKS's managed instances.
-pub const AUTO_MODE_GROUP: &str = "eks.amazonaws.com";
+pub(crate) const AUTO_MODE_GROUP: &str = "eks.amazonaws.com";
 /// Label EKS puts on Auto Mode's NodeClaims and Nodes (`auto`).
-pub const LABEL_COMPUTE_TYPE: &str = "eks.amazonaws.com/compute-type";
+pub(crate) const LABEL_COMPUTE_TYPE: &str = "eks.amazonaws.com/compute-type";
 /// Label naming an Auto Mode node's NodeClass: Karpenter labels a node with
 /// `<nodeClassRef group>/<lower-case kind>`, so Auto Mode's nodes carry this one and ours
 /// [`LABEL_NODECLASS`].
-pub const LABEL_AUTO_NODECLASS: &str = "eks.amazonaws.com/nodeclass";
+pub(crate) const LABEL_AUTO_NODECLASS: &str = "eks.amazonaws.com/nodeclass";
 /// Instance tag naming an Auto Mode instance's NodeClass (EKS's compute policy requires it on
 /// every instance Auto Mode launches, where this controller tags [`TAG_NODECLASS`]).
 pub const TAG_AUTO_NODECLASS: &str = "eks:kubernetes-node-class-name";
 /// The kind of this controller's node class.
-pub const NODECLASS_KIND: &str = "EC2NodeClass";
+pub(crate) const NODECLASS_KIND: &str = "EC2NodeClass";
 
 /// Why a NodePool, NodeClaim, Node or instance is not this cluster's self-managed Karpenter's.
 /// Such an object is left alone: never fenced, cordoned, drained, deleted or terminated.
@@ -314,7 +317,7 @@ impl fmt::Display for NotOurs {
 /// reference's group and kind must be its provider's (`karpenter.k8s.aws`, `EC2NodeClass`).
 /// Karpenter 1.0 also served v1beta1, whose reference had an `apiVersion` instead of a group,
 /// and let both it and the kind default to the provider's own; those shapes are read the same.
-pub fn nodeclass_ref_owner(node_class_ref: &serde_json::Value) -> Result<(), NotOurs> {
+pub(crate) fn nodeclass_ref_owner(node_class_ref: &serde_json::Value) -> Result<(), NotOurs> {
     let text = |k: &str| node_class_ref.get(k).and_then(|v| v.as_str()).filter(|s| !s.is_empty());
     let group = text("group").or_else(|| text("apiVersion").map(|v| v.split('/').next().unwrap_or(v)));
     let kind = text("kind");
@@ -328,7 +331,7 @@ pub fn nodeclass_ref_owner(node_class_ref: &serde_json::Value) -> Result<(), Not
 /// What a NodeClaim's or Node's labels say against it being ours: EKS marks Auto Mode's with
 /// `eks.amazonaws.com/compute-type: auto`, and Karpenter labels a node with its node class's
 /// group, so an `eks.amazonaws.com/nodeclass` label is Auto Mode's too.
-pub fn labels_owner(labels: &std::collections::BTreeMap<String, String>) -> Result<(), NotOurs> {
+pub(crate) fn labels_owner(labels: &std::collections::BTreeMap<String, String>) -> Result<(), NotOurs> {
     if labels.get(LABEL_COMPUTE_TYPE).is_some_and(|v| v == "auto") || labels.contains_key(LABEL_AUTO_NODECLASS) {
         return Err(NotOurs::EksAutoMode);
     }
@@ -342,7 +345,7 @@ pub fn labels_owner(labels: &std::collections::BTreeMap<String, String>) -> Resu
 /// service (`managed_by`: DescribeInstances' `Operator.Principal` when `Operator.Managed`).
 /// EKS Auto Mode's instances are managed by `eks.amazonaws.com` and tagged
 /// `eks:kubernetes-node-class-name` instead of `karpenter.k8s.aws/ec2nodeclass`.
-pub fn instance_owner(
+pub(crate) fn instance_owner(
     tags: &std::collections::BTreeMap<String, String>,
     managed_by: Option<&str>,
     cluster: &str,
@@ -400,7 +403,7 @@ impl ProviderId {
     /// `us-west-2`, `us-gov-west-1a` → `us-gov-west-1`, Local Zone `us-west-2-lax-1a` →
     /// `us-west-2`); the zone itself when it names no region (it then matches no `--region`,
     /// which refuses the run rather than guessing).
-    pub fn region(&self) -> String {
+    pub(crate) fn region(&self) -> String {
         crate::partition::region_of_zone(&self.zone).unwrap_or_else(|| self.zone.clone())
     }
 }

@@ -23,7 +23,7 @@ pub fn init(format: LogFormat, filter: &str) {
 }
 
 /// [`init`] with the progress view chosen by the caller.
-pub fn init_with(format: LogFormat, filter: &str, progress: bool) {
+pub(crate) fn init_with(format: LogFormat, filter: &str, progress: bool) {
     let (filter, bad) = match EnvFilter::try_new(filter) {
         Ok(f) => (f, None),
         Err(e) => (EnvFilter::new("info"), Some(format!("ignoring --log-level {filter:?}: {e}"))),

@@ -10,7 +10,7 @@
 ///
 /// Counting parts (the old rule took the first three) breaks on every partition whose region
 /// names have four (`us-gov-west-1`, `us-iso-east-1`, `eusc-de-east-1`).
-pub fn region_of_zone(zone: &str) -> Option<String> {
+pub(crate) fn region_of_zone(zone: &str) -> Option<String> {
     let mut region: Vec<&str> = Vec::new();
     for part in zone.split('-') {
         if part.starts_with(|c: char| c.is_ascii_digit()) {
@@ -45,7 +45,7 @@ pub fn partition_of_region(region: &str) -> &'static str {
 
 /// An EKS cluster ARN: `arn:<partition>:eks:<region>:<account>:cluster/<name>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EksClusterArn {
+pub(crate) struct EksClusterArn {
     /// `aws`, `aws-us-gov`, `aws-cn`, ...
     pub partition: String,
     /// The cluster's region.
@@ -59,7 +59,7 @@ pub struct EksClusterArn {
 impl EksClusterArn {
     /// Parses an EKS cluster ARN of any partition (what `aws eks update-kubeconfig` names the
     /// context); `None` for anything else.
-    pub fn parse(arn: &str) -> Option<EksClusterArn> {
+    pub(crate) fn parse(arn: &str) -> Option<EksClusterArn> {
         let mut parts = arn.splitn(6, ':');
         let (Some("arn"), Some(partition), Some("eks"), Some(region), Some(account), Some(resource)) =
             (parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next())

@@ -23,7 +23,7 @@ const MAX_BLOCKER_LINES: usize = 4;
 
 /// State of one task as the view knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TaskState {
+pub(crate) enum TaskState {
     /// Running since the instant.
     Running(Instant),
     /// Over, with how it ended.
@@ -32,7 +32,7 @@ pub enum TaskState {
 
 /// A task of the plan, by step and object.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct TaskKey {
+pub(crate) struct TaskKey {
     /// Step id.
     pub step: String,
     /// Object of a per-object task, empty for a whole-step task.
@@ -51,7 +51,7 @@ impl TaskKey {
 
 /// One task's line.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TaskLine {
+pub(crate) struct TaskLine {
     /// Running or over.
     pub state: TaskState,
     /// The action the task runs.
@@ -62,7 +62,7 @@ pub struct TaskLine {
 
 /// Everything the view shows, kept apart from drawing so it can be tested without a terminal.
 #[derive(Debug, Default)]
-pub struct Board {
+pub(crate) struct Board {
     /// Total tasks of the run, once the engine said.
     pub total: Option<u64>,
     /// Tasks of each step in the graph, in plan order.
@@ -75,7 +75,7 @@ pub struct Board {
 
 impl Board {
     /// Applies one engine event.
-    pub fn on_event(&mut self, ev: &EngineEvent, now: Instant) {
+    pub(crate) fn on_event(&mut self, ev: &EngineEvent, now: Instant) {
         match ev {
             EngineEvent::RunStarted { tasks, steps } => {
                 self.total = Some(*tasks);
@@ -126,7 +126,7 @@ impl Board {
     }
 
     /// The header: per step `ended/tasks` with what went wrong.
-    pub fn header(&self) -> String {
+    pub(crate) fn header(&self) -> String {
         let mut parts = Vec::new();
         for (step, all) in &self.steps {
             let (mut ended, mut bad) = (0, BTreeMap::<TaskResult, u32>::new());
@@ -148,13 +148,13 @@ impl Board {
     }
 
     /// Finished tasks.
-    pub fn finished(&self) -> u64 {
+    pub(crate) fn finished(&self) -> u64 {
         self.tasks.values().filter(|l| matches!(l.state, TaskState::Ended(_))).count() as u64
     }
 
     /// One line per running task, longest-running first, at most [`MAX_TASK_LINES`], and how
     /// many more run.
-    pub fn running_lines(&self, now: Instant) -> (Vec<(TaskKey, String)>, usize) {
+    pub(crate) fn running_lines(&self, now: Instant) -> (Vec<(TaskKey, String)>, usize) {
         let mut running: Vec<(&TaskKey, Instant, &TaskLine)> = self
             .tasks
             .iter()
@@ -297,7 +297,7 @@ fn set_line(multi: &MultiProgress, slot: &mut Option<ProgressBar>, text: Option<
 
 /// The live view; clones share it.
 #[derive(Clone)]
-pub struct Progress {
+pub(crate) struct Progress {
     view: Arc<Mutex<View>>,
 }
 
@@ -312,12 +312,12 @@ static ACTIVE: OnceLock<Progress> = OnceLock::new();
 
 impl Progress {
     /// A view drawing on stderr.
-    pub fn stderr() -> Progress {
+    pub(crate) fn stderr() -> Progress {
         Progress::with_target(ProgressDrawTarget::stderr())
     }
 
     /// A view drawing to `target` (hidden in tests).
-    pub fn with_target(target: ProgressDrawTarget) -> Progress {
+    pub(crate) fn with_target(target: ProgressDrawTarget) -> Progress {
         Progress {
             view: Arc::new(Mutex::new(View {
                 multi: MultiProgress::with_draw_target(target),
@@ -331,7 +331,7 @@ impl Progress {
     }
 
     /// Makes this the process's view, so [`finish`] can clear it before the summary.
-    pub fn install(&self) {
+    pub(crate) fn install(&self) {
         let _ = ACTIVE.set(self.clone());
     }
 
@@ -342,14 +342,14 @@ impl Progress {
     }
 
     /// Runs `f` (writing a log line) with the bars out of the way, so lines and bars never mix.
-    pub fn suspend<R>(&self, f: impl FnOnce() -> R) -> R {
+    pub(crate) fn suspend<R>(&self, f: impl FnOnce() -> R) -> R {
         let multi = self.with(|v| v.multi.clone());
         multi.suspend(f)
     }
 
     /// A copy of what the board shows: the header, the running lines and the blockers.
     #[cfg(test)]
-    pub fn snapshot(&self) -> (String, Vec<String>, Vec<String>) {
+    pub(crate) fn snapshot(&self) -> (String, Vec<String>, Vec<String>) {
         self.with(|v| {
             let (lines, _) = v.board.running_lines(Instant::now());
             (v.board.header(), lines.into_iter().map(|(_, l)| l).collect(), v.board.blockers.clone())
@@ -357,12 +357,12 @@ impl Progress {
     }
 
     /// Removes the bars (before the summary is printed).
-    pub fn clear(&self) {
+    pub(crate) fn clear(&self) {
         self.with(View::clear);
     }
 
     /// Shows one engine event.
-    pub fn on_engine_event(&self, ev: &EngineEvent) {
+    pub(crate) fn on_engine_event(&self, ev: &EngineEvent) {
         self.with(|v| {
             v.board.on_event(ev, Instant::now());
             v.redraw();
@@ -371,12 +371,12 @@ impl Progress {
 }
 
 /// The process's view, when logging installed one (stderr is a terminal, text logs).
-pub fn active() -> Option<Progress> {
+pub(crate) fn active() -> Option<Progress> {
     ACTIVE.get().cloned()
 }
 
 /// Clears the process's live view, if there is one, so the summary prints on a clean screen.
-pub fn finish() {
+pub(crate) fn finish() {
     if let Some(p) = ACTIVE.get() {
         p.clear();
     }

@@ -13,7 +13,7 @@ use crate::gitops::Survey;
 use crate::verify::Leftovers;
 
 /// Version of the report schema; bumped on any incompatible change.
-pub const REPORT_VERSION: u32 = 1;
+pub(crate) const REPORT_VERSION: u32 = 1;
 
 /// How a run ended, as the report names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -37,7 +37,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// The outcome an exit status stands for.
-    pub fn from_exit(exit: Exit) -> Outcome {
+    pub(crate) fn from_exit(exit: Exit) -> Outcome {
         match exit {
             Exit::Clean => Outcome::Clean,
             Exit::Leftovers => Outcome::Leftovers,
@@ -69,7 +69,7 @@ pub enum TaskResult {
 
 impl TaskResult {
     /// The word, as in the report.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             TaskResult::Done => "done",
             TaskResult::Skipped => "skipped",
@@ -81,7 +81,7 @@ impl TaskResult {
     }
 
     /// Whether it went as planned (done or skipped).
-    pub fn is_ok(self) -> bool {
+    pub(crate) fn is_ok(self) -> bool {
         matches!(self, TaskResult::Done | TaskResult::Skipped)
     }
 }
@@ -114,7 +114,7 @@ pub enum BlockerKind {
 
 impl BlockerKind {
     /// The word, as in the report.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             BlockerKind::Pod => "pod",
             BlockerKind::Pdb => "pdb",
@@ -275,13 +275,13 @@ impl Report {
     }
 
     /// Writes the report as pretty JSON.
-    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+    pub(crate) fn write(&self, path: &Path) -> std::io::Result<()> {
         let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
         std::fs::write(path, json + "\n")
     }
 
     /// The short human summary for the end of every run.
-    pub fn summary(&self) -> String {
+    pub(crate) fn summary(&self) -> String {
         let mut s = format!(
             "{}{} on cluster {} ({}): {} in {:.1}s, exit {}",
             self.command,
@@ -351,6 +351,6 @@ impl Report {
 }
 
 /// RFC 3339 UTC with milliseconds.
-pub fn rfc3339(t: SystemTime) -> String {
+pub(crate) fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }

@@ -28,13 +28,13 @@ use crate::k8s::{self, Kube, KubeError};
 use crate::karpenter::{self, ProviderId};
 
 /// The `format` field of every snapshot.
-pub const SNAPSHOT_FORMAT: &str = "karpenter-teardown/snapshot";
+pub(crate) const SNAPSHOT_FORMAT: &str = "karpenter-teardown/snapshot";
 /// The schema version this build writes and reads.
-pub const SNAPSHOT_VERSION: u32 = 1;
+pub(crate) const SNAPSHOT_VERSION: u32 = 1;
 /// The only environment variable a snapshot keeps (the controller's cluster name).
 const KEPT_ENV: &str = "CLUSTER_NAME";
 /// Karpenter's CRDs, the only ones a snapshot copies.
-pub const KARPENTER_CRDS: [&str; 3] =
+pub(crate) const KARPENTER_CRDS: [&str; 3] =
     ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"];
 
 /// Why a snapshot could not be taken, read or written.
@@ -86,7 +86,11 @@ pub enum SnapshotError {
 
 impl SnapshotError {
     /// True for errors of configuration or input (exit 2).
-    pub fn is_configuration(&self) -> bool {
+    #[cfg_attr(
+        not(feature = "sandbox"),
+        allow(dead_code, reason = "only `rehearse` uses it, and the lean build leaves `rehearse` out")
+    )]
+    pub(crate) fn is_configuration(&self) -> bool {
         match self {
             SnapshotError::Kube(e) => e.is_configuration(),
             SnapshotError::Aws(e) => e.is_configuration(),
@@ -159,13 +163,13 @@ pub struct RawObject(Box<RawValue>);
 
 impl RawObject {
     /// The object's JSON text.
-    pub fn new(v: &Value) -> RawObject {
+    pub(crate) fn new(v: &Value) -> RawObject {
         // Serializing a Value cannot fail: its map keys are strings.
         RawObject(serde_json::value::to_raw_value(v).unwrap_or_default())
     }
 
     /// The object, parsed.
-    pub fn value(&self) -> Value {
+    pub(crate) fn value(&self) -> Value {
         // The text is JSON: it was written by `new` or read as JSON.
         serde_json::from_str(self.0.get()).unwrap_or(Value::Null)
     }
@@ -212,19 +216,14 @@ pub struct KubeObjects {
 }
 
 impl KubeObjects {
-    /// Objects in all.
-    pub fn len(&self) -> usize {
-        self.kinds().iter().map(|(_, v)| v.len()).sum()
-    }
-
-    /// True when nothing was read.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Takes every list out (leaving them empty), with its name, in the order of [`Self::kinds`]:
-    /// a loader consumes the objects instead of holding them twice.
-    pub fn take_kinds(&mut self) -> Vec<(&'static str, Vec<RawObject>)> {
+    /// Takes every list out (leaving them empty), with its name, in the order a loader needs them
+    /// (definitions and namespaces first): a loader consumes the objects instead of holding them
+    /// twice.
+    #[cfg_attr(
+        not(feature = "sandbox"),
+        allow(dead_code, reason = "only `rehearse` uses it, and the lean build leaves `rehearse` out")
+    )]
+    pub(crate) fn take_kinds(&mut self) -> Vec<(&'static str, Vec<RawObject>)> {
         vec![
             ("customresourcedefinitions", std::mem::take(&mut self.crds)),
             ("namespaces", std::mem::take(&mut self.namespaces)),
@@ -240,26 +239,6 @@ impl KubeObjects {
             ("pods", std::mem::take(&mut self.pods)),
             ("poddisruptionbudgets", std::mem::take(&mut self.pdbs)),
             ("gitops", std::mem::take(&mut self.gitops)),
-        ]
-    }
-
-    /// Each list with its name, in the order a loader creates them (owners before what they own).
-    pub fn kinds(&self) -> [(&'static str, &Vec<RawObject>); 14] {
-        [
-            ("customresourcedefinitions", &self.crds),
-            ("namespaces", &self.namespaces),
-            ("services", &self.services),
-            ("ec2nodeclasses", &self.ec2nodeclasses),
-            ("nodepools", &self.nodepools),
-            ("nodeclaims", &self.nodeclaims),
-            ("nodes", &self.nodes),
-            ("deployments", &self.deployments),
-            ("replicasets", &self.replicasets),
-            ("statefulsets", &self.statefulsets),
-            ("daemonsets", &self.daemonsets),
-            ("pods", &self.pods),
-            ("poddisruptionbudgets", &self.pdbs),
-            ("gitops", &self.gitops),
         ]
     }
 }
@@ -328,8 +307,12 @@ pub struct ReadStats {
 }
 
 /// What a report says of the snapshot a rehearsal played.
+#[cfg_attr(
+    not(feature = "sandbox"),
+    allow(dead_code, reason = "only `rehearse` uses it, and the lean build leaves `rehearse` out")
+)]
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
-pub struct SnapshotSummary {
+pub(crate) struct SnapshotSummary {
     /// When it was taken.
     pub taken_at: String,
     /// The API server it was read from.
@@ -363,7 +346,11 @@ pub struct SnapshotSummary {
 
 impl Snapshot {
     /// The summary a report carries.
-    pub fn summary(&self) -> SnapshotSummary {
+    #[cfg_attr(
+        not(feature = "sandbox"),
+        allow(dead_code, reason = "only `rehearse` uses it, and the lean build leaves `rehearse` out")
+    )]
+    pub(crate) fn summary(&self) -> SnapshotSummary {
         let mut requests = self.reads.kubernetes.clone();
         requests.extend(self.reads.aws.clone());
         SnapshotSummary {
@@ -417,7 +404,11 @@ impl Snapshot {
     }
 
     /// Reads a snapshot file, refusing another format or a newer version.
-    pub fn load(path: &Path) -> Result<Snapshot, SnapshotError> {
+    #[cfg_attr(
+        not(feature = "sandbox"),
+        allow(dead_code, reason = "only `rehearse` uses it, and the lean build leaves `rehearse` out")
+    )]
+    pub(crate) fn load(path: &Path) -> Result<Snapshot, SnapshotError> {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path)
             .map_err(|e| SnapshotError::Read { path: shown.clone(), detail: e.to_string() })?;
@@ -457,7 +448,11 @@ impl Snapshot {
     }
 
     /// Karpenter nodes: Nodes labelled with a NodePool.
-    pub fn karpenter_nodes(&self) -> impl Iterator<Item = Value> {
+    #[cfg_attr(
+        not(feature = "sandbox"),
+        allow(dead_code, reason = "only `rehearse` uses it, and the lean build leaves `rehearse` out")
+    )]
+    pub(crate) fn karpenter_nodes(&self) -> impl Iterator<Item = Value> {
         self.kubernetes
             .nodes
             .iter()

@@ -49,7 +49,7 @@ impl Leftovers {
     }
 
     /// One line per kind with the ids, for the human summary.
-    pub fn describe(&self) -> Vec<String> {
+    pub(crate) fn describe(&self) -> Vec<String> {
         let mut out = Vec::new();
         let mut line = |what: &str, ids: Vec<&str>| {
             if !ids.is_empty() {
@@ -74,7 +74,7 @@ impl Leftovers {
 /// profiles, interfaces and volumes are already the cluster's as they are read (by tag on EC2's
 /// side, and by the checks in [`crate::karpenter`] on ours); the instances are not.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Described {
+pub(crate) struct Described {
     /// Every instance in a live state, of any cluster.
     pub instances: Vec<InstanceInfo>,
     /// The cluster's Karpenter launch templates.
@@ -94,7 +94,7 @@ pub struct Described {
 /// instance profile but the user's (`user_profiles`: named by an EC2NodeClass's
 /// `spec.instanceProfile`, never counted even when they look like Karpenter's). The rest is
 /// taken as read; volumes are kept to be reported, [`Leftovers::is_clean`] does not count them.
-pub fn leftovers(described: Described, cluster: &str, user_profiles: &BTreeSet<String>) -> Leftovers {
+pub(crate) fn leftovers(described: Described, cluster: &str, user_profiles: &BTreeSet<String>) -> Leftovers {
     let Described {
         instances,
         launch_templates,
@@ -167,7 +167,7 @@ fn second_read_pause(settle: Duration, quiet_since: Option<Instant>, now: Instan
 /// How long [`reclaim`] waits for the instances it terminated to reach `terminated`: a real
 /// instance stays `shutting-down` for tens of seconds to minutes after `TerminateInstances`, and
 /// a check made before it is gone would count it as left over.
-pub const RECLAIM_TERMINATION_WAIT: Duration = Duration::from_secs(600);
+pub(crate) const RECLAIM_TERMINATION_WAIT: Duration = Duration::from_secs(600);
 /// How often [`reclaim`] asks EC2 about the instances still shutting down.
 const RECLAIM_POLL: Duration = Duration::from_secs(2);
 

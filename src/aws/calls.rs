@@ -18,14 +18,14 @@ pub struct AwsCalls {
 
 impl AwsCalls {
     /// Counts one request.
-    pub fn record(&self, service: &str, operation: &str) {
+    pub(crate) fn record(&self, service: &str, operation: &str) {
         // A poisoned lock only means another thread panicked mid-increment; counting on is fine.
         let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         *counts.entry(format!("{}:{operation}", iam_prefix(service))).or_default() += 1;
     }
 
     /// A copy of the counts so far.
-    pub fn snapshot(&self) -> BTreeMap<String, u64> {
+    pub(crate) fn snapshot(&self) -> BTreeMap<String, u64> {
         self.counts.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }

@@ -11,10 +11,10 @@ use crate::karpenter;
 
 /// Ids per `TerminateInstances` call: AWS takes up to 1,000; 500 keeps one bad id's fallback
 /// (one call per id) short (design §5).
-pub const TERMINATE_BATCH: usize = 500;
+pub(crate) const TERMINATE_BATCH: usize = 500;
 /// EC2 refuses a request with more than 200 values in one filter (`FilterLimitExceeded`, "The
 /// maximum number of filter values specified on a single call is 200").
-pub const FILTER_VALUES_MAX: usize = 200;
+pub(crate) const FILTER_VALUES_MAX: usize = 200;
 /// Page sizes: the largest `MaxResults` each call accepts (DescribeInstances and
 /// DescribeNetworkInterfaces 5–1000, DescribeVolumes 5–500, DescribeLaunchTemplates 1–200).
 /// Always paging with filters also keeps the calls out of EC2's smaller throttling bucket for
@@ -68,7 +68,7 @@ impl InstanceState {
     }
 
     /// The states Karpenter's own garbage collection treats as live (design §2.7).
-    pub const LIVE_FILTER: [&'static str; 5] = ["pending", "running", "stopping", "stopped", "shutting-down"];
+    pub(crate) const LIVE_FILTER: [&'static str; 5] = ["pending", "running", "stopping", "stopped", "shutting-down"];
 }
 
 /// What the tool needs to know of one instance.
@@ -108,7 +108,7 @@ impl InstanceInfo {
 
     /// Whether it is this cluster's self-managed Karpenter's, on its own tags and operator
     /// ([`karpenter::instance_owner`]).
-    pub fn is_karpenters(&self, cluster: &str) -> Result<(), karpenter::NotOurs> {
+    pub(crate) fn is_karpenters(&self, cluster: &str) -> Result<(), karpenter::NotOurs> {
         karpenter::instance_owner(&self.tags, self.managed_by.as_deref(), cluster)
     }
 
@@ -146,7 +146,7 @@ pub struct DetachedResource {
 
 /// What EC2 said to a `DryRun` request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DryRun {
+pub(crate) enum DryRun {
     /// `DryRunOperation`: the request would have succeeded.
     Allowed,
     /// `UnauthorizedOperation` (or another access-denied code): the credentials lack the action.
@@ -186,7 +186,7 @@ impl InstanceScope {
     /// Whether a described instance is in the scope for `cluster`. Under `KarpenterLive` a
     /// `shutting-down` instance still counts: until EC2 says `terminated` it costs money and holds
     /// its volumes.
-    pub fn admits(self, i: &InstanceInfo, cluster: &str) -> bool {
+    pub(crate) fn admits(self, i: &InstanceInfo, cluster: &str) -> bool {
         i.tag(karpenter::TAG_EKS_CLUSTER) == Some(cluster)
             && (self == InstanceScope::ClusterAny || (i.is_karpenters(cluster).is_ok() && i.state.is_live()))
     }
@@ -316,13 +316,13 @@ impl Ec2 {
     }
 
     /// Asks EC2 whether these credentials may terminate `ids` (`DryRun`: nothing is terminated).
-    pub async fn terminate_dry_run(&self, ids: &[String]) -> Result<DryRun, AwsError> {
+    pub(crate) async fn terminate_dry_run(&self, ids: &[String]) -> Result<DryRun, AwsError> {
         let answer = self.client.terminate_instances().set_instance_ids(Some(ids.to_vec())).dry_run(true).send().await;
         DryRun::judge(answer.map(|_| ()).map_err(|e| self.err("TerminateInstances", e)))
     }
 
     /// Asks EC2 whether these credentials may delete the launch template (`DryRun`).
-    pub async fn delete_launch_template_dry_run(&self, id: &str) -> Result<DryRun, AwsError> {
+    pub(crate) async fn delete_launch_template_dry_run(&self, id: &str) -> Result<DryRun, AwsError> {
         let answer = self.client.delete_launch_template().launch_template_id(id).dry_run(true).send().await;
         DryRun::judge(answer.map(|_| ()).map_err(|e| self.err("DeleteLaunchTemplate", e)))
     }
@@ -380,7 +380,7 @@ impl Ec2 {
     /// detached interface blocks the VPC's deletion. Each is judged by
     /// [`karpenter::judge_detached_interface`]: the first list is what `--reclaim` may delete, the
     /// second what is left to its owner (or to no one), each with its reason.
-    pub async fn detached_network_interfaces(
+    pub(crate) async fn detached_network_interfaces(
         &self,
         cluster: &str,
     ) -> Result<(Vec<DetachedResource>, Vec<DetachedResource>), AwsError> {
@@ -421,7 +421,7 @@ impl Ec2 {
     }
 
     /// Asks EC2 whether these credentials may delete the network interface (`DryRun`).
-    pub async fn delete_network_interface_dry_run(&self, id: &str) -> Result<DryRun, AwsError> {
+    pub(crate) async fn delete_network_interface_dry_run(&self, id: &str) -> Result<DryRun, AwsError> {
         let answer = self.client.delete_network_interface().network_interface_id(id).dry_run(true).send().await;
         DryRun::judge(answer.map(|_| ()).map_err(|e| self.err("DeleteNetworkInterface", e)))
     }
@@ -438,7 +438,7 @@ impl Ec2 {
     }
 
     /// The cluster's detached (`available`) volumes. Reported, never deleted: they may hold data.
-    pub async fn detached_volumes(&self, cluster: &str) -> Result<Vec<DetachedResource>, AwsError> {
+    pub(crate) async fn detached_volumes(&self, cluster: &str) -> Result<Vec<DetachedResource>, AwsError> {
         let mut pages = self
             .client
             .describe_volumes()

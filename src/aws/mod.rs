@@ -4,14 +4,14 @@
 //! Endpoints come from the SDK's standard environment (`AWS_ENDPOINT_URL`, `AWS_ENDPOINT_URL_EC2`,
 //! ...), credentials from its default chain; LocalStack needs no special flags.
 
-pub mod calls;
+pub(crate) mod calls;
 pub mod ec2;
-pub mod iam;
+pub(crate) mod iam;
 
 use aws_config::{BehaviorVersion, Region, retry::RetryConfig};
 use aws_credential_types::provider::ProvideCredentials;
 
-pub use calls::AwsCalls;
+pub(crate) use calls::AwsCalls;
 pub use ec2::{Ec2, InstanceInfo, InstanceState};
 pub use iam::{Iam, InstanceProfileInfo};
 
@@ -65,7 +65,7 @@ pub enum AwsError {
 
 impl AwsError {
     /// True when the failure is in the configuration (credentials, endpoint), not the operation.
-    pub fn is_configuration(&self) -> bool {
+    pub(crate) fn is_configuration(&self) -> bool {
         matches!(self, AwsError::NoCredentials(_) | AwsError::Unreachable { .. })
     }
 
@@ -73,7 +73,7 @@ impl AwsError {
     /// `Throttling` on IAM/STS) and AWS's own server errors. Every other error the service
     /// answered (`FilterLimitExceeded`, `InvalidParameter*`, `UnauthorizedOperation`, ...) is the
     /// request's fault and fails the same way every time, so it is never retried.
-    pub fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         match self {
             AwsError::Api { code, .. } => matches!(
                 code.as_str(),
@@ -186,7 +186,7 @@ pub struct AwsClients {
 impl AwsClients {
     /// Loads the SDK configuration for `region` from the standard environment and proves that
     /// credentials resolve, so a missing credential is reported before anything runs.
-    pub async fn connect(region: &str) -> Result<AwsClients, AwsError> {
+    pub(crate) async fn connect(region: &str) -> Result<AwsClients, AwsError> {
         let mut loader = aws_config::defaults(BehaviorVersion::latest()).region(Region::new(region.to_string()));
         // EC2 throttles bulk teardown (RequestLimitExceeded); the SDK's standard mode retries that
         // with backoff, and more attempts than its default 3 ride out a busy account. An explicit
@@ -230,12 +230,12 @@ impl AwsClients {
     }
 
     /// The region the clients talk to.
-    pub fn region(&self) -> &str {
+    pub(crate) fn region(&self) -> &str {
         &self.region
     }
 
     /// The account the credentials belong to (STS GetCallerIdentity).
-    pub async fn account(&self) -> Result<String, AwsError> {
+    pub(crate) async fn account(&self) -> Result<String, AwsError> {
         let out = self
             .sts
             .get_caller_identity()
@@ -246,7 +246,7 @@ impl AwsClients {
     }
 
     /// Refuses when the credentials belong to another account than `expected`.
-    pub async fn check_account(&self, expected: &str) -> Result<(), AwsError> {
+    pub(crate) async fn check_account(&self, expected: &str) -> Result<(), AwsError> {
         let actual = self.account().await?;
         if actual != expected {
             return Err(AwsError::WrongAccount { expected: expected.to_string(), actual });

@@ -19,7 +19,7 @@ use super::calls::ApiCalls;
 const MAX_RETRY_AFTER: u32 = 32;
 
 /// A tower layer that rewrites APF's plain-text 429 into a `Status` carrying its `Retry-After`.
-pub fn layer(
+pub(crate) fn layer(
     calls: ApiCalls,
 ) -> tower::util::MapResponseLayer<impl Fn(Response<Box<DynBody>>) -> Response<Box<DynBody>> + Clone> {
     tower::util::MapResponseLayer::new(move |res: Response<Box<DynBody>>| normalise(&calls, res))
@@ -56,7 +56,7 @@ fn retry_after_header(headers: &http::HeaderMap) -> Option<u32> {
 }
 
 /// The delay a throttled request asks for: `details.retryAfterSeconds` of a 429.
-pub fn retry_after(e: &kube::Error) -> Option<Duration> {
+pub(crate) fn retry_after(e: &kube::Error) -> Option<Duration> {
     match e {
         kube::Error::Api(s) if s.code == 429 => {
             let secs = s.details.as_ref().map(|d| d.retry_after_seconds).filter(|s| *s > 0)?;
@@ -68,7 +68,7 @@ pub fn retry_after(e: &kube::Error) -> Option<Duration> {
 
 /// Whether a 429 is a PodDisruptionBudget's refusal (its causes name `DisruptionBudget`), as
 /// opposed to the API server throttling.
-pub fn is_disruption_budget_refusal(e: &kube::Error) -> bool {
+pub(crate) fn is_disruption_budget_refusal(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 429
         && s.details.as_ref().is_some_and(|d| d.causes.iter().any(|c| c.reason == "DisruptionBudget")))
 }

@@ -14,7 +14,7 @@ pub struct ApiCalls {
 
 impl ApiCalls {
     /// A tower layer that counts each request before sending it.
-    pub fn layer<B>(&self) -> tower::util::MapRequestLayer<impl Fn(Request<B>) -> Request<B> + Clone + use<B>> {
+    pub(crate) fn layer<B>(&self) -> tower::util::MapRequestLayer<impl Fn(Request<B>) -> Request<B> + Clone + use<B>> {
         let me = self.clone();
         tower::util::MapRequestLayer::new(move |req: Request<B>| {
             me.record(verb(req.method(), req.uri().path(), req.uri().query().unwrap_or("")));
@@ -23,7 +23,7 @@ impl ApiCalls {
     }
 
     /// Counts one request.
-    pub fn record(&self, verb: &str) {
+    pub(crate) fn record(&self, verb: &str) {
         // A poisoned lock only means another thread panicked mid-increment; counting on is fine.
         let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         *counts.entry(format!("kubernetes:{verb}")).or_default() += 1;
@@ -33,15 +33,10 @@ impl ApiCalls {
     pub fn snapshot(&self) -> BTreeMap<String, u64> {
         self.counts.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
-
-    /// All requests so far.
-    pub fn total(&self) -> u64 {
-        self.snapshot().values().sum()
-    }
 }
 
 /// The Kubernetes verb of a request, as the API server's audit log would name it.
-pub fn verb(method: &Method, path: &str, query: &str) -> &'static str {
+pub(crate) fn verb(method: &Method, path: &str, query: &str) -> &'static str {
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     let rest: &[&str] = match segs.first() {
         Some(&"api") if segs.len() >= 2 => &segs[2..],

@@ -18,7 +18,7 @@ use crate::gitops::{
 
 /// The owner objects in the cluster, and the version each kind is served at.
 #[derive(Debug, Clone, Default)]
-pub struct Owners {
+pub(crate) struct Owners {
     /// Every Application, Kustomization and HelmRelease, judged.
     pub objects: Vec<OwnerObject>,
     /// The served version of each installed kind; a kind that is not installed is absent.
@@ -31,7 +31,7 @@ fn resource(kind: OwnerKind, version: &str) -> ApiResource {
 
 /// Lists every owner object in every namespace. A kind whose CRD is not installed (404 at
 /// every version the tool knows) is simply absent.
-pub async fn list_owners(client: &kube::Client) -> Result<Owners, KubeError> {
+pub(crate) async fn list_owners(client: &kube::Client) -> Result<Owners, KubeError> {
     let mut out = Owners::default();
     for kind in OwnerKind::ALL {
         for version in kind.versions() {
@@ -66,7 +66,7 @@ pub async fn list_owners(client: &kube::Client) -> Result<Owners, KubeError> {
 
 /// What pausing one owner did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PauseOutcome {
+pub(crate) enum PauseOutcome {
     /// It reconciled and now does not. `request` is the Flux reconcile request written with the
     /// suspend, whose handling says the controller has seen it (see [`crate::gitops::in_flight`]).
     Paused {
@@ -84,7 +84,7 @@ pub enum PauseOutcome {
 /// automated sync off, the original `spec.syncPolicy.automated` kept in an annotation.
 /// Conflict-safe (the write carries the resourceVersion it was decided on) and idempotent; read
 /// back after.
-pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Result<PauseOutcome, KubeError> {
+pub(crate) async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Result<PauseOutcome, KubeError> {
     let Some(version) = owners.versions.get(&id.kind) else { return Ok(PauseOutcome::Gone) };
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &id.namespace, &resource(id.kind, version));
     for _ in 0..8 {
@@ -147,7 +147,7 @@ pub async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) -> Resu
 /// passes; `request` is the Flux reconcile request the run wrote with its suspend, if it did.
 /// `Ok(None)` when it settled (or is gone), `Ok(Some(what))` with what was still in flight at the
 /// deadline.
-pub async fn wait_settled(
+pub(crate) async fn wait_settled(
     client: &kube::Client,
     owners: &Owners,
     id: &OwnerId,
@@ -172,7 +172,7 @@ pub async fn wait_settled(
 }
 
 /// Marks the findings this run paused.
-pub fn mark_paused(findings: &mut [Finding], id: &OwnerId) {
+pub(crate) fn mark_paused(findings: &mut [Finding], id: &OwnerId) {
     for f in findings.iter_mut().filter(|f| f.owner == *id) {
         f.paused_by_run = true;
     }

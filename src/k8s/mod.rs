@@ -1,14 +1,12 @@
 //! The Kubernetes side: a client built from the standard kubeconfig rules (with kube's silent
 //! retries off, design §5), request accounting, and the conflict-safe writes the teardown makes.
 
-pub mod apf;
-pub mod calls;
-pub mod gitops;
-pub mod nodes;
+pub(crate) mod apf;
+pub(crate) mod calls;
+pub(crate) mod gitops;
+pub(crate) mod nodes;
 pub mod objects;
 pub mod pods;
-
-use std::path::PathBuf;
 
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -16,17 +14,17 @@ use kube::core::{ApiResource, GroupVersionKind};
 
 use crate::config::KubeTarget;
 use crate::karpenter;
-pub use calls::ApiCalls;
+pub(crate) use calls::ApiCalls;
 
 /// Objects per list request, as kubectl asks for them. A cluster of thousands of nodes is read
 /// in pages: an unpaged list is one response the API server must build and the tool must hold
 /// whole (a real node's status lists its images, tens of kilobytes each), and it risks the API
 /// server's 60 s request timeout on a busy control plane.
-pub const LIST_PAGE: u32 = 500;
+pub(crate) const LIST_PAGE: u32 = 500;
 
 /// Lists every object `lp` selects, page by page, keeping of each only what `keep` makes of
 /// it, so that no more than one page of whole objects is held at a time.
-pub async fn list_pages<K, T>(
+pub(crate) async fn list_pages<K, T>(
     api: &kube::Api<K>,
     lp: &ListParams,
     mut keep: impl FnMut(K) -> Option<T>,
@@ -49,7 +47,7 @@ where
 
 /// Lists every object of `ar` in pages, keeping what `keep` makes of each; a kind the server
 /// does not serve is an empty list.
-pub async fn list_kind<T>(
+pub(crate) async fn list_kind<T>(
     client: &kube::Client,
     ar: &ApiResource,
     keep: impl FnMut(DynamicObject) -> Option<T>,
@@ -63,7 +61,7 @@ pub async fn list_kind<T>(
 
 /// What a failed list of `ar` means: a 1.0.x conversion webhook with nothing behind it is named
 /// with its fix.
-pub fn list_error(ar: &ApiResource, e: kube::Error) -> KubeError {
+pub(crate) fn list_error(ar: &ApiResource, e: kube::Error) -> KubeError {
     match e {
         kube::Error::Api(s) if s.code == 500 && s.message.contains("conversion webhook") => {
             KubeError::ConversionWebhook {
@@ -132,24 +130,24 @@ pub enum KubeError {
 
 impl KubeError {
     /// True for failures of configuration or reachability (exit 2), not of an operation.
-    pub fn is_configuration(&self) -> bool {
+    pub(crate) fn is_configuration(&self) -> bool {
         matches!(self, KubeError::Kubeconfig { .. } | KubeError::Unreachable { .. })
     }
 
     /// True for failures worth trying again (429, 5xx, a lost connection mid-request).
-    pub fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         matches!(self, KubeError::Api { source, .. } if is_transient(source))
     }
 
     /// Wraps a client error from `action`.
-    pub fn api(action: impl Into<String>, source: kube::Error) -> KubeError {
+    pub(crate) fn api(action: impl Into<String>, source: kube::Error) -> KubeError {
         KubeError::Api { action: action.into(), source }
     }
 }
 
 /// A client error for people: the server's own message, its HTTP status, and what to do, instead
 /// of kube's Debug dump of the whole `Status`.
-pub fn describe_error(e: &kube::Error) -> String {
+pub(crate) fn describe_error(e: &kube::Error) -> String {
     let kube::Error::Api(s) = e else {
         return match e {
             kube::Error::HyperError(_) | kube::Error::Service(_) => format!(
@@ -186,7 +184,7 @@ pub fn describe_error(e: &kube::Error) -> String {
 }
 
 /// The HTTP status of an API error response, if the error is one.
-pub fn status_code(e: &kube::Error) -> Option<u16> {
+pub(crate) fn status_code(e: &kube::Error) -> Option<u16> {
     match e {
         kube::Error::Api(s) => Some(s.code),
         _ => None,
@@ -194,7 +192,7 @@ pub fn status_code(e: &kube::Error) -> Option<u16> {
 }
 
 /// True for errors worth retrying: throttling, server errors, lost connections.
-pub fn is_transient(e: &kube::Error) -> bool {
+pub(crate) fn is_transient(e: &kube::Error) -> bool {
     match e {
         kube::Error::Api(s) => matches!(s.code, 429 | 500 | 502 | 503 | 504),
         kube::Error::HyperError(_) | kube::Error::Service(_) => true,
@@ -204,7 +202,7 @@ pub fn is_transient(e: &kube::Error) -> bool {
 
 /// Runs `f` again with exponential backoff (backon) while it fails transiently; for the reads
 /// the engine makes before any task runs (tasks themselves are retried whole by the engine).
-pub async fn retry_transient<T, F, Fut>(f: F) -> Result<T, KubeError>
+pub(crate) async fn retry_transient<T, F, Fut>(f: F) -> Result<T, KubeError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, KubeError>>,
@@ -243,12 +241,12 @@ pub struct Kube {
 /// once; this bound keeps a thousand of them from opening a thousand connections and sending
 /// their evictions in one burst (API Priority and Fairness would answer with 429s). A watch holds
 /// a slot only until its response starts.
-pub const MAX_REQUESTS_IN_FLIGHT: usize = 64;
+pub(crate) const MAX_REQUESTS_IN_FLIGHT: usize = 64;
 
 impl Kube {
     /// Builds a client from the kubeconfig rules: `--kubeconfig`, else `KUBECONFIG`, else
     /// `~/.kube/config`; `--context`, else the current context.
-    pub async fn connect(target: &KubeTarget) -> Result<Kube, KubeError> {
+    pub(crate) async fn connect(target: &KubeTarget) -> Result<Kube, KubeError> {
         let path_label = target
             .kubeconfig
             .as_ref()
@@ -290,7 +288,7 @@ impl Kube {
     }
 
     /// Proves the server answers (`/version`), so an unreachable endpoint is reported as such.
-    pub async fn check_reachable(&self) -> Result<(), KubeError> {
+    pub(crate) async fn check_reachable(&self) -> Result<(), KubeError> {
         self.client.apiserver_version().await.map(|_| ()).map_err(|e| match e {
             kube::Error::Api(_) => KubeError::api("GET /version", e),
             other => KubeError::Unreachable { server: self.server.clone(), detail: other.to_string() },
@@ -320,11 +318,6 @@ pub fn nodeclass_resource() -> ApiResource {
         &GroupVersionKind::gvk(karpenter::AWS_GROUP, karpenter::VERSION, "EC2NodeClass"),
         "ec2nodeclasses",
     )
-}
-
-/// The kubeconfig path a user passed, for messages.
-pub fn describe_kubeconfig(path: &Option<PathBuf>) -> String {
-    path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the default kubeconfig".into())
 }
 
 #[cfg(test)]

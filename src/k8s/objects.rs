@@ -2,7 +2,6 @@
 //! gone" as success, and reading which field manager last wrote a field.
 
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
-use kube::core::DynamicObject;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
@@ -12,13 +11,13 @@ use super::{KubeError, status_code};
 pub const FIELD_MANAGER: &str = "karpenter-teardown";
 
 /// Patch parameters naming our field manager.
-pub fn patch_params() -> PatchParams {
+pub(crate) fn patch_params() -> PatchParams {
     PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() }
 }
 
 /// What removing a finalizer found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinalizerRemoval {
+pub(crate) enum FinalizerRemoval {
     /// It was there and is gone now.
     Removed,
     /// It was not there (or the object is gone): nothing to do.
@@ -28,7 +27,11 @@ pub enum FinalizerRemoval {
 /// Removes exactly `finalizer` from the object, with a JSON patch whose `test` pins the list
 /// entry it removes, so a concurrent change to the list is never overwritten (422 → re-read and
 /// try again). An object that is gone counts as done.
-pub async fn remove_finalizer<K>(api: &Api<K>, name: &str, finalizer: &str) -> Result<FinalizerRemoval, KubeError>
+pub(crate) async fn remove_finalizer<K>(
+    api: &Api<K>,
+    name: &str,
+    finalizer: &str,
+) -> Result<FinalizerRemoval, KubeError>
 where
     K: kube::Resource + Clone + DeserializeOwned + serde::Serialize + std::fmt::Debug,
 {
@@ -64,7 +67,7 @@ where
 }
 
 /// Deletes an object; one already gone counts as deleted. Returns whether it existed.
-pub async fn delete_if_present<K>(api: &Api<K>, name: &str) -> Result<bool, KubeError>
+pub(crate) async fn delete_if_present<K>(api: &Api<K>, name: &str) -> Result<bool, KubeError>
 where
     K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
 {
@@ -75,15 +78,9 @@ where
     }
 }
 
-/// The field manager that last wrote `path` (e.g. `["spec", "unschedulable"]`), from the
-/// object's `managedFields` (the entry with the latest time wins).
-pub fn last_manager_of(obj: &DynamicObject, path: &[&str]) -> Option<String> {
-    let meta = serde_json::to_value(&obj.metadata).ok()?;
-    last_manager_in(meta.get("managedFields")?, path)
-}
-
-/// [`last_manager_of`] over a raw `managedFields` array.
-pub fn last_manager_in(managed: &Value, path: &[&str]) -> Option<String> {
+/// The field manager that last wrote `path` (e.g. `["spec", "unschedulable"]`), from an object's
+/// raw `managedFields` array (the entry with the latest time wins).
+pub(crate) fn last_manager_in(managed: &Value, path: &[&str]) -> Option<String> {
     let mut best: Option<(String, String)> = None;
     for entry in managed.as_array()? {
         let mut node = entry.get("fieldsV1")?;

@@ -24,7 +24,7 @@ pub struct Labels(Box<[(Box<str>, Box<str>)]>);
 
 impl Labels {
     /// The value of label `key`, if the pod carries it.
-    pub fn get(&self, key: &str) -> Option<&str> {
+    pub(crate) fn get(&self, key: &str) -> Option<&str> {
         let i = self.0.binary_search_by(|(k, _)| (**k).cmp(key)).ok()?;
         Some(&self.0[i].1)
     }
@@ -83,7 +83,7 @@ pub struct PodRef {
 
 impl PodRef {
     /// `namespace/name`.
-    pub fn key(&self) -> String {
+    pub(crate) fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
 }
@@ -119,7 +119,7 @@ pub fn drainable(pod: &Pod) -> Option<PodRef> {
 
 /// The taint of a cordoned node, which kube-scheduler's NodeUnschedulable plugin checks tolerations
 /// against.
-pub const TAINT_UNSCHEDULABLE: &str = "node.kubernetes.io/unschedulable";
+pub(crate) const TAINT_UNSCHEDULABLE: &str = "node.kubernetes.io/unschedulable";
 
 /// Which fence a pod's tolerations let it through, if any: the cordon
 /// (`node.kubernetes.io/unschedulable:NoSchedule`) or Karpenter's disrupted taint
@@ -130,7 +130,7 @@ pub const TAINT_UNSCHEDULABLE: &str = "node.kubernetes.io/unschedulable";
 /// drain chases it from node to node until the deadline. Karpenter's own drain leaves exactly
 /// these pods (`ToleratesDisruptedNoScheduleTaint` in `pkg/utils/pod/scheduling.go`), so the
 /// tool does what Karpenter would do, for the cordon it uses instead of Karpenter's taint.
-pub fn tolerated_fence(tolerations: &[Toleration]) -> Option<&'static str> {
+pub(crate) fn tolerated_fence(tolerations: &[Toleration]) -> Option<&'static str> {
     const FENCES: [(&str, &str); 2] = [
         (TAINT_UNSCHEDULABLE, "node.kubernetes.io/unschedulable:NoSchedule"),
         (karpenter::TAINT_DISRUPTED, "karpenter.sh/disrupted:NoSchedule"),
@@ -156,7 +156,7 @@ fn tolerates(t: &Toleration, key: &str, effect: &str, value: &str) -> bool {
 /// those are gone), and within the wave the longest termination grace period first. A node is
 /// empty only when its slowest pod has finished, so starting that pod's clock first makes the
 /// node's drain as long as its longest grace period plus one eviction, not plus all of them.
-pub fn eviction_wave(left: &[Arc<PodRef>]) -> Vec<&Arc<PodRef>> {
+pub(crate) fn eviction_wave(left: &[Arc<PodRef>]) -> Vec<&Arc<PodRef>> {
     let non_critical = left.iter().any(|p| !p.critical);
     let mut wave: Vec<&Arc<PodRef>> = left.iter().filter(|p| !non_critical || !p.critical).collect();
     // a pod that names no grace period gets the Kubernetes default, 30 s
@@ -235,7 +235,7 @@ pub async fn evict(client: &kube::Client, pod: &PodRef) -> Result<EvictionOutcom
 
 /// Deletes a pod with its own grace period and a UID precondition (policy `delete` at the drain
 /// deadline: the user's explicit consent to bypass PodDisruptionBudgets).
-pub async fn delete_pod(client: &kube::Client, pod: &PodRef) -> Result<(), KubeError> {
+pub(crate) async fn delete_pod(client: &kube::Client, pod: &PodRef) -> Result<(), KubeError> {
     let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);
     let dp = DeleteParams {
         preconditions: Some(kube::api::Preconditions { uid: Some(pod.uid.clone()), resource_version: None }),

@@ -28,7 +28,7 @@ const SEED_CONCURRENCY: usize = 16;
 
 /// How to build the copy.
 #[derive(Debug, Clone)]
-pub struct LoadOptions {
+pub(crate) struct LoadOptions {
     /// The sandbox clock: grace periods and Karpenter's delays are multiplied by it.
     pub time_scale: f64,
     /// The LocalStack to seed (never the AWS the snapshot came from).
@@ -38,7 +38,7 @@ pub struct LoadOptions {
 }
 
 /// A running copy of the snapshot's cluster.
-pub struct Copy {
+pub(crate) struct Copy {
     /// The API server.
     pub server: ApiServer,
     /// The simulated Karpenter (active only while its Deployment has a ready replica, as the
@@ -62,7 +62,7 @@ pub struct Copy {
 
 impl Copy {
     /// Replaces the copy's instance ids and account in `text` with the live ones.
-    pub fn to_live_ids(&self, text: &str) -> String {
+    pub(crate) fn to_live_ids(&self, text: &str) -> String {
         let mut out = text.replace(self.account.as_str(), &self.live_account);
         for (live, copy) in &self.instances {
             if out.contains(copy.as_str()) {
@@ -73,7 +73,7 @@ impl Copy {
     }
 
     /// Stops the simulation and the server, and terminates what was seeded in LocalStack.
-    pub async fn shutdown(self) {
+    pub(crate) async fn shutdown(self) {
         self.sim.shutdown().await;
         self.server.shutdown().await;
         let ids: Vec<String> = self.instances.values().cloned().collect();
@@ -85,7 +85,7 @@ impl Copy {
 
 /// The release the simulation imitates for a snapshot: 1.0.x when the controller says so or the
 /// CRDs still route conversion through its webhook; the current behaviour otherwise.
-pub fn simulated_version(snap: &Snapshot) -> KarpenterVersion {
+pub(crate) fn simulated_version(snap: &Snapshot) -> KarpenterVersion {
     let says_1_0 = snap.karpenter.version.as_deref().is_some_and(|v| v == "1.0" || v.starts_with("1.0."));
     if says_1_0 || snap.karpenter.conversion_webhook { KarpenterVersion::V1_0 } else { KarpenterVersion::V1_14 }
 }
@@ -100,7 +100,7 @@ fn private_account() -> String {
 
 /// Builds the copy. The snapshot's Kubernetes objects are moved into the copy (its lists are
 /// left empty), so a large cluster is not held twice.
-pub async fn load(snap: &mut Snapshot, opts: &LoadOptions) -> Result<Copy, RehearseError> {
+pub(crate) async fn load(snap: &mut Snapshot, opts: &LoadOptions) -> Result<Copy, RehearseError> {
     let account = private_account();
     let sdk = sandbox_sim::localstack::config_at(&opts.localstack, &snap.region, &account).await;
     let cloud = Cloud::from_config(&sdk);

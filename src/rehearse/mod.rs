@@ -6,8 +6,8 @@
 //! ([`predict`]), the requests, and the concrete plan. Nothing real is written: the copy is an
 //! in-process API server and a private LocalStack account.
 
-pub mod load;
-pub mod predict;
+pub(crate) mod load;
+pub(crate) mod predict;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -27,11 +27,11 @@ use crate::plan::Plan;
 use crate::report::{BlockerKind, Outcome};
 use crate::snapshot::Snapshot;
 
-pub use predict::Timing;
+pub(crate) use predict::Timing;
 
 /// Why a rehearsal could not be played (a prediction of a failed teardown is not an error).
 #[derive(Debug, thiserror::Error)]
-pub enum RehearseError {
+pub(crate) enum RehearseError {
     /// The LocalStack that holds the copy's AWS side does not answer.
     #[error(
         "the rehearsal needs a LocalStack for its copy of the cluster's AWS side, and {endpoint} does not answer ({detail}); \
@@ -64,7 +64,7 @@ pub enum RehearseError {
 
 /// How to rehearse.
 #[derive(Debug, Clone)]
-pub struct RehearsalSettings {
+pub(crate) struct RehearsalSettings {
     /// The plan, as the real run would use it.
     pub plan: Plan,
     /// `--drain-deadline` / `--on-drain-deadline`, on the real clock.
@@ -83,7 +83,7 @@ pub struct RehearsalSettings {
 
 /// A blocker the rehearsal met, named as the real run will name it.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct PredictedBlocker {
+pub(crate) struct PredictedBlocker {
     /// What kind of thing it is.
     pub kind: BlockerKind,
     /// `namespace/name` or name.
@@ -97,7 +97,7 @@ pub struct PredictedBlocker {
 
 /// A PodDisruptionBudget's status when the rehearsal's drain gave up.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct BudgetArithmetic {
+pub(crate) struct BudgetArithmetic {
     /// Pods the budget covers.
     pub expected_pods: i64,
     /// Of them healthy.
@@ -110,7 +110,7 @@ pub struct BudgetArithmetic {
 
 /// What the copy was.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct CopyFacts {
+pub(crate) struct CopyFacts {
     /// The Karpenter release the simulation imitated.
     pub karpenter: String,
     /// Whether the simulated controller was live (its Deployment had a ready replica).
@@ -127,7 +127,7 @@ pub struct CopyFacts {
 
 /// What the rehearsal predicts for the real run.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Prediction {
+pub(crate) struct Prediction {
     /// The outcome the real run will have.
     pub outcome: Outcome,
     /// Its exit code.
@@ -151,7 +151,7 @@ pub struct Prediction {
 
 /// The `rehearsal` section of a `rehearse` report.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Rehearsal {
+pub(crate) struct Rehearsal {
     /// The snapshot that was played.
     pub snapshot: crate::snapshot::SnapshotSummary,
     /// What it predicts (absent when the copy could not be played: see the report's `error`).
@@ -160,7 +160,7 @@ pub struct Rehearsal {
 }
 
 /// Builds the copy, runs the plan on it and predicts. The snapshot's objects move into the copy.
-pub async fn rehearse(
+pub(crate) async fn rehearse(
     mut snap: Snapshot,
     settings: &RehearsalSettings,
     cancel: CancellationToken,
@@ -340,7 +340,7 @@ fn blockers_of(copy: &load::Copy, blockers: &[crate::report::Blocker]) -> Vec<Pr
 
 impl Prediction {
     /// The exit status the rehearse command ends with: the one predicted for the real run.
-    pub fn exit(&self) -> Exit {
+    pub(crate) fn exit(&self) -> Exit {
         Exit::from_code(self.exit_code)
     }
 }

@@ -25,7 +25,7 @@ const CRITICAL_CLASSES: [&str; 2] = ["system-cluster-critical", "system-node-cri
 
 /// One step of the plan, as predicted.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct StepPrediction {
+pub(crate) struct StepPrediction {
     /// Step id.
     pub step: String,
     /// Its action.
@@ -48,7 +48,7 @@ pub struct StepPrediction {
 
 /// The per-step predictions and their total.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
-pub struct Timing {
+pub(crate) struct Timing {
     /// The steps, in the order they started.
     pub steps: Vec<StepPrediction>,
     /// Predicted wall time of the whole run, seconds.
@@ -59,7 +59,7 @@ pub struct Timing {
 
 /// What the timing model needs of the run's settings.
 #[derive(Debug, Clone)]
-pub struct TimingInputs {
+pub(crate) struct TimingInputs {
     /// The copy's clock.
     pub time_scale: f64,
     /// The drain deadline on the real clock.
@@ -72,7 +72,7 @@ pub struct TimingInputs {
 
 /// The real waits a snapshot holds, read before its objects move into the copy.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Waits {
+pub(crate) struct Waits {
     /// Per machine (a NodeClaim's name, or `node/<name>` for a Karpenter node without one, as the
     /// plan names them): its node's chain of grace periods, seconds.
     pub drain: BTreeMap<String, f64>,
@@ -82,7 +82,7 @@ pub struct Waits {
 
 impl Waits {
     /// Reads them off a snapshot.
-    pub fn of(snap: &Snapshot) -> Waits {
+    pub(crate) fn of(snap: &Snapshot) -> Waits {
         let claim_of: BTreeMap<String, String> = snap
             .kubernetes
             .nodeclaims
@@ -111,7 +111,7 @@ impl Waits {
 /// evictions overlaps the grace periods in the real run as it does in the rehearsal: adding the
 /// slowest node's waits to the whole step would count that queue twice. Every later step starts
 /// that much later.
-pub fn timing(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs) -> Timing {
+pub(crate) fn timing(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs) -> Timing {
     let scale = inputs.time_scale.clamp(0.0, 1.0);
     let mut by_step: Vec<(String, String, Vec<&StepRecord>)> = Vec::new();
     for r in records {
