@@ -53,6 +53,12 @@ const KNOWN: &[(&str, &str)] = &[
          dependents and deletes at once, as a real cluster does moments later",
     ),
     (
+        "expiry/watch_after_compaction",
+        "the real server serves a watch from its watch cache, which keeps at least 75 s of events whatever etcd has \
+         compacted, so a watch from a version listed moments ago still replays; the emulator's forgotten history is \
+         the cache's window passed, and it answers 410 Expired at once: stricter, never kinder",
+    ),
+    (
         "lists/bad_continue",
         "a continue token's encoding is each server's own: both refuse a malformed one with 400 BadRequest, in other words",
     ),
@@ -88,6 +94,64 @@ const KNOWN: &[(&str, &str)] = &[
 struct Side {
     admin: Client,
     tool: Client,
+    /// How this server forgets its history (see [`Side::forget_history`]).
+    history: History,
+}
+
+/// What makes a server forget the revisions before now.
+enum History {
+    /// The emulator's store.
+    Emulator(sandbox_apiserver::Store),
+    /// The real stack's etcd, by its client URL.
+    Etcd(String),
+}
+
+impl Side {
+    /// Forgets every revision before now, as a real cluster does every 5 minutes: the
+    /// emulator's store drops its history; etcd compacts (kube-apiserver compacts it so itself,
+    /// `--etcd-compaction-interval`), through its gRPC gateway.
+    async fn forget_history(&self) {
+        match &self.history {
+            History::Emulator(store) => store.forget_history(),
+            History::Etcd(url) => {
+                let range = etcd_post(url, "/v3/kv/range", &json!({"key": "AA=="})).await;
+                let revision = range["header"]["revision"].clone();
+                let compacted =
+                    etcd_post(url, "/v3/kv/compaction", &json!({"revision": revision, "physical": true})).await;
+                assert!(compacted.get("header").is_some(), "etcd compaction: {compacted}");
+            }
+        }
+    }
+}
+
+/// One JSON request to etcd's gRPC gateway, over plain HTTP/1.1 on loopback.
+async fn etcd_post(url: &str, path: &str, body: &Value) -> Value {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let authority = url.trim_start_matches("http://").trim_end_matches('/');
+    let mut conn = tokio::net::TcpStream::connect(authority).await.unwrap();
+    let body = body.to_string();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await.unwrap();
+    let json_start = response.find("\r\n\r\n").map_or(0, |i| i + 4);
+    // the gateway may answer chunked: the JSON object is between the first `{` and the last `}`
+    let text = &response[json_start..];
+    let (from, to) = (text.find('{').unwrap_or(0), text.rfind('}').map_or(0, |i| i + 1));
+    serde_json::from_str(&text[from..to]).unwrap_or_else(|e| panic!("etcd {path}: {e}: {response}"))
+}
+
+/// The etcd client URL of a real stack, from its etcd's command line (the stack does not
+/// publish it).
+fn etcd_url(stack: &realstack::RealStack) -> String {
+    let etcd = stack.pids()[0];
+    let cmdline = std::fs::read(format!("/proc/{etcd}/cmdline")).unwrap();
+    let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    let at = args.iter().position(|a| a == "--listen-client-url").expect("etcd's --listen-client-url");
+    args[at + 1].clone()
 }
 
 /// What one case saw on one server: facts by name, each normalised.
@@ -839,6 +903,52 @@ fn deployment(name: &str, replicas: i32) -> Deployment {
 
 // ---------------------------------------------------------------- the comparison
 
+/// What an old resourceVersion and an old continue token get once the server's history is
+/// gone: 410 Expired, which the tool's watchers answer by listing again.
+async fn expiry(s: &Side) -> Seen {
+    let mut seen = Seen::new();
+    let admin: Api<Node> = Api::all(s.admin.clone());
+    let tool: Api<Node> = Api::all(s.tool.clone());
+    for i in 0..3 {
+        admin.create(&post("harness"), &node(&format!("expiry-{i}"), json!({"diff": "expiry"}))).await.unwrap();
+    }
+    let first = tool.list(&ListParams::default().labels("diff=expiry").limit(2)).await.unwrap();
+    let token = first.metadata.continue_.clone().unwrap_or_default();
+    let listed_at = first.metadata.resource_version.clone().unwrap_or_default();
+    admin.create(&post("harness"), &node("expiry-late", json!({"diff": "expiry"}))).await.unwrap();
+    s.forget_history().await;
+    // kube-apiserver 1.34 continues a paged list from its watch cache's snapshot
+    // (ListFromCacheSnapshot, beta and on by default since 1.34: apiserver's pkg/features), not
+    // from etcd, so compaction does not expire a fresh token: the emulator must not expire it
+    let continued = tool.list(&ListParams::default().labels("diff=expiry").limit(2).continue_token(&token)).await;
+    seen.insert("continue_after_compaction".into(), code(&continued));
+    let watch = tool.watch(&WatchParams::default().timeout(3), &listed_at).await.unwrap();
+    let first = watch.take(1).collect::<Vec<_>>().await;
+    let first = match first.into_iter().next() {
+        Some(Ok(WatchEvent::Error(e))) => json!({"code": e.code, "reason": e.reason, "message": norm(&e.message)}),
+        Some(Ok(other)) => json!(format!("{other:?}")),
+        Some(Err(e)) => json!({"stream": e.to_string()}),
+        None => json!("nothing"),
+    };
+    seen.insert("watch_after_compaction".into(), first);
+    // the tool's pod index and budget watchers: kube's watcher lists again on 410
+    let events = kube::runtime::watcher(tool.clone(), kube::runtime::watcher::Config::default().labels("diff=expiry"))
+        .take(6)
+        .map(|e| match e {
+            Ok(kube::runtime::watcher::Event::Init) => "Init".to_string(),
+            Ok(kube::runtime::watcher::Event::InitApply(n)) => {
+                format!("InitApply {}", n.metadata.name.unwrap_or_default())
+            }
+            Ok(kube::runtime::watcher::Event::InitDone) => "InitDone".to_string(),
+            Ok(other) => format!("{other:?}"),
+            Err(e) => format!("error {e}"),
+        })
+        .collect::<Vec<_>>()
+        .await;
+    seen.insert("watcher_relists".into(), json!(events));
+    seen
+}
+
 /// Every case on one server, in order.
 async fn run_all(s: &Side) -> BTreeMap<&'static str, Seen> {
     let mut all = BTreeMap::new();
@@ -850,6 +960,8 @@ async fn run_all(s: &Side) -> BTreeMap<&'static str, Seen> {
     all.insert("karpenter_crds", karpenter_crds(s).await);
     all.insert("deletes", deletes(s).await);
     all.insert("watches", watches(s).await);
+    // last: it makes the server forget its history
+    all.insert("expiry", expiry(s).await);
     all
 }
 
@@ -895,7 +1007,8 @@ async fn emulator_side(dir: &Path) -> (ApiServer, Side) {
     server.write_kubeconfig(&kubeconfig, "differential").unwrap();
     let admin = Client::try_from(server.kube_config()).unwrap();
     let tool = tool_client(&kubeconfig).await;
-    (server, Side { admin, tool })
+    let history = History::Emulator(server.store());
+    (server, Side { admin, tool, history })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -905,8 +1018,11 @@ async fn the_emulator_answers_the_tools_requests_as_the_real_server_does() {
     let real_stack = realstack::RealStack::start("differential", &rbac).await.unwrap_or_else(|e| panic!("{e}"));
     let dir = tempfile::tempdir().unwrap();
     let (_server, emulator) = emulator_side(dir.path()).await;
-    let real =
-        Side { admin: real_stack.admin_client().await.unwrap(), tool: tool_client(real_stack.tool_kubeconfig()).await };
+    let real = Side {
+        admin: real_stack.admin_client().await.unwrap(),
+        tool: tool_client(real_stack.tool_kubeconfig()).await,
+        history: History::Etcd(etcd_url(&real_stack)),
+    };
     let crds = common::e2e::real_crds(KarpenterVersion::default());
     for s in [&emulator, &real] {
         sandbox_sim::world::install_crds(&s.admin, KarpenterVersion::default(), Some(&crds)).await.unwrap();
@@ -925,6 +1041,7 @@ async fn the_emulator_answers_the_tools_requests_as_the_real_server_does() {
     assert_eq!(real_fact("evictions", "evict_allowed")["ok"]["/status"], "Success");
     assert_eq!(real_fact("karpenter_crds", "static_fence_cpu")["code"], 422);
     assert_eq!(real_fact("patches", "cordon_stale")["code"], 422);
+    assert_eq!(real_fact("expiry", "continue_after_compaction"), "ok");
 
     let found = differences(&seen_emulator, &seen_real);
     let known: BTreeMap<&str, &str> = KNOWN.iter().copied().collect();
