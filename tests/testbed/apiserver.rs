@@ -358,7 +358,9 @@ async fn eviction_respects_pod_disruption_budgets() {
     assert_eq!((code_, reason.as_str()), (429, "TooManyRequests"));
     assert_eq!(st["details"]["causes"][0]["reason"], "DisruptionBudget");
     assert!(st["details"]["causes"][0]["message"].as_str().unwrap().contains("web"));
-    assert_eq!(s.requests().count("evict", "pods"), 4);
+    // the budget answers before the UID precondition: a replaced pod under a spent budget is 429
+    assert_eq!(code(evict(&raw, "b", Some("wrong-uid")).await.unwrap_err()).0, 429);
+    assert_eq!(s.requests().count("evict", "pods"), 5);
     // Two budgets over one pod: 500 like the real server.
     budget(&c, "web2", json!({"maxUnavailable": "50%", "selector": {"matchLabels": {"app": "web"}}})).await;
     assert_eq!(code(evict(&raw, "b", None).await.unwrap_err()).0, 500);

@@ -180,3 +180,36 @@ impl ApiError {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// kube-apiserver's wording, as the differential suite saw it: a request that names no object
+    /// is forbidden without an empty quoted name, and an invalid custom resource names its kind
+    /// with its group and lists several causes in brackets.
+    #[test]
+    fn messages_are_worded_as_kube_apiservers() {
+        let why = "User \"u\" cannot list resource \"secrets\"";
+        assert_eq!(ApiError::forbidden("", "secrets", "", why).message, format!("secrets is forbidden: {why}"));
+        assert_eq!(ApiError::forbidden("", "nodes", "n1", why).message, format!("nodes \"n1\" is forbidden: {why}"));
+
+        let one = ApiError::invalid("karpenter.sh", "NodePool", "p", "spec", "FieldValueInvalid", "bad");
+        assert_eq!(one.message, "NodePool.karpenter.sh \"p\" is invalid: spec: bad");
+        assert_eq!(one.details.as_ref().unwrap()["kind"], "NodePool");
+        let two = ApiError::invalid_causes(
+            "",
+            "Node",
+            "n",
+            &[
+                ("a".into(), "FieldValueRequired", "Required value".into()),
+                ("b".into(), "FieldValueInvalid", "x".into()),
+            ],
+        );
+        assert_eq!(two.message, "Node \"n\" is invalid: [a: Required value, b: x]");
+        assert_eq!(
+            two.details.unwrap()["causes"][1],
+            json!({"reason": "FieldValueInvalid", "message": "x", "field": "b"})
+        );
+    }
+}
