@@ -160,6 +160,25 @@ fn openapi_at(schema: &Value, value: &Value, path: &str, out: &mut Vec<FieldErro
     }
 }
 
+/// The JSON pointer of a field path as kube-apiserver writes it (`spec.budgets[0].nodes` is
+/// `/spec/budgets/0/nodes`).
+pub fn field_pointer(field: &str) -> String {
+    let mut out = String::new();
+    for part in field.split('.').filter(|p| !p.is_empty()) {
+        let mut rest = part;
+        let name_end = rest.find('[').unwrap_or(rest.len());
+        out.push('/');
+        out.push_str(&rest[..name_end].replace('~', "~0").replace('/', "~1"));
+        rest = &rest[name_end..];
+        while let Some(close) = rest.find(']') {
+            out.push('/');
+            out.push_str(&rest[1..close]);
+            rest = &rest[close + 1..];
+        }
+    }
+    out
+}
+
 /// Whether `text` matches the schema's `pattern`; `None` (and a warning) for a pattern the regex
 /// engine cannot compile, which then refuses nothing.
 fn pattern_matches(pattern: &str, text: &str) -> Option<bool> {

@@ -187,7 +187,10 @@ impl Inner {
         }
         prepare_create(&info, &mut obj);
         go_shape(gr, &mut obj);
-        self.admit_custom(&info, &name, &mut obj, None)?;
+        // a restore loads what another server already stores, which no server validates again
+        // on reading it (an object stored before its CRD's schema changed stays readable)
+        let admission = if record { Admission::Validate } else { Admission::DefaultOnly };
+        self.admit_custom(&info, &name, &mut obj, None, admission)?;
         if *gr == crd_gr() {
             let registered = self.registry.register_crd(&obj)?;
             let mut f = finalizers(&obj);
@@ -328,7 +331,7 @@ impl Inner {
             }
         }
         go_shape(gr, &mut obj);
-        self.admit_custom(&info, name, &mut obj, Some(&old))?;
+        self.admit_custom(&info, name, &mut obj, Some(&old), Admission::Validate)?;
         if *gr == crd_gr() {
             let registered = self.registry.register_crd(&obj)?;
             let mut st = crd_status(&obj, &registered);
@@ -386,6 +389,7 @@ impl Inner {
         name: &str,
         obj: &mut Value,
         old: Option<&Value>,
+        admission: Admission,
     ) -> Result<(), ApiError> {
         if info.builtin {
             return Ok(());
@@ -399,7 +403,19 @@ impl Inner {
         };
         schema::prune(schema, obj);
         schema::apply_defaults(schema, obj);
-        let openapi = schema::check_openapi(schema, obj);
+        if admission == Admission::DefaultOnly {
+            return Ok(());
+        }
+        let mut openapi = schema::check_openapi(schema, obj);
+        // validation ratcheting (CRDValidationRatcheting, on by default since 1.30): an update is
+        // not refused for a value it leaves as it was, so an object stored before its schema
+        // changed can still be written
+        if let Some(old) = old {
+            openapi.retain(|e| {
+                let at = schema::field_pointer(&e.field);
+                old.pointer(&at) != obj.pointer(&at)
+            });
+        }
         let causes: Vec<(String, &str, String)> = if openapi.is_empty() {
             // kube-apiserver's wording: `<field>: Invalid value: "<type>": <message>` per rule
             schema::validate(schema, obj, old)
@@ -642,11 +658,20 @@ fn validate_name(info: &ResourceInfo, name: &str) -> Result<(), ApiError> {
 }
 
 /// What the real strategies' PrepareForCreate do to status.
+/// Whether a custom resource's write is validated, or only pruned and defaulted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admission {
+    /// A write through the API: pruned, defaulted, validated.
+    Validate,
+    /// A restore of what another server stores: pruned and defaulted, as read from storage.
+    DefaultOnly,
+}
+
 /// An object as kube-apiserver stores it, where that differs from what was sent: the Go types'
 /// `omitempty` fields drop a zero value (a node's `spec.unschedulable: false` is no field at all,
 /// so no manager owns it and `managedFields` cannot name who uncordoned), a struct field is
 /// always there (a node's `spec`, which a JSON patch `add /spec/unschedulable` needs), and a
-/// CRD's `spec.conversion` is defaulted to `None` (apiextensions' `SetDefaults_CustomResourceConversion`).
+/// CRD's `spec.conversion` is defaulted to `None` (apiextensions' `SetDefaults_CustomResourceDefinitionSpec`).
 pub(crate) fn go_shape(gr: &GroupResource, obj: &mut Value) {
     if let Some(meta) = obj["metadata"].as_object_mut() {
         for key in ["labels", "annotations", "finalizers"] {
@@ -775,6 +800,25 @@ mod tests {
         );
         let made = store.create(&gr, "", widget(json!({"size": "3", "madeUp": true})), &opts).unwrap();
         assert_eq!(made["spec"], json!({"size": "3"}), "unknown fields are pruned");
+    }
+
+    /// What another server stores is restored as it is (pruned and defaulted, as read from
+    /// storage, not validated), and a later write is refused only for what it changes.
+    #[test]
+    fn a_restored_object_is_not_validated_and_writes_ratchet_on_what_they_leave() {
+        let store = Store::new(16, 1);
+        store.create(&crd_gr(), "", widget_crd(), &WriteOptions::manager("installer")).unwrap();
+        let gr = GroupResource::new("example.com", "widgets");
+        let legacy = json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "old"},
+            "spec": {"mode": "legacy"}});
+        store.restore(&gr, "", legacy).unwrap();
+        let opts = WriteOptions::manager("t");
+        let label = json!({"metadata": {"labels": {"a": "b"}}});
+        store.patch(&gr, "", "old", PatchType::Merge, &label, "", &opts).unwrap();
+        let bad = json!({"spec": {"size": "x"}});
+        let e = store.patch(&gr, "", "old", PatchType::Merge, &bad, "", &opts).unwrap_err();
+        assert_eq!(e.details.unwrap()["causes"][0]["field"], "spec.size", "only the changed field is refused");
+        assert_eq!(schema::field_pointer("spec.budgets[0].nodes"), "/spec/budgets/0/nodes");
     }
 
     /// Go's `omitempty`: a node's `unschedulable: false` is no field, so whoever owned it owns
