@@ -406,7 +406,9 @@ async fn rehearse_predicts_karpenter_1_0_with_objects_stored_at_v1beta1() {
     );
     let legacy: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
-        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name}}}},
+        // `requirements` is required by the v1beta1 schema too: the real server refuses the pool without it
+        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name},
+            "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}}},
     }))
     .unwrap();
     v1beta1.create(&PostParams::default(), &legacy).await.unwrap();

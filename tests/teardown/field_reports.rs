@@ -210,8 +210,12 @@ async fn slow_pod(client: &Client, node: &str, name: &str, grace_seconds: i64) {
     pods.create(&PostParams::default(), &pod).await.unwrap();
 }
 
+/// The fence is put back and the lift reported. Who lifted it cannot be named: an uncordon
+/// (`unschedulable: false`) removes the field, and kube-apiserver records no owner of a field
+/// that is not there, so `managedFields` keeps no trace of the reverter (the differential suite,
+/// tests/realstack/differential.rs, shows it on the real server, and the emulator does the same).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cordon_reverter_is_named() {
+async fn a_lifted_cordon_is_put_back_and_reported() {
     let s = two_pool_world("fr-reverter", 2);
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -227,7 +231,11 @@ async fn cordon_reverter_is_named() {
     reverter.await.unwrap();
     assert_eq!(run.code, 0, "{}", run.dump());
     assert!(reverts.load(Ordering::Relaxed) > 0, "the reverter never reverted: the test proves nothing");
-    assert!(blockers_name(&run.report, "k3s-reverter"), "the report does not name the reverter:\n{}", run.dump());
+    let lifted =
+        run.report["blockers"].as_array().into_iter().flatten().any(|b| {
+            b["kind"] == "field-manager" && b["reason"].as_str().is_some_and(|r| r.contains("lifted the fence"))
+        });
+    assert!(lifted, "the report does not say the fence was lifted:\n{}", run.dump());
     assert_torn_down(&b, &world, &before).await;
     b.server.shutdown().await;
 }

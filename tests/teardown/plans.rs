@@ -317,7 +317,9 @@ async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
     assert_eq!(v1beta1.list(&ListParams::default()).await.unwrap().items.len(), 1);
     let legacy: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
-        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name}}}},
+        // `requirements` is required by the v1beta1 schema too: the real server refuses the pool without it
+        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name},
+            "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}}},
     }))
     .unwrap();
     v1beta1.create(&PostParams::default(), &legacy).await.unwrap();

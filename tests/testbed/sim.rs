@@ -548,7 +548,9 @@ async fn an_applied_nodeclass_gets_its_finalizer_launch_template_and_instance_pr
     // as `kubectl apply` would create it: no finalizer, no status
     let class: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "karpenter.k8s.aws/v1", "kind": "EC2NodeClass", "metadata": {"name": "applied"},
-        "spec": {"role": "KarpenterNodeRole-applied", "amiSelectorTerms": [{"alias": "al2023@latest"}]}}))
+        "spec": {"role": "KarpenterNodeRole-applied", "amiSelectorTerms": [{"alias": "al2023@latest"}],
+                 "subnetSelectorTerms": [{"tags": {"karpenter.sh/discovery": world.cluster}}],
+                 "securityGroupSelectorTerms": [{"tags": {"karpenter.sh/discovery": world.cluster}}]}}))
     .unwrap();
     let created = classes(&b.client).create(&PostParams::default(), &class).await.unwrap();
     let uid = created.uid().unwrap();

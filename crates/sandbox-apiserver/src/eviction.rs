@@ -204,20 +204,10 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
         dopts.propagation = Propagation::Background;
     }
     shared.store.with(|inner| {
+        // The UID precondition is the delete's, checked after the budget (kube-apiserver's
+        // eviction.go decrements the budget, then deletes with the caller's preconditions): a
+        // pod replaced under the same name is refused by its budget first.
         let pod = inner.find(&pods_gr(), ns, name).ok_or_else(|| ApiError::not_found("", "pods", name))?;
-        if let Some(uid) = &dopts.precondition_uid
-            && pod["metadata"]["uid"].as_str() != Some(uid.as_str())
-        {
-            return Err(ApiError::conflict(
-                "",
-                "pods",
-                name,
-                &format!(
-                    "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
-                    pod["metadata"]["uid"].as_str().unwrap_or_default()
-                ),
-            ));
-        }
         let phase = pod["status"]["phase"].as_str().unwrap_or_default();
         let ignore_pdb =
             !pod["metadata"]["deletionTimestamp"].is_null() || matches!(phase, "Succeeded" | "Failed" | "Pending");
@@ -229,9 +219,12 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
                 .map(Arc::unwrap_or_clone)
                 .collect();
             if pdbs.len() > 1 {
-                return Err(ApiError::internal(
+                // a Status of eviction.go's own, with the code and no reason
+                let mut e = ApiError::internal(
                     "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.",
-                ));
+                );
+                e.reason = "";
+                return Err(e);
             }
             if let Some(pdb) = pdbs.first() {
                 // Like kube-apiserver (`checkAndDecrement` in pkg/registry/core/pod/storage/
@@ -243,11 +236,15 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
                 let mut st = pdb["status"].clone();
                 let current = st["currentHealthy"].as_i64().unwrap_or(0);
                 let desired = st["desiredHealthy"].as_i64().unwrap_or(0);
-                let too_many = |cause: String| {
+                let too_many = |cause: String, retry_after: u32| {
                     let mut e = ApiError::too_many_requests(
                         "Cannot evict pod as it would violate the pod's disruption budget.",
                     );
-                    e.details = Some(json!({"causes": [{"reason": "DisruptionBudget", "message": cause}]}));
+                    let mut details = json!({"causes": [{"reason": "DisruptionBudget", "message": cause}]});
+                    if retry_after > 0 {
+                        details["retryAfterSeconds"] = json!(retry_after);
+                    }
+                    e.details = Some(details);
                     e
                 };
                 let unhealthy_may_go = !pod_healthy(&pod)
@@ -256,9 +253,11 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
                 if !unhealthy_may_go {
                     let generation = pdb["metadata"]["generation"].as_i64().unwrap_or(1);
                     if st["observedGeneration"].as_i64().unwrap_or(0) < generation {
-                        return Err(too_many(format!(
-                            "The disruption budget {pdb_name} is still being processed by the server."
-                        )));
+                        // eviction.go asks for a retry in 10 s here, in none when the budget is spent
+                        return Err(too_many(
+                            format!("The disruption budget {pdb_name} is still being processed by the server."),
+                            10,
+                        ));
                     }
                     let allowed = st["disruptionsAllowed"].as_i64().unwrap_or(0);
                     if allowed < 0 {
@@ -278,9 +277,12 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
                         ));
                     }
                     if allowed == 0 {
-                        return Err(too_many(format!(
-                            "The disruption budget {pdb_name} needs {desired} healthy pods and has {current} currently"
-                        )));
+                        return Err(too_many(
+                            format!(
+                                "The disruption budget {pdb_name} needs {desired} healthy pods and has {current} currently"
+                            ),
+                            0,
+                        ));
                     }
                     st["disruptionsAllowed"] = json!(allowed - 1);
                     st["disruptedPods"][name] = json!(now_rfc3339());

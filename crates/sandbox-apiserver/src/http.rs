@@ -464,7 +464,10 @@ fn serve_resource(
                 dopts["propagationPolicy"] = json!(p);
             }
             let d = DeleteOptions::from_json(&dopts)?;
-            let (obj, _gone) = store.delete(&gr, t.ns(), name, &d)?;
+            let (obj, gone) = store.delete(&gr, t.ns(), name, &d)?;
+            if gone && !returns_deleted_object(&gr) {
+                return Ok(json_response(200, &deleted_status(&gr, name, &obj)));
+            }
             Ok(json_response(200, &obj))
         }
         ("DELETE", None, "") => {
@@ -521,7 +524,11 @@ fn list(shared: &Shared, t: &Target, info: &ResourceInfo, q: &Query, table: bool
     let mut meta = json!({"resourceVersion": page.resource_version.to_string()});
     if let Some(c) = &page.continue_token {
         meta["continue"] = json!(c);
-        meta["remainingItemCount"] = json!(page.remaining.unwrap_or(0));
+        // etcd counts what is left only of an unfiltered list: with a selector the real server
+        // leaves the count out (apiserver's storage/etcd3 store.go, GetList)
+        if opts.labels.is_none() && opts.fields.is_none() {
+            meta["remainingItemCount"] = json!(page.remaining.unwrap_or(0));
+        }
     }
     // Serialise item by item: cloning 20,000 pods into one Value would double the work.
     let mut out = Vec::with_capacity(256 + page.items.len() * 512);
@@ -548,4 +555,35 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         error_response(&self)
     }
+}
+
+/// Whether kube-apiserver answers a delete that removed the object with the object itself: only
+/// the registries that set `ReturnDeletedObject` (kubernetes' pkg/registry: pods, namespaces,
+/// services, and a few more); every other kind, custom resources included, answers with a
+/// `Status` of success.
+fn returns_deleted_object(gr: &GroupResource) -> bool {
+    match gr.group.as_str() {
+        "" => matches!(
+            gr.resource.as_str(),
+            "pods"
+                | "namespaces"
+                | "services"
+                | "serviceaccounts"
+                | "persistentvolumes"
+                | "persistentvolumeclaims"
+                | "resourcequotas"
+                | "podtemplates"
+        ),
+        "storage.k8s.io" | "resource.k8s.io" => true,
+        _ => false,
+    }
+}
+
+/// The `Status` of a delete that removed the object (the generic registry's answer: its details
+/// name the resource, not the kind).
+fn deleted_status(gr: &GroupResource, name: &str, obj: &Value) -> Value {
+    json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+        "details": {"name": name, "group": gr.group, "kind": gr.resource, "uid": obj["metadata"]["uid"]},
+    })
 }

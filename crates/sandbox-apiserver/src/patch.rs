@@ -52,7 +52,13 @@ pub fn apply_patch(ty: PatchType, doc: &Value, patch: &Value) -> Result<Value, A
             let ops: json_patch::Patch =
                 serde_json::from_value(patch.clone()).map_err(|e| ApiError::bad_request(e.to_string()))?;
             // json_patch::patch undoes partial work on failure; we also only commit `out`.
-            json_patch::patch(&mut out, &ops).map_err(|e| ApiError::unprocessable(e.to_string()))?;
+            // kube-apiserver answers a failed operation (a `test` that does not match, a path
+            // that is not there) with a generic 422 whose message names neither
+            // (`NewGenericServerResponse(422, ...)` in apiserver's endpoints/handlers/patch.go)
+            json_patch::patch(&mut out, &ops).map_err(|e| {
+                tracing::debug!(error = %e, "JSON patch refused");
+                ApiError::unprocessable("the server rejected our request due to an error in our request")
+            })?;
         }
         PatchType::Merge => json_patch::merge(&mut out, patch),
         PatchType::Strategic | PatchType::Apply => {
@@ -356,6 +362,9 @@ pub fn record_managed_fields(old: Option<&Value>, new: &mut Value, w: &WriteReco
         None => changed.clone(),
     };
     if mine.is_empty() && old.is_some() && w.applied.is_none() {
+        // a write that only removed fields (a node's `unschedulable: false`, which is no field)
+        // takes them from their owners and gives the writer nothing
+        drop_absent_fields(&mut entries, new);
         write_entries(new, &entries);
         return;
     }
@@ -389,10 +398,16 @@ pub fn record_managed_fields(old: Option<&Value>, new: &mut Value, w: &WriteReco
     e.fields.extend(mine);
     e.api_version = w.api_version.into();
     e.time = w.time.into();
-    // Fields that no longer exist are owned by nobody.
+    drop_absent_fields(&mut entries, new);
+    write_entries(new, &entries);
+}
+
+/// Fields that no longer exist are owned by nobody, and a manager left owning nothing has no
+/// entry.
+fn drop_absent_fields(entries: &mut Vec<Entry>, new: &Value) {
     for e in entries.iter_mut() {
         e.fields.retain(|p| {
-            let mut cur = &*new;
+            let mut cur = new;
             for seg in p {
                 match cur.get(seg) {
                     Some(c) => cur = c,
@@ -403,7 +418,6 @@ pub fn record_managed_fields(old: Option<&Value>, new: &mut Value, w: &WriteReco
         });
     }
     entries.retain(|e| !e.fields.is_empty());
-    write_entries(new, &entries);
 }
 
 fn write_entries(obj: &mut Value, entries: &[Entry]) {

@@ -32,6 +32,167 @@ pub struct Violation {
     pub field: String,
     /// The rule's message.
     pub message: String,
+    /// The schema type of the value the rule is on (`object`, `string`), which kube-apiserver
+    /// names in its message (`Invalid value: "string": ...`).
+    pub value_type: String,
+}
+
+/// One error of the OpenAPI part of a schema, as kube-apiserver reports it: the field, the
+/// cause's reason and its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// Where (`spec.template.spec.nodeClassRef`).
+    pub field: String,
+    /// `FieldValueRequired`, `FieldValueInvalid`, `FieldValueNotSupported`.
+    pub reason: &'static str,
+    /// `Required value`, `Invalid value: "many": ... should match '...'`.
+    pub message: String,
+}
+
+/// Removes the fields the schema does not declare, as kube-apiserver's pruning does before it
+/// defaults and validates: an object schema with `properties` keeps only those, unless it says
+/// `x-kubernetes-preserve-unknown-fields` or has `additionalProperties`. At the root, `apiVersion`,
+/// `kind` and `metadata` are the server's own and are kept.
+/// (apiextensions-apiserver, pkg/apiserver/schema/pruning/algorithm.go)
+pub fn prune(schema: &Value, obj: &mut Value) {
+    prune_at(schema, obj, true);
+}
+
+fn prune_at(schema: &Value, obj: &mut Value, root: bool) {
+    let preserve = schema["x-kubernetes-preserve-unknown-fields"] == true;
+    match obj {
+        Value::Object(map) => {
+            let props = schema["properties"].as_object();
+            let extra = schema.get("additionalProperties").filter(|a| a.is_object());
+            if let Some(props) = props {
+                if !preserve && extra.is_none() {
+                    map.retain(|k, _| {
+                        props.contains_key(k) || (root && ["apiVersion", "kind", "metadata"].contains(&k.as_str()))
+                    });
+                }
+                for (key, child) in map.iter_mut() {
+                    if let Some(prop) = props.get(key).filter(|_| !(root && key == "metadata")) {
+                        prune_at(prop, child, false);
+                    }
+                }
+            } else if let Some(extra) = extra {
+                for child in map.values_mut() {
+                    prune_at(extra, child, false);
+                }
+            }
+        }
+        Value::Array(items) => {
+            if let Some(item_schema) = schema.get("items") {
+                for item in items {
+                    prune_at(item_schema, item, false);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Checks the OpenAPI constraints the Karpenter CRDs rely on: `required`, `pattern` and `enum`
+/// (kube-openapi's validator, as apiextensions-apiserver runs it after defaulting). A property's
+/// own errors come before those of the object holding it, as the real server lists them.
+pub fn check_openapi(schema: &Value, obj: &Value) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    openapi_at(schema, obj, "", &mut out);
+    out
+}
+
+fn openapi_at(schema: &Value, value: &Value, path: &str, out: &mut Vec<FieldError>) {
+    let child_path = |key: &str| if path.is_empty() { key.to_string() } else { format!("{path}.{key}") };
+    match value {
+        Value::Object(map) => {
+            if let Some(props) = schema["properties"].as_object() {
+                for (key, prop) in props {
+                    if let Some(child) = map.get(key).filter(|_| !(path.is_empty() && key == "metadata")) {
+                        openapi_at(prop, child, &child_path(key), out);
+                    }
+                }
+            }
+            if let Some(extra) = schema.get("additionalProperties").filter(|a| a.is_object()) {
+                for (key, child) in map {
+                    openapi_at(extra, child, &child_path(key), out);
+                }
+            }
+            for key in schema["required"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+                if map.get(key).is_none_or(Value::is_null) {
+                    out.push(FieldError {
+                        field: child_path(key),
+                        reason: "FieldValueRequired",
+                        message: "Required value".into(),
+                    });
+                }
+            }
+        }
+        Value::Array(items) => {
+            if let Some(item_schema) = schema.get("items") {
+                for (i, item) in items.iter().enumerate() {
+                    openapi_at(item_schema, item, &format!("{path}[{i}]"), out);
+                }
+            }
+        }
+        Value::String(text) => {
+            if let Some(pattern) = schema["pattern"].as_str()
+                && pattern_matches(pattern, text) == Some(false)
+            {
+                out.push(FieldError {
+                    field: path.to_string(),
+                    reason: "FieldValueInvalid",
+                    message: format!("Invalid value: {value}: {path} in body should match '{pattern}'"),
+                });
+            }
+        }
+        _ => {}
+    }
+    if let Some(allowed) = schema["enum"].as_array()
+        && !value.is_null()
+        && !allowed.contains(value)
+    {
+        let supported: Vec<String> = allowed.iter().map(Value::to_string).collect();
+        out.push(FieldError {
+            field: path.to_string(),
+            reason: "FieldValueNotSupported",
+            message: format!("Unsupported value: {value}: supported values: {}", supported.join(", ")),
+        });
+    }
+}
+
+/// The JSON pointer of a field path as kube-apiserver writes it (`spec.budgets[0].nodes` is
+/// `/spec/budgets/0/nodes`).
+pub fn field_pointer(field: &str) -> String {
+    let mut out = String::new();
+    for part in field.split('.').filter(|p| !p.is_empty()) {
+        let mut rest = part;
+        let name_end = rest.find('[').unwrap_or(rest.len());
+        out.push('/');
+        out.push_str(&rest[..name_end].replace('~', "~0").replace('/', "~1"));
+        rest = &rest[name_end..];
+        while let Some(close) = rest.find(']') {
+            out.push('/');
+            out.push_str(&rest[1..close]);
+            rest = &rest[close + 1..];
+        }
+    }
+    out
+}
+
+/// Whether `text` matches the schema's `pattern`; `None` (and a warning) for a pattern the regex
+/// engine cannot compile, which then refuses nothing.
+fn pattern_matches(pattern: &str, text: &str) -> Option<bool> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Option<regex::Regex>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Mutex::default);
+    let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+    let re = cache.entry(pattern.to_string()).or_insert_with(|| {
+        regex::Regex::new(pattern)
+            .inspect_err(
+                |e| tracing::warn!(pattern, error = %e, "a CRD pattern could not be compiled; it refuses nothing"),
+            )
+            .ok()
+    });
+    re.as_ref().map(|re| re.is_match(text))
 }
 
 /// The `openAPIV3Schema` of `version` in a CRD.
@@ -99,6 +260,7 @@ fn walk(schema: &Value, value: &Value, old: Option<&Value>, path: &str, out: &mu
             Ok(false) => out.push(Violation {
                 field: if path.is_empty() { "<root>".into() } else { path.to_string() },
                 message: rule["message"].as_str().map(str::to_string).unwrap_or_else(|| format!("failed rule: {text}")),
+                value_type: schema["type"].as_str().unwrap_or("object").to_string(),
             }),
             Err(why) => {
                 UNEVALUATED.fetch_add(1, Ordering::Relaxed);

@@ -76,13 +76,27 @@ impl ApiError {
         )
     }
 
-    /// 422 `Kind "name" is invalid: field: Type: detail`.
+    /// 422 `Kind.group "name" is invalid: field: Type: detail` (the kind qualified by its group,
+    /// as kube-apiserver's `NewInvalid` names a `GroupKind`).
     pub fn invalid(group: &str, kind: &str, name: &str, field: &str, cause: &str, detail: &str) -> Self {
-        let mut e = Self::new(422, "Invalid", format!("{kind} \"{name}\" is invalid: {field}: {detail}"));
-        e.details = Some(json!({
-            "name": name, "group": group, "kind": kind,
-            "causes": [{"reason": cause, "message": detail, "field": field}],
-        }));
+        Self::invalid_causes(group, kind, name, &[(field.to_string(), cause, detail.to_string())])
+    }
+
+    /// 422 for several causes `(field, reason, message)`: one is written `field: message`,
+    /// more are listed in brackets, as kube-apiserver's `NewInvalid` writes an error list.
+    pub fn invalid_causes(group: &str, kind: &str, name: &str, causes: &[(String, &str, String)]) -> Self {
+        let listed: Vec<String> = causes.iter().map(|(field, _, detail)| format!("{field}: {detail}")).collect();
+        let listed = match listed.as_slice() {
+            [one] => one.clone(),
+            many => format!("[{}]", many.join(", ")),
+        };
+        let qualified_kind = if group.is_empty() { kind.to_string() } else { format!("{kind}.{group}") };
+        let mut e = Self::new(422, "Invalid", format!("{qualified_kind} \"{name}\" is invalid: {listed}"));
+        let causes: Vec<Value> = causes
+            .iter()
+            .map(|(field, reason, detail)| json!({"reason": reason, "message": detail, "field": field}))
+            .collect();
+        e.details = Some(json!({"name": name, "group": group, "kind": kind, "causes": causes}));
         e
     }
 
@@ -97,9 +111,15 @@ impl ApiError {
     }
 
     /// 403 Forbidden.
+    /// (`pods is forbidden` when the request names no object, as kube-apiserver's
+    /// `NewForbidden` writes it.)
     pub fn forbidden(group: &str, resource: &str, name: &str, why: &str) -> Self {
-        Self::new(403, "Forbidden", format!("{} \"{name}\" is forbidden: {why}", qualified(group, resource)))
-            .with_details(name, group, resource)
+        let what = if name.is_empty() {
+            qualified(group, resource)
+        } else {
+            format!("{} \"{name}\"", qualified(group, resource))
+        };
+        Self::new(403, "Forbidden", format!("{what} is forbidden: {why}")).with_details(name, group, resource)
     }
 
     /// 405 MethodNotAllowed.
@@ -158,5 +178,38 @@ impl ApiError {
             s["details"] = d.clone();
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// kube-apiserver's wording, as the differential suite saw it: a request that names no object
+    /// is forbidden without an empty quoted name, and an invalid custom resource names its kind
+    /// with its group and lists several causes in brackets.
+    #[test]
+    fn messages_are_worded_as_kube_apiservers() {
+        let why = "User \"u\" cannot list resource \"secrets\"";
+        assert_eq!(ApiError::forbidden("", "secrets", "", why).message, format!("secrets is forbidden: {why}"));
+        assert_eq!(ApiError::forbidden("", "nodes", "n1", why).message, format!("nodes \"n1\" is forbidden: {why}"));
+
+        let one = ApiError::invalid("karpenter.sh", "NodePool", "p", "spec", "FieldValueInvalid", "bad");
+        assert_eq!(one.message, "NodePool.karpenter.sh \"p\" is invalid: spec: bad");
+        assert_eq!(one.details.as_ref().unwrap()["kind"], "NodePool");
+        let two = ApiError::invalid_causes(
+            "",
+            "Node",
+            "n",
+            &[
+                ("a".into(), "FieldValueRequired", "Required value".into()),
+                ("b".into(), "FieldValueInvalid", "x".into()),
+            ],
+        );
+        assert_eq!(two.message, "Node \"n\" is invalid: [a: Required value, b: x]");
+        assert_eq!(
+            two.details.unwrap()["causes"][1],
+            json!({"reason": "FieldValueInvalid", "message": "x", "field": "b"})
+        );
     }
 }

@@ -157,12 +157,24 @@ pub(crate) fn serve(
         }
         let deadline = tokio::time::sleep(timeout.unwrap_or(Duration::from_secs(3600)).min(drop_after.unwrap_or(Duration::MAX)));
         tokio::pin!(deadline);
+        // kube-apiserver's watch cache also sends one bookmark 2 s before the watch times out,
+        // so that the client resumes from the newest resourceVersion (apiserver's
+        // storage/cacher/cache_watcher.go, nextBookmarkTime); none when the timeout is shorter
+        let pretimeout = timeout.and_then(|t| t.checked_sub(Duration::from_secs(2))).filter(|_| bookmarks);
+        let pretimeout_bookmark = tokio::time::sleep(pretimeout.unwrap_or(Duration::MAX / 4));
+        tokio::pin!(pretimeout_bookmark);
+        let mut pretimeout_due = pretimeout.is_some();
         let mut tick = tokio::time::interval(bookmark_every);
         tick.tick().await;
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = &mut deadline => break,
+                _ = &mut pretimeout_bookmark, if pretimeout_due => {
+                    pretimeout_due = false;
+                    yield Ok(line("BOOKMARK", &json!({"kind": kind, "apiVersion": t.api_version(),
+                        "metadata": {"resourceVersion": last_rv.to_string()}})));
+                }
                 _ = tick.tick(), if bookmarks => {
                     yield Ok(line("BOOKMARK", &json!({"kind": kind, "apiVersion": t.api_version(),
                         "metadata": {"resourceVersion": last_rv.to_string()}})));

@@ -52,15 +52,26 @@ impl Inner {
         if let Some(uid) = &opts.precondition_uid
             && obj["metadata"]["uid"].as_str() != Some(uid.as_str())
         {
-            return Err(ApiError::conflict(
-                &gr.group,
-                &gr.resource,
-                name,
-                &format!(
-                    "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
-                    obj["metadata"]["uid"].as_str().unwrap_or_default()
-                ),
-            ));
+            let found = obj["metadata"]["uid"].as_str().unwrap_or_default();
+            // a pod's delete is graceful, and kube-apiserver checks its UID precondition before
+            // the storage does, naming the kind (apiserver's registry/rest/delete.go, BeforeDelete)
+            return Err(if *gr == GroupResource::new("", "pods") {
+                ApiError::conflict(
+                    "",
+                    "Pod",
+                    name,
+                    &format!(
+                        "the UID in the precondition ({uid}) does not match the UID in record ({found}). The object might have been deleted and then recreated"
+                    ),
+                )
+            } else {
+                ApiError::conflict(
+                    &gr.group,
+                    &gr.resource,
+                    name,
+                    &format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {found}"),
+                )
+            });
         }
         if let Some(rv) = &opts.precondition_rv
             && obj["metadata"]["resourceVersion"].as_str() != Some(rv.as_str())

@@ -643,6 +643,7 @@ impl Inner {
     /// Direct write of a new state without the HTTP semantics (used by eviction, binding and
     /// scale, which have checked what they need).
     pub(crate) fn put(&mut self, key: &ObjectKey, mut obj: Value, manager: &str, subresource: &str) -> Value {
+        writes::go_shape(&key.gr, &mut obj);
         let old = self.find(&key.gr, &key.namespace, &key.name);
         let now = now_rfc3339();
         let api_version = obj["apiVersion"].as_str().unwrap_or_default().to_string();

@@ -186,7 +186,11 @@ impl Inner {
             }
         }
         prepare_create(&info, &mut obj);
-        self.admit_custom(&info, &name, &mut obj, None)?;
+        go_shape(gr, &mut obj);
+        // a restore loads what another server already stores, which no server validates again
+        // on reading it (an object stored before its CRD's schema changed stays readable)
+        let admission = if record { Admission::Validate } else { Admission::DefaultOnly };
+        self.admit_custom(&info, &name, &mut obj, None, admission)?;
         if *gr == crd_gr() {
             let registered = self.registry.register_crd(&obj)?;
             let mut f = finalizers(&obj);
@@ -326,17 +330,28 @@ impl Inner {
                 ));
             }
         }
-        self.admit_custom(&info, name, &mut obj, Some(&old))?;
+        go_shape(gr, &mut obj);
+        self.admit_custom(&info, name, &mut obj, Some(&old), Admission::Validate)?;
         if *gr == crd_gr() {
             let registered = self.registry.register_crd(&obj)?;
             let mut st = crd_status(&obj, &registered);
             if let Some(c) = old["status"]["storedVersions"].as_array() {
                 st["storedVersions"] = json!(c);
             }
-            obj["status"] = st;
+            // the same names keep the conditions as they were: a write that changes nothing
+            // else stays a no-op, with no new resourceVersion, as on the real server
+            obj["status"] = if old["status"]["acceptedNames"] == st["acceptedNames"]
+                && old["status"]["storedVersions"] == st["storedVersions"]
+            {
+                old["status"].clone()
+            } else {
+                st
+            };
         }
+        // A no-op write does not bump the resourceVersion, like the real server; a patch that
+        // named no resourceVersion is compared as if it had named the stored one.
+        obj["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"].clone();
         if obj == *old {
-            // A no-op write does not bump the resourceVersion, like the real server.
             return Ok(obj);
         }
         let now = now_rfc3339();
@@ -374,6 +389,7 @@ impl Inner {
         name: &str,
         obj: &mut Value,
         old: Option<&Value>,
+        admission: Admission,
     ) -> Result<(), ApiError> {
         if info.builtin {
             return Ok(());
@@ -385,24 +401,43 @@ impl Inner {
         let Some(schema) = schema::schema_of(&crd, &version) else {
             return Ok(());
         };
+        schema::prune(schema, obj);
         schema::apply_defaults(schema, obj);
-        let violations = schema::validate(schema, obj, old);
-        let Some(first) = violations.first() else {
+        if admission == Admission::DefaultOnly {
             return Ok(());
+        }
+        let mut openapi = schema::check_openapi(schema, obj);
+        // validation ratcheting (CRDValidationRatcheting, on by default since 1.30): an update is
+        // not refused for a value it leaves as it was, so an object stored before its schema
+        // changed can still be written
+        if let Some(old) = old {
+            openapi.retain(|e| {
+                let at = schema::field_pointer(&e.field);
+                old.pointer(&at) != obj.pointer(&at)
+            });
+        }
+        let causes: Vec<(String, &str, String)> = if openapi.is_empty() {
+            // kube-apiserver's wording: `<field>: Invalid value: "<type>": <message>` per rule
+            schema::validate(schema, obj, old)
+                .into_iter()
+                .map(|v| (v.field, "FieldValueInvalid", format!("Invalid value: \"{}\": {}", v.value_type, v.message)))
+                .collect()
+        } else {
+            // the real server evaluates no CEL rule of an object the OpenAPI schema refuses, and
+            // says so in a cause of its own
+            let mut causes: Vec<(String, &str, String)> =
+                openapi.into_iter().map(|e| (e.field, e.reason, e.message)).collect();
+            causes.push((
+                "<nil>".into(),
+                "FieldValueInvalid",
+                "Invalid value: null: some validation rules were not checked because the object was invalid; correct the existing errors to complete validation".into(),
+            ));
+            causes
         };
-        // kube-apiserver's wording: `<field>: Invalid value: "object": <message>` per rule
-        let detail = violations.iter().enumerate().map(|(i, v)| {
-            let field = if i == 0 { String::new() } else { format!("{}: ", v.field) };
-            format!("{field}Invalid value: \"object\": {}", v.message)
-        });
-        Err(ApiError::invalid(
-            &info.group,
-            &info.kind,
-            name,
-            &first.field,
-            "FieldValueInvalid",
-            &detail.collect::<Vec<_>>().join(", "),
-        ))
+        if causes.is_empty() {
+            return Ok(());
+        }
+        Err(ApiError::invalid_causes(&info.group, &info.kind, name, &causes))
     }
 
     #[expect(
@@ -481,6 +516,7 @@ impl Inner {
             let (merged, applied) = patch::apply_merge(&live, body, &opts.field_manager);
             if !opts.force {
                 let mut conflicts = Vec::new();
+                let live_version = live["apiVersion"].as_str().unwrap_or_default().to_string();
                 for p in &applied {
                     let mut a = &live as &Value;
                     let mut b = body;
@@ -490,18 +526,30 @@ impl Inner {
                     }
                     if a != b && !a.is_null() {
                         for o in patch::owners_of(&live, p, &opts.field_manager) {
-                            conflicts.push(format!("conflict with \"{o}\": .{}", p.join(".")));
+                            conflicts.push((
+                                format!("conflict with \"{o}\" using {live_version}"),
+                                format!(".{}", p.join(".")),
+                            ));
                         }
                     }
                 }
                 if !conflicts.is_empty() {
+                    // structured-merge-diff's wording, one cause per field
+                    // (apimachinery's managedfields internal/conflict.go)
                     let mut e = ApiError::conflict(&gr.group, &gr.resource, name, "");
                     e.message = format!(
                         "Apply failed with {} conflict{}: {}",
                         conflicts.len(),
                         if conflicts.len() == 1 { "" } else { "s" },
-                        conflicts.join(", ")
+                        conflicts.iter().map(|(who, field)| format!("{who}: {field}")).collect::<Vec<_>>().join(", ")
                     );
+                    let causes: Vec<Value> = conflicts
+                        .iter()
+                        .map(|(who, field)| json!({"reason": "FieldManagerConflict", "message": who, "field": field}))
+                        .collect();
+                    if let Some(d) = e.details.as_mut() {
+                        d["causes"] = json!(causes);
+                    }
                     return Err(e);
                 }
             }
@@ -610,6 +658,52 @@ fn validate_name(info: &ResourceInfo, name: &str) -> Result<(), ApiError> {
 }
 
 /// What the real strategies' PrepareForCreate do to status.
+/// Whether a custom resource's write is validated, or only pruned and defaulted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admission {
+    /// A write through the API: pruned, defaulted, validated.
+    Validate,
+    /// A restore of what another server stores: pruned and defaulted, as read from storage.
+    DefaultOnly,
+}
+
+/// An object as kube-apiserver stores it, where that differs from what was sent: the Go types'
+/// `omitempty` fields drop a zero value (a node's `spec.unschedulable: false` is no field at all,
+/// so no manager owns it and `managedFields` cannot name who uncordoned), a struct field is
+/// always there (a node's `spec`, which a JSON patch `add /spec/unschedulable` needs), and a
+/// CRD's `spec.conversion` is defaulted to `None` (apiextensions' `SetDefaults_CustomResourceDefinitionSpec`).
+pub(crate) fn go_shape(gr: &GroupResource, obj: &mut Value) {
+    if let Some(meta) = obj["metadata"].as_object_mut() {
+        for key in ["labels", "annotations", "finalizers"] {
+            let empty = match meta.get(key) {
+                Some(Value::Object(m)) => m.is_empty(),
+                Some(Value::Array(a)) => a.is_empty(),
+                Some(Value::Null) => true,
+                _ => false,
+            };
+            if empty {
+                meta.remove(key);
+            }
+        }
+    }
+    match (gr.group.as_str(), gr.resource.as_str()) {
+        ("", "nodes") => {
+            if !obj["spec"].is_object() {
+                obj["spec"] = json!({});
+            }
+            if obj["spec"]["unschedulable"] == false
+                && let Some(spec) = obj["spec"].as_object_mut()
+            {
+                spec.remove("unschedulable");
+            }
+        }
+        ("apiextensions.k8s.io", "customresourcedefinitions") if obj["spec"]["conversion"].is_null() => {
+            obj["spec"]["conversion"] = json!({"strategy": "None"});
+        }
+        _ => {}
+    }
+}
+
 fn prepare_create(info: &ResourceInfo, obj: &mut Value) {
     if !info.status {
         return;
@@ -651,6 +745,106 @@ fn crd_status(crd: &Value, info: &ResourceInfo) -> Value {
 mod tests {
     use super::*;
     use crate::store::tests::cm;
+
+    fn widget_crd() -> Value {
+        json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": "widgets.example.com"},
+            "spec": {"group": "example.com", "scope": "Cluster",
+                "names": {"plural": "widgets", "singular": "widget", "kind": "Widget", "listKind": "WidgetList"},
+                "versions": [{"name": "v1", "served": true, "storage": true, "schema": {"openAPIV3Schema": {
+                    "type": "object", "properties": {"spec": {"type": "object", "required": ["size"], "properties": {
+                        "size": {"type": "string", "pattern": "^[0-9]+$"},
+                        "mode": {"type": "string", "enum": ["a", "b"]}}}}}}}]}})
+    }
+
+    /// The tool turns a CRD's conversion webhook off with a JSON patch that `test`s the
+    /// resourceVersion; on the real server a CRD has `spec.conversion` (defaulted), and a patch
+    /// that changes nothing keeps the resourceVersion, so the same patch applies again.
+    #[test]
+    fn a_crd_has_its_conversion_defaulted_and_a_no_op_patch_keeps_its_resource_version() {
+        let store = Store::new(16, 1);
+        let gr = crd_gr();
+        let created = store.create(&gr, "", widget_crd(), &WriteOptions::manager("installer")).unwrap();
+        assert_eq!(created["spec"]["conversion"], json!({"strategy": "None"}));
+        let rv = created["metadata"]["resourceVersion"].clone();
+        let patch = json!([
+            {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+            {"op": "replace", "path": "/spec/conversion", "value": {"strategy": "None"}},
+        ]);
+        let opts = WriteOptions::manager("karpenter-teardown");
+        let once = store.patch(&gr, "", "widgets.example.com", PatchType::Json, &patch, "", &opts).unwrap();
+        assert_eq!(once["metadata"]["resourceVersion"], rv, "{once:#}\n{created:#}");
+        store.patch(&gr, "", "widgets.example.com", PatchType::Json, &patch, "", &opts).unwrap();
+    }
+
+    /// A custom resource is pruned, defaulted and held to its schema's `required`, `pattern` and
+    /// `enum`, with kube-apiserver's causes and its note that CEL rules were not evaluated.
+    #[test]
+    fn a_custom_resource_is_pruned_and_held_to_its_openapi_schema() {
+        let store = Store::new(16, 1);
+        store.create(&crd_gr(), "", widget_crd(), &WriteOptions::manager("installer")).unwrap();
+        let gr = GroupResource::new("example.com", "widgets");
+        let widget = |spec: Value| json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}, "spec": spec});
+        let opts = WriteOptions::manager("t");
+        let e = store.create(&gr, "", widget(json!({"mode": "c", "size": "x"})), &opts).unwrap_err();
+        assert_eq!(e.code, 422);
+        assert_eq!(
+            e.message,
+            "Widget.example.com \"w\" is invalid: [spec.mode: Unsupported value: \"c\": supported values: \"a\", \"b\", spec.size: Invalid value: \"x\": spec.size in body should match '^[0-9]+$', <nil>: Invalid value: null: some validation rules were not checked because the object was invalid; correct the existing errors to complete validation]"
+        );
+        let e = store.create(&gr, "", widget(json!({})), &opts).unwrap_err();
+        let causes = &e.details.unwrap()["causes"];
+        assert_eq!(
+            causes[0],
+            json!({"reason": "FieldValueRequired", "message": "Required value", "field": "spec.size"})
+        );
+        let made = store.create(&gr, "", widget(json!({"size": "3", "madeUp": true})), &opts).unwrap();
+        assert_eq!(made["spec"], json!({"size": "3"}), "unknown fields are pruned");
+    }
+
+    /// What another server stores is restored as it is (pruned and defaulted, as read from
+    /// storage, not validated), and a later write is refused only for what it changes.
+    #[test]
+    fn a_restored_object_is_not_validated_and_writes_ratchet_on_what_they_leave() {
+        let store = Store::new(16, 1);
+        store.create(&crd_gr(), "", widget_crd(), &WriteOptions::manager("installer")).unwrap();
+        let gr = GroupResource::new("example.com", "widgets");
+        let legacy = json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "old"},
+            "spec": {"mode": "legacy"}});
+        store.restore(&gr, "", legacy).unwrap();
+        let opts = WriteOptions::manager("t");
+        let label = json!({"metadata": {"labels": {"a": "b"}}});
+        store.patch(&gr, "", "old", PatchType::Merge, &label, "", &opts).unwrap();
+        let bad = json!({"spec": {"size": "x"}});
+        let e = store.patch(&gr, "", "old", PatchType::Merge, &bad, "", &opts).unwrap_err();
+        assert_eq!(e.details.unwrap()["causes"][0]["field"], "spec.size", "only the changed field is refused");
+        assert_eq!(schema::field_pointer("spec.budgets[0].nodes"), "/spec/budgets/0/nodes");
+    }
+
+    /// Go's `omitempty`: a node's `unschedulable: false` is no field, so whoever owned it owns
+    /// nothing after an uncordon, and an emptied annotation map is gone.
+    #[test]
+    fn an_uncordon_leaves_no_owner_of_unschedulable_and_empty_maps_are_dropped() {
+        let store = Store::new(16, 1);
+        let gr = GroupResource::new("", "nodes");
+        let bare = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n"}});
+        let created = store.create(&gr, "", bare, &WriteOptions::manager("kubelet")).unwrap();
+        assert_eq!(created["spec"], json!({}), "a node always has a spec");
+        let cordon = json!([{"op": "add", "path": "/spec/unschedulable", "value": true}]);
+        store.patch(&gr, "", "n", PatchType::Json, &cordon, "", &WriteOptions::manager("tool")).unwrap();
+        let uncordon = json!({"spec": {"unschedulable": false}, "metadata": {"annotations": {"a": null}}});
+        let out =
+            store.patch(&gr, "", "n", PatchType::Merge, &uncordon, "", &WriteOptions::manager("reverter")).unwrap();
+        assert!(out["spec"].get("unschedulable").is_none(), "{out:#}");
+        assert!(out["metadata"].get("annotations").is_none(), "{out:#}");
+        let managers: Vec<&str> = out["metadata"]["managedFields"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e["manager"].as_str())
+            .collect();
+        assert!(!managers.contains(&"tool") && !managers.contains(&"reverter"), "{managers:?}");
+    }
 
     /// A restored object keeps the managedFields it was given, and gets none when it was given
     /// none; a later write records only its own manager's fields.
