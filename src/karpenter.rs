@@ -252,7 +252,7 @@ fn is_legacy_profile_name(name: &str, cluster: &str) -> bool {
 ///   deprovisioner delete NodeClaims itself, without consulting disruption budgets, racing the
 ///   tool's ordered drain; with `nodes` at zero it neither adds nor removes nodes, and the tool
 ///   drains and terminates them in its own order.
-pub(crate) fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+pub fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
     let zero = || serde_json::Value::String("0".into());
     let mut limits = serde_json::Map::new();
     if nodepool_spec.get("replicas").is_some_and(|r| !r.is_null()) {

@@ -4,7 +4,7 @@
 pub(crate) mod apf;
 pub(crate) mod calls;
 pub(crate) mod gitops;
-pub(crate) mod nodes;
+pub mod nodes;
 pub mod objects;
 pub mod pods;
 
@@ -24,7 +24,7 @@ pub(crate) const LIST_PAGE: u32 = 500;
 
 /// Lists every object `lp` selects, page by page, keeping of each only what `keep` makes of
 /// it, so that no more than one page of whole objects is held at a time.
-pub(crate) async fn list_pages<K, T>(
+pub async fn list_pages<K, T>(
     api: &kube::Api<K>,
     lp: &ListParams,
     mut keep: impl FnMut(K) -> Option<T>,

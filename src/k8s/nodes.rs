@@ -27,11 +27,11 @@ use super::objects::{last_manager_in, patch_params};
 use super::{KubeError, status_code};
 
 /// The tool's own taint on the nodes it drains, with effect `NoSchedule`.
-pub(crate) const TAINT_DRAINING: &str = "karpenter-teardown.io/draining";
+pub const TAINT_DRAINING: &str = "karpenter-teardown.io/draining";
 
 /// What cordoning a node found and did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct CordonOutcome {
+pub struct CordonOutcome {
     /// The node is gone: nothing to do.
     pub gone: bool,
     /// We wrote (the node was not fenced).
@@ -80,7 +80,7 @@ pub(crate) fn fence_ops(node: &Node) -> Vec<Value> {
 /// Fences the node (cordon and taint) unless it is fenced. `seen_cordoned` says the tool fenced
 /// it earlier in this run: finding the fence lifted means something reverted it, and the field
 /// manager that did it is returned (design §1.6).
-pub(crate) async fn cordon_node(api: &Api<Node>, name: &str, seen_cordoned: bool) -> Result<CordonOutcome, KubeError> {
+pub async fn cordon_node(api: &Api<Node>, name: &str, seen_cordoned: bool) -> Result<CordonOutcome, KubeError> {
     for _ in 0..8 {
         let node = match api.get_opt(name).await {
             Ok(Some(n)) => n,

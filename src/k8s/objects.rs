@@ -11,13 +11,13 @@ use super::{KubeError, status_code};
 pub const FIELD_MANAGER: &str = "karpenter-teardown";
 
 /// Patch parameters naming our field manager.
-pub(crate) fn patch_params() -> PatchParams {
+pub fn patch_params() -> PatchParams {
     PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() }
 }
 
 /// What removing a finalizer found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FinalizerRemoval {
+pub enum FinalizerRemoval {
     /// It was there and is gone now.
     Removed,
     /// It was not there (or the object is gone): nothing to do.
@@ -27,11 +27,7 @@ pub(crate) enum FinalizerRemoval {
 /// Removes exactly `finalizer` from the object, with a JSON patch whose `test` pins the list
 /// entry it removes, so a concurrent change to the list is never overwritten (422 → re-read and
 /// try again). An object that is gone counts as done.
-pub(crate) async fn remove_finalizer<K>(
-    api: &Api<K>,
-    name: &str,
-    finalizer: &str,
-) -> Result<FinalizerRemoval, KubeError>
+pub async fn remove_finalizer<K>(api: &Api<K>, name: &str, finalizer: &str) -> Result<FinalizerRemoval, KubeError>
 where
     K: kube::Resource + Clone + DeserializeOwned + serde::Serialize + std::fmt::Debug,
 {
@@ -67,7 +63,7 @@ where
 }
 
 /// Deletes an object; one already gone counts as deleted. Returns whether it existed.
-pub(crate) async fn delete_if_present<K>(api: &Api<K>, name: &str) -> Result<bool, KubeError>
+pub async fn delete_if_present<K>(api: &Api<K>, name: &str) -> Result<bool, KubeError>
 where
     K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
 {
@@ -80,7 +76,7 @@ where
 
 /// The field manager that last wrote `path` (e.g. `["spec", "unschedulable"]`), from an object's
 /// raw `managedFields` array (the entry with the latest time wins).
-pub(crate) fn last_manager_in(managed: &Value, path: &[&str]) -> Option<String> {
+pub fn last_manager_in(managed: &Value, path: &[&str]) -> Option<String> {
     let mut best: Option<(String, String)> = None;
     for entry in managed.as_array()? {
         let mut node = entry.get("fieldsV1")?;
