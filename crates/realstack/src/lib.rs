@@ -84,7 +84,9 @@ pub enum RealStackError {
         log: String,
     },
     /// kube-controller-manager, kube-scheduler or kwok did not answer `/healthz` in time.
-    #[error("{component} was not healthy after {waited:?} (last answer of /healthz: {last}); the end of its log:\n{log}")]
+    #[error(
+        "{component} was not healthy after {waited:?} (last answer of /healthz: {last}); the end of its log:\n{log}"
+    )]
     NotHealthy {
         /// The component.
         component: &'static str,
