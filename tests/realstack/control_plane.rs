@@ -119,6 +119,10 @@ async fn a_deployment_is_scheduled_onto_kwok_nodes_and_its_pods_run() {
         let owner = p.metadata.owner_references.as_ref().and_then(|o| o.first()).map(|o| o.kind.clone());
         assert_eq!(owner.as_deref(), Some("ReplicaSet"));
     }
+    // the ReplicaSet controller acted as its own ServiceAccount (--use-service-account-credentials),
+    // which kube-controller-manager made for it in kube-system
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(admin.clone(), "kube-system");
+    assert!(accounts.get_opt("replicaset-controller").await.unwrap().is_some(), "no per-controller identity");
     // kwok keeps the nodes Ready
     let nodes: Api<Node> = Api::all(admin);
     for n in &names {
