@@ -3,8 +3,9 @@
 //! authorizer, Karpenter's real CRDs with the real server's defaulting and validation.
 //!
 //! The first run builds the binary (many minutes cold; `crates/realstack/build-real`), later runs
-//! only check that it is current. Each test starts its own etcd and kube-apiserver and kills them
-//! when it ends, failing or not.
+//! only check that it is current. Each test starts its own etcd and kube-apiserver (and, where
+//! pods must run, kube-controller-manager, kube-scheduler and kwok: `control_plane`) and kills
+//! them when it ends, failing or not.
 
 #[path = "../common/mod.rs"]
 mod common;
