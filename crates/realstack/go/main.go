@@ -3,6 +3,8 @@
 //
 //	realstack etcd --data-dir DIR --listen-client-url URL --listen-peer-url URL
 //	realstack kube-apiserver [kube-apiserver's own flags]
+//	realstack kube-controller-manager [kube-controller-manager's own flags]
+//	realstack kube-scheduler [kube-scheduler's own flags]
 package main
 
 import (
@@ -22,11 +24,13 @@ import (
 	_ "k8s.io/component-base/metrics/prometheus/clientgo" // client-go metrics, as in kube-apiserver's own main
 	_ "k8s.io/component-base/metrics/prometheus/version"  // the build info metric, as in kube-apiserver's own main
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
+	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
 )
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: realstack etcd|kube-apiserver [flags]")
+		fmt.Fprintln(os.Stderr, "usage: realstack etcd|kube-apiserver|kube-controller-manager|kube-scheduler [flags]")
 		os.Exit(2)
 	}
 	component, rest := os.Args[1], os.Args[2:]
@@ -41,8 +45,14 @@ func main() {
 		// cobra reads os.Args[1:] as the flags, so drop the component's name
 		os.Args = append([]string{"kube-apiserver"}, rest...)
 		os.Exit(cli.Run(apiserver.NewAPIServerCommand()))
+	case "kube-controller-manager":
+		os.Args = append([]string{"kube-controller-manager"}, rest...)
+		os.Exit(cli.Run(controllermanager.NewControllerManagerCommand()))
+	case "kube-scheduler":
+		os.Args = append([]string{"kube-scheduler"}, rest...)
+		os.Exit(cli.Run(scheduler.NewSchedulerCommand()))
 	default:
-		fmt.Fprintf(os.Stderr, "realstack: unknown component %q (etcd, kube-apiserver)\n", component)
+		fmt.Fprintf(os.Stderr, "realstack: unknown component %q (etcd, kube-apiserver, kube-controller-manager, kube-scheduler)\n", component)
 		os.Exit(2)
 	}
 }

@@ -1,6 +1,8 @@
 //! The test bed on a real control plane: kube-apiserver and etcd built from source (`go/`, by the
 //! `build-real` script) and run on loopback, with generated certificates, a static token file,
 //! `--authorization-mode=Node,RBAC`, and the tool's identity bound to exactly `deploy/rbac.yaml`.
+//! [`RealStack::start_full`] adds kube-controller-manager, kube-scheduler (same release) and kwok,
+//! which makes every Node Ready and runs the pods bound to it, so workloads schedule and run.
 //!
 //! [`RealStack`] owns the processes it starts: they run in a process group of their own, and the
 //! whole group is killed when it is dropped, a failing test's unwinding included.
@@ -62,7 +64,7 @@ pub enum RealStackError {
     /// A component exited while the stack was starting.
     #[error("{component} exited while starting ({status}); the end of its log:\n{log}")]
     Exited {
-        /// etcd or kube-apiserver.
+        /// The component.
         component: &'static str,
         /// How it ended.
         status: String,
@@ -77,6 +79,20 @@ pub enum RealStackError {
         /// How long it was waited for.
         waited: Duration,
         /// The last answer or error of `/readyz`.
+        last: String,
+        /// The last lines of its log.
+        log: String,
+    },
+    /// kube-controller-manager, kube-scheduler or kwok did not answer `/healthz` in time.
+    #[error(
+        "{component} was not healthy after {waited:?} (last answer of /healthz: {last}); the end of its log:\n{log}"
+    )]
+    NotHealthy {
+        /// The component.
+        component: &'static str,
+        /// How long it was waited for.
+        waited: Duration,
+        /// The last answer or error of `/healthz`.
         last: String,
         /// The last lines of its log.
         log: String,
@@ -112,6 +128,16 @@ pub fn build_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("build-real")
 }
 
+fn bin_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("go/bin")
+}
+
+/// kwok's binary, which `build-real` builds beside [`binary`]'s (from a module of its own).
+fn kwok_binary() -> Result<PathBuf, RealStackError> {
+    binary()?;
+    Ok(bin_dir().join("kwok"))
+}
+
 /// The real control plane's binary, built by `build-real` the first time a process asks (the
 /// script is a no-op when the binary is current, so a test binary pays only one check).
 pub fn binary() -> Result<PathBuf, RealStackError> {
@@ -134,7 +160,7 @@ fn build() -> Result<PathBuf, RealStackError> {
         .status()
         .map_err(io(format!("running {}", script.display())))?;
     match status.code() {
-        Some(0) => Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("go/bin/realstack")),
+        Some(0) => Ok(bin_dir().join("realstack")),
         // the script's own exit code when `go` is not on PATH
         Some(127) => Err(RealStackError::GoMissing),
         _ => Err(RealStackError::Build { status: status.to_string() }),
@@ -148,7 +174,47 @@ pub(crate) struct Layout {
     etcd_client_port: u16,
     etcd_peer_port: u16,
     apiserver_port: u16,
+    controller_manager_port: u16,
+    scheduler_port: u16,
+    kwok_port: u16,
 }
+
+/// The controllers kube-controller-manager runs (`--controllers`): what the test bed's workloads
+/// and a teardown meet on a real cluster, and no more (each controller costs CPU on a small
+/// machine). Names from kubernetes' cmd/kube-controller-manager/names/controller_names.go.
+pub(crate) const CONTROLLERS: &[&str] = &[
+    // Deployments → ReplicaSets → pods, and the evicted pods they recreate
+    "deployment-controller",
+    "replicaset-controller",
+    "statefulset-controller",
+    // the aws-node DaemonSet's pod on every node
+    "daemonset-controller",
+    // PodDisruptionBudget status (disruptionsAllowed), which the eviction subresource reads
+    "disruption-controller",
+    // ownerReferences: a deleted Deployment's ReplicaSets and pods, a deleted NodeClaim's dependents
+    "garbage-collector-controller",
+    // a deleted namespace's content
+    "namespace-controller",
+    // each namespace's `default` ServiceAccount, without which the ServiceAccount admission
+    // plugin refuses the namespace's pods
+    "serviceaccount-controller",
+    // the `kube-root-ca.crt` ConfigMap the ServiceAccount admission plugin's projected volume names
+    "root-ca-certificate-publisher-controller",
+    // the not-ready/unreachable taints of nodes whose heartbeats (kwok's leases) stop
+    "node-lifecycle-controller",
+    // evicts pods from nodes tainted NoExecute
+    "taint-eviction-controller",
+    // deletes the pods bound to a Node object that is gone
+    "pod-garbage-collector-controller",
+];
+
+/// The identities of the control plane's own components, as kubernetes' bootstrap RBAC policy
+/// names them (plugin/pkg/auth/authorizer/rbac/bootstrappolicy/policy.go binds the ClusterRoles
+/// `system:kube-controller-manager` and `system:kube-scheduler` (+ `system:volume-scheduler`) to
+/// these users; namespace_policy.go gives both the `extension-apiserver-authentication-reader`
+/// Role in kube-system for delegated authentication).
+pub(crate) const CONTROLLER_MANAGER_USER: &str = "system:kube-controller-manager";
+pub(crate) const SCHEDULER_USER: &str = "system:kube-scheduler";
 
 impl Layout {
     fn file(&self, name: &str) -> PathBuf {
@@ -171,9 +237,9 @@ impl Layout {
         ]
     }
 
-    pub(crate) fn apiserver_args(&self) -> Vec<String> {
+    pub(crate) fn apiserver_args(&self, control_plane: ControlPlane) -> Vec<String> {
         let f = |name: &str| self.file(name).display().to_string();
-        [
+        let mut args: Vec<String> = [
             "kube-apiserver".to_string(),
             format!("--etcd-servers=http://127.0.0.1:{}", self.etcd_client_port),
             "--bind-address=127.0.0.1".into(),
@@ -189,26 +255,99 @@ impl Layout {
             format!("--service-account-signing-key-file={}", f("sa.key")),
             "--service-account-issuer=https://kubernetes.default.svc".into(),
             "--service-cluster-ip-range=10.96.0.0/16".into(),
-            // Without kube-controller-manager nobody creates a namespace's `default`
-            // ServiceAccount, and the ServiceAccount admission plugin refuses every pod of a
-            // namespace until it exists (kubernetes' plugin/pkg/admission/serviceaccount).
-            "--disable-admission-plugins=ServiceAccount".into(),
             // The `kubernetes` Service's endpoints may not be a loopback address (kubernetes'
             // pkg/apis/core/validation refuses it); there is no Service network here anyway.
             "--endpoint-reconciler-type=none".into(),
             "--profiling=false".into(),
         ]
-        .into()
+        .into();
+        if control_plane == ControlPlane::ApiServerOnly {
+            // Without kube-controller-manager nobody creates a namespace's `default`
+            // ServiceAccount, and the ServiceAccount admission plugin refuses every pod of a
+            // namespace until it exists (kubernetes' plugin/pkg/admission/serviceaccount).
+            args.push("--disable-admission-plugins=ServiceAccount".into());
+        }
+        args
+    }
+
+    /// The flags kube-controller-manager and kube-scheduler share: their own kubeconfig for the
+    /// API, delegated authentication and authorization through the same identity (as kubeadm
+    /// starts them), loopback serving with the server's certificate (its SAN is 127.0.0.1), and
+    /// no leader election: one instance of each, for one test binary.
+    fn component_args(&self, kubeconfig: &str, port: u16) -> Vec<String> {
+        let f = |name: &str| self.file(name).display().to_string();
+        vec![
+            format!("--kubeconfig={}", f(kubeconfig)),
+            format!("--authentication-kubeconfig={}", f(kubeconfig)),
+            format!("--authorization-kubeconfig={}", f(kubeconfig)),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={port}"),
+            format!("--tls-cert-file={}", f("apiserver.crt")),
+            format!("--tls-private-key-file={}", f("apiserver.key")),
+            "--leader-elect=false".into(),
+            "--profiling=false".into(),
+        ]
+    }
+
+    pub(crate) fn controller_manager_args(&self) -> Vec<String> {
+        let mut args = vec!["kube-controller-manager".to_string()];
+        args.extend(self.component_args("controller-manager.kubeconfig", self.controller_manager_port));
+        args.extend([
+            format!("--controllers={}", CONTROLLERS.join(",")),
+            // each controller acts as its own ServiceAccount in kube-system, bound to its own
+            // `system:controller:*` ClusterRole by the bootstrap policy, as on real clusters
+            "--use-service-account-credentials=true".into(),
+            format!("--root-ca-file={}", self.file("ca.crt").display()),
+        ]);
+        args
+    }
+
+    pub(crate) fn scheduler_args(&self) -> Vec<String> {
+        let mut args = vec!["kube-scheduler".to_string()];
+        args.extend(self.component_args("scheduler.kubeconfig", self.scheduler_port));
+        args
+    }
+
+    /// kwok as kwokctl starts it (sigs.k8s.io/kwok pkg/kwokctl/components/kwok_controller.go):
+    /// every node managed, node leases of 40 s (kwok's default), its default node and pod stages
+    /// (no `--config`, no Stage CRD), and its server on loopback for `/healthz`.
+    pub(crate) fn kwok_args(&self) -> Vec<String> {
+        vec![
+            format!("--kubeconfig={}", self.file("admin.kubeconfig").display()),
+            format!("--config={}", self.file("kwok.yaml").display()),
+            "--manage-all-nodes=true".into(),
+            "--node-lease-duration-seconds=40".into(),
+            format!("--server-address=127.0.0.1:{}", self.kwok_port),
+            "--node-ip=127.0.0.1".into(),
+            // pod IPs: kwok's default /24 runs out at 254 pods
+            "--cidr=10.0.0.1/16".into(),
+        ]
     }
 }
 
-/// The static token file: an admin in `system:masters`, and the tool's identity in
-/// [`TOOL_GROUP`] only. Format: `token,user,uid,"group1,group2"`, as kube-apiserver's
-/// `--token-auth-file` reads it.
-pub(crate) fn token_file(admin_token: &str, tool_token: &str) -> String {
-    format!(
+/// What runs besides etcd and kube-apiserver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlPlane {
+    /// etcd and kube-apiserver only: objects are stored and validated, nothing acts on them.
+    ApiServerOnly,
+    /// Also kube-controller-manager, kube-scheduler and kwok: workloads get pods, pods get nodes
+    /// and run, PodDisruptionBudgets get a status.
+    Full,
+}
+
+/// The static token file: an admin in `system:masters`, the tool's identity in [`TOOL_GROUP`]
+/// only, and each of `components` (token, user) as a user in no group, as the client
+/// certificates kubeadm makes for them carry a common name and no organization. Format:
+/// `token,user,uid,"group1,group2"` (groups optional), as kube-apiserver's `--token-auth-file`
+/// reads it.
+pub(crate) fn token_file(admin_token: &str, tool_token: &str, components: &[(&str, &str)]) -> String {
+    let mut text = format!(
         "{admin_token},admin,admin-uid,\"system:masters\"\n{tool_token},{TOOL_USER},{TOOL_USER}-uid,\"{TOOL_GROUP}\"\n"
-    )
+    );
+    for (token, user) in components {
+        text.push_str(&format!("{token},{user},{user}-uid\n"));
+    }
+    text
 }
 
 /// A kubeconfig (JSON, which every YAML reader reads) with one context named `context`.
@@ -318,7 +457,54 @@ fn log_tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(30)..].join("\n")
 }
 
-/// A running etcd and kube-apiserver, and the kubeconfigs to reach them. Dropping it kills both.
+/// kube's default client retries every 429 (up to 15 times, after the server's `Retry-After`),
+/// so an eviction a PodDisruptionBudget refuses would come back minutes later, and the simulated
+/// Karpenter on such a client stalls inside it (sandbox-sim's controller.rs). The tool turns it
+/// off for its own client (src/k8s), the sandbox server's configs do too: the test bed's clients
+/// see a refusal when it happens, as the tool does.
+pub(crate) fn without_retry(mut config: kube::Config) -> kube::Config {
+    config.default_retry = false;
+    config
+}
+
+/// How a component's `/healthz` is reached.
+enum Health {
+    /// Over TLS with the server's CA (kube-controller-manager, kube-scheduler).
+    Tls(kube::Client),
+    /// Plain HTTP on loopback (kwok's server, started without a certificate).
+    Plain(std::net::SocketAddr),
+}
+
+impl Health {
+    async fn get(&self, path: &str) -> Result<String, String> {
+        match self {
+            Health::Tls(client) => {
+                let req = http::Request::get(path).body(Vec::new()).map_err(|e| e.to_string())?;
+                client.request_text(req).await.map_err(|e| e.to_string())
+            }
+            Health::Plain(addr) => plain_get(*addr, path).await.map_err(|e| e.to_string()),
+        }
+    }
+}
+
+/// The body of `GET path` on `addr` over HTTP/1.0 (the server closes the connection after its
+/// answer, so the body is what follows the headers).
+async fn plain_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await??;
+    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
+    let mut text = String::new();
+    tokio::time::timeout(Duration::from_secs(2), conn.read_to_string(&mut text)).await??;
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));
+    if head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200") {
+        Ok(body.to_string())
+    } else {
+        Err(std::io::Error::other(format!("answered {}", head.lines().next().unwrap_or_default())))
+    }
+}
+
+/// A running etcd and kube-apiserver (and, when started full, the rest of the control plane), and
+/// the kubeconfigs to reach them. Dropping it kills them all.
 pub struct RealStack {
     layout: Layout,
     /// Children in start order; all in the process group of the first.
@@ -333,6 +519,21 @@ impl RealStack {
     /// Builds the binary if needed, starts etcd and kube-apiserver, waits for `/readyz`, creates
     /// `rbac_yaml`'s objects, and writes the kubeconfigs (context `context`).
     pub async fn start(context: &str, rbac_yaml: &str) -> Result<RealStack, RealStackError> {
+        Self::start_with(context, rbac_yaml, ControlPlane::ApiServerOnly).await
+    }
+
+    /// [`RealStack::start`], then kube-controller-manager, kube-scheduler and kwok, each waited
+    /// for on its `/healthz`.
+    pub async fn start_full(context: &str, rbac_yaml: &str) -> Result<RealStack, RealStackError> {
+        Self::start_with(context, rbac_yaml, ControlPlane::Full).await
+    }
+
+    /// Starts the stack `control_plane` names.
+    pub async fn start_with(
+        context: &str,
+        rbac_yaml: &str,
+        control_plane: ControlPlane,
+    ) -> Result<RealStack, RealStackError> {
         let (roles, bindings) = rbac_objects(rbac_yaml)?;
         let bin = binary()?;
         let dir = tempfile::Builder::new().prefix("realstack-").tempdir().map_err(io("making a temp dir"))?;
@@ -341,24 +542,35 @@ impl RealStack {
             etcd_client_port: free_port()?,
             etcd_peer_port: free_port()?,
             apiserver_port: free_port()?,
+            controller_manager_port: free_port()?,
+            scheduler_port: free_port()?,
+            kwok_port: free_port()?,
         };
         make_certs(&layout.dir)?;
         let (admin_token, tool_token) = (token(), token());
-        std::fs::write(layout.file("tokens.csv"), token_file(&admin_token, &tool_token))
+        let (cm_token, scheduler_token) = (token(), token());
+        let components = [(cm_token.as_str(), CONTROLLER_MANAGER_USER), (scheduler_token.as_str(), SCHEDULER_USER)];
+        std::fs::write(layout.file("tokens.csv"), token_file(&admin_token, &tool_token, &components))
             .map_err(io("writing tokens.csv"))?;
         let ca = layout.file("ca.crt");
         let admin_kubeconfig = layout.file("admin.kubeconfig");
         let tool_kubeconfig = layout.file("kubeconfig");
-        for (path, user, token) in
-            [(&admin_kubeconfig, "admin", &admin_token), (&tool_kubeconfig, TOOL_USER, &tool_token)]
-        {
+        for (path, user, token) in [
+            (admin_kubeconfig.clone(), "admin", admin_token.as_str()),
+            (tool_kubeconfig.clone(), TOOL_USER, tool_token.as_str()),
+            (layout.file("controller-manager.kubeconfig"), CONTROLLER_MANAGER_USER, cm_token.as_str()),
+            (layout.file("scheduler.kubeconfig"), SCHEDULER_USER, scheduler_token.as_str()),
+        ] {
             let text = kubeconfig(context, &layout.server(), &ca, user, token).to_string();
-            std::fs::write(path, text).map_err(io(format!("writing {}", path.display())))?;
+            std::fs::write(&path, text).map_err(io(format!("writing {}", path.display())))?;
         }
+        // kwok reads ~/.kwok/kwok.yaml unless told otherwise: an empty configuration keeps the
+        // user's own out and leaves kwok its defaults
+        std::fs::write(layout.file("kwok.yaml"), "").map_err(io("writing kwok.yaml"))?;
 
         let mut stack = RealStack { layout, children: Vec::new(), admin_kubeconfig, tool_kubeconfig, _dir: dir };
         stack.spawn(&bin, "etcd", stack.layout.etcd_args())?;
-        stack.spawn(&bin, "kube-apiserver", stack.layout.apiserver_args())?;
+        stack.spawn(&bin, "kube-apiserver", stack.layout.apiserver_args(control_plane))?;
         let admin = stack.admin_client().await?;
         stack.wait_ready(&admin, Duration::from_secs(180)).await?;
 
@@ -376,6 +588,22 @@ impl RealStack {
                 what: format!("creating ClusterRoleBinding {:?}", b.metadata.name),
                 source,
             })?;
+        }
+        if control_plane == ControlPlane::Full {
+            stack.spawn(&bin, "kube-controller-manager", stack.layout.controller_manager_args())?;
+            stack.spawn(&bin, "kube-scheduler", stack.layout.scheduler_args())?;
+            stack.spawn(&kwok_binary()?, "kwok", stack.layout.kwok_args())?;
+            let (cm, sched) = (stack.layout.controller_manager_port, stack.layout.scheduler_port);
+            for (component, port) in [("kube-controller-manager", cm), ("kube-scheduler", sched)] {
+                let path = stack.layout.file(&format!("{component}-health.kubeconfig"));
+                let url = format!("https://127.0.0.1:{port}");
+                let text = kubeconfig(context, &url, &ca, "admin", &admin_token).to_string();
+                std::fs::write(&path, text).map_err(io(format!("writing {}", path.display())))?;
+                let client = Self::client_of(&path).await?;
+                stack.wait_healthy(component, &Health::Tls(client), Duration::from_secs(120)).await?;
+            }
+            let kwok = Health::Plain(std::net::SocketAddr::from(([127, 0, 0, 1], stack.layout.kwok_port)));
+            stack.wait_healthy("kwok", &kwok, Duration::from_secs(120)).await?;
         }
         Ok(stack)
     }
@@ -408,15 +636,7 @@ impl RealStack {
     async fn wait_ready(&mut self, admin: &kube::Client, timeout: Duration) -> Result<(), RealStackError> {
         let start = Instant::now();
         loop {
-            for (component, child) in &mut self.children {
-                if let Ok(Some(status)) = child.try_wait() {
-                    return Err(RealStackError::Exited {
-                        component,
-                        status: status.to_string(),
-                        log: log_tail(&self.layout.file(&format!("{component}.log"))),
-                    });
-                }
-            }
+            self.check_alive()?;
             let req = http::Request::get("/readyz").body(Vec::new()).map_err(|e| RealStackError::Io {
                 what: "building the /readyz request".into(),
                 source: std::io::Error::other(e),
@@ -437,13 +657,53 @@ impl RealStack {
         }
     }
 
+    /// Waits until `component` answers `ok` on `/healthz`, failing early when any child exits.
+    async fn wait_healthy(
+        &mut self,
+        component: &'static str,
+        health: &Health,
+        timeout: Duration,
+    ) -> Result<(), RealStackError> {
+        let start = Instant::now();
+        loop {
+            self.check_alive()?;
+            let last = match health.get("/healthz").await {
+                Ok(body) if body.trim() == "ok" => return Ok(()),
+                Ok(body) => body,
+                Err(e) => e,
+            };
+            if start.elapsed() > timeout {
+                return Err(RealStackError::NotHealthy {
+                    component,
+                    waited: start.elapsed(),
+                    last,
+                    log: log_tail(&self.layout.file(&format!("{component}.log"))),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    fn check_alive(&mut self) -> Result<(), RealStackError> {
+        for (component, child) in &mut self.children {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(RealStackError::Exited {
+                    component,
+                    status: status.to_string(),
+                    log: log_tail(&self.layout.file(&format!("{component}.log"))),
+                });
+            }
+        }
+        Ok(())
+    }
+
     async fn client_of(path: &Path) -> Result<kube::Client, RealStackError> {
         let bad = |reason: String| RealStackError::Kubeconfig { path: path.to_path_buf(), reason };
         let kc = Kubeconfig::read_from(path).map_err(|e| bad(e.to_string()))?;
         let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
             .await
             .map_err(|e| bad(e.to_string()))?;
-        kube::Client::try_from(config).map_err(|e| bad(e.to_string()))
+        kube::Client::try_from(without_retry(config)).map_err(|e| bad(e.to_string()))
     }
 
     /// A client with every permission (`system:masters`), for the test bed's own setup.
@@ -466,12 +726,14 @@ impl RealStack {
         self.layout.server()
     }
 
-    /// The process ids of the components, in start order (etcd, kube-apiserver).
+    /// The process ids of the components, in start order (etcd, kube-apiserver, then
+    /// kube-controller-manager, kube-scheduler and kwok when started full).
     pub fn pids(&self) -> Vec<u32> {
         self.children.iter().map(|(_, c)| c.id()).collect()
     }
 
-    /// The log of a component (`etcd`, `kube-apiserver`), for assertion messages.
+    /// The log of a component (`etcd`, `kube-apiserver`, `kube-controller-manager`,
+    /// `kube-scheduler`, `kwok`), for assertion messages.
     pub fn log_tail(&self, component: &str) -> String {
         log_tail(&self.layout.file(&format!("{component}.log")))
     }
@@ -525,11 +787,73 @@ mod tests {
 
     #[test]
     fn the_token_file_puts_the_tool_in_its_group_only() {
-        let text = token_file("a".repeat(8).as_str(), "t0k");
+        let text = token_file("a".repeat(8).as_str(), "t0k", &[]);
         let tool = text.lines().find(|l| l.starts_with("t0k,")).unwrap();
         assert_eq!(tool, format!("t0k,{TOOL_USER},{TOOL_USER}-uid,\"{TOOL_GROUP}\""));
         assert!(!tool.contains("system:masters"));
         assert!(text.lines().any(|l| l.starts_with("aaaaaaaa,admin,") && l.ends_with("\"system:masters\"")));
+    }
+
+    #[test]
+    fn the_components_are_the_users_the_bootstrap_policy_binds_and_in_no_group() {
+        let text = token_file("a", "t", &[("c", CONTROLLER_MANAGER_USER), ("s", SCHEDULER_USER)]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert_eq!(lines[2], "c,system:kube-controller-manager,system:kube-controller-manager-uid");
+        assert_eq!(lines[3], "s,system:kube-scheduler,system:kube-scheduler-uid");
+    }
+
+    fn layout() -> Layout {
+        Layout {
+            dir: PathBuf::from("/d"),
+            etcd_client_port: 1,
+            etcd_peer_port: 2,
+            apiserver_port: 3,
+            controller_manager_port: 4,
+            scheduler_port: 5,
+            kwok_port: 6,
+        }
+    }
+
+    #[test]
+    fn the_service_account_admission_plugin_runs_only_with_the_controllers_that_feed_it() {
+        let disabled = |args: Vec<String>| args.iter().any(|a| a == "--disable-admission-plugins=ServiceAccount");
+        assert!(disabled(layout().apiserver_args(ControlPlane::ApiServerOnly)));
+        assert!(!disabled(layout().apiserver_args(ControlPlane::Full)));
+        assert!(CONTROLLERS.contains(&"serviceaccount-controller"));
+    }
+
+    #[test]
+    fn the_controller_manager_runs_the_controllers_a_teardown_meets_as_itself_and_alone() {
+        let args = layout().controller_manager_args();
+        assert_eq!(args[0], "kube-controller-manager");
+        let controllers = args.iter().find_map(|a| a.strip_prefix("--controllers=")).unwrap();
+        for want in ["disruption-controller", "replicaset-controller", "garbage-collector-controller"] {
+            assert!(controllers.split(',').any(|c| c == want), "{want} missing from {controllers}");
+        }
+        for want in [
+            "--kubeconfig=/d/controller-manager.kubeconfig",
+            "--authentication-kubeconfig=/d/controller-manager.kubeconfig",
+            "--secure-port=4",
+            "--bind-address=127.0.0.1",
+            "--leader-elect=false",
+            "--use-service-account-credentials=true",
+        ] {
+            assert!(args.iter().any(|a| a == want), "{want} missing from {args:?}");
+        }
+        let scheduler = layout().scheduler_args();
+        assert_eq!(scheduler[0], "kube-scheduler");
+        for want in ["--kubeconfig=/d/scheduler.kubeconfig", "--secure-port=5", "--leader-elect=false"] {
+            assert!(scheduler.iter().any(|a| a == want), "{want} missing from {scheduler:?}");
+        }
+    }
+
+    #[test]
+    fn kwok_manages_every_node_and_serves_health_on_loopback() {
+        let args = layout().kwok_args();
+        for want in ["--manage-all-nodes=true", "--server-address=127.0.0.1:6", "--config=/d/kwok.yaml"] {
+            assert!(args.iter().any(|a| a == want), "{want} missing from {args:?}");
+        }
     }
 
     #[test]
@@ -556,6 +880,13 @@ mod tests {
     }
 
     #[test]
+    fn the_clients_leave_a_refused_eviction_to_the_caller() {
+        let config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
+        assert!(config.default_retry, "kube's default, which the test bed must turn off");
+        assert!(!without_retry(config).default_retry);
+    }
+
+    #[test]
     fn rbac_files_with_other_kinds_are_refused() {
         let yaml = "kind: ClusterRole\napiVersion: rbac.authorization.k8s.io/v1\nmetadata: {name: r}\n---\nkind: Secret\napiVersion: v1\nmetadata: {name: s}\n";
         assert!(matches!(rbac_objects(yaml), Err(RealStackError::Rbac(m)) if m.contains("Secret")));
@@ -563,8 +894,8 @@ mod tests {
 
     #[test]
     fn the_apiserver_authorizes_with_node_and_rbac_and_reads_the_token_file() {
-        let l = Layout { dir: PathBuf::from("/d"), etcd_client_port: 1, etcd_peer_port: 2, apiserver_port: 3 };
-        let args = l.apiserver_args();
+        let l = layout();
+        let args = l.apiserver_args(ControlPlane::Full);
         assert_eq!(args[0], "kube-apiserver");
         for want in [
             "--authorization-mode=Node,RBAC",
