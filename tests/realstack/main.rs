@@ -8,6 +8,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod karpenter;
 
 use std::time::Instant;
 
