@@ -235,6 +235,10 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     let profiles = aws.iam.cluster_instance_profiles(REGION, &cluster).await.unwrap();
     assert!(profiles.iter().any(|p| p.name == profile), "{profile} not found as Karpenter's: {profiles:?}");
     assert!(log.contains("created launch template"), "{}", karpenter.log_tail(40));
+    // Karpenter deletes a launch template itself a minute after its last use (its cache's
+    // eviction, pkg/providers/launchtemplate): how many are left to the tool depends on timing
+    let templates = aws.ec2.launch_templates(&cluster).await.unwrap().len();
+    eprintln!("before the teardown: {templates} launch template(s), instance profile {profile}");
 
     // the teardown, with the real Karpenter alive
     let dir = tempfile::tempdir().unwrap();
