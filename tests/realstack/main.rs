@@ -11,6 +11,7 @@
 mod common;
 mod control_plane;
 mod differential;
+mod karpenter;
 
 use std::time::Instant;
 

@@ -7,6 +7,8 @@
 //! [`RealStack`] owns the processes it starts: they run in a process group of their own, and the
 //! whole group is killed when it is dropped, a failing test's unwinding included.
 
+pub mod karpenter;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;

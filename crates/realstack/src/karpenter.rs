@@ -1,0 +1,711 @@
+//! The real Karpenter (`github.com/aws/karpenter-provider-aws`, `./cmd/controller`, built from
+//! source by `build-karpenter` at the version `karpenter/go.mod` pins) as the live controller of a
+//! [`RealStack`], with EC2, IAM and STS served by LocalStack.
+//!
+//! Karpenter runs as a process on this machine, not as a pod, so the test bed plays the parts of
+//! the cluster around it that are not there (no kube-controller-manager, no scheduler, no
+//! kubelet):
+//! - the `karpenter` Deployment in `kube-system` and its one Pod stand for the process: while the
+//!   Deployment asks for a replica the process runs and the Deployment reports it ready; once it is
+//!   scaled to zero (or deleted) the process is killed and the Pod removed, as the Deployment
+//!   controller and the kubelet would;
+//! - pending pods are marked `PodScheduled=False, reason Unschedulable`, which kube-scheduler
+//!   writes and which is the only sign Karpenter provisions for;
+//! - each launched NodeClaim gets its Node, registered as the kubelet on that instance would, and
+//!   marked Ready.
+//!
+//! [`RealKarpenter`] owns the process: it runs in a process group of its own with a watchdog that
+//! ends it once the test process is gone, and the group is killed when it is dropped.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use serde_json::{Value, json};
+
+use crate::RealStack;
+
+/// The namespace and name of the controller's Deployment, where Karpenter's Helm chart puts it.
+pub const NAMESPACE: &str = "kube-system";
+/// See [`NAMESPACE`].
+pub const NAME: &str = "karpenter";
+
+/// The field manager of everything the test bed writes on Karpenter's behalf.
+const MANAGER: &str = "realstack-karpenter";
+
+/// Why the real Karpenter could not be built, started or served; each message says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum KarpenterError {
+    /// `build-karpenter` could not run Go.
+    #[error(
+        "Go is not installed (or not on PATH): the test bed builds Karpenter from source with Go 1.26 or later; install Go (https://go.dev/doc/install) and run the tests again"
+    )]
+    GoMissing,
+    /// `build-karpenter` ran and failed.
+    #[error(
+        "building Karpenter failed ({status}): run `crates/realstack/build-karpenter` to see the Go error (it needs the Go module proxy, or GOMODCACHE holding the modules of crates/realstack/karpenter/go.sum)"
+    )]
+    Build {
+        /// How the script ended.
+        status: String,
+    },
+    /// A file or a process could not be made.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A call to the real server failed.
+    #[error("{what}: {source}")]
+    Kube {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        source: kube::Error,
+    },
+    /// The stack's own client or kubeconfig could not be had.
+    #[error("{0}")]
+    Stack(#[from] crate::RealStackError),
+    /// The kubeconfig the stack wrote for the tool is not what it writes.
+    #[error("the tool's kubeconfig {0} has no cluster entry to reuse for Karpenter")]
+    Kubeconfig(PathBuf),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> KarpenterError {
+    let what = what.into();
+    move |source| KarpenterError::Io { what, source }
+}
+
+fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> KarpenterError {
+    let what = what.into();
+    move |source| KarpenterError::Kube { what, source }
+}
+
+/// The path of the `build-karpenter` script.
+pub fn build_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("build-karpenter")
+}
+
+/// The Karpenter binary, built by `build-karpenter` the first time a process asks (the script is a
+/// no-op when the binary is current).
+pub fn binary() -> Result<PathBuf, KarpenterError> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let built = BUILT.get_or_init(|| build().map_err(|e| e.to_string()));
+    built.clone().map_err(|e| match e {
+        // kept as text (the error holds io::Errors, which are not Clone); the first caller saw the
+        // typed one, later callers see the same message
+        msg if msg.starts_with("Go is not installed") => KarpenterError::GoMissing,
+        msg => KarpenterError::Build { status: msg },
+    })
+}
+
+fn build() -> Result<PathBuf, KarpenterError> {
+    let script = build_script();
+    let status = Command::new("bash")
+        .arg(&script)
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .status()
+        .map_err(io(format!("running {}", script.display())))?;
+    match status.code() {
+        Some(0) => Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("karpenter/bin/karpenter")),
+        // the script's own exit code when `go` is not on PATH
+        Some(127) => Err(KarpenterError::GoMissing),
+        _ => Err(KarpenterError::Build { status: status.to_string() }),
+    }
+}
+
+/// What the real Karpenter is started with.
+#[derive(Debug, Clone)]
+pub struct KarpenterSettings {
+    /// The cluster's name (`CLUSTER_NAME`): Karpenter tags what it creates with it.
+    pub cluster_name: String,
+    /// The AWS region.
+    pub region: String,
+    /// Where the AWS SDK sends every call (`AWS_ENDPOINT_URL`): LocalStack, or a proxy before it.
+    pub aws_endpoint: String,
+}
+
+/// The environment of the Karpenter process. The names are those of
+/// `pkg/operator/options/options.go` in karpenter-provider-aws and in sigs.k8s.io/karpenter.
+pub(crate) fn environment(
+    settings: &KarpenterSettings,
+    kubeconfig: &Path,
+    cluster_endpoint: &str,
+    metrics_port: u16,
+    health_port: u16,
+) -> Vec<(String, String)> {
+    let pairs: [(&str, String); 17] = [
+        ("KUBECONFIG", kubeconfig.display().to_string()),
+        ("CLUSTER_NAME", settings.cluster_name.clone()),
+        // set, so Karpenter does not ask EKS's DescribeCluster for it (operator.ResolveClusterEndpoint)
+        ("CLUSTER_ENDPOINT", cluster_endpoint.to_string()),
+        // no Pricing API here: with an isolated VPC Karpenter keeps its built-in price list
+        // (pricing.NewDefaultProvider)
+        ("ISOLATED_VPC", "true".into()),
+        // the Kubernetes version comes from the API server's /version, not EKS's DescribeCluster
+        // (version.DefaultProvider.UpdateVersion)
+        ("EKS_CONTROL_PLANE", "false".into()),
+        ("DISABLE_LEADER_ELECTION", "true".into()),
+        // many tests may run side by side: no fixed ports
+        ("METRICS_PORT", metrics_port.to_string()),
+        ("HEALTH_PROBE_PORT", health_port.to_string()),
+        ("LOG_LEVEL", "debug".into()),
+        // a test's pods come all at once: a short batching window
+        ("BATCH_IDLE_DURATION", "1s".into()),
+        ("BATCH_MAX_DURATION", "3s".into()),
+        ("AWS_REGION", settings.region.clone()),
+        ("AWS_ENDPOINT_URL", settings.aws_endpoint.clone()),
+        ("AWS_ACCESS_KEY_ID", "test".into()),
+        ("AWS_SECRET_ACCESS_KEY", "test".into()),
+        ("AWS_EC2_METADATA_DISABLED", "true".into()),
+        // the SDK's shared config must not be this machine's
+        ("AWS_CONFIG_FILE", "/dev/null".into()),
+    ];
+    pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+}
+
+/// Whether the Deployment asks for the controller to run: it exists and wants a replica.
+pub(crate) fn wants_to_run(deployment: Option<&Deployment>) -> bool {
+    deployment.is_some_and(|d| {
+        d.metadata.deletion_timestamp.is_none() && d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1) > 0
+    })
+}
+
+/// The instance id and zone of an AWS provider id, `aws:///<zone>/<instance-id>`
+/// (karpenter-provider-aws `pkg/utils.ParseInstanceID` reads the same form).
+pub(crate) fn parse_provider_id(provider_id: &str) -> Option<(&str, &str)> {
+    let rest = provider_id.strip_prefix("aws:///")?;
+    let (zone, id) = rest.split_once('/')?;
+    (!zone.is_empty() && id.starts_with("i-")).then_some((zone, id))
+}
+
+/// The Node the kubelet on a NodeClaim's instance registers: named as the instance's private DNS
+/// name (the kubelet's hostname on EC2), with the provider id, the NodeClaim's labels and taints,
+/// and Karpenter's `karpenter.sh/unregistered:NoExecute` taint, which the kubelet is started with
+/// (karpenter's `pkg/apis/v1` UnregisteredNoExecuteTaint) and Karpenter removes on registration.
+/// Capacity and allocatable are the NodeClaim's, and the node is Ready.
+pub(crate) fn node_for(claim: &Value, node_name: &str) -> Option<Value> {
+    let status = &claim["status"];
+    let provider_id = status["providerID"].as_str()?;
+    let (zone, _) = parse_provider_id(provider_id)?;
+    let mut labels: BTreeMap<String, Value> = claim["metadata"]["labels"]
+        .as_object()
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default();
+    labels.insert("kubernetes.io/hostname".into(), json!(node_name));
+    labels.insert("topology.kubernetes.io/zone".into(), json!(zone));
+    let mut taints: Vec<Value> = Vec::new();
+    for t in [&claim["spec"]["taints"], &claim["spec"]["startupTaints"]] {
+        taints.extend(t.as_array().cloned().unwrap_or_default());
+    }
+    taints.push(json!({"key": "karpenter.sh/unregistered", "effect": "NoExecute"}));
+    let now = "1970-01-01T00:00:00Z";
+    Some(json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": node_name, "labels": labels},
+        "spec": {"providerID": provider_id, "taints": taints},
+        "status": {
+            "capacity": status["capacity"],
+            "allocatable": status["allocatable"],
+            "conditions": [{
+                "type": "Ready", "status": "True", "reason": "KubeletReady",
+                "message": "kubelet is posting ready status", "lastHeartbeatTime": now, "lastTransitionTime": now,
+            }],
+        },
+    }))
+}
+
+/// Whether kube-scheduler would have marked this pod unschedulable by now: not bound, not yet
+/// marked, not deleted, and not the controller's own pod (which would run on a node of another
+/// node group in a real cluster).
+pub(crate) fn needs_unschedulable_mark(pod: &Pod) -> bool {
+    let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
+    let marked = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "PodScheduled"));
+    let controller =
+        pod.metadata.labels.as_ref().and_then(|l| l.get("app.kubernetes.io/name")).map(String::as_str) == Some(NAME);
+    !bound && !marked && !controller && pod.metadata.deletion_timestamp.is_none()
+}
+
+fn nodeclaims() -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("karpenter.sh", "v1", "NodeClaim"), "nodeclaims")
+}
+
+fn free_port() -> Result<u16, KarpenterError> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io("finding a free loopback port"))?;
+    Ok(l.local_addr().map_err(io("finding a free loopback port"))?.port())
+}
+
+/// The process and what the supervisor needs to restart it.
+struct Process {
+    bin: PathBuf,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    child: Option<Child>,
+    starts: u32,
+}
+
+impl Process {
+    fn start(&mut self) -> Result<(), KarpenterError> {
+        use std::os::unix::process::CommandExt;
+        if self.child.is_some() {
+            return Ok(());
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(io(format!("opening {}", self.log.display())))?;
+        let log2 = log.try_clone().map_err(io(format!("opening {}", self.log.display())))?;
+        // A watchdog shell runs Karpenter and ends it once the test process is no longer its
+        // parent: a test binary killed outright runs no drop, and Karpenter has no such check of
+        // its own. Both are in a new process group, which drop kills.
+        let script = r#"
+"$0" & k=$!
+while kill -0 "$k" 2>/dev/null; do
+    if [ "$(cut -d' ' -f4 /proc/$$/stat)" != "$REALSTACK_PARENT_PID" ]; then kill -KILL "$k"; exit 1; fi
+    sleep 1
+done
+wait "$k""#;
+        let child = Command::new("bash")
+            .arg("-c")
+            .arg(script)
+            .arg(&self.bin)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .env("REALSTACK_PARENT_PID", std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .process_group(0)
+            .spawn()
+            .map_err(io(format!("starting Karpenter ({})", self.bin.display())))?;
+        self.child = Some(child);
+        self.starts += 1;
+        Ok(())
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SIGKILL to the group (`kill -- -PGID`): the workspace forbids `unsafe`, which
+            // calling kill(2) directly would need
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn running(&mut self) -> bool {
+        match self.child.as_mut().map(Child::try_wait) {
+            Some(Ok(None)) => true,
+            Some(_) => {
+                self.child = None;
+                false
+            }
+            None => false,
+        }
+    }
+}
+
+/// The real Karpenter, running against a [`RealStack`] for as long as its Deployment asks.
+/// Dropping it kills the process and stops the test bed's stand-ins.
+pub struct RealKarpenter {
+    process: Arc<Mutex<Process>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    registered: Arc<Mutex<Vec<String>>>,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl RealKarpenter {
+    /// Gives Karpenter an identity on the stack (a ServiceAccount bound to `cluster-admin`, with a
+    /// token from the TokenRequest API), creates its Deployment and Pod, starts the process, and
+    /// starts the stand-ins (pending-pod marking, node registration). `ec2` is what the node
+    /// registrar reads instances with.
+    pub async fn start(
+        stack: &RealStack,
+        settings: KarpenterSettings,
+        ec2: aws_sdk_ec2::Client,
+    ) -> Result<RealKarpenter, KarpenterError> {
+        let bin = binary()?;
+        let admin = stack.admin_client().await?;
+        let dir = tempfile::Builder::new().prefix("karpenter-").tempdir().map_err(io("making a temp dir"))?;
+        let kubeconfig = dir.path().join("kubeconfig");
+        let token = identity(&admin).await?;
+        std::fs::write(&kubeconfig, kubeconfig_with_token(stack.tool_kubeconfig(), &token)?.to_string())
+            .map_err(io(format!("writing {}", kubeconfig.display())))?;
+        create_deployment(&admin, &settings).await?;
+
+        let log = dir.path().join("karpenter.log");
+        let env = environment(&settings, &kubeconfig, &stack.server(), free_port()?, free_port()?);
+        let process = Arc::new(Mutex::new(Process { bin, env, log: log.clone(), child: None, starts: 0 }));
+        let registered = Arc::new(Mutex::new(Vec::new()));
+        let tasks = vec![
+            tokio::spawn(supervise(admin.clone(), process.clone())),
+            tokio::spawn(mark_unschedulable(admin.clone())),
+            tokio::spawn(register_nodes(admin, ec2, registered.clone())),
+        ];
+        Ok(RealKarpenter { process, tasks, registered, log, _dir: dir })
+    }
+
+    /// Whether the Karpenter process is running now.
+    pub fn running(&self) -> bool {
+        self.process.lock().is_ok_and(|mut p| p.running())
+    }
+
+    /// How many times the process was started.
+    pub fn starts(&self) -> u32 {
+        self.process.lock().map(|p| p.starts).unwrap_or(0)
+    }
+
+    /// The Nodes the registrar created, in order.
+    pub fn registered_nodes(&self) -> Vec<String> {
+        self.registered.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// The last `lines` lines of Karpenter's log, for assertion messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Karpenter's whole log.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for RealKarpenter {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        // a poisoned lock still holds the child: kill it all the same
+        let mut p = self.process.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        p.stop();
+    }
+}
+
+/// A ServiceAccount `kube-system/karpenter` bound to `cluster-admin`, and a token for it. The
+/// TokenRequest API is served by kube-apiserver itself (signed with its service-account key), so
+/// it needs no kube-controller-manager.
+async fn identity(admin: &kube::Client) -> Result<String, KarpenterError> {
+    let pp = PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() };
+    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), NAMESPACE);
+    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": NAME, "namespace": NAMESPACE}}))
+        .map_err(|e| KarpenterError::Io { what: "the ServiceAccount".into(), source: e.into() })?;
+    sas.create(&pp, &sa).await.map_err(kube_err("creating the karpenter ServiceAccount"))?;
+    // Karpenter's Helm chart grants narrower ClusterRoles; the tests here are about the tool, and
+    // the controller's own permissions are not what they check
+    let crb: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "realstack-karpenter"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+        "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}],
+    }))
+    .map_err(|e| KarpenterError::Io { what: "the ClusterRoleBinding".into(), source: e.into() })?;
+    Api::<ClusterRoleBinding>::all(admin.clone())
+        .create(&pp, &crb)
+        .await
+        .map_err(kube_err("binding the karpenter ServiceAccount"))?;
+    let req: TokenRequest = serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 86400}}))
+        .map_err(|e| KarpenterError::Io { what: "the TokenRequest".into(), source: e.into() })?;
+    let got = sas.create_token_request(NAME, &pp, &req).await.map_err(kube_err("requesting a token for Karpenter"))?;
+    got.status.map(|s| s.token).ok_or_else(|| KarpenterError::Io {
+        what: "the TokenRequest".into(),
+        source: std::io::Error::other("no token in the answer"),
+    })
+}
+
+/// The tool's kubeconfig (the stack's server and CA) with Karpenter's token instead of the
+/// tool's.
+pub(crate) fn kubeconfig_with_token(tool_kubeconfig: &Path, token: &str) -> Result<Value, KarpenterError> {
+    let text =
+        std::fs::read_to_string(tool_kubeconfig).map_err(io(format!("reading {}", tool_kubeconfig.display())))?;
+    let mut cfg: Value =
+        serde_json::from_str(&text).map_err(|_| KarpenterError::Kubeconfig(tool_kubeconfig.to_path_buf()))?;
+    let user = cfg["users"].get_mut(0).ok_or_else(|| KarpenterError::Kubeconfig(tool_kubeconfig.to_path_buf()))?;
+    *user = json!({"name": "karpenter", "user": {"token": token}});
+    let ctx = cfg["contexts"].get_mut(0).ok_or_else(|| KarpenterError::Kubeconfig(tool_kubeconfig.to_path_buf()))?;
+    ctx["context"]["user"] = json!("karpenter");
+    Ok(cfg)
+}
+
+fn deployment(settings: &KarpenterSettings) -> Value {
+    let labels = json!({"app.kubernetes.io/name": NAME, "app.kubernetes.io/instance": NAME});
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": NAME, "namespace": NAMESPACE, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "serviceAccountName": NAME,
+                    "containers": [{
+                        "name": "controller",
+                        "image": "public.ecr.aws/karpenter/controller",
+                        "env": [{"name": "CLUSTER_NAME", "value": settings.cluster_name}],
+                    }],
+                },
+            },
+        },
+    })
+}
+
+async fn create_deployment(admin: &kube::Client, settings: &KarpenterSettings) -> Result<(), KarpenterError> {
+    let pp = PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() };
+    let d: Deployment = serde_json::from_value(deployment(settings))
+        .map_err(|e| KarpenterError::Io { what: "the Deployment".into(), source: e.into() })?;
+    Api::<Deployment>::namespaced(admin.clone(), NAMESPACE)
+        .create(&pp, &d)
+        .await
+        .map_err(kube_err("creating the karpenter Deployment"))?;
+    Ok(())
+}
+
+fn controller_pod() -> Value {
+    let labels = json!({"app.kubernetes.io/name": NAME, "app.kubernetes.io/instance": NAME});
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": format!("{NAME}-0"), "namespace": NAMESPACE, "labels": labels},
+        "spec": {"serviceAccountName": NAME, "containers": [{"name": "controller", "image": "public.ecr.aws/karpenter/controller"}]},
+    })
+}
+
+/// Keeps the process, the Pod and the Deployment's status in step with what the Deployment asks,
+/// as the Deployment controller and the kubelet would.
+async fn supervise(admin: kube::Client, process: Arc<Mutex<Process>>) {
+    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), NAMESPACE);
+    let pods: Api<Pod> = Api::namespaced(admin, NAMESPACE);
+    let pp = PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() };
+    let status_pp = PatchParams::apply(MANAGER).force();
+    loop {
+        if let Ok(d) = deployments.get_opt(NAME).await {
+            let run = wants_to_run(d.as_ref());
+            let running = {
+                let Ok(mut p) = process.lock() else { return };
+                if run {
+                    if let Err(e) = p.start() {
+                        tracing::error!(error = %e, "starting Karpenter");
+                    }
+                } else {
+                    p.stop();
+                }
+                p.running()
+            };
+            if run {
+                if let Ok(pod) = serde_json::from_value::<Pod>(controller_pod()) {
+                    let _ = pods.create(&pp, &pod).await;
+                }
+            } else {
+                let _ = pods.delete(&format!("{NAME}-0"), &DeleteParams::default()).await;
+            }
+            if d.is_some() {
+                let ready = i32::from(run && running);
+                let status = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+                    "status": {"replicas": ready, "readyReplicas": ready, "availableReplicas": ready}});
+                let _ = deployments.patch_status(NAME, &status_pp, &Patch::Apply(&status)).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// kube-scheduler's part: every pending pod is marked unschedulable (there is no node it could be
+/// bound to that Karpenter did not make, and those have no kubelet to run it).
+async fn mark_unschedulable(admin: kube::Client) {
+    let pods: Api<Pod> = Api::all(admin.clone());
+    loop {
+        if let Ok(list) = pods.list(&ListParams::default().fields("spec.nodeName=")).await {
+            for pod in list.items.iter().filter(|p| needs_unschedulable_mark(p)) {
+                let (Some(ns), Some(name)) = (pod.metadata.namespace.as_deref(), pod.metadata.name.as_deref()) else {
+                    continue;
+                };
+                let now = "2026-01-01T00:00:00Z";
+                let patch = json!({"status": {"conditions": [{
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": "0/0 nodes are available", "lastTransitionTime": now,
+                }]}});
+                let api: Api<Pod> = Api::namespaced(admin.clone(), ns);
+                let _ = api.patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch)).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The kubelet's part: a Node for each NodeClaim that has an instance and no Node yet.
+async fn register_nodes(admin: kube::Client, ec2: aws_sdk_ec2::Client, registered: Arc<Mutex<Vec<String>>>) {
+    let claims: Api<DynamicObject> = Api::all_with(admin.clone(), &nodeclaims());
+    let nodes: Api<Node> = Api::all(admin);
+    let pp = PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() };
+    let mut done: BTreeMap<String, String> = BTreeMap::new();
+    loop {
+        if let Ok(list) = claims.list(&ListParams::default()).await {
+            for claim in list.items {
+                let Ok(claim) = serde_json::to_value(&claim) else { continue };
+                let Some(provider_id) = claim["status"]["providerID"].as_str() else { continue };
+                if done.contains_key(provider_id) || claim["metadata"]["deletionTimestamp"].is_string() {
+                    continue;
+                }
+                let Some((_, instance)) = parse_provider_id(provider_id) else { continue };
+                let Some(name) = private_dns_name(&ec2, instance).await else { continue };
+                let Some(node) = node_for(&claim, &name) else { continue };
+                let Ok(node) = serde_json::from_value::<Node>(node) else { continue };
+                let created = match nodes.create(&pp, &node).await {
+                    Ok(_) => true,
+                    Err(kube::Error::Api(s)) if s.code == 409 => true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, node = %name, "registering a node");
+                        false
+                    }
+                };
+                // status is a subresource: the Ready condition and the resources go in apart
+                if created {
+                    let status = json!({"status": node.status});
+                    if nodes.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status)).await.is_ok() {
+                        done.insert(provider_id.to_string(), name.clone());
+                        if let Ok(mut r) = registered.lock() {
+                            r.push(name);
+                        }
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The hostname the kubelet on an EC2 instance registers with.
+async fn private_dns_name(ec2: &aws_sdk_ec2::Client, instance: &str) -> Option<String> {
+    let out = ec2.describe_instances().instance_ids(instance).send().await.ok()?;
+    let inst = out.reservations().first()?.instances().first()?;
+    inst.private_dns_name().filter(|n| !n.is_empty()).map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_provider_id_gives_its_zone_and_instance() {
+        assert_eq!(
+            parse_provider_id("aws:///us-west-2a/i-0123456789abcdef0"),
+            Some(("us-west-2a", "i-0123456789abcdef0"))
+        );
+        assert_eq!(parse_provider_id("aws:///us-west-2a/"), None);
+        assert_eq!(parse_provider_id("kwok://node-1"), None);
+        assert_eq!(parse_provider_id("aws:////i-1"), None);
+    }
+
+    #[test]
+    fn the_node_carries_the_claims_identity_and_the_unregistered_taint() {
+        let claim = json!({
+            "metadata": {"name": "default-abcde", "labels": {"karpenter.sh/nodepool": "default", "node.kubernetes.io/instance-type": "m5.large"}},
+            "spec": {"taints": [{"key": "dedicated", "value": "x", "effect": "NoSchedule"}],
+                     "startupTaints": [{"key": "startup", "effect": "NoSchedule"}]},
+            "status": {"providerID": "aws:///us-west-2b/i-0abc", "capacity": {"cpu": "2"}, "allocatable": {"cpu": "1930m"}},
+        });
+        let node = node_for(&claim, "ip-10-0-1-5.us-west-2.compute.internal").unwrap();
+        assert_eq!(node["metadata"]["name"], "ip-10-0-1-5.us-west-2.compute.internal");
+        assert_eq!(node["spec"]["providerID"], "aws:///us-west-2b/i-0abc");
+        let labels = &node["metadata"]["labels"];
+        assert_eq!(labels["karpenter.sh/nodepool"], "default");
+        assert_eq!(labels["topology.kubernetes.io/zone"], "us-west-2b");
+        assert_eq!(labels["kubernetes.io/hostname"], "ip-10-0-1-5.us-west-2.compute.internal");
+        let keys: Vec<&str> =
+            node["spec"]["taints"].as_array().unwrap().iter().map(|t| t["key"].as_str().unwrap()).collect();
+        assert_eq!(keys, ["dedicated", "startup", "karpenter.sh/unregistered"]);
+        assert_eq!(node["status"]["allocatable"]["cpu"], "1930m");
+        assert_eq!(node["status"]["conditions"][0]["type"], "Ready");
+        assert_eq!(node["status"]["conditions"][0]["status"], "True");
+        // the same Node passes the typed model the registrar sends
+        serde_json::from_value::<Node>(node).unwrap();
+    }
+
+    #[test]
+    fn a_claim_without_an_instance_has_no_node() {
+        assert!(node_for(&json!({"metadata": {"name": "x"}, "status": {}}), "n").is_none());
+    }
+
+    #[test]
+    fn the_controller_runs_only_while_its_deployment_wants_a_replica() {
+        let d = |replicas: Option<i32>| -> Deployment {
+            serde_json::from_value(json!({"metadata": {"name": NAME}, "spec": {
+                "replicas": replicas, "selector": {}, "template": {}}}))
+            .unwrap()
+        };
+        assert!(wants_to_run(Some(&d(Some(1)))));
+        assert!(wants_to_run(Some(&d(None))), "replicas defaults to 1");
+        assert!(!wants_to_run(Some(&d(Some(0)))));
+        assert!(!wants_to_run(None));
+        let mut deleting = d(Some(1));
+        deleting.metadata.deletion_timestamp = Some(serde_json::from_value(json!("2026-01-01T00:00:00Z")).unwrap());
+        assert!(!wants_to_run(Some(&deleting)));
+    }
+
+    #[test]
+    fn only_unbound_unmarked_workload_pods_are_marked_unschedulable() {
+        let pod = |v: Value| -> Pod { serde_json::from_value(v).unwrap() };
+        assert!(needs_unschedulable_mark(&pod(json!({"metadata": {"name": "w"}, "spec": {"containers": []}}))));
+        assert!(!needs_unschedulable_mark(&pod(
+            json!({"metadata": {"name": "w"}, "spec": {"containers": [], "nodeName": "n"}})
+        )));
+        assert!(!needs_unschedulable_mark(&pod(json!({"metadata": {"name": "w"}, "spec": {"containers": []},
+            "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}}))));
+        assert!(!needs_unschedulable_mark(&pod(controller_pod())));
+    }
+
+    #[test]
+    fn karpenter_is_pointed_at_the_stack_and_localstack_without_eks_or_pricing() {
+        let s = KarpenterSettings {
+            cluster_name: "c1".into(),
+            region: "us-west-2".into(),
+            aws_endpoint: "http://127.0.0.1:4566".into(),
+        };
+        let env: BTreeMap<String, String> =
+            environment(&s, Path::new("/k"), "https://127.0.0.1:6443", 1, 2).into_iter().collect();
+        assert_eq!(env["CLUSTER_NAME"], "c1");
+        assert_eq!(env["CLUSTER_ENDPOINT"], "https://127.0.0.1:6443");
+        assert_eq!(env["ISOLATED_VPC"], "true");
+        assert_eq!(env["EKS_CONTROL_PLANE"], "false");
+        assert_eq!(env["AWS_ENDPOINT_URL"], "http://127.0.0.1:4566");
+        assert_eq!(env["KUBECONFIG"], "/k");
+        assert_eq!((env["METRICS_PORT"].as_str(), env["HEALTH_PROBE_PORT"].as_str()), ("1", "2"));
+    }
+
+    #[test]
+    fn the_karpenter_kubeconfig_keeps_the_server_and_ca_and_swaps_the_user() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kc");
+        let kc = crate::kubeconfig("ctx", "https://127.0.0.1:1", Path::new("/ca.crt"), "tool", "tool-token");
+        std::fs::write(&path, kc.to_string()).unwrap();
+        let got = kubeconfig_with_token(&path, "karp-token").unwrap();
+        assert_eq!(got["clusters"][0]["cluster"]["server"], "https://127.0.0.1:1");
+        assert_eq!(got["users"][0]["user"]["token"], "karp-token");
+        assert_eq!(got["contexts"][0]["context"]["user"], "karpenter");
+        assert!(!got.to_string().contains("tool-token"));
+    }
+}

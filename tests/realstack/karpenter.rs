@@ -1,0 +1,282 @@
+//! The real Karpenter (karpenter-provider-aws, built from source by
+//! `crates/realstack/build-karpenter`) as the live controller on the real control plane, with
+//! LocalStack as EC2 and IAM: it provisions for pending pods with its own CreateFleet, launch
+//! templates and instance profile, and the tool tears that down while it runs.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use aws_sdk_ec2::types::{Filter, ResourceType, Tag, TagSpecification};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use karpenter_teardown::aws::InstanceState;
+use karpenter_teardown::k8s;
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use realstack::karpenter::{KarpenterSettings, RealKarpenter};
+use sandbox_sim::KarpenterVersion;
+use serde_json::{Value, json};
+
+use super::common;
+use super::common::e2e::{REGION, count, run_of, states};
+
+const PODS: usize = 2;
+
+fn tags(pairs: &[(&str, &str)]) -> Vec<Tag> {
+    pairs.iter().map(|(k, v)| Tag::builder().key(*k).value(*v).build()).collect()
+}
+
+fn spec(kind: ResourceType, pairs: &[(&str, &str)]) -> TagSpecification {
+    TagSpecification::builder().resource_type(kind).set_tags(Some(tags(pairs))).build()
+}
+
+/// The network, the node role and an AMI Karpenter discovers by the cluster's tag, as the
+/// cluster's infrastructure code would have made them; returns the AMI's id.
+async fn infrastructure(ec2: &aws_sdk_ec2::Client, iam: &aws_sdk_iam::Client, cluster: &str) -> String {
+    let discovery = [("karpenter.sh/discovery", cluster)];
+    let vpc = ec2.create_vpc().cidr_block("10.77.0.0/16").send().await.unwrap();
+    let vpc = vpc.vpc().unwrap().vpc_id().unwrap().to_string();
+    for (i, zone) in ["us-west-2a", "us-west-2b"].iter().enumerate() {
+        ec2.create_subnet()
+            .vpc_id(&vpc)
+            .cidr_block(format!("10.77.{i}.0/24"))
+            .availability_zone(*zone)
+            .tag_specifications(spec(ResourceType::Subnet, &discovery))
+            .send()
+            .await
+            .unwrap();
+    }
+    ec2.create_security_group()
+        .group_name(format!("{cluster}-nodes"))
+        .description("nodes")
+        .vpc_id(&vpc)
+        .tag_specifications(spec(ResourceType::SecurityGroup, &discovery))
+        .send()
+        .await
+        .unwrap();
+    iam.create_role()
+        .role_name(format!("{cluster}-node"))
+        .assume_role_policy_document(
+            json!({"Version": "2012-10-17", "Statement": [{"Effect": "Allow",
+                "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]})
+            .to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    // LocalStack's built-in images include x86_64 Linux ones; Karpenter takes any image by id
+    let images = ec2
+        .describe_images()
+        .filters(Filter::builder().name("architecture").values("x86_64").build())
+        .filters(Filter::builder().name("name").values("ubuntu/images/*").build())
+        .send()
+        .await
+        .unwrap();
+    images.images().first().and_then(|i| i.image_id()).expect("an x86_64 Linux image in LocalStack").to_string()
+}
+
+fn object(v: Value) -> DynamicObject {
+    serde_json::from_value(v).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
+    let cluster = common::unique_cluster("rk");
+    let s = super::stack(&cluster).await;
+    let admin = s.admin_client().await.unwrap();
+    let config = sandbox_sim::localstack::config_as(REGION, "test").await;
+    let (ec2, iam) = (aws_sdk_ec2::Client::new(&config), aws_sdk_iam::Client::new(&config));
+    let aws = common::localstack(REGION).await;
+
+    let crds = common::e2e::real_crds(KarpenterVersion::V1_14);
+    sandbox_sim::world::install_crds(&admin, KarpenterVersion::V1_14, Some(&crds)).await.unwrap();
+    let ami = infrastructure(&ec2, &iam, &cluster).await;
+    // Something of the cluster's that is not Karpenter's: an instance of a managed node group.
+    let decoy = ec2
+        .run_instances()
+        .image_id(&ami)
+        .instance_type(aws_sdk_ec2::types::InstanceType::M5Large)
+        .min_count(1)
+        .max_count(1)
+        .tag_specifications(spec(
+            ResourceType::Instance,
+            &[(&format!("kubernetes.io/cluster/{cluster}"), "owned"), ("eks:nodegroup-name", "system")],
+        ))
+        .send()
+        .await
+        .unwrap();
+    let decoy = decoy.instances()[0].instance_id().unwrap().to_string();
+
+    let pp = PostParams::default();
+    let classes: Api<DynamicObject> = Api::all_with(admin.clone(), &k8s::nodeclass_resource());
+    // AL2, not AL2023: for AL2023 Karpenter validates the class by reading the service CIDR from
+    // EKS's DescribeCluster (pkg/controllers/nodeclass/validation.go), which LocalStack does not serve
+    classes
+        .create(
+            &pp,
+            &object(json!({
+                "apiVersion": "karpenter.k8s.aws/v1", "kind": "EC2NodeClass",
+                "metadata": {"name": "default"},
+                "spec": {
+                    "amiFamily": "AL2",
+                    "amiSelectorTerms": [{"id": ami}],
+                    "role": format!("{cluster}-node"),
+                    "subnetSelectorTerms": [{"tags": {"karpenter.sh/discovery": cluster}}],
+                    "securityGroupSelectorTerms": [{"tags": {"karpenter.sh/discovery": cluster}}],
+                },
+            })),
+        )
+        .await
+        .unwrap();
+    let pools: Api<DynamicObject> = Api::all_with(admin.clone(), &k8s::nodepool_resource());
+    pools
+        .create(
+            &pp,
+            &object(json!({
+                "apiVersion": "karpenter.sh/v1", "kind": "NodePool",
+                "metadata": {"name": "default"},
+                "spec": {
+                    "template": {"spec": {
+                        "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"},
+                        "requirements": [
+                            {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": ["m5.large"]},
+                            {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
+                        ],
+                    }},
+                    // LocalStack's CreateFleet does not put the launch template's security groups
+                    // on the instance, so Karpenter sees its nodes as drifted and would replace
+                    // them over and over; no voluntary disruption keeps the cluster still
+                    "disruption": {"consolidateAfter": "Never", "budgets": [{"nodes": "0"}]},
+                },
+            })),
+        )
+        .await
+        .unwrap();
+
+    // The workload: a Deployment's pods, each asking for a whole m5.large (nothing creates pods
+    // from the Deployment here, so the test creates them as its ReplicaSet would)
+    let ns: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(admin.clone());
+    ns.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "web"}})).unwrap()).await.unwrap();
+    let labels = json!({"app": "web"});
+    let container =
+        json!({"name": "web", "image": "registry.k8s.io/pause:3.10", "resources": {"requests": {"cpu": "1"}}});
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(admin.clone(), "web");
+    deployments
+        .create(
+            &pp,
+            &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": PODS,
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}}))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "web");
+    for i in 0..PODS {
+        let pod =
+            json!({"metadata": {"name": format!("web-{i}"), "labels": labels}, "spec": {"containers": [container]}});
+        pods.create(&pp, &serde_json::from_value(pod).unwrap()).await.unwrap();
+    }
+
+    let t = Instant::now();
+    let karpenter = RealKarpenter::start(
+        &s,
+        KarpenterSettings {
+            cluster_name: cluster.clone(),
+            region: REGION.into(),
+            aws_endpoint: sandbox_sim::localstack::endpoint(),
+        },
+        ec2.clone(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    // Karpenter launches a node per pod, and each registers
+    let claims: Api<DynamicObject> = Api::all_with(admin.clone(), &k8s::nodeclaim_resource());
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let instances: Vec<String> = loop {
+        let list = claims.list(&ListParams::default()).await.unwrap();
+        let registered = nodes.list(&ListParams::default().labels("karpenter.sh/registered=true")).await.unwrap();
+        let ids: Vec<String> = list
+            .items
+            .iter()
+            .filter_map(|c| c.data["status"]["providerID"].as_str())
+            .filter_map(|p| p.rsplit('/').next())
+            .map(str::to_string)
+            .collect();
+        if ids.len() >= PODS && registered.items.len() >= PODS {
+            break ids;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Karpenter did not launch and register {PODS} nodes ({} claims with instances, {} registered); its log:\n{}",
+            ids.len(),
+            registered.items.len(),
+            karpenter.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    eprintln!("real Karpenter launched and registered {} nodes in {:?}", instances.len(), t.elapsed());
+    assert!(karpenter.running());
+    let log = karpenter.log();
+    assert!(log.contains("launched nodeclaim"), "{}", karpenter.log_tail(40));
+
+    // what the real controller made, with its own tags
+    let running = states(&aws, &instances).await;
+    assert!(running.values().all(|s| *s == InstanceState::Running), "{running:?}");
+    let described = ec2.describe_instances().set_instance_ids(Some(instances.clone())).send().await.unwrap();
+    for i in described.reservations().iter().flat_map(|r| r.instances()) {
+        let t: BTreeMap<&str, &str> = i.tags().iter().filter_map(|t| Some((t.key()?, t.value()?))).collect();
+        assert_eq!(t.get("eks:eks-cluster-name"), Some(&cluster.as_str()), "{t:?}");
+        assert_eq!(t.get("karpenter.sh/nodepool"), Some(&"default"), "{t:?}");
+        assert_eq!(t.get(format!("kubernetes.io/cluster/{cluster}").as_str()), Some(&"owned"), "{t:?}");
+    }
+    let class = classes.get("default").await.unwrap();
+    let profile = class.data["status"]["instanceProfile"].as_str().expect("the class's instance profile").to_string();
+    let profiles = aws.iam.cluster_instance_profiles(REGION, &cluster).await.unwrap();
+    assert!(profiles.iter().any(|p| p.name == profile), "{profile} not found as Karpenter's: {profiles:?}");
+    assert!(log.contains("created launch template"), "{}", karpenter.log_tail(40));
+    // Karpenter deletes a launch template itself a minute after its last use (its cache's
+    // eviction, pkg/providers/launchtemplate): how many are left to the tool depends on timing
+    let templates = aws.ec2.launch_templates(&cluster).await.unwrap().len();
+    eprintln!("before the teardown: {templates} launch template(s), instance profile {profile}");
+
+    // the teardown, with the real Karpenter alive
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    if std::env::var_os("KT_TEST_LOGS").is_some() {
+        cmd.stderr(std::process::Stdio::inherit());
+    }
+    cmd.args(["run", "--cluster", &cluster, "--region", REGION, "--yes", "--kubeconfig"])
+        .arg(s.tool_kubeconfig())
+        .arg("--report")
+        .arg(&report)
+        .envs(common::localstack_env())
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+    let t = Instant::now();
+    let run = run_of(cmd, &report).await;
+    eprintln!("torn down in {:?}", t.elapsed());
+    assert_eq!(run.code, 0, "{}\nKarpenter:\n{}", run.dump(), karpenter.log_tail(40));
+    assert_eq!(run.report["outcome"], "clean", "{}", run.dump());
+
+    // the tool scaled the Deployment to zero: the process is gone, and it was never restarted
+    assert!(!karpenter.running(), "Karpenter still runs after the teardown");
+    assert_eq!(karpenter.starts(), 1);
+    let ours = states(&aws, &instances).await;
+    assert!(ours.values().all(|s| *s == InstanceState::Terminated), "Karpenter's instances: {ours:?}");
+    assert_eq!(states(&aws, std::slice::from_ref(&decoy)).await[&decoy], InstanceState::Running, "the decoy");
+    assert!(aws.ec2.launch_templates(&cluster).await.unwrap().is_empty(), "launch templates left");
+    assert!(aws.iam.cluster_instance_profiles(REGION, &cluster).await.unwrap().is_empty(), "instance profiles left");
+    // the node role is the cluster's, not Karpenter's
+    iam.get_role().role_name(format!("{cluster}-node")).send().await.unwrap();
+    assert_eq!(count(&admin, &k8s::nodeclaim_resource()).await, 0, "NodeClaims left");
+    assert_eq!(count(&admin, &k8s::nodepool_resource()).await, 0, "NodePools left");
+    assert_eq!(count(&admin, &k8s::nodeclass_resource()).await, 0, "EC2NodeClasses left");
+    let left = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
+    assert!(left.items.is_empty(), "Karpenter nodes left");
+    // the workload is the user's: still there, still pending
+    assert_eq!(pods.list(&ListParams::default()).await.unwrap().items.len(), PODS);
+
+    ec2.terminate_instances().instance_ids(&decoy).send().await.unwrap();
+    drop(karpenter);
+}
