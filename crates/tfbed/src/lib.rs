@@ -101,11 +101,9 @@ fn build() -> Result<Tools, TfbedError> {
         .map_err(|source| TfbedError::Io { what: script.display().to_string(), source })?;
     let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("go/bin");
     match status.code() {
-        Some(0) => Ok(Tools {
-            tofu: bin.join("tofu"),
-            actionlint: bin.join("actionlint"),
-            cli_config: bin.join("tofurc"),
-        }),
+        Some(0) => {
+            Ok(Tools { tofu: bin.join("tofu"), actionlint: bin.join("actionlint"), cli_config: bin.join("tofurc") })
+        }
         // the script's own exit code when `go` is not on PATH
         Some(127) => Err(TfbedError::GoMissing),
         _ => Err(TfbedError::Build { status: status.to_string() }),
@@ -157,7 +155,8 @@ pub fn fenced_block(markdown: &str, heading: &str, lang: &str) -> Result<String,
 /// A complete workflow around a CI step snippet whose keys are a job's (`permissions`, `steps`),
 /// as a user pastes it under a job of their own: one `workflow_dispatch` job on `ubuntu-latest`.
 pub fn ci_workflow(job_snippet: &str) -> String {
-    let mut out = String::from("name: teardown\non: workflow_dispatch\njobs:\n  teardown:\n    runs-on: ubuntu-latest\n");
+    let mut out =
+        String::from("name: teardown\non: workflow_dispatch\njobs:\n  teardown:\n    runs-on: ubuntu-latest\n");
     for line in job_snippet.lines() {
         if !line.trim().is_empty() {
             out.push_str("    ");
@@ -315,9 +314,13 @@ mod tests {
 
     #[test]
     fn only_whole_references_are_replaced() {
-        let hcl = "depends_on = [\n  module.eks,\n  module.eks_addons,\n  x.module.eks,\n  helm_release.karpenter,\n]\n";
-        let out = replace_references(hcl, &[("module.eks", "module.stand_in"), ("helm_release.karpenter", "terraform_data.h")])
-            .unwrap();
+        let hcl =
+            "depends_on = [\n  module.eks,\n  module.eks_addons,\n  x.module.eks,\n  helm_release.karpenter,\n]\n";
+        let out = replace_references(
+            hcl,
+            &[("module.eks", "module.stand_in"), ("helm_release.karpenter", "terraform_data.h")],
+        )
+        .unwrap();
         assert_eq!(
             out,
             "depends_on = [\n  module.stand_in,\n  module.eks_addons,\n  x.module.eks,\n  terraform_data.h,\n]\n"
