@@ -200,3 +200,24 @@ async fn the_readme_recipe_tears_down_at_destroy_after_a_refusal_and_never_at_ap
     sim.shutdown().await;
     b.server.shutdown().await;
 }
+
+/// The CLI configuration the tests run OpenTofu with installs providers from the mirror only: a
+/// provider that is not there fails `init` instead of being downloaded from a registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_missing_from_the_mirror_is_never_downloaded() {
+    let tools = crate::tools();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("main.tf"),
+        "terraform {\n  required_providers {\n    helm = {\n      source = \"hashicorp/helm\"\n    }\n  }\n}\n",
+    )
+    .unwrap();
+    let init = tfbed::Tofu::new(&tools, dir.path()).run(&["init"]).await.unwrap();
+    assert_eq!(init.code, 1, "{}", init.all());
+    assert!(
+        init.stderr.contains("provider registry.opentofu.org/hashicorp/helm was not found")
+            && init.stderr.contains("search locations"),
+        "{}",
+        init.all()
+    );
+}
