@@ -119,7 +119,9 @@ async fn the_readme_recipe_tears_down_at_destroy_after_a_refusal_and_never_at_ap
     write_aws_cli(&bin, &world.cluster, &b.kubeconfig);
     let mut tofu = tfbed::Tofu::new(&tools, dir.path());
     // What the recipe says the provisioner inherits from the shell that runs the destroy: the
-    // AWS credentials (here held to deploy/iam-policy.json by the EC2 proxy) and PATH
+    // AWS credentials (here held to deploy/iam-policy.json by the EC2 proxy) and PATH. local-exec
+    // runs its command with OpenTofu's own environment plus `environment` (os.Environ() then the
+    // block's values: opentofu internal/builtin/provisioners/local-exec/resource_provisioner.go)
     tofu.env("PATH", path)
         .env("AWS_ENDPOINT_URL", ec2_proxy())
         .env("AWS_ACCESS_KEY_ID", judged_key(&world.cluster, REGION))
