@@ -1,8 +1,13 @@
 //! `tf-prune`: which Terraform state entries point at cluster objects that are gone (design
-//! §1.8). A node removed by an autoscaler or by this tool makes `kubernetes_node_taint` refresh
-//! fail with `nodes "x" not found`, blocking every later plan; the way out is to make Terraform
-//! forget those entries, which this module proposes as `terraform state rm` commands and as
-//! `removed` blocks (Terraform 1.7+). It never edits a state itself.
+//! §1.8). A node removed by an autoscaler or by this tool leaves its `kubernetes_node_taint` in
+//! the state: before hashicorp/kubernetes v2.30.0 its refresh failed with `nodes "x" not found`,
+//! blocking every later plan; since then (the provider's #2402) the refresh only warns "Node has
+//! been deleted" and keeps the entry, and any change to the resource fails at apply with that
+//! error (tests/recipes, with v3.2.1). A `kubernetes_manifest` NodePool the teardown deleted is
+//! planned for re-creation instead, which would hand Karpenter a NodePool again. The way out is
+//! to make Terraform forget those entries, which this module proposes as `terraform state rm`
+//! commands and as `removed` blocks (Terraform 1.7+; OpenTofu 1.12.6 applies them as printed).
+//! It never edits a state itself.
 //!
 //! Input is `terraform show -json` output (a state, or a saved plan whose `prior_state` it reads).
 //! Resources considered: `kubernetes_node_taint`, `kubernetes_labels` / `kubernetes_annotations`
