@@ -144,9 +144,7 @@ async fn a_node_pool_of_kubernetes_manifest_would_come_back_until_tf_prune_s_blo
         cloud.clone(),
         SimSettings { version: world.version, time_scale: 0.02, ..SimSettings::new(&world.cluster, REGION) },
     );
-    // RealStack writes its administrator's kubeconfig next to the tool's
-    let admin_kubeconfig = s.tool_kubeconfig().with_file_name("admin.kubeconfig");
-    assert!(admin_kubeconfig.exists(), "no {}", admin_kubeconfig.display());
+    let admin_kubeconfig = s.admin_kubeconfig();
 
     // A NodePool as a user's configuration applies it: the generated pool's spec, another name
     let pools = Api::<kube::api::DynamicObject>::all_with(admin.clone(), &karpenter_teardown::k8s::nodepool_resource());

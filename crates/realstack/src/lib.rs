@@ -723,6 +723,11 @@ impl RealStack {
         &self.tool_kubeconfig
     }
 
+    /// The kubeconfig of the admin identity (for tools a test drives with full rights).
+    pub fn admin_kubeconfig(&self) -> &Path {
+        &self.admin_kubeconfig
+    }
+
     /// The server's URL.
     pub fn server(&self) -> String {
         self.layout.server()
