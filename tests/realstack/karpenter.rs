@@ -194,8 +194,20 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     let nodes: Api<Node> = Api::all(admin.clone());
     let deadline = Instant::now() + Duration::from_secs(240);
     let instances: Vec<String> = loop {
-        let list = claims.list(&ListParams::default()).await.unwrap();
-        let registered = nodes.list(&ListParams::default().labels("karpenter.sh/registered=true")).await.unwrap();
+        // a resource whose CRD was just installed answers 429 "storage is (re)initializing" until
+        // its watch cache is filled, and the test bed's clients do not retry 429s by themselves
+        let (list, registered) = match (
+            claims.list(&ListParams::default()).await,
+            nodes.list(&ListParams::default().labels("karpenter.sh/registered=true")).await,
+        ) {
+            (Ok(l), Ok(r)) => (l, r),
+            (Err(kube::Error::Api(e)), _) | (_, Err(kube::Error::Api(e))) if e.code == 429 => {
+                assert!(Instant::now() < deadline, "still refused at the deadline: {e:?}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+            (Err(e), _) | (_, Err(e)) => panic!("listing NodeClaims and Nodes: {e}"),
+        };
         let ids: Vec<String> = list
             .items
             .iter()
