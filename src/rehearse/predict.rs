@@ -82,6 +82,9 @@ pub struct StepOrder {
     /// The kind of object it runs once per; a dependency expanded over the same kind is on the
     /// same object only, as the plan's expansion has it.
     pub for_each: Option<crate::plan::ObjectKind>,
+    /// Its `settle` (verification's second read comes that long after the controller was seen
+    /// gone).
+    pub settle: Duration,
 }
 
 impl StepOrder {
@@ -89,7 +92,9 @@ impl StepOrder {
     pub fn of(plan: &crate::plan::Plan) -> BTreeMap<String, StepOrder> {
         plan.steps()
             .iter()
-            .map(|s| (s.id.clone(), StepOrder { after: s.after.clone(), for_each: s.for_each }))
+            .map(|s| {
+                (s.id.clone(), StepOrder { after: s.after.clone(), for_each: s.for_each, settle: s.params.settle })
+            })
             .collect()
     }
 }
@@ -207,7 +212,8 @@ fn own_wait(waits: &Waits, r: &StepRecord, inputs: &TimingInputs, scale: f64) ->
 /// latest of the tasks it runs after ends later (their own delay plus what they get back), and
 /// the run ends with the task predicted to end last. The tasks a task runs after are those of the
 /// steps it names (a step that ran no task passes its own on), the task on the same object only
-/// where both steps are expanded over the same kind.
+/// where both steps are expanded over the same kind. Verification is the exception: its pause
+/// before the second read ends `settle` after the controller was seen gone, however late it starts.
 fn delay_of_the_end(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs, scale: f64) -> f64 {
     let times: Vec<Option<(SystemTime, SystemTime)>> =
         records.iter().map(|r| Some((parse_time(&r.started)?, parse_time(&r.finished)?))).collect();
@@ -240,6 +246,9 @@ fn delay_of_the_end(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs
     let mut of_task: HashMap<(&str, &str), f64> = HashMap::new();
     let mut deps_of: HashMap<&str, BTreeSet<String>> = HashMap::new();
     let (mut measured_end, mut predicted_end) = (0.0_f64, 0.0_f64);
+    // when the rehearsal saw the controller gone (its removal's end) and how much later that
+    // moment comes on the real clock
+    let mut controller_gone: Option<(f64, f64)> = None;
     for &i in &by_end {
         let r = &records[i];
         let kind = inputs.order.get(&r.step).and_then(|o| o.for_each);
@@ -254,7 +263,21 @@ fn delay_of_the_end(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs
                 }
             })
             .fold(0.0, f64::max);
-        let end_delay = start_delay + own_wait(waits, r, inputs, scale);
+        let mut own = own_wait(waits, r, inputs, scale);
+        if r.action == "verify"
+            && let (Some(gone), Some((start, end))) = (controller_gone, times[i])
+        {
+            // The second read waits until `settle` after the controller was seen gone, a moment
+            // that moves only as much as the controller's removal does: a verification that
+            // starts later waits that much less, down to no pause at all.
+            let settle = inputs.order.get(&r.step).map_or(0.0, |o| o.settle.as_secs_f64());
+            let measured_pause = (gone.0 + settle - secs(start)).clamp(0.0, secs(end) - secs(start));
+            own -= measured_pause.min((start_delay - gone.1).max(0.0));
+        }
+        let end_delay = start_delay + own;
+        if r.action == "remove-controller" {
+            controller_gone = Some((times[i].map_or(0.0, |(_, e)| secs(e)), end_delay));
+        }
         let step_max = of_step.entry(r.step.as_str()).or_insert(0.0);
         *step_max = step_max.max(end_delay);
         if let Some(o) = r.object.as_deref() {
@@ -465,12 +488,12 @@ mod tests {
             record("discharge-finalizers", Some("node/b"), 3.0, 3.5, TaskResult::Done),
             record("discharge-finalizers", Some("node/a"), 5.0, 5.5, TaskResult::Done),
             record("delete-nodepools", None, 5.5, 6.0, TaskResult::Done),
-            record("delete-nodeclasses", None, 6.0, 6.5, TaskResult::Done),
-            record("verify", None, 6.5, 7.0, TaskResult::Done),
+            record("delete-nodeclasses", None, 6.0, 8.0, TaskResult::Done),
+            record("verify", None, 8.0, 8.5, TaskResult::Done),
         ];
-        let t = timing(&waits, &records, &inputs(7.5, &[]));
+        let t = timing(&waits, &records, &inputs(9.0, &[]));
         // node a's 60 s less the 3 s the copy waited; the controller's 28.5 s end long before
-        assert!((t.predicted_seconds - (7.5 + 0.95 * 60.0)).abs() < 1e-9, "{t:?}");
+        assert!((t.predicted_seconds - (9.0 + 0.95 * 60.0)).abs() < 1e-9, "{t:?}");
         // in a plan that removes the controller after the drain, both waits add up
         let mut serial = inputs(7.5, &[]);
         serial.order.get_mut("remove-controller").unwrap().after = vec!["drain".into()];
@@ -482,6 +505,27 @@ mod tests {
         ];
         let t = timing(&waits, &records, &serial);
         assert!((t.predicted_seconds - (7.5 + 0.95 * 60.0 + 0.95 * 30.0)).abs() < 1e-9, "{t:?}");
+    }
+
+    /// In the copy the drain is over long before `settle` after the controller went, so
+    /// verification waits; on the real clock it starts after node a's 60 s and waits no more.
+    #[test]
+    fn verification_does_not_wait_again_for_a_settle_the_drain_outlasted() {
+        let s = snap(vec![pod("a", 60, false)]);
+        let records = [
+            record("fence", None, 0.0, 0.5, TaskResult::Done),
+            record("remove-controller", None, 0.5, 1.0, TaskResult::Done),
+            record("cordon", None, 0.5, 0.6, TaskResult::Done),
+            record("drain", Some("node/a"), 0.6, 1.0, TaskResult::Done),
+            record("discharge-finalizers", Some("node/a"), 1.0, 1.2, TaskResult::Done),
+            record("delete-nodepools", None, 1.2, 1.3, TaskResult::Done),
+            record("delete-nodeclasses", None, 1.3, 1.4, TaskResult::Done),
+            // its second read came 5 s after the controller was seen gone at 1.0 s
+            record("verify", None, 1.4, 6.0, TaskResult::Done),
+        ];
+        let t = timing(&Waits::of(&s), &records, &inputs(6.5, &[]));
+        // the run ends as the drain's 57 s restored push everything after it, less the 4.6 s pause
+        assert!((t.predicted_seconds - (6.5 + 0.95 * 60.0 - 4.6)).abs() < 1e-9, "{t:?}");
     }
 
     #[test]
