@@ -51,7 +51,8 @@ pub(crate) fn controller_through_the_drain(text: &str) -> String {
 /// The shipped default plan without its fence step, the controller live through the drain: the
 /// drain follows the preflight directly.
 fn default_without_fence() -> String {
-    let text = controller_through_the_drain(&std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap());
+    let text =
+        controller_through_the_drain(&std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap());
     let start = text.find("[[step]]\nid = \"fence\"").expect("default.toml has a fence step");
     let end = start + text[start..].find("\n[[step]]").expect("a step follows the fence") + 1;
     let mut out = format!("{}{}", &text[..start], &text[end..]);
