@@ -201,7 +201,13 @@ pub(crate) async fn rehearse(
             let timing = predict::timing(
                 &waits,
                 &run.steps,
-                &predict::TimingInputs { time_scale: scale, drain_deadline, run_seconds, deadline_passed },
+                &predict::TimingInputs {
+                    time_scale: scale,
+                    drain_deadline,
+                    run_seconds,
+                    deadline_passed,
+                    order: predict::StepOrder::of(&settings.plan),
+                },
             );
             Ok(Prediction {
                 outcome: Outcome::from_exit(run.exit),

@@ -8,8 +8,10 @@
 //! away: `measured + (1 - time_scale) × waits`, where `waits` is the step's chain of real waits
 //! read from the snapshot (the drain: the slowest node's grace periods, wave after wave, or the
 //! drain deadline when the rehearsal hit it; removing the controller: its pods' grace period).
+//! What a task gets back delays the tasks that run after it, and only those: the plan's order
+//! says which, so a wait beside the drain (the controller's removal) is not added to it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
@@ -68,6 +70,33 @@ pub(crate) struct TimingInputs {
     pub run_seconds: f64,
     /// The machines whose drain ran into its deadline in the rehearsal (whatever its policy did).
     pub deadline_passed: BTreeSet<String>,
+    /// The plan's order: each step's id and what it runs after.
+    pub order: BTreeMap<String, StepOrder>,
+}
+
+/// Where one step sits in the plan: the steps it runs after, and what it is expanded over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepOrder {
+    /// Ids of the steps it runs after.
+    pub after: Vec<String>,
+    /// The kind of object it runs once per; a dependency expanded over the same kind is on the
+    /// same object only, as the plan's expansion has it.
+    pub for_each: Option<crate::plan::ObjectKind>,
+    /// Its `settle` (verification's second read comes that long after the controller was seen
+    /// gone).
+    pub settle: Duration,
+}
+
+impl StepOrder {
+    /// Every step's place in `plan`, by id.
+    pub fn of(plan: &crate::plan::Plan) -> BTreeMap<String, StepOrder> {
+        plan.steps()
+            .iter()
+            .map(|s| {
+                (s.id.clone(), StepOrder { after: s.after.clone(), for_each: s.for_each, settle: s.params.settle })
+            })
+            .collect()
+    }
 }
 
 /// The real waits a snapshot holds, read before its objects move into the copy.
@@ -109,8 +138,8 @@ impl Waits {
 /// A drain task's real end is its end in the rehearsal plus what the acceleration took from its
 /// own node's waits; the step ends with its last task. Nodes drain at once, so the queue of
 /// evictions overlaps the grace periods in the real run as it does in the rehearsal: adding the
-/// slowest node's waits to the whole step would count that queue twice. Every later step starts
-/// that much later.
+/// slowest node's waits to the whole step would count that queue twice. Every task that runs after
+/// it in the plan's order starts that much later; one beside it does not.
 pub(crate) fn timing(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs) -> Timing {
     let scale = inputs.time_scale.clamp(0.0, 1.0);
     let mut by_step: Vec<(String, String, Vec<&StepRecord>)> = Vec::new();
@@ -121,7 +150,6 @@ pub(crate) fn timing(waits: &Waits, records: &[StepRecord], inputs: &TimingInput
         }
     }
     let mut steps = Vec::new();
-    let mut added = 0.0;
     for (step, action, recs) in by_step {
         let span: Vec<(f64, f64, &StepRecord)> = {
             let t0 = recs.iter().filter_map(|r| parse_time(&r.started)).min();
@@ -143,7 +171,6 @@ pub(crate) fn timing(waits: &Waits, records: &[StepRecord], inputs: &TimingInput
             ),
             _ => (measured, 0.0, "API and EC2 work only, as measured".to_string()),
         };
-        added += predicted - measured;
         steps.push(StepPrediction {
             step,
             action,
@@ -156,11 +183,112 @@ pub(crate) fn timing(waits: &Waits, records: &[StepRecord], inputs: &TimingInput
             basis,
         });
     }
-    let predicted_seconds = inputs.run_seconds + added;
+    let predicted_seconds = inputs.run_seconds + delay_of_the_end(waits, records, inputs, scale);
     for s in &mut steps {
         s.share = if predicted_seconds > 0.0 { s.predicted_seconds / predicted_seconds } else { 0.0 };
     }
     Timing { steps, predicted_seconds, rehearsal_seconds: inputs.run_seconds }
+}
+
+/// What one task gets back on the real clock: a drain its node's waits (or the whole deadline when
+/// the rehearsal hit it), the controller's removal its pods' grace period, the rest nothing.
+fn own_wait(waits: &Waits, r: &StepRecord, inputs: &TimingInputs, scale: f64) -> f64 {
+    let wait = match r.action.as_str() {
+        "drain" => {
+            let machine = r.object.as_deref().unwrap_or_default();
+            if inputs.deadline_passed.contains(machine) {
+                inputs.drain_deadline.as_secs_f64()
+            } else {
+                waits.drain.get(machine).copied().unwrap_or(0.0)
+            }
+        }
+        "remove-controller" => waits.controller_grace,
+        _ => 0.0,
+    };
+    (1.0 - scale) * wait
+}
+
+/// How much later than in the rehearsal the run ends: each task starts as much later as the
+/// latest of the tasks it runs after ends later (their own delay plus what they get back), and
+/// the run ends with the task predicted to end last. The tasks a task runs after are those of the
+/// steps it names (a step that ran no task passes its own on), the task on the same object only
+/// where both steps are expanded over the same kind. Verification is the exception: its pause
+/// before the second read ends `settle` after the controller was seen gone, however late it starts.
+fn delay_of_the_end(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs, scale: f64) -> f64 {
+    let times: Vec<Option<(SystemTime, SystemTime)>> =
+        records.iter().map(|r| Some((parse_time(&r.started)?, parse_time(&r.finished)?))).collect();
+    let Some(t0) = times.iter().flatten().map(|(s, _)| *s).min() else { return 0.0 };
+    let secs = |t: SystemTime| t.duration_since(t0).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    let ran: BTreeSet<&str> = records.iter().map(|r| r.step.as_str()).collect();
+    // the steps a step waits for, through those that ran no task
+    let waited_for = |step: &str| -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        let mut todo: Vec<String> = inputs.order.get(step).map(|o| o.after.clone()).unwrap_or_default();
+        let mut seen = BTreeSet::new();
+        while let Some(d) = todo.pop() {
+            if !seen.insert(d.clone()) {
+                continue;
+            }
+            if ran.contains(d.as_str()) {
+                out.insert(d);
+            } else if let Some(o) = inputs.order.get(&d) {
+                todo.extend(o.after.iter().cloned());
+            }
+        }
+        out
+    };
+    // A task's dependencies end before it starts: taken in order of their ends, every task a task
+    // runs after is settled before it, so one pass with running maxima per step (and per step
+    // and object) is enough, in O(n log n) at thousands of machines.
+    let mut by_end: Vec<usize> = (0..records.len()).filter(|&i| times[i].is_some()).collect();
+    by_end.sort_by(|&a, &b| times[a].map(|t| t.1).cmp(&times[b].map(|t| t.1)));
+    let mut of_step: HashMap<&str, f64> = HashMap::new();
+    let mut of_task: HashMap<(&str, &str), f64> = HashMap::new();
+    let mut deps_of: HashMap<&str, BTreeSet<String>> = HashMap::new();
+    let (mut measured_end, mut predicted_end) = (0.0_f64, 0.0_f64);
+    // when the rehearsal saw the controller gone (its removal's end) and how much later that
+    // moment comes on the real clock
+    let mut controller_gone: Option<(f64, f64)> = None;
+    for &i in &by_end {
+        let r = &records[i];
+        let kind = inputs.order.get(&r.step).and_then(|o| o.for_each);
+        let deps = deps_of.entry(r.step.as_str()).or_insert_with(|| waited_for(&r.step));
+        let start_delay = deps
+            .iter()
+            .map(|d| {
+                let same_kind = kind.is_some() && inputs.order.get(d).and_then(|o| o.for_each) == kind;
+                match r.object.as_deref() {
+                    Some(o) if same_kind => of_task.get(&(d.as_str(), o)).copied().unwrap_or(0.0),
+                    _ => of_step.get(d.as_str()).copied().unwrap_or(0.0),
+                }
+            })
+            .fold(0.0, f64::max);
+        let mut own = own_wait(waits, r, inputs, scale);
+        if r.action == "verify"
+            && let (Some(gone), Some((start, end))) = (controller_gone, times[i])
+        {
+            // The second read waits until `settle` after the controller was seen gone, a moment
+            // that moves only as much as the controller's removal does: a verification that
+            // starts later waits that much less, down to no pause at all.
+            let settle = inputs.order.get(&r.step).map_or(0.0, |o| o.settle.as_secs_f64());
+            let measured_pause = (gone.0 + settle - secs(start)).clamp(0.0, secs(end) - secs(start));
+            own -= measured_pause.min((start_delay - gone.1).max(0.0));
+        }
+        let end_delay = start_delay + own;
+        if r.action == "remove-controller" {
+            controller_gone = Some((times[i].map_or(0.0, |(_, e)| secs(e)), end_delay));
+        }
+        let step_max = of_step.entry(r.step.as_str()).or_insert(0.0);
+        *step_max = step_max.max(end_delay);
+        if let Some(o) = r.object.as_deref() {
+            of_task.insert((r.step.as_str(), o), end_delay);
+        }
+        if let Some((_, end)) = times[i] {
+            measured_end = measured_end.max(secs(end));
+            predicted_end = predicted_end.max(secs(end) + end_delay);
+        }
+    }
+    (predicted_end - measured_end).max(0.0)
 }
 
 /// The drain step: (predicted seconds, the waits of the task that ends it, why).
@@ -256,6 +384,7 @@ fn controller_grace(snap: &Snapshot) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::Plan;
     use crate::snapshot::KubeObjects;
     use serde_json::json;
 
@@ -300,6 +429,7 @@ mod tests {
             drain_deadline: Duration::from_secs(600),
             run_seconds,
             deadline_passed: deadline_passed.iter().map(|m| m.to_string()).collect(),
+            order: StepOrder::of(&Plan::builtin_default()),
         }
     }
 
@@ -339,6 +469,63 @@ mod tests {
         assert!((t.steps[0].predicted_seconds - 60.0).abs() < 1e-9, "{:?}", t.steps[0]);
         assert!(t.steps[0].basis.contains("node/a"), "{}", t.steps[0].basis);
         assert!((t.predicted_seconds - (31.0 + 60.0 - 30.5)).abs() < 1e-9);
+    }
+
+    /// The default plan removes the controller beside the drain and lets each drained machine go
+    /// on to its termination: the controller's grace period is not added to the drain's, and the
+    /// run ends with the slowest chain (here the drain of node a, then its machine's release).
+    #[test]
+    fn a_wait_beside_the_drain_does_not_delay_the_run() {
+        let s = snap(vec![pod("a", 60, false), pod("b", 10, false)]);
+        let waits = Waits { controller_grace: 30.0, ..Waits::of(&s) };
+        let records = [
+            record("preflight", None, 0.0, 1.0, TaskResult::Done),
+            record("fence", None, 1.0, 1.5, TaskResult::Done),
+            record("remove-controller", None, 1.5, 3.0, TaskResult::Done),
+            record("cordon", None, 1.5, 2.0, TaskResult::Done),
+            record("drain", Some("node/a"), 2.0, 5.0, TaskResult::Done),
+            record("drain", Some("node/b"), 2.0, 2.5, TaskResult::Done),
+            record("discharge-finalizers", Some("node/b"), 3.0, 3.5, TaskResult::Done),
+            record("discharge-finalizers", Some("node/a"), 5.0, 5.5, TaskResult::Done),
+            record("delete-nodepools", None, 5.5, 6.0, TaskResult::Done),
+            record("delete-nodeclasses", None, 6.0, 8.0, TaskResult::Done),
+            record("verify", None, 8.0, 8.5, TaskResult::Done),
+        ];
+        let t = timing(&waits, &records, &inputs(9.0, &[]));
+        // node a's 60 s less the 3 s the copy waited; the controller's 28.5 s end long before
+        assert!((t.predicted_seconds - (9.0 + 0.95 * 60.0)).abs() < 1e-9, "{t:?}");
+        // in a plan that removes the controller after the drain, both waits add up
+        let mut serial = inputs(7.5, &[]);
+        serial.order.get_mut("remove-controller").unwrap().after = vec!["drain".into()];
+        serial.order.get_mut("drain").unwrap().after = vec!["cordon".into()];
+        let records = [
+            record("drain", Some("node/a"), 0.0, 3.0, TaskResult::Done),
+            record("remove-controller", None, 3.0, 4.5, TaskResult::Done),
+            record("discharge-finalizers", Some("node/a"), 4.5, 5.0, TaskResult::Done),
+        ];
+        let t = timing(&waits, &records, &serial);
+        assert!((t.predicted_seconds - (7.5 + 0.95 * 60.0 + 0.95 * 30.0)).abs() < 1e-9, "{t:?}");
+    }
+
+    /// In the copy the drain is over long before `settle` after the controller went, so
+    /// verification waits; on the real clock it starts after node a's 60 s and waits no more.
+    #[test]
+    fn verification_does_not_wait_again_for_a_settle_the_drain_outlasted() {
+        let s = snap(vec![pod("a", 60, false)]);
+        let records = [
+            record("fence", None, 0.0, 0.5, TaskResult::Done),
+            record("remove-controller", None, 0.5, 1.0, TaskResult::Done),
+            record("cordon", None, 0.5, 0.6, TaskResult::Done),
+            record("drain", Some("node/a"), 0.6, 1.0, TaskResult::Done),
+            record("discharge-finalizers", Some("node/a"), 1.0, 1.2, TaskResult::Done),
+            record("delete-nodepools", None, 1.2, 1.3, TaskResult::Done),
+            record("delete-nodeclasses", None, 1.3, 1.4, TaskResult::Done),
+            // its second read came 5 s after the controller was seen gone at 1.0 s
+            record("verify", None, 1.4, 6.0, TaskResult::Done),
+        ];
+        let t = timing(&Waits::of(&s), &records, &inputs(6.5, &[]));
+        // the run ends as the drain's 57 s restored push everything after it, less the 4.6 s pause
+        assert!((t.predicted_seconds - (6.5 + 0.95 * 60.0 - 4.6)).abs() < 1e-9, "{t:?}");
     }
 
     #[test]

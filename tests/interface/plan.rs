@@ -96,15 +96,17 @@ fn the_default_plan_loads_and_has_the_documented_order() {
         [
             "preflight",
             "fence",
+            "remove-controller",
             "cordon",
             "drain",
-            "remove-controller",
             "discharge-finalizers",
             "delete-nodepools",
             "delete-nodeclasses",
             "verify"
         ]
     );
+    // the controller goes beside the drain, not after it, so that terminations run under it
+    assert_eq!(plan.step("remove-controller").unwrap().after, ["fence"]);
     let drain = plan.step("drain").unwrap();
     assert_eq!(drain.for_each, Some(ObjectKind::Machine));
     assert_eq!(drain.params.deadline, Some(Duration::from_secs(600)));
@@ -410,15 +412,13 @@ fn machines_move_from_drain_to_their_own_finalizer_step() {
         let drain = task(&graph, "drain", Some(m));
         // every node is cordoned before the first drain starts
         assert_eq!(deps(&graph, drain), set(&["cordon"]));
-        assert_eq!(labels(&graph, graph.dependents(drain)), set(&[&format!("discharge-finalizers[{m}]"), "drain[*]"]));
+        // nothing waits for every drain: a machine moves on without the others
+        assert_eq!(labels(&graph, graph.dependents(drain)), set(&[&format!("discharge-finalizers[{m}]")]));
     }
 
-    // Whole-step: remove-controller waits for every drain, through one barrier.
+    // Whole-step: remove-controller waits for the fence only, beside the cordon and the drains.
     let controller = task(&graph, "remove-controller", None);
-    let barrier: Vec<TaskId> = graph.dependencies(controller).collect();
-    assert_eq!(barrier.len(), 1);
-    assert!(graph[barrier[0]].barrier);
-    assert_eq!(deps(&graph, barrier[0]), set(&["drain[m1]", "drain[m2]", "drain[m3]"]));
+    assert_eq!(deps(&graph, controller), set(&["fence"]));
 
     // Every nodepool waits for every machine's finalizers; the class waits for both pools.
     for p in ["p1", "p2"] {
@@ -435,30 +435,27 @@ fn machines_move_from_drain_to_their_own_finalizer_step() {
     assert_eq!(deps(&graph, via[0]), set(&["delete-nodepools[p1]", "delete-nodepools[p2]"]));
     assert_eq!(deps(&graph, task(&graph, "verify", None)), set(&["delete-nodeclasses[c1]"]));
 
-    // Running it: once the controller is gone, the first drained machine moves on alone.
+    // Running it: once the controller is gone, each drained machine moves on alone, while the
+    // other machines still drain.
     let mut tracker = ReadyTracker::new(&graph);
     let mut ready = tracker.start(&graph);
     assert_eq!(labels(&graph, ready.clone()), set(&["preflight"]));
     ready = tracker.complete(&graph, ready[0]);
     ready = tracker.complete(&graph, ready[0]);
-    assert_eq!(labels(&graph, ready.clone()), set(&["cordon"]));
-    ready = tracker.complete(&graph, ready[0]);
-    assert_eq!(labels(&graph, ready.clone()), set(&["drain[m1]", "drain[m2]", "drain[m3]"]));
+    assert_eq!(labels(&graph, ready.clone()), set(&["remove-controller", "cordon"]));
+    let cordon = task(&graph, "cordon", None);
+    assert_eq!(labels(&graph, tracker.complete(&graph, cordon)), set(&["drain[m1]", "drain[m2]", "drain[m3]"]));
     assert!(tracker.complete(&graph, task(&graph, "drain", Some("m1"))).is_empty());
-    assert!(tracker.complete(&graph, task(&graph, "drain", Some("m2"))).is_empty());
+    assert_eq!(labels(&graph, tracker.complete(&graph, controller)), set(&["discharge-finalizers[m1]"]));
     assert_eq!(
-        labels(&graph, tracker.complete(&graph, task(&graph, "drain", Some("m3")))),
-        set(&["remove-controller"])
-    );
-    assert_eq!(
-        labels(&graph, tracker.complete(&graph, controller)),
-        set(&["discharge-finalizers[m1]", "discharge-finalizers[m2]", "discharge-finalizers[m3]"])
+        labels(&graph, tracker.complete(&graph, task(&graph, "drain", Some("m2")))),
+        set(&["discharge-finalizers[m2]"])
     );
 
     // What a dry run prints.
     let summary = graph.summary();
     assert_eq!(summary.tasks, graph.task_count());
-    assert_eq!(summary.barriers, 3);
+    assert_eq!(summary.barriers, 2);
     assert_eq!(summary.steps.iter().find(|s| s.step == "drain").map(|s| s.tasks), Some(3));
     assert!(summary.to_string().contains("drain (one per machine)"), "{summary}");
 }
@@ -487,15 +484,16 @@ fn steps_without_objects_keep_the_order_of_the_rest() {
     assert_topological(&graph);
     assert_eq!(graph.step_tasks("drain").len(), 0);
     assert_eq!(graph.step_tasks("discharge-finalizers").len(), 0);
-    assert_eq!(deps(&graph, task(&graph, "remove-controller", None)), set(&["cordon"]));
-    assert_eq!(deps(&graph, task(&graph, "delete-nodeclasses", Some("c"))), set(&["remove-controller"]));
+    assert_eq!(deps(&graph, task(&graph, "remove-controller", None)), set(&["fence"]));
+    // the empty drain and finalizer steps pass on both of theirs: the cordon and the controller
+    assert_eq!(deps(&graph, task(&graph, "delete-nodeclasses", Some("c"))), set(&["cordon", "remove-controller"]));
     assert_eq!(deps(&graph, task(&graph, "verify", None)), set(&["delete-nodeclasses[c]"]));
 
-    // Nothing at all: still preflight -> fence -> cordon -> remove-controller -> verify.
+    // Nothing at all: still preflight -> fence -> remove-controller and cordon -> verify.
     let graph = plan.expand(&ObjectSets::default());
-    let order: Vec<String> = graph.tasks().map(|(_, t)| t.label()).collect();
-    assert_eq!(order, ["preflight", "fence", "cordon", "remove-controller", "verify"]);
-    assert_eq!(deps(&graph, task(&graph, "verify", None)), set(&["remove-controller"]));
+    let order: Vec<String> = graph.tasks().filter(|(_, t)| !t.barrier).map(|(_, t)| t.label()).collect();
+    assert_eq!(order, ["preflight", "fence", "remove-controller", "cordon", "verify"]);
+    assert_eq!(deps(&graph, task(&graph, "verify", None)), set(&["cordon", "remove-controller"]));
     assert_eq!(graph.summary().steps.len(), 9, "empty steps are still listed");
 }
 

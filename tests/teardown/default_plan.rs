@@ -57,6 +57,49 @@ async fn default_plan_finishes_with_the_controller_gone_first() {
     b.server.shutdown().await;
 }
 
+/// Each machine is terminated as soon as its own node is drained and the controller is gone, not
+/// after the slowest drain: with one workload's budget blocking every eviction from its nodes, the
+/// other machines' instances are terminated and their finalizers released while those drains
+/// still wait, and the blocked machines' instances still run when the run stops at the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_machine_is_terminated_while_a_blocked_drain_still_waits() {
+    let s = WorldSpec { strict_pdb: true, replicas_per_workload: 2, ..small_world("e2e-pipelined", 5) };
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let sim = live_karpenter(&b, &world);
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--drain-deadline", "8s"]).await;
+    assert_eq!(run.code, 5, "{}", run.dump());
+    let steps = run.report["steps"].as_array().unwrap();
+    let at = |r: &serde_json::Value, field: &str| humantime::parse_rfc3339_weak(r[field].as_str().unwrap()).unwrap();
+    let of = |step: &'static str| steps.iter().filter(move |r| r["step"] == step);
+    let blocked: Vec<&serde_json::Value> = of("drain").filter(|r| r["result"] == "blocked").collect();
+    let first_blocked_end = blocked.iter().map(|r| at(r, "finished")).min().expect("a drain was blocked");
+    let states = states(&b.aws, &world.karpenter_instance_ids()).await;
+    let mut released = 0;
+    for n in &world.nodes {
+        if blocked.iter().any(|r| r["object"] == n.nodeclaim.as_str()) {
+            assert_eq!(states[&n.instance_id], InstanceState::Running, "{}: its drain was blocked", n.nodeclaim);
+            continue;
+        }
+        let discharged = of("discharge-finalizers")
+            .find(|r| r["object"] == n.nodeclaim.as_str())
+            .unwrap_or_else(|| panic!("{} was drained but not released:\n{}", n.nodeclaim, run.dump()));
+        assert_eq!(discharged["result"], "done", "{}", run.dump());
+        assert!(
+            at(discharged, "finished") < first_blocked_end,
+            "{} was released only after the blocked drains ended:\n{}",
+            n.nodeclaim,
+            run.dump()
+        );
+        assert_eq!(states[&n.instance_id], InstanceState::Terminated, "{}", n.nodeclaim);
+        released += 1;
+    }
+    assert!(released > 0, "every machine was blocked: the world does not test anything\n{}", run.dump());
+    assert_eq!(sim.stats().nodeclaims_launched, 0, "the fence kept Karpenter from launching replacements");
+    sim.shutdown().await;
+    b.server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_yes_nothing_changes_and_the_plan_is_shown() {
     let s = small_world("e2e-dry", 4);

@@ -37,16 +37,29 @@ fn delegate_waiting(deadline: &str) -> String {
     text.replacen(wait, &format!("deadline = \"{deadline}\"\non_deadline = \"continue\""), 1)
 }
 
-/// The shipped default plan without its fence step: the drain follows the preflight directly.
+/// A copy of the shipped default plan with the controller removed only after every drain: a live
+/// controller sees the whole drain (as when something scales it back up, or in the delegate plan's
+/// fallback), and no machine is released before every drain is over. The default plan removes it
+/// beside the drain, which would hide what the fence is for.
+pub(crate) fn controller_through_the_drain(text: &str) -> String {
+    let early = "id = \"remove-controller\"\naction = \"remove-controller\"\nafter = [\"fence\"]";
+    assert!(text.contains(early), "plans/default.toml changed: update this test");
+    text.replacen(early, &early.replace("[\"fence\"]", "[\"drain\"]"), 1)
+        .replace("name = \"default\"", "name = \"controller-through-the-drain\"")
+}
+
+/// The shipped default plan without its fence step, the controller live through the drain: the
+/// drain follows the preflight directly.
 fn default_without_fence() -> String {
-    let text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
+    let text =
+        controller_through_the_drain(&std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap());
     let start = text.find("[[step]]\nid = \"fence\"").expect("default.toml has a fence step");
     let end = start + text[start..].find("\n[[step]]").expect("a step follows the fence") + 1;
     let mut out = format!("{}{}", &text[..start], &text[end..]);
     assert!(out.contains("after = [\"fence\"]"));
     out = out
         .replace("after = [\"fence\"]", "after = [\"preflight\"]")
-        .replace("name = \"default\"", "name = \"no-fence\"");
+        .replace("name = \"controller-through-the-drain\"", "name = \"no-fence\"");
     out
 }
 
@@ -174,8 +187,10 @@ async fn without_the_fence_karpenter_chases_the_drain() {
 async fn with_the_fence_karpenter_launches_nothing_under_the_same_pressure() {
     let (b, world, sim) = growing_world("plans-fence").await;
     let before = untouchable_nodes(&b.client, &world).await;
+    let text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
+    let plan = plan_file(&b, "fenced.toml", &controller_through_the_drain(&text));
 
-    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", plan.to_str().unwrap()]).await;
     let stats = sim.stats();
     sim.shutdown().await;
     assert_eq!(run.code, 0, "{}", explain(&run));
