@@ -77,34 +77,9 @@ fn object(v: Value) -> DynamicObject {
     serde_json::from_value(v).unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
-    let cluster = common::unique_cluster("rk");
-    let s = super::stack(&cluster).await;
-    let admin = s.admin_client().await.unwrap();
-    let config = sandbox_sim::localstack::config_as(REGION, "test").await;
-    let (ec2, iam) = (aws_sdk_ec2::Client::new(&config), aws_sdk_iam::Client::new(&config));
-    let aws = common::localstack(REGION).await;
-
-    let crds = common::e2e::real_crds(KarpenterVersion::V1_14);
-    sandbox_sim::world::install_crds(&admin, KarpenterVersion::V1_14, Some(&crds)).await.unwrap();
-    let ami = infrastructure(&ec2, &iam, &cluster).await;
-    // Something of the cluster's that is not Karpenter's: an instance of a managed node group.
-    let decoy = ec2
-        .run_instances()
-        .image_id(&ami)
-        .instance_type(aws_sdk_ec2::types::InstanceType::M5Large)
-        .min_count(1)
-        .max_count(1)
-        .tag_specifications(spec(
-            ResourceType::Instance,
-            &[(&format!("kubernetes.io/cluster/{cluster}"), "owned"), ("eks:nodegroup-name", "system")],
-        ))
-        .send()
-        .await
-        .unwrap();
-    let decoy = decoy.instances()[0].instance_id().unwrap().to_string();
-
+/// The EC2NodeClass and the NodePool `default`, as the cluster's Karpenter configuration would
+/// have them; returns the classes' API.
+async fn class_and_pool(admin: &kube::Client, ami: &str, cluster: &str) -> Api<DynamicObject> {
     let pp = PostParams::default();
     let classes: Api<DynamicObject> = Api::all_with(admin.clone(), &k8s::nodeclass_resource());
     // AL2, not AL2023: for AL2023 Karpenter validates the class by reading the service CIDR from
@@ -150,6 +125,39 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
         )
         .await
         .unwrap();
+    classes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
+    let cluster = common::unique_cluster("rk");
+    let s = super::stack(&cluster).await;
+    let admin = s.admin_client().await.unwrap();
+    let config = sandbox_sim::localstack::config_as(REGION, "test").await;
+    let (ec2, iam) = (aws_sdk_ec2::Client::new(&config), aws_sdk_iam::Client::new(&config));
+    let aws = common::localstack(REGION).await;
+
+    let crds = common::e2e::real_crds(KarpenterVersion::V1_14);
+    sandbox_sim::world::install_crds(&admin, KarpenterVersion::V1_14, Some(&crds)).await.unwrap();
+    let ami = infrastructure(&ec2, &iam, &cluster).await;
+    // Something of the cluster's that is not Karpenter's: an instance of a managed node group.
+    let decoy = ec2
+        .run_instances()
+        .image_id(&ami)
+        .instance_type(aws_sdk_ec2::types::InstanceType::M5Large)
+        .min_count(1)
+        .max_count(1)
+        .tag_specifications(spec(
+            ResourceType::Instance,
+            &[(&format!("kubernetes.io/cluster/{cluster}"), "owned"), ("eks:nodegroup-name", "system")],
+        ))
+        .send()
+        .await
+        .unwrap();
+    let decoy = decoy.instances()[0].instance_id().unwrap().to_string();
+
+    let pp = PostParams::default();
+    let classes = class_and_pool(&admin, &ami, &cluster).await;
 
     // The workload: a Deployment's pods, each asking for a whole m5.large (nothing creates pods
     // from the Deployment here, so the test creates them as its ReplicaSet would)
@@ -288,6 +296,263 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     assert!(left.items.is_empty(), "Karpenter nodes left");
     // the workload is the user's: still there, still pending
     assert_eq!(pods.list(&ListParams::default()).await.unwrap().items.len(), PODS);
+
+    ec2.terminate_instances().instance_ids(&decoy).send().await.unwrap();
+    drop(karpenter);
+}
+
+fn phase(p: &Pod) -> &str {
+    p.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("")
+}
+
+fn node_of(p: &Pod) -> Option<&str> {
+    p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+}
+
+/// On the full control plane: the real scheduler marks the workload unschedulable and later binds
+/// it to the nodes Karpenter launched, kwok makes those nodes Ready and runs the pods, and the
+/// ReplicaSet and disruption controllers act; the teardown then evicts running pods with Karpenter
+/// alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane() {
+    let cluster = common::unique_cluster("rkf");
+    let s = super::control_plane::full_stack(&cluster).await;
+    let admin = s.admin_client().await.unwrap();
+    let config = sandbox_sim::localstack::config_as(REGION, "test").await;
+    let (ec2, iam) = (aws_sdk_ec2::Client::new(&config), aws_sdk_iam::Client::new(&config));
+    let aws = common::localstack(REGION).await;
+
+    let crds = common::e2e::real_crds(KarpenterVersion::V1_14);
+    sandbox_sim::world::install_crds(&admin, KarpenterVersion::V1_14, Some(&crds)).await.unwrap();
+    let ami = infrastructure(&ec2, &iam, &cluster).await;
+    let pp = PostParams::default();
+    // A managed node group's node, kept for critical add-ons as EKS's guidance for Karpenter's
+    // own pods has it: the controller's pod runs here, the workload cannot
+    let decoy = ec2
+        .run_instances()
+        .image_id(&ami)
+        .instance_type(aws_sdk_ec2::types::InstanceType::M5Large)
+        .min_count(1)
+        .max_count(1)
+        .tag_specifications(spec(
+            ResourceType::Instance,
+            &[(&format!("kubernetes.io/cluster/{cluster}"), "owned"), ("eks:nodegroup-name", "system")],
+        ))
+        .send()
+        .await
+        .unwrap();
+    let decoy = decoy.instances()[0].instance_id().unwrap().to_string();
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let resources = json!({"cpu": "2", "memory": "8Gi", "pods": "29"});
+    let system: Node = serde_json::from_value(json!({
+        "metadata": {"name": "system-0", "labels": {"eks.amazonaws.com/nodegroup": "system",
+            "kubernetes.io/hostname": "system-0", "topology.kubernetes.io/zone": "us-west-2a"}},
+        "spec": {"providerID": format!("aws:///us-west-2a/{decoy}"),
+            "taints": [{"key": "CriticalAddonsOnly", "value": "true", "effect": "NoSchedule"}]},
+        "status": {"allocatable": resources, "capacity": resources},
+    }))
+    .unwrap();
+    nodes.create(&pp, &system).await.unwrap();
+    let classes = class_and_pool(&admin, &ami, &cluster).await;
+
+    // The workload: the ReplicaSet controller makes its pods, its budget lets both go
+    let ns: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(admin.clone());
+    ns.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "web"}})).unwrap()).await.unwrap();
+    let labels = json!({"app": "web"});
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(admin.clone(), "web");
+    deployments
+        .create(
+            &pp,
+            &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": PODS,
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": {"terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "web", "image": "registry.k8s.io/pause:3.10",
+                        "resources": {"requests": {"cpu": "1"}}}]}}}}))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    // Every node of the cluster that could take the workload is Karpenter's, so an evicted pod's
+    // replacement stays Pending and never becomes healthy again: a budget that holds back any of
+    // the pods would hold the teardown forever. This one lets all of them go, counted by the
+    // disruption controller and enforced by the Eviction API.
+    let pdbs: Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> = Api::namespaced(admin.clone(), "web");
+    pdbs.create(
+        &pp,
+        &serde_json::from_value(json!({"metadata": {"name": "web"},
+            "spec": {"maxUnavailable": PODS, "selector": {"matchLabels": labels}}}))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+
+    let t = Instant::now();
+    let karpenter = RealKarpenter::start(
+        &s,
+        KarpenterSettings {
+            cluster_name: cluster.clone(),
+            region: REGION.into(),
+            aws_endpoint: sandbox_sim::localstack::endpoint(),
+        },
+        ec2.clone(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    // Karpenter launches for what the scheduler could not place, the nodes register, kwok makes
+    // them Ready, the scheduler binds the pods there and kwok runs them
+    let claims: Api<DynamicObject> = Api::all_with(admin.clone(), &k8s::nodeclaim_resource());
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "web");
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let (instances, before) = loop {
+        // a CRD just installed answers 429 while the server's cache of it starts
+        let list = match claims.list(&ListParams::default()).await {
+            Ok(list) => list,
+            Err(kube::Error::Api(e)) if e.code == 429 && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            Err(e) => panic!("listing NodeClaims: {e}"),
+        };
+        let ids: Vec<String> = list
+            .items
+            .iter()
+            .filter_map(|c| c.data["status"]["providerID"].as_str())
+            .filter_map(|p| p.rsplit('/').next())
+            .map(str::to_string)
+            .collect();
+        let karpenters: Vec<String> = nodes
+            .list(&ListParams::default().labels("karpenter.sh/nodepool"))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter_map(|n| n.metadata.name)
+            .collect();
+        let running: Vec<Pod> = pods
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|p| phase(p) == "Running" && node_of(p).is_some_and(|n| karpenters.iter().any(|k| k == n)))
+            .collect();
+        if ids.len() >= PODS && running.len() == PODS {
+            break (ids, running);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} claims with instances, {} pods running on {karpenters:?}; Karpenter's log:\n{}\nkube-scheduler:\n{}\nkwok:\n{}",
+            ids.len(),
+            running.len(),
+            karpenter.log_tail(40),
+            s.log_tail("kube-scheduler"),
+            s.log_tail("kwok")
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    eprintln!("the workload runs on {} nodes of the real Karpenter after {:?}", instances.len(), t.elapsed());
+    assert!(karpenter.running());
+    // Karpenter provisioned for pods the scheduler marked: no stand-in wrote that condition
+    assert!(karpenter.log().contains("found provisionable pod(s)"), "{}", karpenter.log_tail(40));
+    for n in karpenter.registered_nodes() {
+        let node = nodes.get(&n).await.unwrap();
+        let conditions = node.status.and_then(|s| s.conditions).unwrap_or_default();
+        assert!(conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True"), "{n}: {conditions:?}");
+    }
+    // the controller's own pod, made by the ReplicaSet controller, runs on the system node
+    let system_pods: Api<Pod> = Api::namespaced(admin.clone(), realstack::karpenter::NAMESPACE);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = system_pods.list(&ListParams::default().labels("app.kubernetes.io/name=karpenter")).await.unwrap();
+        let placed: Vec<(&str, Option<&str>)> = list.items.iter().map(|p| (phase(p), node_of(p))).collect();
+        if placed == [("Running", Some("system-0"))] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the controller's pod: {placed:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // the disruption controller's count, which the teardown's evictions are held to
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let status = pdbs.get("web").await.unwrap().status.unwrap_or_default();
+        if status.current_healthy == PODS as i32 && status.disruptions_allowed == PODS as i32 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the budget was not computed: {status:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // the teardown, with the real Karpenter alive
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    if std::env::var_os("KT_TEST_LOGS").is_some() {
+        cmd.stderr(std::process::Stdio::inherit());
+    }
+    cmd.args(["run", "--cluster", &cluster, "--region", REGION, "--yes", "--kubeconfig"])
+        .arg(s.tool_kubeconfig())
+        .arg("--report")
+        .arg(&report)
+        .envs(common::localstack_env())
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+    let t = Instant::now();
+    let run = run_of(cmd, &report).await;
+    eprintln!("torn down in {:?}", t.elapsed());
+    assert_eq!(run.code, 0, "{}\nKarpenter:\n{}", run.dump(), karpenter.log_tail(40));
+    assert_eq!(run.report["outcome"], "clean", "{}", run.dump());
+
+    assert!(!karpenter.running(), "Karpenter still runs after the teardown");
+    assert_eq!(karpenter.starts(), 1);
+    let ours = states(&aws, &instances).await;
+    assert!(ours.values().all(|s| *s == InstanceState::Terminated), "Karpenter's instances: {ours:?}");
+    assert_eq!(states(&aws, std::slice::from_ref(&decoy)).await[&decoy], InstanceState::Running, "the decoy");
+    assert!(aws.ec2.launch_templates(&cluster).await.unwrap().is_empty(), "launch templates left");
+    assert!(aws.iam.cluster_instance_profiles(REGION, &cluster).await.unwrap().is_empty(), "instance profiles left");
+    assert_eq!(count(&admin, &k8s::nodeclaim_resource()).await, 0, "NodeClaims left");
+    assert_eq!(count(&admin, &k8s::nodepool_resource()).await, 0, "NodePools left");
+    assert_eq!(count(&admin, &k8s::nodeclass_resource()).await, 0, "EC2NodeClasses left");
+    drop(classes);
+    let left = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
+    assert!(left.items.is_empty(), "Karpenter nodes left");
+    // the system node is not Karpenter's: neither cordoned nor removed
+    let system = nodes.get("system-0").await.unwrap();
+    assert_ne!(system.spec.and_then(|s| s.unschedulable), Some(true), "the system node was cordoned");
+
+    // the running pods are gone, and the ReplicaSet's replacements wait Pending on no node
+    let evicted: Vec<String> = before.iter().filter_map(|p| p.metadata.name.clone()).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = pods.list(&ListParams::default()).await.unwrap();
+        let states: Vec<(String, String, Option<String>)> = list
+            .items
+            .iter()
+            .map(|p| {
+                (p.metadata.name.clone().unwrap_or_default(), phase(p).to_string(), node_of(p).map(str::to_string))
+            })
+            .collect();
+        let waiting = list
+            .items
+            .iter()
+            .filter(|p| {
+                phase(p) == "Pending"
+                    && node_of(p).is_none()
+                    && p.metadata.deletion_timestamp.is_none()
+                    && p.metadata.name.as_ref().is_some_and(|n| !evicted.contains(n))
+            })
+            .count();
+        if waiting == PODS && list.items.len() == PODS {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "want {PODS} new pods Pending on no node, evicted {evicted:?}, got {states:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // the controller's pod went with its Deployment's scale to zero
+    let list = system_pods.list(&ListParams::default().labels("app.kubernetes.io/name=karpenter")).await.unwrap();
+    assert!(list.items.is_empty(), "the controller's pod is still there");
 
     ec2.terminate_instances().instance_ids(&decoy).send().await.unwrap();
     drop(karpenter);

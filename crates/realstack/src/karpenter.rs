@@ -3,8 +3,7 @@
 //! [`RealStack`], with EC2, IAM and STS served by LocalStack.
 //!
 //! Karpenter runs as a process on this machine, not as a pod, so the test bed plays the parts of
-//! the cluster around it that are not there (no kube-controller-manager, no scheduler, no
-//! kubelet):
+//! the cluster around it that are not there. On a stack of etcd and kube-apiserver only:
 //! - the `karpenter` Deployment in `kube-system` and its one Pod stand for the process: while the
 //!   Deployment asks for a replica the process runs and the Deployment reports it ready; once it is
 //!   scaled to zero (or deleted) the process is killed and the Pod removed, as the Deployment
@@ -13,6 +12,13 @@
 //!   writes and which is the only sign Karpenter provisions for;
 //! - each launched NodeClaim gets its Node, registered as the kubelet on that instance would, and
 //!   marked Ready.
+//!
+//! On the full stack ([`ControlPlane::Full`]) the real components do their own parts: the
+//! Deployment and ReplicaSet controllers make and remove the controller's pod (which the real
+//! scheduler places as Karpenter's Helm chart shapes it: never on a Karpenter node), kube-scheduler
+//! marks pending pods unschedulable, and kwok makes each registered Node Ready and runs the pods
+//! bound to it. Only the process follows the Deployment, and the registrar still creates each
+//! Node (kwok manages Nodes, it does not create them).
 //!
 //! [`RealKarpenter`] owns the process: it runs in a process group of its own with a watchdog that
 //! ends it once the test process is gone, and the group is killed when it is dropped.
@@ -31,7 +37,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::{Value, json};
 
-use crate::RealStack;
+use crate::{ControlPlane, RealStack};
 
 /// The namespace and name of the controller's Deployment, where Karpenter's Helm chart puts it.
 pub const NAMESPACE: &str = "kube-system";
@@ -194,8 +200,11 @@ pub(crate) fn parse_provider_id(provider_id: &str) -> Option<(&str, &str)> {
 /// name (the kubelet's hostname on EC2), with the provider id, the NodeClaim's labels and taints,
 /// and Karpenter's `karpenter.sh/unregistered:NoExecute` taint, which the kubelet is started with
 /// (karpenter's `pkg/apis/v1` UnregisteredNoExecuteTaint) and Karpenter removes on registration.
-/// Capacity and allocatable are the NodeClaim's, and the node is Ready.
-pub(crate) fn node_for(claim: &Value, node_name: &str) -> Option<Value> {
+/// Capacity and allocatable are the NodeClaim's. With `ready` the node reports Ready itself;
+/// without, it has no conditions, which is what kwok's `node-initialize` stage selects (Ready not
+/// True; sigs.k8s.io/kwok kustomize/stage/node/fast/node-initialize.yaml) to make it Ready while
+/// keeping the capacity and allocatable it finds.
+pub(crate) fn node_for(claim: &Value, node_name: &str, ready: bool) -> Option<Value> {
     let status = &claim["status"];
     let provider_id = status["providerID"].as_str()?;
     let (zone, _) = parse_provider_id(provider_id)?;
@@ -211,19 +220,19 @@ pub(crate) fn node_for(claim: &Value, node_name: &str) -> Option<Value> {
     }
     taints.push(json!({"key": "karpenter.sh/unregistered", "effect": "NoExecute"}));
     let now = "1970-01-01T00:00:00Z";
+    let mut node_status = json!({"capacity": status["capacity"], "allocatable": status["allocatable"]});
+    if ready {
+        node_status["conditions"] = json!([{
+            "type": "Ready", "status": "True", "reason": "KubeletReady",
+            "message": "kubelet is posting ready status", "lastHeartbeatTime": now, "lastTransitionTime": now,
+        }]);
+    }
     Some(json!({
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": node_name, "labels": labels},
         "spec": {"providerID": provider_id, "taints": taints},
-        "status": {
-            "capacity": status["capacity"],
-            "allocatable": status["allocatable"],
-            "conditions": [{
-                "type": "Ready", "status": "True", "reason": "KubeletReady",
-                "message": "kubelet is posting ready status", "lastHeartbeatTime": now, "lastTransitionTime": now,
-            }],
-        },
+        "status": node_status,
     }))
 }
 
@@ -337,9 +346,9 @@ pub struct RealKarpenter {
 
 impl RealKarpenter {
     /// Gives Karpenter an identity on the stack (a ServiceAccount bound to `cluster-admin`, with a
-    /// token from the TokenRequest API), creates its Deployment and Pod, starts the process, and
-    /// starts the stand-ins (pending-pod marking, node registration). `ec2` is what the node
-    /// registrar reads instances with.
+    /// token from the TokenRequest API), creates its Deployment (and, without the full control
+    /// plane, its Pod), starts the process, and starts the stand-ins the stack needs (see the
+    /// module's documentation). `ec2` is what the node registrar reads instances with.
     pub async fn start(
         stack: &RealStack,
         settings: KarpenterSettings,
@@ -358,11 +367,14 @@ impl RealKarpenter {
         let env = environment(&settings, &kubeconfig, &stack.server(), free_port()?, free_port()?);
         let process = Arc::new(Mutex::new(Process { bin, env, log: log.clone(), child: None, starts: 0 }));
         let registered = Arc::new(Mutex::new(Vec::new()));
-        let tasks = vec![
-            tokio::spawn(supervise(admin.clone(), process.clone())),
-            tokio::spawn(mark_unschedulable(admin.clone())),
-            tokio::spawn(register_nodes(admin, ec2, registered.clone())),
+        let full = stack.control_plane() == ControlPlane::Full;
+        let mut tasks = vec![
+            tokio::spawn(supervise(admin.clone(), process.clone(), !full)),
+            tokio::spawn(register_nodes(admin.clone(), ec2, registered.clone(), !full)),
         ];
+        if !full {
+            tasks.push(tokio::spawn(mark_unschedulable(admin)));
+        }
         Ok(RealKarpenter { process, tasks, registered, log, _dir: dir })
     }
 
@@ -449,7 +461,27 @@ pub(crate) fn kubeconfig_with_token(tool_kubeconfig: &Path, token: &str) -> Resu
     Ok(cfg)
 }
 
+/// Where Karpenter's Helm chart lets the controller run (charts/karpenter/values.yaml in
+/// karpenter-provider-aws v1.14.1): never on a node of a NodePool, so it does not run on the
+/// capacity it manages, and on nodes kept for critical add-ons.
+fn placement() -> Value {
+    json!({
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "DoesNotExist"}]}]}}},
+        "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}],
+    })
+}
+
+fn pod_spec() -> Value {
+    let mut spec = placement();
+    spec["serviceAccountName"] = json!(NAME);
+    spec["containers"] = json!([{"name": "controller", "image": "public.ecr.aws/karpenter/controller"}]);
+    spec
+}
+
 fn deployment(settings: &KarpenterSettings) -> Value {
+    let mut spec = pod_spec();
+    spec["containers"][0]["env"] = json!([{"name": "CLUSTER_NAME", "value": settings.cluster_name}]);
     let labels = json!({"app.kubernetes.io/name": NAME, "app.kubernetes.io/instance": NAME});
     json!({
         "apiVersion": "apps/v1",
@@ -460,14 +492,7 @@ fn deployment(settings: &KarpenterSettings) -> Value {
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {
-                    "serviceAccountName": NAME,
-                    "containers": [{
-                        "name": "controller",
-                        "image": "public.ecr.aws/karpenter/controller",
-                        "env": [{"name": "CLUSTER_NAME", "value": settings.cluster_name}],
-                    }],
-                },
+                "spec": spec,
             },
         },
     })
@@ -490,13 +515,14 @@ fn controller_pod() -> Value {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": format!("{NAME}-0"), "namespace": NAMESPACE, "labels": labels},
-        "spec": {"serviceAccountName": NAME, "containers": [{"name": "controller", "image": "public.ecr.aws/karpenter/controller"}]},
+        "spec": pod_spec(),
     })
 }
 
-/// Keeps the process, the Pod and the Deployment's status in step with what the Deployment asks,
-/// as the Deployment controller and the kubelet would.
-async fn supervise(admin: kube::Client, process: Arc<Mutex<Process>>) {
+/// Keeps the process in step with what the Deployment asks and, with `stand_in_pod` (no
+/// kube-controller-manager and no kwok on the stack), the Pod and the Deployment's status too, as
+/// the Deployment controller and the kubelet would.
+async fn supervise(admin: kube::Client, process: Arc<Mutex<Process>>, stand_in_pod: bool) {
     let deployments: Api<Deployment> = Api::namespaced(admin.clone(), NAMESPACE);
     let pods: Api<Pod> = Api::namespaced(admin, NAMESPACE);
     let pp = PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() };
@@ -515,14 +541,16 @@ async fn supervise(admin: kube::Client, process: Arc<Mutex<Process>>) {
                 }
                 p.running()
             };
-            if run {
+            if !stand_in_pod {
+                // the real controllers own the Pod and the status
+            } else if run {
                 if let Ok(pod) = serde_json::from_value::<Pod>(controller_pod()) {
                     let _ = pods.create(&pp, &pod).await;
                 }
             } else {
                 let _ = pods.delete(&format!("{NAME}-0"), &DeleteParams::default()).await;
             }
-            if d.is_some() {
+            if stand_in_pod && d.is_some() {
                 let ready = i32::from(run && running);
                 let status = json!({"apiVersion": "apps/v1", "kind": "Deployment",
                     "status": {"replicas": ready, "readyReplicas": ready, "availableReplicas": ready}});
@@ -556,8 +584,14 @@ async fn mark_unschedulable(admin: kube::Client) {
     }
 }
 
-/// The kubelet's part: a Node for each NodeClaim that has an instance and no Node yet.
-async fn register_nodes(admin: kube::Client, ec2: aws_sdk_ec2::Client, registered: Arc<Mutex<Vec<String>>>) {
+/// The kubelet's part: a Node for each NodeClaim that has an instance and no Node yet, reporting
+/// Ready itself when `ready` (no kwok to do it).
+async fn register_nodes(
+    admin: kube::Client,
+    ec2: aws_sdk_ec2::Client,
+    registered: Arc<Mutex<Vec<String>>>,
+    ready: bool,
+) {
     let claims: Api<DynamicObject> = Api::all_with(admin.clone(), &nodeclaims());
     let nodes: Api<Node> = Api::all(admin);
     let pp = PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() };
@@ -572,7 +606,7 @@ async fn register_nodes(admin: kube::Client, ec2: aws_sdk_ec2::Client, registere
                 }
                 let Some((_, instance)) = parse_provider_id(provider_id) else { continue };
                 let Some(name) = private_dns_name(&ec2, instance).await else { continue };
-                let Some(node) = node_for(&claim, &name) else { continue };
+                let Some(node) = node_for(&claim, &name, ready) else { continue };
                 let Ok(node) = serde_json::from_value::<Node>(node) else { continue };
                 let created = match nodes.create(&pp, &node).await {
                     Ok(_) => true,
@@ -628,7 +662,7 @@ mod tests {
                      "startupTaints": [{"key": "startup", "effect": "NoSchedule"}]},
             "status": {"providerID": "aws:///us-west-2b/i-0abc", "capacity": {"cpu": "2"}, "allocatable": {"cpu": "1930m"}},
         });
-        let node = node_for(&claim, "ip-10-0-1-5.us-west-2.compute.internal").unwrap();
+        let node = node_for(&claim, "ip-10-0-1-5.us-west-2.compute.internal", true).unwrap();
         assert_eq!(node["metadata"]["name"], "ip-10-0-1-5.us-west-2.compute.internal");
         assert_eq!(node["spec"]["providerID"], "aws:///us-west-2b/i-0abc");
         let labels = &node["metadata"]["labels"];
@@ -647,7 +681,45 @@ mod tests {
 
     #[test]
     fn a_claim_without_an_instance_has_no_node() {
-        assert!(node_for(&json!({"metadata": {"name": "x"}, "status": {}}), "n").is_none());
+        assert!(node_for(&json!({"metadata": {"name": "x"}, "status": {}}), "n", true).is_none());
+    }
+
+    #[test]
+    fn a_node_left_to_kwok_has_no_conditions_and_keeps_the_claims_resources() {
+        let claim = json!({
+            "metadata": {"name": "default-abcde", "labels": {"karpenter.sh/nodepool": "default"}},
+            "status": {"providerID": "aws:///us-west-2a/i-0abc", "capacity": {"cpu": "2"}, "allocatable": {"cpu": "1930m"}},
+        });
+        let node = node_for(&claim, "ip-10-0-1-5.us-west-2.compute.internal", false).unwrap();
+        assert!(node["status"].get("conditions").is_none(), "{node}");
+        assert_eq!(node["status"]["allocatable"]["cpu"], "1930m");
+        assert_eq!(node["status"]["capacity"]["cpu"], "2");
+        serde_json::from_value::<Node>(node).unwrap();
+    }
+
+    #[test]
+    fn the_controller_keeps_off_karpenter_nodes_and_tolerates_critical_add_on_nodes() {
+        let s = KarpenterSettings { cluster_name: "c1".into(), region: "r".into(), aws_endpoint: "e".into() };
+        let d: Deployment = serde_json::from_value(deployment(&s)).unwrap();
+        let p: Pod = serde_json::from_value(controller_pod()).unwrap();
+        for spec in [d.spec.unwrap().template.spec.unwrap(), p.spec.unwrap()] {
+            let terms = spec
+                .affinity
+                .and_then(|a| a.node_affinity)
+                .and_then(|n| n.required_during_scheduling_ignored_during_execution)
+                .map(|r| r.node_selector_terms)
+                .unwrap_or_default();
+            let exprs: Vec<(String, String)> = terms
+                .iter()
+                .flat_map(|t| t.match_expressions.iter().flatten())
+                .map(|e| (e.key.clone(), e.operator.clone()))
+                .collect();
+            assert_eq!(exprs, [("karpenter.sh/nodepool".to_string(), "DoesNotExist".to_string())]);
+            let tolerated: Vec<Option<String>> =
+                spec.tolerations.unwrap_or_default().into_iter().map(|t| t.key).collect();
+            assert_eq!(tolerated, [Some("CriticalAddonsOnly".to_string())]);
+            assert_eq!(spec.service_account_name.as_deref(), Some(NAME));
+        }
     }
 
     #[test]

@@ -513,6 +513,7 @@ pub struct RealStack {
     children: Vec<(&'static str, Child)>,
     admin_kubeconfig: PathBuf,
     tool_kubeconfig: PathBuf,
+    control_plane: ControlPlane,
     // last: removed after the processes using it are gone
     _dir: tempfile::TempDir,
 }
@@ -570,7 +571,8 @@ impl RealStack {
         // user's own out and leaves kwok its defaults
         std::fs::write(layout.file("kwok.yaml"), "").map_err(io("writing kwok.yaml"))?;
 
-        let mut stack = RealStack { layout, children: Vec::new(), admin_kubeconfig, tool_kubeconfig, _dir: dir };
+        let mut stack =
+            RealStack { layout, children: Vec::new(), admin_kubeconfig, tool_kubeconfig, control_plane, _dir: dir };
         stack.spawn(&bin, "etcd", stack.layout.etcd_args())?;
         stack.spawn(&bin, "kube-apiserver", stack.layout.apiserver_args(control_plane))?;
         let admin = stack.admin_client().await?;
@@ -726,6 +728,11 @@ impl RealStack {
     /// The kubeconfig of the admin identity (for tools a test drives with full rights).
     pub fn admin_kubeconfig(&self) -> &Path {
         &self.admin_kubeconfig
+    }
+
+    /// What was started besides etcd and kube-apiserver.
+    pub fn control_plane(&self) -> ControlPlane {
+        self.control_plane
     }
 
     /// The server's URL.
