@@ -37,7 +37,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::{Value, json};
 
-use crate::{ControlPlane, RealStack};
+use crate::{BuildFailure, ControlPlane, RealStack, build_once};
 
 /// The namespace and name of the controller's Deployment, where Karpenter's Helm chart puts it.
 pub const NAMESPACE: &str = "kube-system";
@@ -102,32 +102,13 @@ pub fn build_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("build-karpenter")
 }
 
-/// The Karpenter binary, built by `build-karpenter` the first time a process asks (the script is a
-/// no-op when the binary is current).
+/// The Karpenter binary, built by `build-karpenter` the first time a process asks.
 pub fn binary() -> Result<PathBuf, KarpenterError> {
-    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let built = BUILT.get_or_init(|| build().map_err(|e| e.to_string()));
-    built.clone().map_err(|e| match e {
-        // kept as text (the error holds io::Errors, which are not Clone); the first caller saw the
-        // typed one, later callers see the same message
-        msg if msg.starts_with("Go is not installed") => KarpenterError::GoMissing,
-        msg => KarpenterError::Build { status: msg },
-    })
-}
-
-fn build() -> Result<PathBuf, KarpenterError> {
-    let script = build_script();
-    let status = Command::new("bash")
-        .arg(&script)
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::inherit())
-        .status()
-        .map_err(io(format!("running {}", script.display())))?;
-    match status.code() {
-        Some(0) => Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("karpenter/bin/karpenter")),
-        // the script's own exit code when `go` is not on PATH
-        Some(127) => Err(KarpenterError::GoMissing),
-        _ => Err(KarpenterError::Build { status: status.to_string() }),
+    static BUILT: OnceLock<Result<(), BuildFailure>> = OnceLock::new();
+    match build_once(&BUILT, &build_script()) {
+        Ok(()) => Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("karpenter/bin/karpenter")),
+        Err(BuildFailure::GoMissing) => Err(KarpenterError::GoMissing),
+        Err(BuildFailure::Failed(status)) => Err(KarpenterError::Build { status }),
     }
 }
 

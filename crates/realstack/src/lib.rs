@@ -140,33 +140,43 @@ fn kwok_binary() -> Result<PathBuf, RealStackError> {
     Ok(bin_dir().join("kwok"))
 }
 
-/// The real control plane's binary, built by `build-real` the first time a process asks (the
-/// script is a no-op when the binary is current, so a test binary pays only one check).
+/// The real control plane's binary, built by `build-real` the first time a process asks.
 pub fn binary() -> Result<PathBuf, RealStackError> {
-    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let built = BUILT.get_or_init(|| build().map_err(|e| e.to_string()));
-    built.clone().map_err(|e| match e {
-        // the error is kept as text (RealStackError holds io::Errors, which are not Clone); the
-        // first caller saw the typed one, later callers see the same message
-        msg if msg.starts_with("Go is not installed") => RealStackError::GoMissing,
-        msg => RealStackError::Build { status: msg },
-    })
+    static BUILT: OnceLock<Result<(), BuildFailure>> = OnceLock::new();
+    match build_once(&BUILT, &build_script()) {
+        Ok(()) => Ok(bin_dir().join("realstack")),
+        Err(BuildFailure::GoMissing) => Err(RealStackError::GoMissing),
+        Err(BuildFailure::Failed(status)) => Err(RealStackError::Build { status }),
+    }
 }
 
-fn build() -> Result<PathBuf, RealStackError> {
-    let script = build_script();
-    let status = Command::new("bash")
-        .arg(&script)
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::inherit())
-        .status()
-        .map_err(io(format!("running {}", script.display())))?;
-    match status.code() {
-        Some(0) => Ok(bin_dir().join("realstack")),
-        // the script's own exit code when `go` is not on PATH
-        Some(127) => Err(RealStackError::GoMissing),
-        _ => Err(RealStackError::Build { status: status.to_string() }),
-    }
+/// Why a build script produced no binaries. Clone, unlike the typed errors (they hold
+/// `io::Error`s), so one process-wide answer serves every caller.
+#[derive(Debug, Clone)]
+pub(crate) enum BuildFailure {
+    /// The script's own exit code 127: `go` is not on PATH.
+    GoMissing,
+    /// Anything else, as the status or the error running it.
+    Failed(String),
+}
+
+/// Runs a build script the first time a process asks and remembers the answer in `cell`; the
+/// scripts are no-ops when their binaries are current, so a test binary pays only one check.
+pub(crate) fn build_once(cell: &'static OnceLock<Result<(), BuildFailure>>, script: &Path) -> Result<(), BuildFailure> {
+    cell.get_or_init(|| {
+        let status = Command::new("bash")
+            .arg(script)
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit())
+            .status()
+            .map_err(|e| BuildFailure::Failed(format!("running {}: {e}", script.display())))?;
+        match status.code() {
+            Some(0) => Ok(()),
+            Some(127) => Err(BuildFailure::GoMissing),
+            _ => Err(BuildFailure::Failed(status.to_string())),
+        }
+    })
+    .clone()
 }
 
 /// Ports and files of one stack, from which the command lines are made.
