@@ -16,7 +16,7 @@ use sandbox_sim::KarpenterVersion;
 use serde_json::{Value, json};
 
 use super::common;
-use super::common::e2e::{REGION, count, run_of, states};
+use super::common::e2e::{REGION, count, states};
 
 const PODS: usize = 2;
 
@@ -261,21 +261,7 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     eprintln!("before the teardown: {templates} launch template(s), instance profile {profile}");
 
     // the teardown, with the real Karpenter alive
-    let dir = tempfile::tempdir().unwrap();
-    let report = dir.path().join("report.json");
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
-    if std::env::var_os("KT_TEST_LOGS").is_some() {
-        cmd.stderr(std::process::Stdio::inherit());
-    }
-    cmd.args(["run", "--cluster", &cluster, "--region", REGION, "--yes", "--kubeconfig"])
-        .arg(s.tool_kubeconfig())
-        .arg("--report")
-        .arg(&report)
-        .envs(common::localstack_env())
-        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
-    let t = Instant::now();
-    let run = run_of(cmd, &report).await;
-    eprintln!("torn down in {:?}", t.elapsed());
+    let run = super::teardown(&s, &cluster).await;
     assert_eq!(run.code, 0, "{}\nKarpenter:\n{}", run.dump(), karpenter.log_tail(40));
     assert_eq!(run.report["outcome"], "clean", "{}", run.dump());
 
@@ -484,21 +470,7 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     }
 
     // the teardown, with the real Karpenter alive
-    let dir = tempfile::tempdir().unwrap();
-    let report = dir.path().join("report.json");
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
-    if std::env::var_os("KT_TEST_LOGS").is_some() {
-        cmd.stderr(std::process::Stdio::inherit());
-    }
-    cmd.args(["run", "--cluster", &cluster, "--region", REGION, "--yes", "--kubeconfig"])
-        .arg(s.tool_kubeconfig())
-        .arg("--report")
-        .arg(&report)
-        .envs(common::localstack_env())
-        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
-    let t = Instant::now();
-    let run = run_of(cmd, &report).await;
-    eprintln!("torn down in {:?}", t.elapsed());
+    let run = super::teardown(&s, &cluster).await;
     assert_eq!(run.code, 0, "{}\nKarpenter:\n{}", run.dump(), karpenter.log_tail(40));
     assert_eq!(run.report["outcome"], "clean", "{}", run.dump());
 

@@ -24,6 +24,26 @@ pub(crate) fn shipped_rbac_yaml() -> String {
     std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml")).expect("deploy/rbac.yaml")
 }
 
+/// `karpenter-teardown run --yes` against the stack as the tool's identity, with its report.
+async fn teardown(s: &RealStack, cluster: &str) -> common::e2e::Run {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    if std::env::var_os("KT_TEST_LOGS").is_some() {
+        cmd.stderr(std::process::Stdio::inherit());
+    }
+    cmd.args(["run", "--cluster", cluster, "--region", common::e2e::REGION, "--yes", "--kubeconfig"])
+        .arg(s.tool_kubeconfig())
+        .arg("--report")
+        .arg(&report)
+        .envs(common::localstack_env())
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+    let t = Instant::now();
+    let run = common::e2e::run_of(cmd, &report).await;
+    eprintln!("torn down in {:?}", t.elapsed());
+    run
+}
+
 async fn stack(context: &str) -> RealStack {
     RealStack::start(context, &shipped_rbac_yaml()).await.unwrap_or_else(|e| panic!("{e}"))
 }
@@ -113,7 +133,7 @@ async fn karpenter_crds_install_and_a_node_pool_gets_its_schema_defaults() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tool_tears_down_a_generated_world_on_the_real_server() {
-    use common::e2e::{REGION, assert_torn_down_on, run_of, untouchable_nodes};
+    use common::e2e::{REGION, assert_torn_down_on, untouchable_nodes};
     use sandbox_sim::{SimController, SimSettings, generate};
 
     // kube-scheduler binds the workloads' pods, kwok runs them, and the real ReplicaSet and
@@ -146,25 +166,11 @@ async fn the_tool_tears_down_a_generated_world_on_the_real_server() {
     );
     let before = untouchable_nodes(&admin, &world).await;
 
-    let dir = tempfile::tempdir().unwrap();
-    let report = dir.path().join("report.json");
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
-    if std::env::var_os("KT_TEST_LOGS").is_some() {
-        cmd.stderr(std::process::Stdio::inherit());
-    }
-    cmd.args(["run", "--cluster", &world.cluster, "--region", REGION, "--yes", "--kubeconfig"])
-        .arg(s.tool_kubeconfig())
-        .arg("--report")
-        .arg(&report)
-        .envs(common::localstack_env())
-        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
-    let t = Instant::now();
     // the drain's evicted Deployment pods come back Pending with no node to go to: the run must
     // end anyway, not wait on them
-    let run = tokio::time::timeout(std::time::Duration::from_secs(240), run_of(cmd, &report))
+    let run = tokio::time::timeout(std::time::Duration::from_secs(240), teardown(&s, &world.cluster))
         .await
         .unwrap_or_else(|_| panic!("the teardown did not end within 240s"));
-    eprintln!("torn down in {:?}", t.elapsed());
     assert_eq!(run.code, 0, "{}", run.dump());
     assert_eq!(run.report["outcome"], "clean", "{}", run.dump());
     assert_torn_down_on(&admin, &aws, &world, &before).await;
