@@ -8,7 +8,7 @@
 //! cargo bench --bench teardown -- --sizes 10,100 --pods-per-node 20 --time-scale 0.05 --out results.md
 //! ```
 //!
-//! Needs LocalStack on 127.0.0.1:4566 (`localstack/up`) and `kubectl` for the baseline.
+//! Needs LocalStack on 127.0.0.1:4566 (`localstack/up`; or at `AWS_ENDPOINT_URL`) and `kubectl` for the baseline.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,7 +28,6 @@ use sandbox_sim::localstack;
 use sandbox_sim::{SimController, SimSettings, World, WorldSpec, generate};
 use serde_json::Value;
 
-const LOCALSTACK: &str = "http://127.0.0.1:4566";
 const REGION: &str = "us-west-2";
 
 /// Realistic termination grace periods as (seconds, weight): most workloads keep Kubernetes'
@@ -152,7 +151,7 @@ async fn main() -> anyhow::Result<()> {
         Some(b) => b.clone(),
         None => locate_binary()?,
     };
-    require_localstack()?;
+    require_localstack().await?;
     eprintln!("bench: tool binary {}", bin.display());
     let mut rows = Vec::new();
     for &size in &args.sizes {
@@ -200,11 +199,8 @@ fn locate_binary() -> anyhow::Result<PathBuf> {
     bail!("no karpenter-teardown binary under {}: run `cargo build --release` or pass --bin", target.display())
 }
 
-fn require_localstack() -> anyhow::Result<()> {
-    let addr = "127.0.0.1:4566".parse().context("LocalStack address")?;
-    std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
-        .map(|_| ())
-        .context("LocalStack is not running on 127.0.0.1:4566: start it with `localstack/up`")
+async fn require_localstack() -> anyhow::Result<()> {
+    localstack::config(REGION).await.map(|_| ()).context("LocalStack (`localstack/up`, or AWS_ENDPOINT_URL)")
 }
 
 /// A LocalStack account of its own for one run: LocalStack takes a 12-digit access key id as
@@ -493,7 +489,7 @@ fn sample_tree(pid: u32, ticks: &mut BTreeMap<u32, u64>) -> u64 {
 }
 
 fn localstack_env(cmd: &mut tokio::process::Command, account: &str) {
-    cmd.env("AWS_ENDPOINT_URL", LOCALSTACK)
+    cmd.env("AWS_ENDPOINT_URL", localstack::endpoint())
         .env("AWS_ACCESS_KEY_ID", account)
         .env("AWS_SECRET_ACCESS_KEY", "test")
         .env("AWS_EC2_METADATA_DISABLED", "true");
@@ -512,7 +508,7 @@ async fn run_tool(
     limit: Duration,
 ) -> anyhow::Result<(String, u64, Usage, (u64, u64))> {
     let report = dir.join(format!("report-{plan}.json"));
-    let proxy = Ec2Proxy::start(LOCALSTACK, ProxyFaults::default()).await?;
+    let proxy = Ec2Proxy::start(&localstack::endpoint(), ProxyFaults::default()).await?;
     let run = ["run", "--yes", "--plan", plan, "--cluster", cluster, "--region", REGION];
     let cmd = tool_command(bin, &run, kubeconfig, &report, &dir.join(format!("{plan}.log")), account, &proxy.url())?;
     let usage = run_measured(cmd, limit).await?;
@@ -582,10 +578,11 @@ async fn run_rehearse(
     limit: Duration,
 ) -> anyhow::Result<(String, Usage)> {
     let report = dir.join("report-rehearse.json");
-    let proxy = Ec2Proxy::start(LOCALSTACK, ProxyFaults::default()).await?;
+    let proxy = Ec2Proxy::start(&localstack::endpoint(), ProxyFaults::default()).await?;
     let scale = args.rehearse_time_scale.to_string();
+    let localstack = localstack::endpoint();
     let rehearse =
-        ["rehearse", "--cluster", cluster, "--region", REGION, "--localstack", LOCALSTACK, "--time-scale", &scale];
+        ["rehearse", "--cluster", cluster, "--region", REGION, "--localstack", &localstack, "--time-scale", &scale];
     let cmd = tool_command(bin, &rehearse, kubeconfig, &report, &dir.join("rehearse.log"), account, &proxy.url())?;
     let usage = run_measured(cmd, limit).await?;
     proxy.shutdown().await;
