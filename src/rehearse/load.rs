@@ -211,8 +211,9 @@ async fn seed_aws(snap: &Snapshot, cloud: &Cloud) -> Result<BTreeMap<String, Str
 
 /// The roles the copy's instance profiles must hold, and each (profile, role) to attach: the
 /// live profiles' own. A profile Karpenter made holds the node role, and the teardown removes it
-/// (`RemoveRoleFromInstanceProfile`) before IAM lets the profile go; without it in the copy that
-/// call is missing from the prediction.
+/// (`RemoveRoleFromInstanceProfile`) because IAM refuses to delete a profile that still has one
+/// (`DeleteConflict`, https://docs.aws.amazon.com/IAM/latest/APIReference/API_DeleteInstanceProfile.html);
+/// without it in the copy that call is missing from the prediction.
 fn profile_roles(profiles: &[crate::snapshot::SnapInstanceProfile]) -> (BTreeSet<&str>, Vec<(&str, &str)>) {
     let attach: Vec<(&str, &str)> =
         profiles.iter().flat_map(|p| p.roles.iter().map(move |r| (p.name.as_str(), r.as_str()))).collect();

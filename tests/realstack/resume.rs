@@ -467,7 +467,7 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
     assert_eq!(refused.code, 2, "{}", refused.dump());
     assert_eq!(refused.report["exit_code"], 2, "{}", refused.dump());
     let error = refused.report["error"].as_str().unwrap_or_default();
-    for want in ["create pods/eviction", "deploy/rbac.yaml", "Nothing was changed"] {
+    for want in ["create pods/eviction", "apply deploy/rbac.yaml", "Nothing was changed"] {
         assert!(error.contains(want), "{want:?} not in the error: {}", refused.dump());
     }
     assert!(refused.report["steps"].as_array().is_none_or(Vec::is_empty), "{}", refused.dump());
