@@ -9,7 +9,7 @@
 //! instance ids (LocalStack picks them; Nodes and NodeClaims are rewritten to the new ids, and
 //! [`Copy::live_id`] maps back for the report).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt, stream};
@@ -205,7 +205,47 @@ async fn seed_aws(snap: &Snapshot, cloud: &Cloud) -> Result<BTreeMap<String, Str
             .await
             .map_err(|e| seed_err(&format!("instance profile {}", p.name), e))?;
     }
+    seed_profile_roles(&snap.aws.instance_profiles, cloud).await?;
     Ok(pairs.into_iter().filter(|(_, c)| !c.is_empty()).collect())
+}
+
+/// The roles the copy's instance profiles must hold, and each (profile, role) to attach: the
+/// live profiles' own. A profile Karpenter made holds the node role, and the teardown removes it
+/// (`RemoveRoleFromInstanceProfile`) because IAM refuses to delete a profile that still has one
+/// (`DeleteConflict`, https://docs.aws.amazon.com/IAM/latest/APIReference/API_DeleteInstanceProfile.html);
+/// without it in the copy that call is missing from the prediction.
+fn profile_roles(profiles: &[crate::snapshot::SnapInstanceProfile]) -> (BTreeSet<&str>, Vec<(&str, &str)>) {
+    let attach: Vec<(&str, &str)> =
+        profiles.iter().flat_map(|p| p.roles.iter().map(move |r| (p.name.as_str(), r.as_str()))).collect();
+    (attach.iter().map(|(_, r)| *r).collect(), attach)
+}
+
+/// Creates the live profiles' roles in the copy's account (trusting EC2, as a node role does)
+/// and puts each in its profiles.
+async fn seed_profile_roles(
+    profiles: &[crate::snapshot::SnapInstanceProfile],
+    cloud: &Cloud,
+) -> Result<(), RehearseError> {
+    let err = |what: String, e: String| RehearseError::Load { what: format!("LocalStack: {what}"), detail: e };
+    let (roles, attach) = profile_roles(profiles);
+    let iam = cloud.iam_sdk();
+    let trust = json!({"Version": "2012-10-17", "Statement": [{"Effect": "Allow",
+        "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]})
+    .to_string();
+    for role in roles {
+        match iam.create_role().role_name(role).assume_role_policy_document(&trust).send().await {
+            Ok(_) => {}
+            // the account is the copy's own: a role already there is an earlier copy's of it
+            Err(e) if e.as_service_error().is_some_and(|s| s.is_entity_already_exists_exception()) => {}
+            Err(e) => return Err(err(format!("role {role}"), aws_sdk_iam::error::DisplayErrorContext(e).to_string())),
+        }
+    }
+    for (profile, role) in attach {
+        iam.add_role_to_instance_profile().instance_profile_name(profile).role_name(role).send().await.map_err(
+            |e| err(format!("role {role} in {profile}"), aws_sdk_iam::error::DisplayErrorContext(e).to_string()),
+        )?;
+    }
+    Ok(())
 }
 
 fn gr_of(obj: &Value, plural: &str) -> GroupResource {
@@ -392,6 +432,20 @@ mod tests {
         let mut running = json!({"metadata": {"name": "web-1"}});
         grace_left_at(&mut running, taken_at);
         assert_eq!(running, json!({"metadata": {"name": "web-1"}}), "a pod not terminating is left as it is");
+    }
+
+    #[test]
+    fn the_copys_profiles_hold_the_live_profiles_roles_each_role_made_once() {
+        let profile = |name: &str, roles: &[&str]| crate::snapshot::SnapInstanceProfile {
+            name: name.into(),
+            path: "/".into(),
+            roles: roles.iter().map(|r| r.to_string()).collect(),
+            tags: BTreeMap::new(),
+        };
+        let profiles = [profile("a", &["node"]), profile("b", &["node"]), profile("c", &[])];
+        let (roles, attach) = profile_roles(&profiles);
+        assert_eq!(roles, BTreeSet::from(["node"]));
+        assert_eq!(attach, [("a", "node"), ("b", "node")]);
     }
 
     #[test]

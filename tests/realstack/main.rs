@@ -12,6 +12,7 @@ mod common;
 mod control_plane;
 mod differential;
 mod karpenter;
+mod resume;
 
 use std::time::Instant;
 
