@@ -762,3 +762,15 @@ mod tests {
         assert!(!got.to_string().contains("tool-token"));
     }
 }
+
+impl RealKarpenter {
+    /// Restarts the process with `name=value` in its environment (replacing any value it had),
+    /// for settings only a process start reads, such as `FEATURE_GATES`; counts as a start.
+    pub fn restart_with_env(&self, name: &str, value: &str) -> Result<(), KarpenterError> {
+        let mut p = self.process.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        p.stop();
+        p.env.retain(|(k, _)| k != name);
+        p.env.push((name.to_string(), value.to_string()));
+        p.start()
+    }
+}
