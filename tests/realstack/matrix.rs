@@ -30,6 +30,16 @@ use super::karpenter::{class_and_pool, infrastructure, node_of, object, phase, s
 const PROVISION_DEADLINE: Duration = Duration::from_secs(240);
 const TEARDOWN_DEADLINE: Duration = Duration::from_secs(240);
 
+/// Karpenter's log messages that time its provisioning, printed with their times.
+const MILESTONES: &[&str] = &[
+    "discovered karpenter version",
+    "discovered instance types",
+    "discovered security groups",
+    "found provisionable pod(s)",
+    "launched nodeclaim",
+    "initialized nodeclaim",
+];
+
 /// The label the managed node groups' nodes carry (EKS sets it on every node of a node group).
 const NODEGROUP_LABEL: &str = "eks.amazonaws.com/nodegroup";
 
@@ -53,7 +63,8 @@ struct Bed {
     dns_pod: String,
 }
 
-async fn bed(prefix: &str) -> Bed {
+/// The bed and the real Karpenter, started with `feature_gates` (`FEATURE_GATES`) when given.
+async fn bed(prefix: &str, feature_gates: Option<&str>) -> (Bed, RealKarpenter) {
     let cluster = common::unique_cluster(prefix);
     let s = super::control_plane::full_stack(&cluster).await;
     let admin = s.admin_client().await.unwrap();
@@ -63,6 +74,22 @@ async fn bed(prefix: &str) -> Bed {
     let crds = common::e2e::real_crds(KarpenterVersion::V1_14);
     sandbox_sim::world::install_crds(&admin, KarpenterVersion::V1_14, Some(&crds)).await.unwrap();
     let ami = infrastructure(&ec2, &iam, &cluster).await;
+    // Karpenter takes half a minute to discover the region, the instance types and the class's
+    // resources before it provisions: it starts now, while the rest of the cluster is made
+    let karpenter = RealKarpenter::start(
+        &s,
+        KarpenterSettings {
+            cluster_name: cluster.clone(),
+            region: REGION.into(),
+            aws_endpoint: sandbox_sim::localstack::endpoint(),
+        },
+        ec2.clone(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    if let Some(gates) = feature_gates {
+        karpenter.restart_with_env("FEATURE_GATES", gates).unwrap_or_else(|e| panic!("{e}"));
+    }
 
     let system_instance = instance(
         &ec2,
@@ -87,7 +114,7 @@ async fn bed(prefix: &str) -> Bed {
     node(&admin, "system-0", "system", &system_instance, true).await;
     let dns_pod = dns(&admin).await;
     class_and_pool(&admin, &ami, &cluster).await;
-    Bed { cluster, s, admin, ec2, iam, aws, ami, system_instance, foreign_instance, dns_pod }
+    (Bed { cluster, s, admin, ec2, iam, aws, ami, system_instance, foreign_instance, dns_pod }, karpenter)
 }
 
 async fn instance(ec2: &aws_sdk_ec2::Client, ami: &str, tags: &[(&str, &str)]) -> String {
@@ -150,15 +177,6 @@ async fn dns(admin: &kube::Client) -> String {
 }
 
 impl Bed {
-    async fn karpenter(&self) -> RealKarpenter {
-        let settings = KarpenterSettings {
-            cluster_name: self.cluster.clone(),
-            region: REGION.into(),
-            aws_endpoint: sandbox_sim::localstack::endpoint(),
-        };
-        RealKarpenter::start(&self.s, settings, self.ec2.clone()).await.unwrap_or_else(|e| panic!("{e}"))
-    }
-
     /// A namespace and a Deployment of `replicas` pods each asking for a whole CPU (one per
     /// m5.large), with `extra` merged into the pod spec.
     async fn workload(&self, ns: &str, replicas: usize, cpu: &str, extra: Value) {
@@ -239,6 +257,10 @@ impl Bed {
             let placed = workloads.iter().zip(&running).all(|((_, want), got)| got == want);
             if ids.len() >= claims && ready.len() >= claims && placed {
                 eprintln!("the real Karpenter provisioned {} node(s) in {:?}", ids.len(), t.elapsed());
+                for line in karpenter.log().lines().filter(|l| MILESTONES.iter().any(|m| l.contains(m))) {
+                    let v: Value = serde_json::from_str(line).unwrap_or_default();
+                    eprintln!("  {} {}", v["time"].as_str().unwrap_or("?"), v["message"].as_str().unwrap_or(line));
+                }
                 return ids;
             }
             assert!(
@@ -414,10 +436,9 @@ fn api_calls(run: &common::e2e::Run, key: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn matrix_the_delegate_plan_leaves_draining_and_terminating_to_the_real_karpenter() {
     let t = Instant::now();
-    let b = bed("mx-dlg").await;
+    let (b, karpenter) = bed("mx-dlg", None).await;
     b.workload("web", 2, "1", json!({})).await;
     let pdbs = b.budget("web", 2).await;
-    let karpenter = b.karpenter().await;
     let launched = b.provisioned(&karpenter, 2, &[("web", 2)]).await;
     b.controller_on_system_node().await;
     Bed::budget_computed(&pdbs, "web", 2, 2).await;
@@ -454,10 +475,9 @@ async fn matrix_the_delegate_plan_leaves_draining_and_terminating_to_the_real_ka
 async fn matrix_a_budget_refuses_evictions_until_the_replacement_runs_outside_karpenter() {
     const REPLICAS: usize = 3;
     let t = Instant::now();
-    let b = bed("mx-pdb").await;
+    let (b, karpenter) = bed("mx-pdb", None).await;
     b.workload("web", REPLICAS, "1", json!({})).await;
     let pdbs = b.budget("web", 1).await;
-    let karpenter = b.karpenter().await;
     let launched = b.provisioned(&karpenter, REPLICAS, &[("web", REPLICAS)]).await;
     b.controller_on_system_node().await;
     Bed::budget_computed(&pdbs, "web", REPLICAS as i32, 1).await;
@@ -521,9 +541,7 @@ async fn matrix_a_budget_refuses_evictions_until_the_replacement_runs_outside_ka
 async fn matrix_a_static_node_pool_is_torn_down_without_replacements() {
     const REPLICAS: usize = 2;
     let t = Instant::now();
-    let b = bed("mx-static").await;
-    let karpenter = b.karpenter().await;
-    karpenter.restart_with_env("FEATURE_GATES", "StaticCapacity=true").unwrap_or_else(|e| panic!("{e}"));
+    let (b, karpenter) = bed("mx-static", Some("StaticCapacity=true")).await;
     let pools: Api<DynamicObject> = Api::all_with(b.admin.clone(), &k8s::nodepool_resource());
     pools
         .create(
@@ -569,7 +587,7 @@ async fn matrix_a_static_node_pool_is_torn_down_without_replacements() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn matrix_pods_tolerating_everything_go_with_the_real_karpenters_nodes() {
     let t = Instant::now();
-    let b = bed("mx-tol").await;
+    let (b, karpenter) = bed("mx-tol", None).await;
     b.workload("web", 2, "1", json!({})).await;
     b.budget("web", 2).await;
     let on_karpenter = json!({"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
@@ -581,7 +599,6 @@ async fn matrix_pods_tolerating_everything_go_with_the_real_karpenters_nodes() {
         json!({"tolerations": [{"operator": "Exists"}], "affinity": {"nodeAffinity": on_karpenter}}),
     )
     .await;
-    let karpenter = b.karpenter().await;
     let launched = b.provisioned(&karpenter, 2, &[("web", 2), ("shipper", 2)]).await;
     b.controller_on_system_node().await;
 
@@ -603,10 +620,9 @@ async fn matrix_pods_tolerating_everything_go_with_the_real_karpenters_nodes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn matrix_the_tool_finishes_what_a_real_karpenter_that_is_already_gone_left() {
     let t = Instant::now();
-    let b = bed("mx-gone").await;
+    let (b, karpenter) = bed("mx-gone", None).await;
     b.workload("web", 2, "1", json!({})).await;
     b.budget("web", 2).await;
-    let karpenter = b.karpenter().await;
     let launched = b.provisioned(&karpenter, 2, &[("web", 2)]).await;
     b.controller_on_system_node().await;
 
@@ -626,11 +642,16 @@ async fn matrix_the_tool_finishes_what_a_real_karpenter_that_is_already_gone_lef
     assert_eq!(claims.list(&ListParams::default()).await.unwrap().items.len(), launched.len());
 
     let run = b.teardown(&[], &karpenter).await;
-    // the tool, not Karpenter, terminated each instance and released its objects
+    // Each machine's Node was drained, although a controller killed this early may have lifted a
+    // Node's unregistered taint without naming it in its NodeClaim's status yet
+    let drained = step_details(&run, "drain");
+    assert_eq!(drained.len(), launched.len(), "{drained:?}");
+    assert!(drained.iter().all(|(r, _)| *r == "done"), "{drained:?}\n{}", run.dump());
+    // and the tool, not Karpenter, terminated each instance and released its Node and NodeClaim
     let discharged = step_details(&run, "discharge-finalizers");
     assert_eq!(discharged.len(), launched.len(), "{discharged:?}");
     for id in &launched {
-        let done = format!("instance {id} terminated");
+        let done = format!("instance {id} terminated; Node ");
         assert!(discharged.iter().any(|(r, d)| *r == "done" && d.contains(&done)), "{id}: {discharged:?}");
     }
     assert_eq!(karpenter.starts(), 1, "the controller came back");
