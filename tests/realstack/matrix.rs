@@ -177,8 +177,9 @@ async fn dns(admin: &kube::Client) -> String {
 }
 
 impl Bed {
-    /// A namespace and a Deployment of `replicas` pods each asking for a whole CPU (one per
-    /// m5.large), with `extra` merged into the pod spec.
+    /// A namespace and a Deployment of `replicas` pods each asking for `cpu` (`1` takes an
+    /// m5.large's room, so each such pod gets a node of its own), with `extra` merged into the
+    /// pod spec.
     async fn workload(&self, ns: &str, replicas: usize, cpu: &str, extra: Value) {
         let pp = PostParams::default();
         let namespaces: Api<Namespace> = Api::all(self.admin.clone());
@@ -466,11 +467,14 @@ async fn matrix_the_delegate_plan_leaves_draining_and_terminating_to_the_real_ka
 
 /// A budget that allows one disruption, on a workload of three replicas on Karpenter's nodes,
 /// with the real disruption controller computing it: the tool's first eviction is granted, and
-/// the evicted pod's replacement has nowhere to run, so the budget allows nothing and the API
-/// server refuses the tool's next eviction with a 429. Only then does the cluster get capacity
-/// outside Karpenter (a managed node group scales up for the pending pod, as the Cluster
-/// Autoscaler would make it); the replacement runs there, the budget allows the next eviction, and
-/// the run ends clean with the workload whole on the node group's node.
+/// the evicted pod's replacement has nowhere to run, so the budget allows nothing. The tool waits
+/// on the budget's status and, once it has been silent for the drain's probe interval, asks
+/// anyway (src/engine/budgets.rs): the API server refuses that eviction with a 429, its answer
+/// while a PodDisruptionBudget allows no disruption (kubernetes.io, API-initiated Eviction).
+/// Only then does the cluster get capacity outside Karpenter (a managed node group scales up for
+/// the pending pod, as the Cluster Autoscaler would make it); the replacement runs there, the
+/// budget allows the next eviction, and the run ends clean with the workload whole on the node
+/// group's node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn matrix_a_budget_refuses_evictions_until_the_replacement_runs_outside_karpenter() {
     const REPLICAS: usize = 3;
