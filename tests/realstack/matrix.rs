@@ -663,3 +663,69 @@ async fn matrix_the_tool_finishes_what_a_real_karpenter_that_is_already_gone_lef
     eprintln!("case took {:?}", t.elapsed());
     b.cleanup(karpenter).await;
 }
+
+/// The controller gone before it registered its nodes, as when it is uninstalled in the minute
+/// between an instance's launch and its kubelet joining: the NodeClaims have instances but name
+/// no Node, and the Nodes still carry `karpenter.sh/unregistered`, which pods that tolerate
+/// everything do not keep off. An admission policy refuses Karpenter's writes to Nodes so that
+/// its registration cannot win the race against its removal. The tool finds each Node by its
+/// claim's instance, fences and drains it (its pods go with it), and releases it: clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_nodes_the_real_karpenter_never_registered_are_drained_and_released() {
+    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
+    let t = Instant::now();
+    let (b, karpenter) = bed("mx-unreg", None).await;
+    let pp = PostParams::default();
+    let karpenter_user =
+        format!("system:serviceaccount:{}:{}", realstack::karpenter::NAMESPACE, realstack::karpenter::NAME);
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
+        "metadata": {"name": "no-registration"},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                "operations": ["UPDATE"], "resources": ["nodes"]}]},
+            "validations": [{"expression": format!("request.userInfo.username != '{karpenter_user}'"),
+                "message": "Karpenter may not register nodes in this test"}],
+        },
+    }))
+    .unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(b.admin.clone()).create(&pp, &policy).await.unwrap();
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
+        "metadata": {"name": "no-registration"},
+        "spec": {"policyName": "no-registration", "validationActions": ["Deny"]},
+    }))
+    .unwrap();
+    Api::<ValidatingAdmissionPolicyBinding>::all(b.admin.clone()).create(&pp, &binding).await.unwrap();
+
+    let on_karpenter = json!({"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}});
+    b.workload(
+        "agent",
+        2,
+        "1",
+        json!({"tolerations": [{"operator": "Exists"}], "affinity": {"nodeAffinity": on_karpenter}}),
+    )
+    .await;
+    let launched = b.provisioned(&karpenter, 2, &[("agent", 2)]).await;
+    let claims: Api<DynamicObject> = Api::all_with(b.admin.clone(), &k8s::nodeclaim_resource());
+    let list = claims.list(&ListParams::default()).await.unwrap();
+    assert!(list.items.iter().all(|c| c.data["status"]["nodeName"].is_null()), "a NodeClaim was registered");
+
+    let deployments: Api<Deployment> = Api::namespaced(b.admin.clone(), realstack::karpenter::NAMESPACE);
+    deployments.delete(realstack::karpenter::NAME, &DeleteParams::default()).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while karpenter.running() {
+        assert!(Instant::now() < deadline, "the controller is still running");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    let run = b.teardown(&[], &karpenter).await;
+    let drained = step_details(&run, "drain");
+    assert_eq!(drained.len(), launched.len(), "{drained:?}");
+    assert!(drained.iter().all(|(r, _)| *r == "done"), "{drained:?}\n{}", run.dump());
+    let named = blockers(&run, "pod-goes-with-node");
+    assert_eq!(named.iter().filter(|n| n.starts_with("agent/agent-")).count(), 2, "{}", run.dump());
+    b.assert_torn_down(&launched, &karpenter).await;
+    eprintln!("case took {:?}", t.elapsed());
+    b.cleanup(karpenter).await;
+}
