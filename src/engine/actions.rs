@@ -233,10 +233,13 @@ pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> Outcom
 /// with one list instead of one read per machine.
 async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
     let claims = list_dynamic(&ctx.kube.client, &k8s::nodeclaim_resource()).await?;
+    // the Nodes are listed only when a claim does not name its own
+    let unnamed = claims.iter().any(|c| c.data.pointer("/status/nodeName").and_then(Value::as_str).is_none());
+    let nodes = if unnamed { karpenter_nodes(&ctx.kube.client).await? } else { Vec::new() };
     let by_claim: HashMap<String, String> = claims
         .into_iter()
         .filter_map(|c| {
-            let node = c.data.pointer("/status/nodeName").and_then(Value::as_str)?.to_string();
+            let node = claim_node(&c.data, nodes.iter().map(|(n, p)| (n.as_str(), p.as_deref())))?;
             Some((c.metadata.name?, node))
         })
         .collect();
@@ -252,18 +255,64 @@ async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
 
 // ---------------------------------------------------------------- drain (see `drain.rs`)
 
-/// The node of a machine (a NodeClaim's `status.nodeName`, or `node/<name>`); `None` when the
-/// NodeClaim is gone or names no node.
+/// The node of a machine (its NodeClaim's node, see [`claim_node`], or `node/<name>`); `None`
+/// when the NodeClaim is gone or has no node.
 pub(super) async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, KubeError> {
     if let Some(n) = machine.strip_prefix("node/") {
         return Ok(Some(n.to_string()));
     }
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
     match api.get_opt(machine).await {
-        Ok(Some(c)) => Ok(c.data.pointer("/status/nodeName").and_then(Value::as_str).map(str::to_string)),
+        Ok(Some(c)) => node_of_claim(&ctx.kube.client, &c.data).await,
         Ok(None) => Ok(None),
         Err(e) => Err(KubeError::api(format!("read NodeClaim {machine}"), e)),
     }
+}
+
+/// The Node of a NodeClaim ([`claim_node`]), listing the Karpenter-labelled Nodes only when the
+/// NodeClaim does not name one.
+async fn node_of_claim(client: &kube::Client, claim: &Value) -> Result<Option<String>, KubeError> {
+    if let Some(n) = claim.pointer("/status/nodeName").and_then(Value::as_str) {
+        return Ok(Some(n.to_string()));
+    }
+    if claim.pointer("/status/providerID").and_then(Value::as_str).is_none() {
+        return Ok(None);
+    }
+    let nodes = karpenter_nodes(client).await?;
+    Ok(claim_node(claim, nodes.iter().map(|(n, p)| (n.as_str(), p.as_deref()))))
+}
+
+/// The Nodes labelled with a NodePool (those the inventory takes as Karpenter's), with their
+/// provider ids.
+async fn karpenter_nodes(client: &kube::Client) -> Result<Vec<(String, Option<String>)>, KubeError> {
+    let api: Api<Node> = Api::all(client.clone());
+    let list = api
+        .list(&ListParams::default().labels(karpenter::LABEL_NODEPOOL))
+        .await
+        .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
+    Ok(list.items.into_iter().filter_map(|n| Some((n.metadata.name?, n.spec.and_then(|s| s.provider_id)))).collect())
+}
+
+/// The Node a NodeClaim's machine runs as: the one its `status.nodeName` names or, when it names
+/// none, the one on its instance (`spec.providerID` equal to its `status.providerID`), as the
+/// inventory pairs them. At registration Karpenter patches the Node first, lifting its
+/// `karpenter.sh/unregistered` taint so pods are scheduled there, and writes `status.nodeName`
+/// after (sigs.k8s.io/karpenter pkg/controllers/nodeclaim/lifecycle/registration.go): a
+/// controller that stops in between, or is gone when the kubelet registers, leaves a Node, pods
+/// and all, that its NodeClaim does not name, which must still be fenced and drained before its
+/// instance goes.
+pub(crate) fn claim_node<'a>(
+    claim: &Value,
+    nodes: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+) -> Option<String> {
+    if let Some(n) = claim.pointer("/status/nodeName").and_then(Value::as_str) {
+        return Some(n.to_string());
+    }
+    let instance = ProviderId::parse(claim.pointer("/status/providerID")?.as_str()?).ok()?;
+    nodes
+        .into_iter()
+        .find(|(_, p)| p.and_then(|p| ProviderId::parse(p).ok()).as_ref() == Some(&instance))
+        .map(|(n, _)| n.to_string())
 }
 
 // ---------------------------------------------------------------- remove controller
@@ -398,8 +447,9 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
                     .pointer("/status/providerID")
                     .and_then(Value::as_str)
                     .and_then(|p| ProviderId::parse(p).ok());
-                node_name = node_name
-                    .or_else(|| obj.data.pointer("/status/nodeName").and_then(Value::as_str).map(str::to_string));
+                if node_name.is_none() {
+                    node_name = node_of_claim(&ctx.kube.client, &obj.data).await?;
+                }
             }
             Ok(None) => {}
             Err(e) => return Err(KubeError::api(format!("read NodeClaim {c}"), e).into()),
@@ -687,5 +737,25 @@ mod future_sizes {
         );
         assert!(task <= 1024, "a task's future is {task} bytes: box the action it awaits");
         assert!(drain <= 2048, "a drain's future is {drain} bytes: box the request it awaits");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_that_does_not_name_its_node_has_the_node_on_its_instance() {
+        let nodes = [("other", Some("aws:///us-west-2a/i-0aaa")), ("ip-10-0-0-4", Some("aws:///us-west-2b/i-0bbb"))];
+        // registered by Karpenter, which then stopped before writing status.nodeName
+        let unnamed = json!({"status": {"providerID": "aws:///us-west-2b/i-0bbb"}});
+        assert_eq!(claim_node(&unnamed, nodes), Some("ip-10-0-0-4".to_string()));
+        let named = json!({"status": {"providerID": "aws:///us-west-2b/i-0bbb", "nodeName": "named"}});
+        assert_eq!(claim_node(&named, nodes), Some("named".to_string()));
+        // no instance yet, or no Node on it: nothing to fence or drain
+        assert_eq!(claim_node(&json!({"status": {}}), nodes), None);
+        let elsewhere = json!({"status": {"providerID": "aws:///us-west-2c/i-0ccc"}});
+        assert_eq!(claim_node(&elsewhere, nodes), None);
+        assert_eq!(claim_node(&elsewhere, [("no-id", None)]), None);
     }
 }

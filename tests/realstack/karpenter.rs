@@ -24,13 +24,13 @@ fn tags(pairs: &[(&str, &str)]) -> Vec<Tag> {
     pairs.iter().map(|(k, v)| Tag::builder().key(*k).value(*v).build()).collect()
 }
 
-pub(super) fn spec(kind: ResourceType, pairs: &[(&str, &str)]) -> TagSpecification {
+pub(crate) fn spec(kind: ResourceType, pairs: &[(&str, &str)]) -> TagSpecification {
     TagSpecification::builder().resource_type(kind).set_tags(Some(tags(pairs))).build()
 }
 
 /// The network, the node role and an AMI Karpenter discovers by the cluster's tag, as the
 /// cluster's infrastructure code would have made them; returns the AMI's id.
-pub(super) async fn infrastructure(ec2: &aws_sdk_ec2::Client, iam: &aws_sdk_iam::Client, cluster: &str) -> String {
+pub(crate) async fn infrastructure(ec2: &aws_sdk_ec2::Client, iam: &aws_sdk_iam::Client, cluster: &str) -> String {
     let discovery = [("karpenter.sh/discovery", cluster)];
     let vpc = ec2.create_vpc().cidr_block("10.77.0.0/16").send().await.unwrap();
     let vpc = vpc.vpc().unwrap().vpc_id().unwrap().to_string();
@@ -73,13 +73,13 @@ pub(super) async fn infrastructure(ec2: &aws_sdk_ec2::Client, iam: &aws_sdk_iam:
     images.images().first().and_then(|i| i.image_id()).expect("an x86_64 Linux image in LocalStack").to_string()
 }
 
-fn object(v: Value) -> DynamicObject {
+pub(crate) fn object(v: Value) -> DynamicObject {
     serde_json::from_value(v).unwrap()
 }
 
 /// The EC2NodeClass and the NodePool `default`, as the cluster's Karpenter configuration would
 /// have them; returns the classes' API.
-pub(super) async fn class_and_pool(admin: &kube::Client, ami: &str, cluster: &str) -> Api<DynamicObject> {
+pub(crate) async fn class_and_pool(admin: &kube::Client, ami: &str, cluster: &str) -> Api<DynamicObject> {
     let pp = PostParams::default();
     let classes: Api<DynamicObject> = Api::all_with(admin.clone(), &k8s::nodeclass_resource());
     // AL2, not AL2023: for AL2023 Karpenter validates the class by reading the service CIDR from
@@ -287,11 +287,11 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     drop(karpenter);
 }
 
-pub(super) fn phase(p: &Pod) -> &str {
+pub(crate) fn phase(p: &Pod) -> &str {
     p.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("")
 }
 
-pub(super) fn node_of(p: &Pod) -> Option<&str> {
+pub(crate) fn node_of(p: &Pod) -> Option<&str> {
     p.spec.as_ref().and_then(|s| s.node_name.as_deref())
 }
 

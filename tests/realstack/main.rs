@@ -12,6 +12,7 @@ mod common;
 mod control_plane;
 mod differential;
 mod karpenter;
+mod matrix;
 mod resume;
 
 use std::time::Instant;
@@ -27,6 +28,11 @@ pub(crate) fn shipped_rbac_yaml() -> String {
 
 /// `karpenter-teardown run --yes` against the stack as the tool's identity, with its report.
 async fn teardown(s: &RealStack, cluster: &str) -> common::e2e::Run {
+    teardown_with(s, cluster, &[]).await
+}
+
+/// [`teardown`] with more arguments (`--plan delegate`, a deadline).
+async fn teardown_with(s: &RealStack, cluster: &str, args: &[&str]) -> common::e2e::Run {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
@@ -37,6 +43,7 @@ async fn teardown(s: &RealStack, cluster: &str) -> common::e2e::Run {
         .arg(s.tool_kubeconfig())
         .arg("--report")
         .arg(&report)
+        .args(args)
         .envs(common::localstack_env())
         .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
     let t = Instant::now();

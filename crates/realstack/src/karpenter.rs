@@ -620,6 +620,18 @@ async fn private_dns_name(ec2: &aws_sdk_ec2::Client, instance: &str) -> Option<S
     inst.private_dns_name().filter(|n| !n.is_empty()).map(str::to_string)
 }
 
+impl RealKarpenter {
+    /// Restarts the process with `name=value` in its environment (replacing any value it had),
+    /// for settings only a process start reads, such as `FEATURE_GATES`; counts as a start.
+    pub fn restart_with_env(&self, name: &str, value: &str) -> Result<(), KarpenterError> {
+        let mut p = self.process.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        p.stop();
+        p.env.retain(|(k, _)| k != name);
+        p.env.push((name.to_string(), value.to_string()));
+        p.start()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
