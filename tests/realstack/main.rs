@@ -11,6 +11,7 @@
 mod common;
 mod control_plane;
 mod differential;
+mod gitops;
 mod karpenter;
 
 use std::time::Instant;
@@ -26,6 +27,11 @@ pub(crate) fn shipped_rbac_yaml() -> String {
 
 /// `karpenter-teardown run --yes` against the stack as the tool's identity, with its report.
 async fn teardown(s: &RealStack, cluster: &str) -> common::e2e::Run {
+    teardown_with(s, cluster, &[]).await
+}
+
+/// [`teardown`] with `extra` arguments.
+async fn teardown_with(s: &RealStack, cluster: &str, extra: &[&str]) -> common::e2e::Run {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
@@ -36,6 +42,7 @@ async fn teardown(s: &RealStack, cluster: &str) -> common::e2e::Run {
         .arg(s.tool_kubeconfig())
         .arg("--report")
         .arg(&report)
+        .args(extra)
         .envs(common::localstack_env())
         .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
     let t = Instant::now();
