@@ -7,9 +7,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use kube::Client;
 use kube::api::{Api, DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
-use kube::Client;
 use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim, OwnerId, OwnerKind};
 use sandbox_sim::{SimController, SimSettings, generate};
 use serde_json::{Value, json};
@@ -38,7 +38,8 @@ async fn versions(client: &Client, owners: &[OwnerId]) -> BTreeMap<String, Value
 /// An Argo CD Application of this cluster that has nothing to do with Karpenter (automated sync,
 /// self-heal, its own objects): the run must neither name nor touch it.
 async fn unrelated_application(client: &Client) -> OwnerId {
-    let id = OwnerId { kind: OwnerKind::Application, namespace: gitops::ARGOCD_NAMESPACE.into(), name: "monitoring".into() };
+    let id =
+        OwnerId { kind: OwnerKind::Application, namespace: gitops::ARGOCD_NAMESPACE.into(), name: "monitoring".into() };
     let app: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "argoproj.io/v1alpha1", "kind": "Application",
         "metadata": {"name": id.name, "namespace": id.namespace},
@@ -105,7 +106,10 @@ async fn gitops_owners_with_the_real_crds_refuse_then_pause_on_the_real_server()
         .find(|o| o["owner"]["name"] == "karpenter-nodepools")
         .cloned()
         .unwrap_or_default();
-    assert!(pools["evidence"].to_string().contains(":kube-system/"), "the tracking id names its Application: {pools:#}");
+    assert!(
+        pools["evidence"].to_string().contains(":kube-system/"),
+        "the tracking id names its Application: {pools:#}"
+    );
     assert_eq!(refused.report["gitops"]["other_clusters"].as_array().map(Vec::len), Some(remote.len()));
     assert_eq!(versions(&admin, &all).await, before_refusal, "a refused run wrote to an owner");
 
@@ -144,13 +148,18 @@ async fn gitops_owners_with_the_real_crds_refuse_then_pause_on_the_real_server()
         match owner.kind {
             OwnerKind::Application => {
                 assert!(o.data["spec"]["syncPolicy"]["automated"].is_null(), "{owner}: {:?}", o.data);
-                let kept = &o.metadata.annotations.as_ref().unwrap()[karpenter_teardown::gitops::PAUSED_AUTOMATED_ANNOTATION];
+                let kept =
+                    &o.metadata.annotations.as_ref().unwrap()[karpenter_teardown::gitops::PAUSED_AUTOMATED_ANNOTATION];
                 assert!(kept.contains("selfHeal"), "{owner}: {kept}");
             }
             OwnerKind::Kustomization | OwnerKind::HelmRelease => assert_eq!(o.data["spec"]["suspend"], true, "{owner}"),
         }
     }
-    assert_eq!(versions(&admin, &foreign).await, before_foreign, "an owner that is not this cluster's Karpenter's was written");
+    assert_eq!(
+        versions(&admin, &foreign).await,
+        before_foreign,
+        "an owner that is not this cluster's Karpenter's was written"
+    );
     let again = teardown_with(&s, &world.cluster, &[]).await;
     assert_eq!(again.code, 0, "paused owners do not refuse a re-run: {}", again.dump());
     reconcilers.shutdown().await;

@@ -280,8 +280,11 @@ mod tests {
         let mut old = real.clone();
         old["spec"]["versions"][0]["storage"] = json!(false);
         assert!(mismatches(OwnerKind::Kustomization, &real, &old).iter().any(|m| m.contains("storage")));
-        assert_eq!(schema_at(&real["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "status.inventory.entries[].id")
-            .map(|s| s["type"].clone()), Some(json!("string")));
+        assert_eq!(
+            schema_at(&real["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "status.inventory.entries[].id")
+                .map(|s| s["type"].clone()),
+            Some(json!("string"))
+        );
     }
 
     /// The hand-written CRDs `sandbox demo` and `rehearse` install agree with the releases'.
