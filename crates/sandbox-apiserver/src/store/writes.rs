@@ -413,15 +413,16 @@ impl Inner {
         if let Some(old) = old {
             openapi.retain(|e| {
                 let at = schema::field_pointer(&e.field);
-                // a missing required field is the error of the object that should hold it: that
-                // object, unchanged, is what ratchets (a new Flux condition without its
-                // lastTransitionTime is refused, though the field was absent before too)
-                let at = match e.reason {
-                    "FieldValueRequired" => {
-                        at.rsplit_once('/').map(|(parent, _)| parent.to_string()).unwrap_or_default()
-                    }
-                    _ => at,
-                };
+                // a required field missing from an object the old one did not have is refused (a
+                // new Flux condition without its lastTransitionTime), though the field was absent
+                // before as well; in an object that was there, it ratchets as the field does
+                // (kube-openapi ratchets the object holding `required` only while it is unchanged:
+                // the emulator is kinder there, for objects stored at an older schema)
+                if e.reason == "FieldValueRequired"
+                    && old.pointer(at.rsplit_once('/').map(|(parent, _)| parent).unwrap_or_default()).is_none()
+                {
+                    return true;
+                }
                 old.pointer(&at) != obj.pointer(&at)
             });
         }
