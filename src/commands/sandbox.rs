@@ -114,7 +114,8 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
         }
     };
     let reconcilers = if args.gitops {
-        match sandbox_sim::gitops::adopt(&client, &world).await {
+        match // the hand-written CRDs: the sandbox runs where Go may not be
+        sandbox_sim::gitops::adopt(&client, &world, &sandbox_sim::gitops::crds()).await {
             Ok(g) => {
                 for o in &g.owners {
                     println!("sandbox: GitOps owner {o} reconciles (simulated)");

@@ -77,6 +77,13 @@ pub fn real_crds(version: KarpenterVersion) -> PathBuf {
     release(version).crds()
 }
 
+/// Argo CD's Application and Flux's Kustomization and HelmRelease CRDs of the pinned releases,
+/// from Go's module cache (`sandbox_sim::gitops_crds`). Read once per test binary.
+pub fn gitops_crds() -> Vec<Value> {
+    static CRDS: std::sync::OnceLock<Vec<Value>> = std::sync::OnceLock::new();
+    CRDS.get_or_init(|| sandbox_sim::gitops_crds::release_crds().unwrap_or_else(|e| panic!("{e}"))).clone()
+}
+
 /// A small world: 3 pools, 2 classes, 2 pods per node, managed nodes, a control-plane node, decoys,
 /// on Karpenter's real CRDs (their defaults and CEL rules hold, as on a real cluster).
 pub fn small_world(prefix: &str, nodes: usize) -> WorldSpec {

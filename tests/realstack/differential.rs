@@ -804,6 +804,131 @@ async fn karpenter_crds(s: &Side) -> Seen {
     seen
 }
 
+/// Argo CD's and Flux's own CRDs (`sandbox_sim::gitops_crds`): what the simulated controllers
+/// write (valid objects, an `operationState`, a Flux condition through the status subresource),
+/// what the schemas refuse (required fields, enums, patterns, CEL), and the tool's pause of each.
+async fn gitops_crds(s: &Side) -> Seen {
+    let mut seen = Seen::new();
+    let ar = |group: &str, version: &str, kind: &str, plural: &str| {
+        kube::core::ApiResource::from_gvk_with_plural(&kube::core::GroupVersionKind::gvk(group, version, kind), plural)
+    };
+    let apps_ar = ar("argoproj.io", "v1alpha1", "Application", "applications");
+    let ks_ar = ar("kustomize.toolkit.fluxcd.io", "v1", "Kustomization", "kustomizations");
+    let hr_ar = ar("helm.toolkit.fluxcd.io", "v2", "HelmRelease", "helmreleases");
+    namespace(&s.admin, "gitops").await;
+    let api = |c: &Client, ar: &kube::core::ApiResource| Api::<DynamicObject>::namespaced_with(c.clone(), "gitops", ar);
+    let (apps, kss, hrs) = (api(&s.admin, &apps_ar), api(&s.admin, &ks_ar), api(&s.admin, &hr_ar));
+    let create = |api: &Api<DynamicObject>, v: Value| {
+        let api = api.clone();
+        async move { api.create(&post("harness"), &serde_json::from_value(v).unwrap()).await }
+    };
+    let app = |name: &str| {
+        json!({"apiVersion": "argoproj.io/v1alpha1", "kind": "Application", "metadata": {"name": name, "namespace": "gitops"},
+               "spec": {"project": "default", "source": {"repoURL": "https://git.example.com/p.git", "path": "p"},
+                        "destination": {"server": "https://kubernetes.default.svc", "namespace": "kube-system"},
+                        "syncPolicy": {"automated": {"selfHeal": true, "prune": true}}}})
+    };
+    let ks = |name: &str| {
+        json!({"apiVersion": "kustomize.toolkit.fluxcd.io/v1", "kind": "Kustomization",
+               "metadata": {"name": name, "namespace": "gitops"},
+               "spec": {"interval": "1m", "path": "./p", "prune": true, "sourceRef": {"kind": "GitRepository", "name": "p"}}})
+    };
+    let hr = |name: &str| {
+        json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease", "metadata": {"name": name, "namespace": "gitops"},
+               "spec": {"interval": "5m", "driftDetection": {"mode": "enabled"},
+                        "chart": {"spec": {"chart": "karpenter", "sourceRef": {"kind": "HelmRepository", "name": "k"}}}}})
+    };
+    let mut with_state = app("app");
+    with_state["status"] = json!({"operationState": {"operation": {"sync": {"revision": "HEAD"}}, "phase": "Running",
+                                                     "startedAt": "2026-01-01T00:00:00Z"},
+                                  "resources": [{"group": "karpenter.sh", "kind": "NodePool", "name": "p", "status": "Synced"}]});
+    let created = create(&apps, with_state).await;
+    seen.insert("application".into(), answer(created, |v| pick(v, &["/spec", "/status"])));
+    let mut partial = app("partial-state");
+    partial["status"] = json!({"operationState": {"phase": "Running"}});
+    seen.insert("application_partial_operation_state".into(), code(&create(&apps, partial).await));
+    let mut no_destination = app("no-destination");
+    no_destination["spec"].as_object_mut().unwrap().remove("destination");
+    seen.insert("application_missing_destination".into(), code(&create(&apps, no_destination).await));
+    let mut unknown = app("unknown");
+    unknown["spec"]["madeUp"] = json!(true);
+    let pruned = create(&apps, unknown).await;
+    seen.insert(
+        "application_unknown_field_pruned".into(),
+        answer(pruned, |v| json!(v["spec"].get("madeUp").is_some())),
+    );
+
+    seen.insert("kustomization".into(), answer(create(&kss, ks("ks")).await, |v| v["spec"].clone()));
+    let mut bad_kind = ks("bad-kind");
+    bad_kind["spec"]["sourceRef"]["kind"] = json!("HelmRepository");
+    seen.insert("kustomization_enum".into(), code(&create(&kss, bad_kind).await));
+    let mut bad_interval = ks("bad-interval");
+    bad_interval["spec"]["interval"] = json!("a minute");
+    seen.insert("kustomization_pattern".into(), code(&create(&kss, bad_interval).await));
+    let mut both = ks("both-refs");
+    both["spec"]["kubeConfig"] = json!({"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}});
+    seen.insert("kustomization_cel_kubeconfig".into(), code(&create(&kss, both).await));
+    let condition = |with_time: bool| {
+        let mut c = json!({"type": "Reconciling", "status": "True", "reason": "Progressing", "message": "m"});
+        if with_time {
+            c["lastTransitionTime"] = json!("2026-01-01T00:00:00Z");
+        }
+        json!({"status": {"conditions": [c]}})
+    };
+    let status = |patch: Value| {
+        let kss = kss.clone();
+        async move { kss.patch_status("ks", &pp("kustomize-controller"), &Patch::Merge(patch)).await }
+    };
+    seen.insert("kustomization_condition_without_time".into(), code(&status(condition(false)).await));
+    seen.insert(
+        "kustomization_condition".into(),
+        answer(status(condition(true)).await, |v| v["status"]["conditions"].clone()),
+    );
+
+    seen.insert("helmrelease".into(), answer(create(&hrs, hr("hr")).await, |v| v["spec"].clone()));
+    let mut no_source = hr("no-source");
+    no_source["spec"]["chart"]["spec"].as_object_mut().unwrap().remove("sourceRef");
+    seen.insert("helmrelease_missing_source".into(), code(&create(&hrs, no_source).await));
+    let mut both = hr("chart-and-ref");
+    both["spec"]["chartRef"] = json!({"kind": "OCIRepository", "name": "k"});
+    seen.insert("helmrelease_cel_chart_or_ref".into(), code(&create(&hrs, both).await));
+
+    // the tool's pause as it writes it (crate::k8s::gitops::pause), as the tool's identity
+    for (fact, ar, name, patch) in [
+        (
+            "pause_application",
+            &apps_ar,
+            "app",
+            json!({"metadata": {"annotations": {
+            karpenter_teardown::gitops::PAUSED_AUTOMATED_ANNOTATION: "{}"}}, "spec": {"syncPolicy": {"automated": null}}}),
+        ),
+        (
+            "pause_kustomization",
+            &ks_ar,
+            "ks",
+            json!({"metadata": {"annotations": {
+            "reconcile.fluxcd.io/requestedAt": "t"}}, "spec": {"suspend": true}}),
+        ),
+        (
+            "pause_helmrelease",
+            &hr_ar,
+            "hr",
+            json!({"metadata": {"annotations": {
+            "reconcile.fluxcd.io/requestedAt": "t"}}, "spec": {"suspend": true}}),
+        ),
+    ] {
+        let tool = api(&s.tool, ar);
+        let current = tool.get(name).await;
+        seen.insert(format!("{fact}_get"), code(&current));
+        let Ok(current) = current else { continue };
+        let mut patch = patch;
+        patch["metadata"]["resourceVersion"] = json!(current.metadata.resource_version);
+        let r = tool.patch(name, &k8s::objects::patch_params(), &Patch::Merge(&patch)).await;
+        seen.insert(fact.into(), answer(r, |v| pick(v, &["/spec/syncPolicy", "/spec/suspend"])));
+    }
+    seen
+}
+
 /// A delete's answer: the object when it stays (finalizers), or the server's `Status` when it is
 /// gone (kube's `Either`, whose crate the tests do not name).
 macro_rules! describe {
@@ -958,6 +1083,7 @@ async fn run_all(s: &Side) -> BTreeMap<&'static str, Seen> {
     all.insert("evictions", evictions(s).await);
     all.insert("access_reviews", access_reviews(s).await);
     all.insert("karpenter_crds", karpenter_crds(s).await);
+    all.insert("gitops_crds", gitops_crds(s).await);
     all.insert("deletes", deletes(s).await);
     all.insert("watches", watches(s).await);
     // last: it makes the server forget its history
@@ -1024,8 +1150,10 @@ async fn the_emulator_answers_the_tools_requests_as_the_real_server_does() {
         history: History::Etcd(etcd_url(&real_stack)),
     };
     let crds = common::e2e::real_crds(KarpenterVersion::default());
+    let gitops_crds = common::e2e::gitops_crds();
     for s in [&emulator, &real] {
         sandbox_sim::world::install_crds(&s.admin, KarpenterVersion::default(), Some(&crds)).await.unwrap();
+        sandbox_sim::world::create_crds(&s.admin, gitops_crds.clone()).await.unwrap();
     }
     eprintln!("both servers ready in {:?}", started.elapsed());
 

@@ -425,7 +425,7 @@ async fn rehearse_predicts_the_refusal_of_active_gitops_owners() {
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..live_spec("reh-gitops", 3) };
     let b = live_bed(&s.cluster, both_roles()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    let g = sandbox_sim::gitops::adopt(&b.client, &world).await.unwrap();
+    let g = sandbox_sim::gitops::adopt(&b.client, &world, &crate::common::e2e::gitops_crds()).await.unwrap();
     let (prediction, real) = prediction_matches_the_real_run(&b, &world.cluster, &[]).await;
     assert_eq!(real["outcome"], "refused");
     let error = prediction["error"].as_str().unwrap_or_default();
@@ -444,7 +444,7 @@ async fn rehearse_predicts_a_run_that_pauses_flux_owners() {
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..live_spec("reh-gitops-pause", 3) };
     let b = live_bed(&s.cluster, both_roles()).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    let g = sandbox_sim::gitops::adopt(&b.client, &world).await.unwrap();
+    let g = sandbox_sim::gitops::adopt(&b.client, &world, &crate::common::e2e::gitops_crds()).await.unwrap();
     let flux = sandbox_sim::gitops::GitopsSim::start(b.client.clone(), &g, Default::default());
     let (prediction, real) = prediction_matches_the_real_run(&b, &world.cluster, &["--pause-gitops"]).await;
     assert_eq!(real["outcome"], "clean", "{real:#}");

@@ -210,7 +210,7 @@ async fn active_gitops_owners_refuse_the_run_naming_each_and_change_nothing() {
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..small_world("e2e-gitops-refuse", 4) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let g = gitops::adopt(&b.client, &world, &crate::common::e2e::gitops_crds()).await.unwrap();
     let sim = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rv = b.server.store().resource_version();
@@ -257,7 +257,7 @@ async fn pause_gitops_suspends_exactly_the_owners_and_the_teardown_ends_clean() 
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..small_world("e2e-gitops-pause", 6) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let g = gitops::adopt(&b.client, &world, &crate::common::e2e::gitops_crds()).await.unwrap();
     let reconcilers = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
     let sim = live_karpenter(&b, &world);
     let before = untouchable_nodes(&b.client, &world).await;

@@ -9,7 +9,9 @@ use sandbox_sim::gitops::{self, GitopsSettings, GitopsSim, OwnerId, OwnerKind};
 use sandbox_sim::{WorldSpec, generate};
 use serde_json::{Value, json};
 
-use crate::common::e2e::{Consent, assert_torn_down, bed, live_karpenter, small_world, teardown, untouchable_nodes};
+use crate::common::e2e::{
+    Consent, assert_torn_down, bed, gitops_crds, live_karpenter, small_world, teardown, untouchable_nodes,
+};
 
 fn owner_api(b: &crate::common::e2e::Bed, owner: &OwnerId) -> Api<DynamicObject> {
     let ar = ApiResource::from_gvk_with_plural(
@@ -31,7 +33,7 @@ async fn a_hubs_owners_for_other_clusters_neither_refuse_nor_get_paused() {
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..small_world("e2e-gitops-hub", 4) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let g = gitops::adopt(&b.client, &world, &gitops_crds()).await.unwrap();
     let remote = gitops::add_other_clusters(&b.client, &g).await.unwrap();
     let reconcilers = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
 
@@ -108,7 +110,7 @@ async fn work_in_flight_on_every_owner_ends_before_the_fence() {
     let s = WorldSpec { pool_cpu_limit: Some(1000), ..small_world("e2e-gitops-flight", 4) };
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let g = gitops::adopt(&b.client, &world, &gitops_crds()).await.unwrap();
     let settings = GitopsSettings { flux_pass: Duration::from_secs(2), ..GitopsSettings::default() };
     let reconcilers = GitopsSim::start(b.client.clone(), &g, settings);
     // a human turned automated sync off on both Applications (the parent first, or it would

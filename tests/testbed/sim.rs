@@ -582,7 +582,7 @@ async fn simulated_argo_cd_and_flux_put_back_what_is_removed_until_paused() {
     // Git holds the pools' cpu limit: that is the field a fence changes and self-heal sets back
     let spec = WorldSpec { pool_cpu_limit: Some(1000), ..small_spec("sim-gitops") };
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
-    let g = gitops::adopt(&b.client, &world).await.unwrap();
+    let g = gitops::adopt(&b.client, &world, &crate::common::e2e::gitops_crds()).await.unwrap();
     let sim = GitopsSim::start(b.client.clone(), &g, GitopsSettings::default());
     let pool = world.node_pools[0].clone();
     let class = world.node_classes[0].name.clone();

@@ -160,6 +160,19 @@ fn openapi_at(schema: &Value, value: &Value, path: &str, out: &mut Vec<FieldErro
     }
 }
 
+/// Whether `schema` has a CEL rule anywhere (`x-kubernetes-validations`): without one,
+/// kube-apiserver builds no CEL validator for it (`cel.NewValidator` answers nil).
+pub fn has_rules(schema: &Value) -> bool {
+    match schema {
+        Value::Object(map) => {
+            map.get("x-kubernetes-validations").is_some_and(|r| r.as_array().is_some_and(|r| !r.is_empty()))
+                || map.values().any(has_rules)
+        }
+        Value::Array(items) => items.iter().any(has_rules),
+        _ => false,
+    }
+}
+
 /// The JSON pointer of a field path as kube-apiserver writes it (`spec.budgets[0].nodes` is
 /// `/spec/budgets/0/nodes`).
 pub fn field_pointer(field: &str) -> String {

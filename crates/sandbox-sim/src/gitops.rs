@@ -32,7 +32,6 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::{Client, ResourceExt};
@@ -393,13 +392,11 @@ async fn create_owner(client: &Client, id: &OwnerId, spec: Value, status: Value)
 /// - Flux Kustomization `flux-system/karpenter-nodeclasses` applies every EC2NodeClass;
 /// - Flux HelmRelease `flux-system/karpenter` (drift detection on) renders the controller
 ///   Deployment; it is itself applied by Kustomization `flux-system/infrastructure`.
-pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimError> {
-    let crd_api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for crd in crds() {
-        let obj: CustomResourceDefinition =
-            serde_json::from_value(crd).map_err(|e| SimError::BadSpec(format!("GitOps CRD does not parse: {e}")))?;
-        ops::create_or_get(&crd_api, &obj).await.map_err(SimError::kube("creating the GitOps CRDs"))?;
-    }
+///
+/// `crds` are installed first: Argo CD's and Flux's own (`gitops_crds::release_crds`), or
+/// [`crds`] where there is no Go.
+pub async fn adopt(client: &Client, world: &World, crds: &[Value]) -> Result<GitopsWorld, SimError> {
+    crate::world::create_crds(client, crds.to_vec()).await?;
     let ns_api: Api<Namespace> = Api::all(client.clone());
     for ns in [ARGOCD_NAMESPACE, FLUX_NAMESPACE] {
         let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))
@@ -449,7 +446,9 @@ pub async fn adopt(client: &Client, world: &World) -> Result<GitopsWorld, SimErr
     create_owner(client, &classes_ks(), ks_spec("./karpenter/nodeclasses"), inventory(owned(&repo, &classes_ks())))
         .await?;
     let hr_spec = json!({"interval": "5m", "releaseName": "karpenter", "driftDetection": {"mode": "enabled"},
-        "chart": {"spec": {"chart": "karpenter", "version": world.version.as_str()}}});
+        "chart": {"spec": {"chart": "karpenter", "version": world.version.as_str(),
+            // required by helm-controller's CRD, as every chart comes from a source
+            "sourceRef": {"kind": "HelmRepository", "name": "karpenter"}}}});
     create_owner(client, &controller_hr(), hr_spec, json!({})).await?;
 
     let app_resource = owner_resource(OwnerKind::Application);
@@ -645,7 +644,8 @@ impl GitopsSim {
         let operation = json!({"sync": {"revision": "HEAD"}, "initiatedBy": {"username": "admin"}});
         let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
         let patch = json!({"operation": operation,
-            "status": {"operationState": {"operation": operation, "phase": "Running", "startedAt": started, "message": "syncing"}}});
+            "status": {"operationState": {"operation": operation, "phase": "Running", "startedAt": started, "finishedAt": null,
+                                     "message": "syncing"}}});
         let pp = PatchParams { field_manager: Some("argocd-server".into()), ..PatchParams::default() };
         api.patch(&app.name, &pp, &Patch::Merge(patch))
             .await
@@ -686,14 +686,24 @@ async fn still_acting(client: &Client, owner: &OwnerId) -> Result<bool, kube::Er
     Ok(acting(client, owner).await?.is_some_and(|(_, a)| a))
 }
 
-/// Sets an Application's `status.operationState.phase` (no status subresource on Application).
-async fn operation_phase(client: &Client, owner: &OwnerId, phase: &str) -> Result<(), kube::Error> {
+/// Starts (`running`) or ends an automated sync's `status.operationState` (no status
+/// subresource on Application). Argo CD's CRD requires `operation`, `phase` and `startedAt` in
+/// an `operationState` (`manifests/crds/application-crd.yaml`), so a start writes all three, and
+/// clears the `finishedAt` of the one before, which would read as a failed sync waiting to retry.
+async fn operation_phase(client: &Client, owner: &OwnerId, running: bool) -> Result<(), kube::Error> {
     if owner.kind != OwnerKind::Application {
         return Ok(());
     }
     let api = dynamic_api(client, &owner_resource(owner.kind), &owner.namespace);
     let pp = PatchParams { field_manager: Some("argocd-application-controller".into()), ..PatchParams::default() };
-    api.patch(&owner.name, &pp, &Patch::Merge(json!({"status": {"operationState": {"phase": phase}}}))).await?;
+    let now = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    let state = if running {
+        json!({"operation": {"sync": {"revision": "HEAD"}, "initiatedBy": {"automated": true}},
+               "phase": "Running", "startedAt": now, "finishedAt": null, "message": "self-healing"})
+    } else {
+        json!({"phase": "Succeeded", "finishedAt": now, "message": "successfully synced"})
+    };
+    api.patch(&owner.name, &pp, &Patch::Merge(json!({"status": {"operationState": state}}))).await?;
     Ok(())
 }
 
@@ -742,8 +752,10 @@ async fn flux_pass(
     let slow = !length.is_zero();
     let result = if acts {
         if slow {
+            // Flux's CRDs require every field of a metav1.Condition, lastTransitionTime included
+            let since = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
             let reconciling = json!([{"type": "Reconciling", "status": "True", "reason": "Progressing",
-                "message": "reconciliation in progress"}]);
+                "message": "reconciliation in progress", "lastTransitionTime": since}]);
             ops::patch_status(&api, &owner.name, json!({"conditions": reconciling})).await?;
             tokio::time::sleep(length).await;
         }
@@ -799,7 +811,7 @@ async fn apply(
             break;
         }
         if automated && !syncing {
-            operation_phase(client, owner, "Running").await?;
+            operation_phase(client, owner, true).await?;
             syncing = true;
         }
         let (_, manager) = marks(owner, &d.key);
@@ -824,7 +836,7 @@ async fn apply(
         }
     }
     if syncing {
-        operation_phase(client, owner, "Succeeded").await?;
+        operation_phase(client, owner, false).await?;
     }
     result
 }

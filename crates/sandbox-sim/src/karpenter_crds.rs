@@ -205,30 +205,36 @@ impl KarpenterVersion {
 /// may ask together.
 pub fn release_files(version: KarpenterVersion) -> Result<ReleaseFiles, ReleaseFilesError> {
     let v = version.as_str();
-    let bad = |reason: String| ReleaseFilesError { version: v, reason };
+    let root = go_module_dir(PROVIDER_MODULE, &format!("v{v}"), version.provider_module_sum())
+        .map_err(|reason| ReleaseFilesError { version: v, reason })?;
+    Ok(ReleaseFiles { root })
+}
+
+/// The directory of `module@version` in Go's module cache, downloaded first if need be, once its
+/// `go.sum` hash is `sum`: the message of what went wrong otherwise.
+pub(crate) fn go_module_dir(module: &str, version: &str, sum: &str) -> Result<PathBuf, String> {
     let out = Command::new(std::env::var_os("GO").unwrap_or_else(|| "go".into()))
-        .args(["mod", "download", "-json", &format!("{PROVIDER_MODULE}@v{v}")])
+        .args(["mod", "download", "-json", &format!("{module}@{version}")])
         // outside any module, so no go.mod of the caller's decides what is downloaded, and with
         // no GOFLAGS of the machine's (a `-mod=vendor` would refuse the download)
         .current_dir(std::env::temp_dir())
         .env("GOFLAGS", "")
         .env("GO111MODULE", "on")
         .output()
-        .map_err(|e| bad(format!("cannot run go: {e}")))?;
+        .map_err(|e| format!("cannot run go: {e}"))?;
     // `go mod download -json` prints a JSON object with `Error` set on failure, and exits 1
     let info: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
-        bad(format!("go printed no module description ({e}): {}", String::from_utf8_lossy(&out.stderr).trim()))
+        format!("go printed no module description ({e}): {}", String::from_utf8_lossy(&out.stderr).trim())
     })?;
     if let Some(e) = info["Error"].as_str() {
-        return Err(bad(e.to_string()));
+        return Err(e.to_string());
     }
     if !out.status.success() {
-        return Err(bad(format!("go exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim())));
+        return Err(format!("go exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()));
     }
-    let sum = info["Sum"].as_str().unwrap_or_default();
-    if sum != version.provider_module_sum() {
-        return Err(bad(format!("the module's checksum is {sum}, not the pinned {}", version.provider_module_sum())));
+    let got = info["Sum"].as_str().unwrap_or_default();
+    if got != sum {
+        return Err(format!("the module's checksum is {got}, not the pinned {sum}"));
     }
-    let root = info["Dir"].as_str().map(PathBuf::from).ok_or_else(|| bad("go named no directory".into()))?;
-    Ok(ReleaseFiles { root })
+    info["Dir"].as_str().map(PathBuf::from).ok_or_else(|| "go named no directory".into())
 }

@@ -18,6 +18,7 @@ pub mod ec2limits;
 pub mod ec2proxy;
 pub mod ec2time;
 pub mod gitops;
+pub mod gitops_crds;
 pub mod iampolicy;
 pub mod karpenter;
 pub mod karpenter_crds;

@@ -430,11 +430,16 @@ pub async fn install_crds(
     version: KarpenterVersion,
     real_crds: Option<&std::path::Path>,
 ) -> Result<(), SimError> {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let crds = match real_crds {
         Some(dir) => karpenter_crds_from(dir).map_err(|e| SimError::BadSpec(e.to_string()))?,
         None => karpenter_crds(version.has_conversion_webhook()),
     };
+    create_crds(client, crds).await
+}
+
+/// Creates (or keeps) `crds` and waits until the server serves each.
+pub async fn create_crds(client: &Client, crds: Vec<serde_json::Value>) -> Result<(), SimError> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let mut names = Vec::new();
     for crd in crds {
         let name = crd["metadata"]["name"].as_str().unwrap_or_default().to_string();

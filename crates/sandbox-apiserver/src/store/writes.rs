@@ -413,27 +413,42 @@ impl Inner {
         if let Some(old) = old {
             openapi.retain(|e| {
                 let at = schema::field_pointer(&e.field);
+                // a required field missing from an object the old one did not have is refused (a
+                // new Flux condition without its lastTransitionTime), though the field was absent
+                // before as well; in an object that was there, it ratchets as the field does
+                // (kube-openapi ratchets the object holding `required` only while it is unchanged:
+                // the emulator is kinder there, for objects stored at an older schema)
+                if e.reason == "FieldValueRequired"
+                    && old.pointer(at.rsplit_once('/').map(|(parent, _)| parent).unwrap_or_default()).is_none()
+                {
+                    return true;
+                }
                 old.pointer(&at) != obj.pointer(&at)
             });
         }
-        let causes: Vec<(String, &str, String)> = if openapi.is_empty() {
-            // kube-apiserver's wording: `<field>: Invalid value: "<type>": <message>` per rule
-            schema::validate(schema, obj, old)
-                .into_iter()
-                .map(|v| (v.field, "FieldValueInvalid", format!("Invalid value: \"{}\": {}", v.value_type, v.message)))
-                .collect()
-        } else {
-            // the real server evaluates no CEL rule of an object the OpenAPI schema refuses, and
-            // says so in a cause of its own
-            let mut causes: Vec<(String, &str, String)> =
-                openapi.into_iter().map(|e| (e.field, e.reason, e.message)).collect();
-            causes.push((
-                "<nil>".into(),
-                "FieldValueInvalid",
-                "Invalid value: null: some validation rules were not checked because the object was invalid; correct the existing errors to complete validation".into(),
-            ));
-            causes
-        };
+        // kube-apiserver (apiextensions-apiserver `pkg/registry/customresource/strategy.go`):
+        // a schema with no CEL rule has no CEL validator, and nothing is said of rules; with
+        // rules, an OpenAPI error of a blocking kind (`hasBlockingErr`: unsupported, required,
+        // too long, too many, wrong type) stops them with a cause of its own, and any other
+        // (a pattern) lets them run, their causes after the OpenAPI ones
+        const BLOCKING: [&str; 2] = ["FieldValueNotSupported", "FieldValueRequired"];
+        let blocking = openapi.iter().any(|e| BLOCKING.contains(&e.reason));
+        let mut causes: Vec<(String, &str, String)> =
+            openapi.into_iter().map(|e| (e.field, e.reason, e.message)).collect();
+        if schema::has_rules(schema) {
+            if blocking {
+                causes.push((
+                    "<nil>".into(),
+                    "FieldValueInvalid",
+                    "Invalid value: null: some validation rules were not checked because the object was invalid; correct the existing errors to complete validation".into(),
+                ));
+            } else {
+                // kube-apiserver's wording: `<field>: Invalid value: "<type>": <message>` per rule
+                causes.extend(schema::validate(schema, obj, old).into_iter().map(|v| {
+                    (v.field, "FieldValueInvalid", format!("Invalid value: \"{}\": {}", v.value_type, v.message))
+                }));
+            }
+        }
         if causes.is_empty() {
             return Ok(());
         }
@@ -782,7 +797,7 @@ mod tests {
     #[test]
     fn a_custom_resource_is_pruned_and_held_to_its_openapi_schema() {
         let store = Store::new(16, 1);
-        store.create(&crd_gr(), "", widget_crd(), &WriteOptions::manager("installer")).unwrap();
+        store.create(&crd_gr(), "", with_rule(widget_crd()), &WriteOptions::manager("installer")).unwrap();
         let gr = GroupResource::new("example.com", "widgets");
         let widget = |spec: Value| json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}, "spec": spec});
         let opts = WriteOptions::manager("t");
@@ -800,6 +815,66 @@ mod tests {
         );
         let made = store.create(&gr, "", widget(json!({"size": "3", "madeUp": true})), &opts).unwrap();
         assert_eq!(made["spec"], json!({"size": "3"}), "unknown fields are pruned");
+    }
+
+    fn with_rule(mut crd: Value) -> Value {
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"] =
+            json!([{"rule": "self.size != '0'", "message": "size must not be 0"}]);
+        crd
+    }
+
+    /// As kube-apiserver's CEL gate (`hasBlockingErr`): a schema without rules says nothing of
+    /// them; with rules, a pattern error alone lets them run and both are named, a required
+    /// field missing stops them with the note.
+    #[test]
+    fn rules_are_skipped_with_a_note_only_when_there_are_rules_and_a_blocking_error() {
+        let gr = GroupResource::new("example.com", "widgets");
+        let widget = |name: &str, spec: Value| json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": name}, "spec": spec});
+        let opts = WriteOptions::manager("t");
+        let causes = |store: &Store, name: &str, spec: Value| -> Vec<String> {
+            let e = store.create(&gr, "", widget(name, spec), &opts).unwrap_err();
+            e.details.unwrap()["causes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["field"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let plain = Store::new(16, 1);
+        plain.create(&crd_gr(), "", widget_crd(), &WriteOptions::manager("installer")).unwrap();
+        assert_eq!(causes(&plain, "a", json!({"size": "x", "mode": "c"})), ["spec.mode", "spec.size"]);
+        assert_eq!(causes(&plain, "b", json!({})), ["spec.size"]);
+
+        let ruled = Store::new(16, 1);
+        ruled.create(&crd_gr(), "", with_rule(widget_crd()), &WriteOptions::manager("installer")).unwrap();
+        assert_eq!(causes(&ruled, "c", json!({})), ["spec.size", "<nil>"]);
+        assert_eq!(causes(&ruled, "d", json!({"size": "0"})), ["spec"]);
+        // a pattern error does not block the rules: both are named (the rule passes on "x")
+        assert_eq!(causes(&ruled, "e", json!({"size": "x"})), ["spec.size"]);
+    }
+
+    /// A status write that adds an object without a field its schema requires is refused, though
+    /// the field was absent before as well: what ratchets is the object that should hold it.
+    #[test]
+    fn a_new_object_missing_a_required_field_is_refused_on_a_status_write() {
+        let store = Store::new(16, 1);
+        let mut crd = widget_crd();
+        crd["spec"]["versions"][0]["subresources"] = json!({"status": {}});
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"] = json!({"type": "object",
+            "properties": {"conditions": {"type": "array", "items": {"type": "object", "required": ["type", "lastTransitionTime"],
+                "properties": {"type": {"type": "string"}, "lastTransitionTime": {"type": "string"}}}}}});
+        store.create(&crd_gr(), "", crd, &WriteOptions::manager("installer")).unwrap();
+        let gr = GroupResource::new("example.com", "widgets");
+        let opts = WriteOptions::manager("t");
+        let w =
+            json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}, "spec": {"size": "1"}});
+        store.create(&gr, "", w, &opts).unwrap();
+        let bad = json!({"status": {"conditions": [{"type": "Ready"}]}});
+        let e = store.patch(&gr, "", "w", PatchType::Merge, &bad, "status", &opts).unwrap_err();
+        assert_eq!(e.code, 422);
+        assert_eq!(e.details.unwrap()["causes"][0]["field"], "status.conditions[0].lastTransitionTime");
+        let good = json!({"status": {"conditions": [{"type": "Ready", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+        store.patch(&gr, "", "w", PatchType::Merge, &good, "status", &opts).unwrap();
     }
 
     /// What another server stores is restored as it is (pruned and defaulted, as read from
