@@ -8,7 +8,12 @@
 //! cargo bench --bench teardown -- --sizes 10,100 --pods-per-node 20 --time-scale 0.05 --out results.md
 //! ```
 //!
-//! Needs LocalStack on 127.0.0.1:4566 (`localstack/up`; or at `AWS_ENDPOINT_URL`) and `kubectl` for the baseline.
+//! Needs LocalStack (`localstack/up`; at `AWS_ENDPOINT_URL` when set, else 127.0.0.1:4566) and
+//! `kubectl` for the baseline.
+//!
+//! `--bed real` runs the same contenders on a real control plane instead (`realstack`: etcd,
+//! kube-apiserver, kube-controller-manager, kube-scheduler and kwok, fresh for each run), with the
+//! world generated there and the simulated Karpenter against the real kube-apiserver.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,14 +23,18 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::flowcontrol::v1::FlowSchema;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use karpenter_teardown::k8s::{self, Kube};
 use kube::Client;
-use kube::api::{Api, DynamicObject, ListParams};
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use realstack::RealStack;
 use sandbox_apiserver::{ApiServer, ServerOptions};
 use sandbox_sim::cloud::Cloud;
 use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
 use sandbox_sim::localstack;
-use sandbox_sim::{SimController, SimSettings, World, WorldSpec, generate};
+use sandbox_sim::{KarpenterVersion, SimController, SimSettings, World, WorldSpec, generate};
 use serde_json::Value;
 
 const REGION: &str = "us-west-2";
@@ -90,9 +99,23 @@ struct Args {
     /// The clock of `rehearse`'s copy (its --time-scale).
     #[arg(long, default_value_t = 0.2)]
     rehearse_time_scale: f64,
+    /// Where the contenders run: the sandbox API server with its emulated control plane, or a
+    /// real one (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok).
+    #[arg(long, value_enum, default_value_t = Bed::Sandbox)]
+    bed: Bed,
+    /// Seconds the world generator waits for every pod to run (default: 60 + nodes / 2 on the
+    /// sandbox, 120 + nodes on the real bed, whose scheduler binds one pod at a time).
+    #[arg(long)]
+    settle_timeout: Option<u64>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Bed {
+    Sandbox,
+    Real,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -136,11 +159,19 @@ struct Measured {
     ec2_sim: u64,
     /// Peak memory and CPU time of the contender's processes.
     usage: Usage,
+    /// Where it ran.
+    bed: Option<Bed>,
+    /// On the real bed: the contender's requests as kube-apiserver counted them (by API Priority
+    /// and Fairness, under a FlowSchema of the tool's identity); `k8s` then holds the tool's own
+    /// count by verb, from its report.
+    k8s_server: Option<u64>,
+    /// CPU seconds of each process of the bed while the world was generated and during the run.
+    bed_cpu: Vec<(String, f64, f64)>,
 }
 
 impl Measured {
     fn k8s_total(&self) -> u64 {
-        self.k8s.values().sum()
+        self.k8s_server.unwrap_or_else(|| self.k8s.values().sum())
     }
 }
 
@@ -151,7 +182,7 @@ async fn main() -> anyhow::Result<()> {
         Some(b) => b.clone(),
         None => locate_binary()?,
     };
-    require_localstack().await?;
+    require_localstack()?;
     eprintln!("bench: tool binary {}", bin.display());
     let mut rows = Vec::new();
     for &size in &args.sizes {
@@ -199,8 +230,17 @@ fn locate_binary() -> anyhow::Result<PathBuf> {
     bail!("no karpenter-teardown binary under {}: run `cargo build --release` or pass --bin", target.display())
 }
 
-async fn require_localstack() -> anyhow::Result<()> {
-    localstack::config(REGION).await.map(|_| ()).context("LocalStack (`localstack/up`, or AWS_ENDPOINT_URL)")
+/// The LocalStack every run talks to: `AWS_ENDPOINT_URL` when set, else `localstack/up`'s.
+fn require_localstack() -> anyhow::Result<()> {
+    let endpoint = localstack::endpoint();
+    let host = endpoint.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/');
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(host)
+        .ok()
+        .and_then(|mut a| a.next())
+        .with_context(|| format!("LocalStack address {endpoint}"))?;
+    std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map(|_| ()).with_context(|| {
+        format!("LocalStack is not running at {endpoint}: start it with `localstack/up` (or set AWS_ENDPOINT_URL)")
+    })
 }
 
 /// A LocalStack account of its own for one run: LocalStack takes a 12-digit access key id as
@@ -231,7 +271,10 @@ fn spec(args: &Args, size: usize) -> WorldSpec {
         managed_nodes: 2,
         decoys: 2,
         concurrency: 32,
-        settle_timeout: Duration::from_secs(60 + size as u64 / 2),
+        settle_timeout: Duration::from_secs(args.settle_timeout.unwrap_or(match args.bed {
+            Bed::Sandbox => 60 + size as u64 / 2,
+            Bed::Real => 120 + size as u64,
+        })),
         grace_periods: GRACE_PERIODS.to_vec(),
         grace_seed: args.seed,
         pdb_max_unavailable: args.pdb_max_unavailable,
@@ -240,25 +283,136 @@ fn spec(args: &Args, size: usize) -> WorldSpec {
     }
 }
 
+/// The server a run happens on.
+enum Server {
+    Sandbox(ApiServer),
+    Real(RealStack),
+}
+
+/// The FlowSchema that counts the tool's identity's requests on the real bed.
+const COUNTING_FLOW_SCHEMA: &str = "karpenter-teardown-bench";
+
+/// The processes of the real bed, in `RealStack::pids`' order.
+const REAL_COMPONENTS: [&str; 5] = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"];
+
+/// A bed for one run: the server, a client with every right for the benchmark's own setup and
+/// checks, the config of the simulated Karpenter's client, and the kubeconfig of the contenders.
+async fn start_bed(
+    args: &Args,
+    s: &WorldSpec,
+    contender: Contender,
+    dir: &Path,
+) -> anyhow::Result<(Server, Client, kube::Config, PathBuf)> {
+    let kubeconfig = dir.join("kubeconfig");
+    match args.bed {
+        Bed::Sandbox => {
+            let mut opts = ServerOptions { time_scale: args.time_scale, ..ServerOptions::default() };
+            if let Some(n) = args.watch_history {
+                opts.watch_history = n;
+            }
+            let server = ApiServer::start(opts).await?;
+            let client = Client::try_from(server.kube_config())?;
+            server.write_kubeconfig(&kubeconfig, &s.cluster)?;
+            let sim = server.kube_config();
+            Ok((Server::Sandbox(server), client, sim, kubeconfig))
+        }
+        Bed::Real => {
+            let rbac = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml"))
+                .context("reading deploy/rbac.yaml")?;
+            let stack = RealStack::start_full(&s.cluster, &rbac).await?;
+            let admin = stack.admin_client().await?;
+            let schema = realstack::metrics::counting_flow_schema(COUNTING_FLOW_SCHEMA, realstack::TOOL_GROUP)?;
+            Api::<FlowSchema>::all(admin.clone()).create(&PostParams::default(), &schema).await?;
+            if contender == Contender::Kubectl {
+                grant_kubectl_drain(&admin).await?;
+            }
+            // the simulated Karpenter acts as the admin (system:masters), whose requests APF
+            // counts under its `exempt` FlowSchema, apart from the tool's identity
+            let kc = Kubeconfig::read_from(stack.admin_kubeconfig())?;
+            let sim = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+            std::fs::copy(stack.tool_kubeconfig(), &kubeconfig).context("copying the tool's kubeconfig")?;
+            Ok((Server::Real(stack), admin, sim, kubeconfig))
+        }
+    }
+}
+
+/// `kubectl drain --ignore-daemonsets` reads each DaemonSet pod's owner before it skips the pod
+/// (k8s.io/kubectl pkg/drain/filters.go, `daemonSetFilter`), which `deploy/rbac.yaml` does not
+/// grant: the baseline's identity gets that read on top, and nothing else.
+async fn grant_kubectl_drain(admin: &Client) -> anyhow::Result<()> {
+    let name = "kubectl-drain-baseline";
+    let role: ClusterRole = serde_json::from_value(serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+        "rules": [{"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get"]}],
+    }))?;
+    let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": realstack::TOOL_GROUP}],
+    }))?;
+    Api::<ClusterRole>::all(admin.clone()).create(&PostParams::default(), &role).await?;
+    Api::<ClusterRoleBinding>::all(admin.clone()).create(&PostParams::default(), &binding).await?;
+    Ok(())
+}
+
+/// The requests counted for the contenders so far: the sandbox's by verb, or the real server's
+/// under the tool's FlowSchema (one total).
+async fn server_requests(server: &Server, admin: &Client) -> anyhow::Result<BTreeMap<(String, String), u64>> {
+    match server {
+        Server::Sandbox(s) => Ok(s.requests().snapshot()),
+        Server::Real(_) => {
+            let req = http::Request::get("/metrics").body(Vec::new())?;
+            let text = admin.request_text(req).await.context("reading kube-apiserver's /metrics")?;
+            let n = realstack::metrics::dispatched_under(&text, COUNTING_FLOW_SCHEMA);
+            Ok(BTreeMap::from([(("all".to_string(), String::new()), n)]))
+        }
+    }
+}
+
+/// CPU ticks of the bed's processes (and of this process, which holds the simulated Karpenter and,
+/// on the sandbox, the API server), by name.
+fn bed_ticks(server: &Server) -> Vec<(String, u64)> {
+    let mut out = vec![("benchmark process".to_string(), cpu_ticks(std::process::id()))];
+    if let Server::Real(stack) = server {
+        for (name, pid) in REAL_COMPONENTS.iter().zip(stack.pids()) {
+            out.push((name.to_string(), cpu_ticks(pid)));
+        }
+    }
+    out
+}
+
 async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> anyhow::Result<Measured> {
     let dir = tempfile::tempdir()?;
-    let mut opts = ServerOptions { time_scale: args.time_scale, ..ServerOptions::default() };
-    if let Some(n) = args.watch_history {
-        opts.watch_history = n;
-    }
-    let server = ApiServer::start(opts).await?;
-    let client = Client::try_from(server.kube_config())?;
     let account = fresh_account();
-    let s = spec(args, size);
+    let mut s = spec(args, size);
+    if args.bed == Bed::Real {
+        // the real server holds Karpenter's own CRDs to their schemas and CEL rules
+        let files = sandbox_sim::karpenter_crds::release_files(KarpenterVersion::default())?;
+        s.karpenter_crds = Some(files.crds());
+    }
+    let (server, client, sim_config, kubeconfig) = start_bed(args, &s, contender, dir.path()).await?;
+    let ticks0 = bed_ticks(&server);
     let t = Instant::now();
-    let world = generate(&s, &client, &Cloud::from_config(&localstack::config_as(REGION, &account).await)).await?;
+    let world = match generate(&s, &client, &Cloud::from_config(&localstack::config_as(REGION, &account).await)).await {
+        Ok(w) => w,
+        Err(e) => {
+            if let Server::Real(stack) = &server {
+                for c in ["kube-scheduler", "kwok", "kube-controller-manager"] {
+                    eprintln!("bench: end of {c}'s log:\n{}", stack.log_tail(c));
+                }
+            }
+            return Err(e.into());
+        }
+    };
     let generate_s = t.elapsed().as_secs_f64();
-    let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig, &world.cluster)?;
     let (critical_s, pods) = critical_path(&client, &world, args.time_scale).await?;
+    // kwok's default pod stages delete a pod as soon as it has a deletionTimestamp (sigs.k8s.io/kwok
+    // kustomize/stage/pod/fast/pod-delete.yaml, the stages cmd/kwok loads without a config): no
+    // grace period is waited for on the real bed
+    let critical_s = if args.bed == Bed::Real { 0.0 } else { critical_s };
 
     // The simulated Karpenter gets its own clients so its requests can be told apart.
-    let sim_kube = Kube::from_config(server.kube_config(), None)?;
+    let sim_kube = Kube::from_config(sim_config, None)?;
     let sim_aws = Cloud::from_config(&localstack::config_as(REGION, &account).await);
     let sim = SimController::start(
         sim_kube.client.clone(),
@@ -270,33 +424,35 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
             ..SimSettings::new(&world.cluster, REGION)
         },
     );
-    let before = server.requests().snapshot();
+    let before = server_requests(&server, &client).await?;
     let sim_before = sim_kube.calls.snapshot();
     let sim_ec2_before = sim_aws.ec2_requests();
+    let ticks1 = bed_ticks(&server);
 
     let t = Instant::now();
     let limit = Duration::from_secs(args.run_timeout);
-    let (outcome, ec2_tool, ec2_throttled, usage) = match contender {
+    let (outcome, ec2_tool, ec2_throttled, usage, tool_k8s) = match contender {
         Contender::Default | Contender::Delegate => {
             let plan = if contender == Contender::Default { "default" } else { "delegate" };
             let r = run_tool(bin, &world.cluster, &account, &kubeconfig, dir.path(), plan, limit).await?;
-            (r.0, Some(r.1), Some(r.3), r.2)
+            (r.0, Some(r.1), Some(r.3), r.2, r.4)
         }
         Contender::Kubectl => {
             let r = run_kubectl(args, &world, &kubeconfig, dir.path(), limit).await?;
-            (r.0, None, None, r.1)
+            (r.0, None, None, r.1, BTreeMap::new())
         }
         Contender::Rehearse => {
             let r = run_rehearse(args, bin, &world.cluster, &account, &kubeconfig, dir.path(), limit).await?;
-            (r.0, None, None, r.1)
+            (r.0, None, None, r.1, BTreeMap::new())
         }
     };
     let makespan_s = t.elapsed().as_secs_f64();
+    let ticks2 = bed_ticks(&server);
     if let Some(keep) = &args.keep {
         keep_artifacts(dir.path(), keep, size, contender)?;
     }
 
-    let after = server.requests().snapshot();
+    let after = server_requests(&server, &client).await?;
     let sim_after = sim_kube.calls.snapshot();
     let ec2_sim = sim_aws.ec2_requests().saturating_sub(sim_ec2_before);
     sim.shutdown().await;
@@ -310,7 +466,11 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
         (o, 0) => o.to_string(),
         (o, n) => format!("{o}, {n} left"),
     };
-    server.shutdown().await;
+    match server {
+        Server::Sandbox(server) => server.shutdown().await,
+        // dropping the stack kills its processes
+        Server::Real(stack) => drop(stack),
+    }
 
     let mut k8s: BTreeMap<String, u64> = BTreeMap::new();
     for (key @ (verb, _), n) in &after {
@@ -321,12 +481,29 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
     for (key, n) in &sim_after {
         let delta = n.saturating_sub(sim_before.get(key).copied().unwrap_or(0));
         sim_k8s += delta;
+        if args.bed == Bed::Real {
+            // counted apart by the server already (the admin's `exempt` FlowSchema)
+            continue;
+        }
         let verb = key.trim_start_matches("kubernetes:");
         let verb = if verb == "other" { "get" } else { verb };
         let e = k8s.entry(verb.to_string()).or_default();
         *e = e.saturating_sub(delta);
     }
     k8s.retain(|_, n| *n > 0);
+    let (k8s, k8s_server) = match args.bed {
+        Bed::Sandbox => (k8s, None),
+        Bed::Real => (tool_k8s, Some(k8s.values().sum())),
+    };
+    let secs = |t: u64| t as f64 / 100.0;
+    let bed_cpu = ticks0
+        .iter()
+        .zip(&ticks1)
+        .zip(&ticks2)
+        .map(|(((name, t0), (_, t1)), (_, t2))| {
+            (name.clone(), secs(t1.saturating_sub(*t0)), secs(t2.saturating_sub(*t1)))
+        })
+        .collect();
     Ok(Measured {
         size,
         contender: contender.label(),
@@ -341,6 +518,9 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
         ec2_throttled,
         ec2_sim,
         usage,
+        bed: Some(args.bed),
+        k8s_server,
+        bed_cpu,
     })
 }
 
@@ -469,14 +649,9 @@ fn sample_tree(pid: u32, ticks: &mut BTreeMap<u32, u64>) -> u64 {
                 .unwrap_or(0);
             peak = peak.max(hwm);
         }
-        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
-            // fields after the parenthesised command name; utime and stime are the 14th and 15th
-            let fields: Vec<&str> =
-                stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
-            let t: u64 = fields.get(11..13).map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum()).unwrap_or(0);
-            let e = ticks.entry(p).or_default();
-            *e = (*e).max(t);
-        }
+        let t = cpu_ticks(p);
+        let e = ticks.entry(p).or_default();
+        *e = (*e).max(t);
         if let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) {
             for t in tasks.flatten() {
                 if let Ok(children) = std::fs::read_to_string(t.path().join("children")) {
@@ -486,6 +661,14 @@ fn sample_tree(pid: u32, ticks: &mut BTreeMap<u32, u64>) -> u64 {
         }
     }
     peak
+}
+
+/// CPU ticks (utime + stime, all threads, in USER_HZ) of a process, 0 when it is gone.
+fn cpu_ticks(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
+    // fields after the parenthesised command name; utime and stime are the 14th and 15th
+    let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
+    fields.get(11..13).map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum()).unwrap_or(0)
 }
 
 fn localstack_env(cmd: &mut tokio::process::Command, account: &str) {
@@ -506,7 +689,7 @@ async fn run_tool(
     dir: &Path,
     plan: &str,
     limit: Duration,
-) -> anyhow::Result<(String, u64, Usage, (u64, u64))> {
+) -> anyhow::Result<(String, u64, Usage, (u64, u64), BTreeMap<String, u64>)> {
     let report = dir.join(format!("report-{plan}.json"));
     let proxy = Ec2Proxy::start(&localstack::endpoint(), ProxyFaults::default()).await?;
     let run = ["run", "--yes", "--plan", plan, "--cluster", cluster, "--region", REGION];
@@ -528,6 +711,17 @@ async fn run_tool(
         .as_object()
         .map(|m| m.iter().filter(|(k, _)| k.starts_with("ec2:")).filter_map(|(_, v)| v.as_u64()).sum())
         .unwrap_or(0);
+    // the tool's own count of its Kubernetes requests, by verb (`kubernetes:get`); `throttled`
+    // counts answers, not requests
+    let k8s = report["api_calls"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.strip_prefix("kubernetes:")?.to_string(), v.as_u64()?)))
+                .filter(|(verb, n)| verb != "throttled" && *n > 0)
+                .collect()
+        })
+        .unwrap_or_default();
     if code != Some(0) {
         let tail = std::fs::read_to_string(dir.join(format!("{plan}.log"))).unwrap_or_default();
         let tail: Vec<&str> = tail.lines().rev().take(20).collect();
@@ -536,7 +730,7 @@ async fn run_tool(
             eprintln!("  {l}");
         }
     }
-    Ok((outcome, ec2, usage, (counts.over_budget, counts.refused)))
+    Ok((outcome, ec2, usage, (counts.over_budget, counts.refused), k8s))
 }
 
 /// The tool with `args`, the bed's kubeconfig, a report, JSON logs into `log`, and AWS at
@@ -580,9 +774,9 @@ async fn run_rehearse(
     let report = dir.join("report-rehearse.json");
     let proxy = Ec2Proxy::start(&localstack::endpoint(), ProxyFaults::default()).await?;
     let scale = args.rehearse_time_scale.to_string();
-    let localstack = localstack::endpoint();
+    let endpoint = localstack::endpoint();
     let rehearse =
-        ["rehearse", "--cluster", cluster, "--region", REGION, "--localstack", &localstack, "--time-scale", &scale];
+        ["rehearse", "--cluster", cluster, "--region", REGION, "--localstack", &endpoint, "--time-scale", &scale];
     let cmd = tool_command(bin, &rehearse, kubeconfig, &report, &dir.join("rehearse.log"), account, &proxy.url())?;
     let usage = run_measured(cmd, limit).await?;
     proxy.shutdown().await;
@@ -672,17 +866,24 @@ fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
         ));
     }
     out.push_str(
-        "| nodes | pods | contender | outcome | makespan (s) | critical path (s) | ratio | k8s requests | \
+        "| bed | nodes | pods | contender | outcome | makespan (s) | critical path (s) | ratio | k8s requests | \
          requests/pod | requests by verb | EC2 calls (tool) | sim Karpenter k8s / EC2 | peak RSS (MiB) | CPU (s) | world generated in (s) |\n",
     );
-    out.push_str("|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n");
+    out.push_str("|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n");
     for m in rows {
-        let verbs = m.k8s.iter().map(|(v, n)| format!("{v} {n}")).collect::<Vec<_>>().join(", ");
+        let mut verbs = m.k8s.iter().map(|(v, n)| format!("{v} {n}")).collect::<Vec<_>>().join(", ");
+        if m.k8s_server.is_some() && !verbs.is_empty() {
+            verbs = format!("(the tool's own count) {verbs}");
+        }
         let per_pod =
             if m.pods == 0 { "-".to_string() } else { format!("{:.2}", m.k8s_total() as f64 / m.pods as f64) };
         let ratio = if m.critical_s > 0.0 { format!("{:.2}", m.makespan_s / m.critical_s) } else { "-".into() };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} / {} | {:.1} | {:.1} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} / {} | {:.1} | {:.1} | {:.0} |\n",
+            match m.bed {
+                Some(Bed::Real) => "real",
+                _ => "sandbox",
+            },
             m.size,
             m.pods,
             m.contender,
@@ -716,5 +917,24 @@ fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
          the sum over its drain and delete commands, polls not included). The sandbox API server, the simulated \
          Karpenter and LocalStack run on the same machine and are not included.\n",
     );
+    if rows.iter().any(|m| m.bed == Some(Bed::Real)) {
+        out.push_str(
+            "\nOn the real bed (etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok, fresh for each \
+             run): k8s requests are kube-apiserver's own count of the tool's identity's requests \
+             (`apiserver_flowcontrol_dispatched_requests_total` under a FlowSchema that matches that identity's \
+             group only, read from /metrics before and after the run; the simulated Karpenter acts as an admin, \
+             counted apart under `exempt`); requests by verb are the tool's own count from its report. The \
+             critical path is 0: kwok deletes a pod as soon as it has a deletionTimestamp, so no grace period \
+             is waited for.\n",
+        );
+    }
+    out.push_str("\nCPU seconds of the bed's processes, while the world was generated / during the run:\n\n");
+    out.push_str("| bed | nodes | contender | process | generation (s) | run (s) |\n|---|---:|---|---|---:|---:|\n");
+    for m in rows {
+        let bed = if m.bed == Some(Bed::Real) { "real" } else { "sandbox" };
+        for (name, generate, run) in &m.bed_cpu {
+            out.push_str(&format!("| {bed} | {} | {} | {name} | {generate:.1} | {run:.1} |\n", m.size, m.contender));
+        }
+    }
     out
 }

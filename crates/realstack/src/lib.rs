@@ -8,6 +8,7 @@
 //! whole group is killed when it is dropped, a failing test's unwinding included.
 
 pub mod karpenter;
+pub mod metrics;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
