@@ -167,7 +167,7 @@ pub struct KarpenterSettings {
 pub(crate) struct AwsRelay {
     /// `HTTPS_PROXY`.
     pub(crate) proxy_url: String,
-    /// `SSL_CERT_FILE`: the relay's certificate.
+    /// `AWS_CA_BUNDLE`: the relay's certificate.
     pub(crate) ca_file: PathBuf,
 }
 
@@ -219,11 +219,17 @@ pub(crate) fn environment(
         // converted) and none of the v1beta1 migration controllers that only run beside it
         // (sigs.k8s.io/karpenter v1.0 pkg/controllers/controllers.go, pkg/operator/operator.go)
         pairs.push(("DISABLE_WEBHOOK", "true".into()));
+        // 1.0's operator asks knative for its namespace at start (knative.dev/pkg system.Namespace,
+        // sigs.k8s.io/karpenter v1.0 pkg/operator/operator.go) and panics without it; its Helm
+        // chart sets it from the pod's namespace through the downward API
+        pairs.push(("SYSTEM_NAMESPACE", NAMESPACE.into()));
         if let Some(relay) = relay {
             pairs.push(("HTTPS_PROXY", relay.proxy_url.clone()));
             // the API server is on loopback, which Go never proxies; said anyway for readers
             pairs.push(("NO_PROXY", "127.0.0.1,localhost".into()));
-            pairs.push(("SSL_CERT_FILE", relay.ca_file.display().to_string()));
+            // the SDK's own CA setting (aws-sdk-go v1 aws/session reads AWS_CA_BUNDLE and then
+            // trusts only that bundle): set here, it also replaces one this machine exports
+            pairs.push(("AWS_CA_BUNDLE", relay.ca_file.display().to_string()));
         }
     }
     pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
@@ -864,8 +870,9 @@ mod tests {
                 .into_iter()
                 .collect();
         assert_eq!(env["DISABLE_WEBHOOK"], "true");
+        assert_eq!(env["SYSTEM_NAMESPACE"], NAMESPACE);
         assert_eq!(env["HTTPS_PROXY"], "http://127.0.0.1:9");
-        assert_eq!(env["SSL_CERT_FILE"], "/d/relay.crt");
+        assert_eq!(env["AWS_CA_BUNDLE"], "/d/relay.crt");
         assert_eq!(env["CLUSTER_ENDPOINT"], "https://127.0.0.1:6443");
         assert_eq!(env["ISOLATED_VPC"], "true");
         assert!(!env.contains_key("EKS_CONTROL_PLANE") && !env.contains_key("AWS_ENDPOINT_URL"), "{env:?}");

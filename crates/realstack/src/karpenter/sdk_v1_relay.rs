@@ -7,8 +7,8 @@
 //! `https://<service>.<region>.amazonaws.com`.
 //!
 //! The narrowest way to reach LocalStack without changing a byte of Karpenter is the SDK's HTTP
-//! client: it is Go's default transport, which honours `HTTPS_PROXY` (CONNECT) and trusts the
-//! certificates of `SSL_CERT_FILE`. This relay answers CONNECT for AWS hosts only, ends TLS with
+//! client: it is Go's default transport, which honours `HTTPS_PROXY` (CONNECT), and the SDK
+//! trusts the certificates of `AWS_CA_BUNDLE`. This relay answers CONNECT for AWS hosts only, ends TLS with
 //! a certificate made for this run (self-signed, named for the AWS hosts Karpenter calls) and
 //! passes the plain HTTP/1.1 stream to the endpoint the tests name (LocalStack, or a proxy before
 //! it). LocalStack picks the service from the request's SigV4 credential scope, not the host, so
@@ -57,11 +57,11 @@ pub(crate) fn upstream_address(endpoint: &str) -> Option<String> {
     Some(if authority.contains(':') { authority.to_string() } else { format!("{authority}:80") })
 }
 
-/// The certificate Karpenter is told to trust (`SSL_CERT_FILE`) and the relay's TLS setup.
+/// The certificate Karpenter is told to trust (`AWS_CA_BUNDLE`) and the relay's TLS setup.
 pub(crate) struct Relay {
     /// `http://127.0.0.1:<port>`, for `HTTPS_PROXY`.
     pub(crate) proxy_url: String,
-    /// The PEM certificate, for `SSL_CERT_FILE`.
+    /// The PEM certificate, for `AWS_CA_BUNDLE`.
     pub(crate) ca_file: PathBuf,
     task: tokio::task::JoinHandle<()>,
 }
