@@ -1,7 +1,10 @@
 //! The real Karpenter (karpenter-provider-aws, built from source by
 //! `crates/realstack/build-karpenter`) as the live controller on the real control plane, with
 //! LocalStack as EC2 and IAM: it provisions for pending pods with its own CreateFleet, launch
-//! templates and instance profile, and the tool tears that down while it runs.
+//! templates and instance profile, and the tool tears that down while it runs. Each test runs for
+//! the newest release line (1.14) and the oldest still in the field (1.0), whose CRDs name a
+//! conversion webhook, whose launch templates carry `karpenter.k8s.aws/cluster` and whose instance
+//! profiles sit at path `/` named `<cluster>_<hash>`.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -128,8 +131,73 @@ pub(crate) async fn class_and_pool(admin: &kube::Client, ami: &str, cluster: &st
     classes
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
+/// The tag a release line marks its launch templates with, read by the test from EC2 itself:
+/// `karpenter.k8s.aws/cluster` in 1.0 (karpenter-provider-aws v1.0.14
+/// pkg/providers/launchtemplate/launchtemplate.go, `v1.TagManagedLaunchTemplate`),
+/// `eks:eks-cluster-name` since.
+fn launch_template_tag(version: KarpenterVersion) -> &'static str {
+    match version {
+        KarpenterVersion::V1_0 => "karpenter.k8s.aws/cluster",
+        KarpenterVersion::V1_14 => "eks:eks-cluster-name",
+    }
+}
+
+/// The names of the launch templates tagged as `cluster`'s by `version`.
+async fn tagged_launch_templates(ec2: &aws_sdk_ec2::Client, version: KarpenterVersion, cluster: &str) -> Vec<String> {
+    let key = launch_template_tag(version);
+    let out = ec2
+        .describe_launch_templates()
+        .filters(Filter::builder().name(format!("tag:{key}")).values(cluster).build())
+        .send()
+        .await
+        .unwrap();
+    out.launch_templates().iter().filter_map(|t| t.launch_template_name()).map(str::to_string).collect()
+}
+
+/// Where a release line puts the instance profile it makes for a class: at `/`, named
+/// `<cluster>_<hash>` in 1.0 (v1.0.14 pkg/apis/v1/ec2nodeclass.go `InstanceProfileName`), under
+/// `/karpenter/<region>/<cluster>/<class uid>/` since.
+fn assert_profile_shape(version: KarpenterVersion, cluster: &str, name: &str, path: &str) {
+    match version {
+        KarpenterVersion::V1_0 => {
+            assert_eq!(path, "/", "{name}");
+            let hash = name.strip_prefix(&format!("{cluster}_")).unwrap_or_default();
+            assert!(!hash.is_empty() && hash.bytes().all(|b| b.is_ascii_digit()), "{name}");
+        }
+        KarpenterVersion::V1_14 => {
+            assert!(path.starts_with(&format!("/karpenter/{REGION}/{cluster}/")), "{name} at {path}");
+        }
+    }
+}
+
+/// What another cluster's Karpenter 1.0 left in the same account: a launch template with
+/// Karpenter's name and the other cluster's tag, and a `/`-path instance profile named for the
+/// other cluster. The teardown must leave both. Returns the template's id and the profile's name.
+async fn other_clusters_leftovers(
+    ec2: &aws_sdk_ec2::Client,
+    iam: &aws_sdk_iam::Client,
+    cluster: &str,
+) -> (String, String) {
+    let other = format!("{cluster}-other");
+    let lt = ec2
+        .create_launch_template()
+        .launch_template_name(format!("karpenter.k8s.aws/{}", cluster.len() * 7919))
+        .launch_template_data(
+            aws_sdk_ec2::types::RequestLaunchTemplateData::builder()
+                .instance_type(aws_sdk_ec2::types::InstanceType::M5Large)
+                .build(),
+        )
+        .tag_specifications(spec(ResourceType::LaunchTemplate, &[("karpenter.k8s.aws/cluster", &other)]))
+        .send()
+        .await
+        .unwrap();
+    let lt = lt.launch_template().and_then(|t| t.launch_template_id()).unwrap().to_string();
+    let profile = format!("{other}_1234567890");
+    iam.create_instance_profile().instance_profile_name(&profile).path("/").send().await.unwrap();
+    (lt, profile)
+}
+
+async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs(version: KarpenterVersion) {
     let cluster = common::unique_cluster("rk");
     let s = super::stack(&cluster).await;
     let admin = s.admin_client().await.unwrap();
@@ -137,8 +205,8 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     let (ec2, iam) = (aws_sdk_ec2::Client::new(&config), aws_sdk_iam::Client::new(&config));
     let aws = common::localstack(REGION).await;
 
-    let crds = common::e2e::real_crds(KarpenterVersion::V1_14);
-    sandbox_sim::world::install_crds(&admin, KarpenterVersion::V1_14, Some(&crds)).await.unwrap();
+    let crds = common::e2e::real_crds(version);
+    sandbox_sim::world::install_crds(&admin, version, Some(&crds)).await.unwrap();
     let ami = infrastructure(&ec2, &iam, &cluster).await;
     // Something of the cluster's that is not Karpenter's: an instance of a managed node group.
     let decoy = ec2
@@ -185,8 +253,9 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     }
 
     let t = Instant::now();
-    let karpenter = RealKarpenter::start(
+    let karpenter = RealKarpenter::start_version(
         &s,
+        version,
         KarpenterSettings {
             cluster_name: cluster.clone(),
             region: REGION.into(),
@@ -254,11 +323,15 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     let profile = class.data["status"]["instanceProfile"].as_str().expect("the class's instance profile").to_string();
     let profiles = aws.iam.cluster_instance_profiles(REGION, &cluster).await.unwrap();
     assert!(profiles.iter().any(|p| p.name == profile), "{profile} not found as Karpenter's: {profiles:?}");
+    let got = iam.get_instance_profile().instance_profile_name(&profile).send().await.unwrap();
+    assert_profile_shape(version, &cluster, &profile, got.instance_profile().map(|p| p.path()).unwrap_or_default());
     assert!(log.contains("created launch template"), "{}", karpenter.log_tail(40));
+    let (other_lt, other_profile) = other_clusters_leftovers(&ec2, &iam, &cluster).await;
     // Karpenter deletes a launch template itself a minute after its last use (its cache's
     // eviction, pkg/providers/launchtemplate): how many are left to the tool depends on timing
     let templates = aws.ec2.launch_templates(&cluster).await.unwrap().len();
     eprintln!("before the teardown: {templates} launch template(s), instance profile {profile}");
+    assert_eq!(tagged_launch_templates(&ec2, version, &cluster).await.len(), templates, "tagged as {version:?} tags");
 
     // the teardown, with the real Karpenter alive
     let run = super::teardown(&s, &cluster).await;
@@ -273,8 +346,12 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     assert_eq!(states(&aws, std::slice::from_ref(&decoy)).await[&decoy], InstanceState::Running, "the decoy");
     assert!(aws.ec2.launch_templates(&cluster).await.unwrap().is_empty(), "launch templates left");
     assert!(aws.iam.cluster_instance_profiles(REGION, &cluster).await.unwrap().is_empty(), "instance profiles left");
-    // the node role is the cluster's, not Karpenter's
+    assert!(tagged_launch_templates(&ec2, version, &cluster).await.is_empty(), "{version:?} launch templates left");
+    assert!(iam.get_instance_profile().instance_profile_name(&profile).send().await.is_err(), "{profile} left");
+    // the node role is the cluster's, not Karpenter's, and the other cluster's are the other's
     iam.get_role().role_name(format!("{cluster}-node")).send().await.unwrap();
+    ec2.describe_launch_templates().launch_template_ids(&other_lt).send().await.unwrap();
+    iam.get_instance_profile().instance_profile_name(&other_profile).send().await.unwrap();
     assert_eq!(count(&admin, &k8s::nodeclaim_resource()).await, 0, "NodeClaims left");
     assert_eq!(count(&admin, &k8s::nodepool_resource()).await, 0, "NodePools left");
     assert_eq!(count(&admin, &k8s::nodeclass_resource()).await, 0, "EC2NodeClasses left");
@@ -284,7 +361,19 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs() {
     assert_eq!(pods.list(&ListParams::default()).await.unwrap().items.len(), PODS);
 
     ec2.terminate_instances().instance_ids(&decoy).send().await.unwrap();
+    ec2.delete_launch_template().launch_template_id(&other_lt).send().await.unwrap();
+    iam.delete_instance_profile().instance_profile_name(&other_profile).send().await.unwrap();
     drop(karpenter);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_tears_down_what_the_real_karpenter_1_14_launched_while_it_runs() {
+    the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs(KarpenterVersion::V1_14).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_tears_down_what_the_real_karpenter_1_0_launched_while_it_runs() {
+    the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs(KarpenterVersion::V1_0).await;
 }
 
 pub(crate) fn phase(p: &Pod) -> &str {
@@ -299,8 +388,9 @@ pub(crate) fn node_of(p: &Pod) -> Option<&str> {
 /// it to the nodes Karpenter launched, kwok makes those nodes Ready and runs the pods, and the
 /// ReplicaSet and disruption controllers act; the teardown then evicts running pods with Karpenter
 /// alive.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane() {
+async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(
+    version: KarpenterVersion,
+) {
     let cluster = common::unique_cluster("rkf");
     let s = super::control_plane::full_stack(&cluster).await;
     let admin = s.admin_client().await.unwrap();
@@ -308,8 +398,8 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     let (ec2, iam) = (aws_sdk_ec2::Client::new(&config), aws_sdk_iam::Client::new(&config));
     let aws = common::localstack(REGION).await;
 
-    let crds = common::e2e::real_crds(KarpenterVersion::V1_14);
-    sandbox_sim::world::install_crds(&admin, KarpenterVersion::V1_14, Some(&crds)).await.unwrap();
+    let crds = common::e2e::real_crds(version);
+    sandbox_sim::world::install_crds(&admin, version, Some(&crds)).await.unwrap();
     let ami = infrastructure(&ec2, &iam, &cluster).await;
     let pp = PostParams::default();
     // A managed node group's node, kept for critical add-ons as EKS's guidance for Karpenter's
@@ -373,8 +463,9 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     .unwrap();
 
     let t = Instant::now();
-    let karpenter = RealKarpenter::start(
+    let karpenter = RealKarpenter::start_version(
         &s,
+        version,
         KarpenterSettings {
             cluster_name: cluster.clone(),
             region: REGION.into(),
@@ -469,6 +560,13 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 
+    // the instance profile Karpenter made, where its release line puts it
+    let class = classes.get("default").await.unwrap();
+    let profile = class.data["status"]["instanceProfile"].as_str().expect("the class's instance profile").to_string();
+    let got = iam.get_instance_profile().instance_profile_name(&profile).send().await.unwrap();
+    assert_profile_shape(version, &cluster, &profile, got.instance_profile().map(|p| p.path()).unwrap_or_default());
+    let (other_lt, other_profile) = other_clusters_leftovers(&ec2, &iam, &cluster).await;
+
     // the teardown, with the real Karpenter alive
     let run = super::teardown(&s, &cluster).await;
     assert_eq!(run.code, 0, "{}\nKarpenter:\n{}", run.dump(), karpenter.log_tail(40));
@@ -481,6 +579,10 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     assert_eq!(states(&aws, std::slice::from_ref(&decoy)).await[&decoy], InstanceState::Running, "the decoy");
     assert!(aws.ec2.launch_templates(&cluster).await.unwrap().is_empty(), "launch templates left");
     assert!(aws.iam.cluster_instance_profiles(REGION, &cluster).await.unwrap().is_empty(), "instance profiles left");
+    assert!(tagged_launch_templates(&ec2, version, &cluster).await.is_empty(), "{version:?} launch templates left");
+    assert!(iam.get_instance_profile().instance_profile_name(&profile).send().await.is_err(), "{profile} left");
+    ec2.describe_launch_templates().launch_template_ids(&other_lt).send().await.unwrap();
+    iam.get_instance_profile().instance_profile_name(&other_profile).send().await.unwrap();
     assert_eq!(count(&admin, &k8s::nodeclaim_resource()).await, 0, "NodeClaims left");
     assert_eq!(count(&admin, &k8s::nodepool_resource()).await, 0, "NodePools left");
     assert_eq!(count(&admin, &k8s::nodeclass_resource()).await, 0, "EC2NodeClasses left");
@@ -527,5 +629,17 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     assert!(list.items.is_empty(), "the controller's pod is still there");
 
     ec2.terminate_instances().instance_ids(&decoy).send().await.unwrap();
+    ec2.delete_launch_template().launch_template_id(&other_lt).send().await.unwrap();
+    iam.delete_instance_profile().instance_profile_name(&other_profile).send().await.unwrap();
     drop(karpenter);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_drains_running_pods_off_the_real_karpenter_1_14s_nodes_on_the_full_control_plane() {
+    the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(KarpenterVersion::V1_14).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_drains_running_pods_off_the_real_karpenter_1_0s_nodes_on_the_full_control_plane() {
+    the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(KarpenterVersion::V1_0).await;
 }

@@ -1,6 +1,21 @@
 //! The real Karpenter (`github.com/aws/karpenter-provider-aws`, `./cmd/controller`, built from
-//! source by `build-karpenter` at the version `karpenter/go.mod` pins) as the live controller of a
-//! [`RealStack`], with EC2, IAM and STS served by LocalStack.
+//! source by `build-karpenter` at the version `karpenter/go.mod` pins, or for the 1.0 line
+//! `karpenter-1.0/go.mod`) as the live controller of a [`RealStack`], with EC2, IAM and STS served
+//! by LocalStack.
+//!
+//! What 1.0 needs that 1.14 does not, each closed as narrowly as it goes:
+//! - its CRDs route conversion to a webhook Service `kube-system/karpenter` that does not exist
+//!   here. kube-apiserver calls a conversion webhook only for objects whose apiVersion differs
+//!   from the one asked for (k8s.io/apiextensions-apiserver v0.34
+//!   pkg/apiserver/conversion/webhook_converter.go, `getObjectsToConvert`; with none it answers
+//!   without a call); every object here, the tool's and Karpenter's, is written and read as `v1`,
+//!   the storage version, so the missing Service is never dialled. The
+//!   controller's own webhook server (and the migration controllers that go with it) is switched
+//!   off with `DISABLE_WEBHOOK=true`, which its `pkg/operator/options` provides for that;
+//! - it calls AWS through aws-sdk-go v1, which ignores `AWS_ENDPOINT_URL`: see [`sdk_v1_relay`];
+//! - it has no `EKS_CONTROL_PLANE` option (it always reads the Kubernetes version from the API
+//!   server) and logs, without stopping, that it was not made for the stack's Kubernetes (1.0.14
+//!   supports 1.25 to 1.31; `pkg/providers/version`).
 //!
 //! Karpenter runs as a process on this machine, not as a pod, so the test bed plays the parts of
 //! the cluster around it that are not there. On a stack of etcd and kube-apiserver only:
@@ -37,7 +52,11 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::{Value, json};
 
-use crate::{BuildFailure, ControlPlane, RealStack, build_once};
+pub use sandbox_sim::KarpenterVersion;
+
+use crate::{BuildFailure, ControlPlane, RealStack, build_once_with};
+
+mod sdk_v1_relay;
 
 /// The namespace and name of the controller's Deployment, where Karpenter's Helm chart puts it.
 pub const NAMESPACE: &str = "kube-system";
@@ -102,11 +121,31 @@ pub fn build_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("build-karpenter")
 }
 
-/// The Karpenter binary, built by `build-karpenter` the first time a process asks.
+/// The Karpenter 1.14 binary, built by `build-karpenter` the first time a process asks.
 pub fn binary() -> Result<PathBuf, KarpenterError> {
-    static BUILT: OnceLock<Result<(), BuildFailure>> = OnceLock::new();
-    match build_once(&BUILT, &build_script()) {
-        Ok(()) => Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join("karpenter/bin/karpenter")),
+    binary_for(KarpenterVersion::V1_14)
+}
+
+/// The release line `build-karpenter` is asked for, and the Go module directory it builds in.
+pub(crate) fn release_line(version: KarpenterVersion) -> (&'static str, &'static str) {
+    match version {
+        KarpenterVersion::V1_0 => ("1.0", "karpenter-1.0"),
+        KarpenterVersion::V1_14 => ("1.14", "karpenter"),
+    }
+}
+
+/// The Karpenter binary of a release line, built by `build-karpenter` the first time a process
+/// asks for that line.
+pub fn binary_for(version: KarpenterVersion) -> Result<PathBuf, KarpenterError> {
+    static BUILT_1_0: OnceLock<Result<(), BuildFailure>> = OnceLock::new();
+    static BUILT_1_14: OnceLock<Result<(), BuildFailure>> = OnceLock::new();
+    let cell = match version {
+        KarpenterVersion::V1_0 => &BUILT_1_0,
+        KarpenterVersion::V1_14 => &BUILT_1_14,
+    };
+    let (line, dir) = release_line(version);
+    match build_once_with(cell, &build_script(), &[line]) {
+        Ok(()) => Ok(Path::new(env!("CARGO_MANIFEST_DIR")).join(dir).join("bin/karpenter")),
         Err(BuildFailure::GoMissing) => Err(KarpenterError::GoMissing),
         Err(BuildFailure::Failed(status)) => Err(KarpenterError::Build { status }),
     }
@@ -123,16 +162,28 @@ pub struct KarpenterSettings {
     pub aws_endpoint: String,
 }
 
+/// How Karpenter 1.0's AWS calls reach the endpoint (see [`sdk_v1_relay`]).
+#[derive(Debug, Clone)]
+pub(crate) struct AwsRelay {
+    /// `HTTPS_PROXY`.
+    pub(crate) proxy_url: String,
+    /// `AWS_CA_BUNDLE`: the relay's certificate.
+    pub(crate) ca_file: PathBuf,
+}
+
 /// The environment of the Karpenter process. The names are those of
-/// `pkg/operator/options/options.go` in karpenter-provider-aws and in sigs.k8s.io/karpenter.
+/// `pkg/operator/options/options.go` in karpenter-provider-aws and in sigs.k8s.io/karpenter, at
+/// the version of each release line.
 pub(crate) fn environment(
+    version: KarpenterVersion,
     settings: &KarpenterSettings,
     kubeconfig: &Path,
     cluster_endpoint: &str,
     metrics_port: u16,
     health_port: u16,
+    relay: Option<&AwsRelay>,
 ) -> Vec<(String, String)> {
-    let pairs: [(&str, String); 17] = [
+    let mut pairs: Vec<(&str, String)> = vec![
         ("KUBECONFIG", kubeconfig.display().to_string()),
         ("CLUSTER_NAME", settings.cluster_name.clone()),
         // set, so Karpenter does not ask EKS's DescribeCluster for it (operator.ResolveClusterEndpoint)
@@ -159,6 +210,28 @@ pub(crate) fn environment(
         // the SDK's shared config must not be this machine's
         ("AWS_CONFIG_FILE", "/dev/null".into()),
     ];
+    if version == KarpenterVersion::V1_0 {
+        // 1.0 has neither option: it reads the Kubernetes version from the API server, and its
+        // SDK (aws-sdk-go v1) ignores AWS_ENDPOINT_URL; leaving them out keeps its environment
+        // what it reads
+        pairs.retain(|(k, _)| !matches!(*k, "EKS_CONTROL_PLANE" | "AWS_ENDPOINT_URL"));
+        // no conversion webhook server (there is no Service to reach it, and no object here is
+        // converted) and none of the v1beta1 migration controllers that only run beside it
+        // (sigs.k8s.io/karpenter v1.0 pkg/controllers/controllers.go, pkg/operator/operator.go)
+        pairs.push(("DISABLE_WEBHOOK", "true".into()));
+        // 1.0's operator asks knative for its namespace at start (knative.dev/pkg system.Namespace,
+        // sigs.k8s.io/karpenter v1.0 pkg/operator/operator.go) and panics without it; its Helm
+        // chart sets it from the pod's namespace through the downward API
+        pairs.push(("SYSTEM_NAMESPACE", NAMESPACE.into()));
+        if let Some(relay) = relay {
+            pairs.push(("HTTPS_PROXY", relay.proxy_url.clone()));
+            // the API server is on loopback, which Go never proxies; said anyway for readers
+            pairs.push(("NO_PROXY", "127.0.0.1,localhost".into()));
+            // the SDK's own CA setting (aws-sdk-go v1 aws/session reads AWS_CA_BUNDLE and then
+            // trusts only that bundle): set here, it also replaces one this machine exports
+            pairs.push(("AWS_CA_BUNDLE", relay.ca_file.display().to_string()));
+        }
+    }
     pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
@@ -322,6 +395,8 @@ pub struct RealKarpenter {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     registered: Arc<Mutex<Vec<String>>>,
     log: PathBuf,
+    version: KarpenterVersion,
+    _relay: Option<sdk_v1_relay::Relay>,
     _dir: tempfile::TempDir,
 }
 
@@ -335,7 +410,17 @@ impl RealKarpenter {
         settings: KarpenterSettings,
         ec2: aws_sdk_ec2::Client,
     ) -> Result<RealKarpenter, KarpenterError> {
-        let bin = binary()?;
+        Self::start_version(stack, KarpenterVersion::V1_14, settings, ec2).await
+    }
+
+    /// [`RealKarpenter::start`] for a release line of Karpenter.
+    pub async fn start_version(
+        stack: &RealStack,
+        version: KarpenterVersion,
+        settings: KarpenterSettings,
+        ec2: aws_sdk_ec2::Client,
+    ) -> Result<RealKarpenter, KarpenterError> {
+        let bin = binary_for(version)?;
         let admin = stack.admin_client().await?;
         let dir = tempfile::Builder::new().prefix("karpenter-").tempdir().map_err(io("making a temp dir"))?;
         let kubeconfig = dir.path().join("kubeconfig");
@@ -344,8 +429,23 @@ impl RealKarpenter {
             .map_err(io(format!("writing {}", kubeconfig.display())))?;
         create_deployment(&admin, &settings).await?;
 
+        let relay = match version {
+            KarpenterVersion::V1_0 => {
+                Some(sdk_v1_relay::start(dir.path(), &settings.region, &settings.aws_endpoint).await?)
+            }
+            KarpenterVersion::V1_14 => None,
+        };
+        let aws_relay = relay.as_ref().map(|r| AwsRelay { proxy_url: r.proxy_url.clone(), ca_file: r.ca_file.clone() });
         let log = dir.path().join("karpenter.log");
-        let env = environment(&settings, &kubeconfig, &stack.server(), free_port()?, free_port()?);
+        let env = environment(
+            version,
+            &settings,
+            &kubeconfig,
+            &stack.server(),
+            free_port()?,
+            free_port()?,
+            aws_relay.as_ref(),
+        );
         let process = Arc::new(Mutex::new(Process { bin, env, log: log.clone(), child: None, starts: 0 }));
         let registered = Arc::new(Mutex::new(Vec::new()));
         let full = stack.control_plane() == ControlPlane::Full;
@@ -356,7 +456,12 @@ impl RealKarpenter {
         if !full {
             tasks.push(tokio::spawn(mark_unschedulable(admin)));
         }
-        Ok(RealKarpenter { process, tasks, registered, log, _dir: dir })
+        Ok(RealKarpenter { process, tasks, registered, log, version, _relay: relay, _dir: dir })
+    }
+
+    /// The release line running.
+    pub fn version(&self) -> KarpenterVersion {
+        self.version
     }
 
     /// Whether the Karpenter process is running now.
@@ -751,7 +856,9 @@ mod tests {
             aws_endpoint: "http://127.0.0.1:4566".into(),
         };
         let env: BTreeMap<String, String> =
-            environment(&s, Path::new("/k"), "https://127.0.0.1:6443", 1, 2).into_iter().collect();
+            environment(KarpenterVersion::V1_14, &s, Path::new("/k"), "https://127.0.0.1:6443", 1, 2, None)
+                .into_iter()
+                .collect();
         assert_eq!(env["CLUSTER_NAME"], "c1");
         assert_eq!(env["CLUSTER_ENDPOINT"], "https://127.0.0.1:6443");
         assert_eq!(env["ISOLATED_VPC"], "true");
@@ -759,6 +866,28 @@ mod tests {
         assert_eq!(env["AWS_ENDPOINT_URL"], "http://127.0.0.1:4566");
         assert_eq!(env["KUBECONFIG"], "/k");
         assert_eq!((env["METRICS_PORT"].as_str(), env["HEALTH_PROBE_PORT"].as_str()), ("1", "2"));
+        assert!(!env.contains_key("HTTPS_PROXY") && !env.contains_key("DISABLE_WEBHOOK"), "{env:?}");
+    }
+
+    #[test]
+    fn karpenter_1_0_runs_without_its_webhook_and_reaches_aws_through_the_relay() {
+        let s = KarpenterSettings {
+            cluster_name: "c1".into(),
+            region: "us-west-2".into(),
+            aws_endpoint: "http://127.0.0.1:4566".into(),
+        };
+        let relay = AwsRelay { proxy_url: "http://127.0.0.1:9".into(), ca_file: PathBuf::from("/d/relay.crt") };
+        let env: BTreeMap<String, String> =
+            environment(KarpenterVersion::V1_0, &s, Path::new("/k"), "https://127.0.0.1:6443", 1, 2, Some(&relay))
+                .into_iter()
+                .collect();
+        assert_eq!(env["DISABLE_WEBHOOK"], "true");
+        assert_eq!(env["SYSTEM_NAMESPACE"], NAMESPACE);
+        assert_eq!(env["HTTPS_PROXY"], "http://127.0.0.1:9");
+        assert_eq!(env["AWS_CA_BUNDLE"], "/d/relay.crt");
+        assert_eq!(env["CLUSTER_ENDPOINT"], "https://127.0.0.1:6443");
+        assert_eq!(env["ISOLATED_VPC"], "true");
+        assert!(!env.contains_key("EKS_CONTROL_PLANE") && !env.contains_key("AWS_ENDPOINT_URL"), "{env:?}");
     }
 
     #[test]

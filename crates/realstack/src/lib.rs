@@ -164,9 +164,19 @@ pub(crate) enum BuildFailure {
 /// Runs a build script the first time a process asks and remembers the answer in `cell`; the
 /// scripts are no-ops when their binaries are current, so a test binary pays only one check.
 pub(crate) fn build_once(cell: &'static OnceLock<Result<(), BuildFailure>>, script: &Path) -> Result<(), BuildFailure> {
+    build_once_with(cell, script, &[])
+}
+
+/// [`build_once`] with arguments for the script.
+pub(crate) fn build_once_with(
+    cell: &'static OnceLock<Result<(), BuildFailure>>,
+    script: &Path,
+    args: &[&str],
+) -> Result<(), BuildFailure> {
     cell.get_or_init(|| {
         let status = Command::new("bash")
             .arg(script)
+            .args(args)
             .stdout(Stdio::inherit())
             .stderr(Stdio::inherit())
             .status()
