@@ -170,6 +170,11 @@ fn assert_profile_shape(version: KarpenterVersion, cluster: &str, name: &str, pa
     }
 }
 
+/// A number made from `name` (FNV-1a): the same name gives the same number.
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
 /// What another cluster's Karpenter 1.0 left in the same account: a launch template with
 /// Karpenter's name and the other cluster's tag, and a `/`-path instance profile named for the
 /// other cluster. The teardown must leave both. Returns the template's id and the profile's name.
@@ -181,7 +186,9 @@ async fn other_clusters_leftovers(
     let other = format!("{cluster}-other");
     let lt = ec2
         .create_launch_template()
-        .launch_template_name(format!("karpenter.k8s.aws/{}", cluster.len() * 7919))
+        // Karpenter 1.0 names its templates `karpenter.k8s.aws/<hash>`; the hash of this test's own
+        // cluster name, so that tests running side by side in one account name theirs apart
+        .launch_template_name(format!("karpenter.k8s.aws/{}", name_hash(cluster)))
         .launch_template_data(
             aws_sdk_ec2::types::RequestLaunchTemplateData::builder()
                 .instance_type(aws_sdk_ec2::types::InstanceType::M5Large)

@@ -558,6 +558,24 @@ impl RealStack {
         rbac_yaml: &str,
         control_plane: ControlPlane,
     ) -> Result<RealStack, RealStackError> {
+        // A free port is found by binding port 0 and letting it go, so another stack starting at
+        // the same moment (tests run in parallel) can take it before the component binds it: a
+        // component that exits with "address already in use" is started again on new ports (the
+        // stack that failed is dropped first, which kills what it started).
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(context, rbac_yaml, control_plane).await {
+                Err(e) if attempt < 3 && e.to_string().contains("address already in use") => attempt += 1,
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(
+        context: &str,
+        rbac_yaml: &str,
+        control_plane: ControlPlane,
+    ) -> Result<RealStack, RealStackError> {
         let (roles, bindings) = rbac_objects(rbac_yaml)?;
         let bin = binary()?;
         let dir = tempfile::Builder::new().prefix("realstack-").tempdir().map_err(io("making a temp dir"))?;
