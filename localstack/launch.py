@@ -1,4 +1,4 @@
-"""Runs LocalStack on the host with one fix to the EC2 emulator's speed, none to its answers.
+"""Runs LocalStack on the host with two fixes to the EC2 emulator: one to its speed, one to its answers.
 
 moto (LocalStack's EC2 emulator) finds one resource's tags by scanning the tags of every resource
 in the account (`TaggedEC2Resource.get_tags` calls `describe_tags` with a resource-id filter, which
@@ -8,6 +8,15 @@ instances took 6.2 s and a page of 1,000 took 32 s, so a 5,000-node teardown spe
 on the emulator where EC2 answers in about a second. Reading the resource's own tag map gives the
 same list in the same order (describe_tags matches the id exactly: fnmatch patterns are anchored,
 and instance ids hold no wildcard characters), in constant time.
+
+EC2 ANDs every filter of a Describe call, the same filter name given twice included: Karpenter
+asks for its instances with three `tag-key` filters (its NodePool tag, its EC2NodeClass tag, the
+cluster's `kubernetes.io/cluster/<name>`: karpenter-provider-aws `pkg/providers/instance`). moto
+reads the filters into a dict by name, so the last `tag-key` alone counts, and Karpenter 1.0's
+garbage collector then takes any instance of the cluster (a managed node group's) for one of its
+own and terminates it. The filters keep being a dict for moto's lookups by name, but iterating them
+(which is how moto applies them) yields every filter given, so repeated names are ANDed as EC2
+does.
 
 Started by `localstack/up` instead of `python -m localstack.runtime.main`.
 """
@@ -38,6 +47,35 @@ def _patch_tag_lookup() -> None:
     core.TaggedEC2Resource.get_tags = get_tags
 
 
+def _patch_repeated_filters() -> None:
+    try:
+        from moto.ec2.exceptions import EC2ClientError
+        from moto.ec2.responses._base_response import EC2BaseResponse
+    except ImportError as e:  # a different moto: run it as it is
+        print(f"localstack/launch.py: not patching moto's filters ({e})", file=sys.stderr)
+        return
+
+    class Filters(dict):  # type: ignore[type-arg]
+        """By name, the last values given (moto's own reading); iterated, every filter given."""
+
+        def __init__(self, pairs):  # type: ignore[no-untyped-def]
+            super().__init__(pairs)
+            self._pairs = list(pairs)
+
+        def items(self):  # type: ignore[no-untyped-def]
+            return list(self._pairs)
+
+    def filters_from_querystring(self):  # type: ignore[no-untyped-def]
+        given = self._get_param("Filters", []) or self._get_param("Filter", [])
+        try:
+            return Filters([(f["Name"], f.get("Values", [])) for f in given])
+        except KeyError:
+            raise EC2ClientError("InvalidParameterValue", "The filter 'null' is invalid.")
+
+    EC2BaseResponse._filters_from_querystring = filters_from_querystring
+
+
 _patch_tag_lookup()
+_patch_repeated_filters()
 sys.argv = ["localstack.runtime.main"]
 runpy.run_module("localstack.runtime.main", run_name="__main__", alter_sys=True)
