@@ -170,6 +170,27 @@ fn assert_profile_shape(version: KarpenterVersion, cluster: &str, name: &str, pa
     }
 }
 
+/// The instance ids of the NodeClaims that have one; `None` (after a short pause) while the
+/// server still answers 429 for a CRD just installed, whose cache is starting, until `deadline`.
+pub(crate) async fn claimed_instances(claims: &Api<DynamicObject>, deadline: Instant) -> Option<Vec<String>> {
+    let list = match claims.list(&ListParams::default()).await {
+        Ok(list) => list,
+        Err(kube::Error::Api(e)) if e.code == 429 && Instant::now() < deadline => {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            return None;
+        }
+        Err(e) => panic!("listing NodeClaims: {e}"),
+    };
+    Some(
+        list.items
+            .iter()
+            .filter_map(|c| c.data["status"]["providerID"].as_str())
+            .filter_map(|p| p.rsplit('/').next())
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
 /// A number made from `name` (FNV-1a): the same name gives the same number.
 fn name_hash(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
@@ -489,22 +510,9 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "web");
     let deadline = Instant::now() + Duration::from_secs(240);
     let (instances, before) = loop {
-        // a CRD just installed answers 429 while the server's cache of it starts
-        let list = match claims.list(&ListParams::default()).await {
-            Ok(list) => list,
-            Err(kube::Error::Api(e)) if e.code == 429 && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                continue;
-            }
-            Err(e) => panic!("listing NodeClaims: {e}"),
+        let Some(ids) = claimed_instances(&claims, deadline).await else {
+            continue;
         };
-        let ids: Vec<String> = list
-            .items
-            .iter()
-            .filter_map(|c| c.data["status"]["providerID"].as_str())
-            .filter_map(|p| p.rsplit('/').next())
-            .map(str::to_string)
-            .collect();
         let karpenters: Vec<String> = nodes
             .list(&ListParams::default().labels("karpenter.sh/nodepool"))
             .await

@@ -216,22 +216,9 @@ impl Bed {
         let deadline = Instant::now() + PROVISION_DEADLINE;
         let t = Instant::now();
         loop {
-            // a CRD just installed answers 429 while the server's cache of it starts
-            let list = match claim_api.list(&ListParams::default()).await {
-                Ok(list) => list,
-                Err(kube::Error::Api(e)) if e.code == 429 && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    continue;
-                }
-                Err(e) => panic!("listing NodeClaims: {e}"),
+            let Some(ids) = super::karpenter::claimed_instances(&claim_api, deadline).await else {
+                continue;
             };
-            let ids: Vec<String> = list
-                .items
-                .iter()
-                .filter_map(|c| c.data["status"]["providerID"].as_str())
-                .filter_map(|p| p.rsplit('/').next())
-                .map(str::to_string)
-                .collect();
             let ready: Vec<String> = nodes
                 .list(&ListParams::default().labels("karpenter.sh/nodepool"))
                 .await

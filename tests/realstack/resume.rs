@@ -127,22 +127,9 @@ async fn provisioned(prefix: &str, rbac_yaml: &str, pods_wanted: usize) -> Provi
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "web");
     let deadline = Instant::now() + Duration::from_secs(300);
     let instances = loop {
-        // a CRD just installed answers 429 while the server's cache of it starts
-        let list = match claims.list(&ListParams::default()).await {
-            Ok(list) => list,
-            Err(kube::Error::Api(e)) if e.code == 429 && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                continue;
-            }
-            Err(e) => panic!("listing NodeClaims: {e}"),
+        let Some(ids) = super::karpenter::claimed_instances(&claims, deadline).await else {
+            continue;
         };
-        let ids: Vec<String> = list
-            .items
-            .iter()
-            .filter_map(|c| c.data["status"]["providerID"].as_str())
-            .filter_map(|p| p.rsplit('/').next())
-            .map(str::to_string)
-            .collect();
         let karpenters: Vec<String> = nodes
             .list(&ListParams::default().labels("karpenter.sh/nodepool"))
             .await
