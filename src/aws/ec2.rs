@@ -294,7 +294,9 @@ impl Ec2 {
                         match self.terminate_call(std::slice::from_ref(id)).await {
                             Ok(accepted) => outcome.accepted.extend(accepted),
                             Err(e) if e.code().is_some_and(is_not_found) => outcome.not_found.push(id.clone()),
-                            Err(e) if e.is_configuration() => return Err(e),
+                            // throttled one id at a time: the ids sent so far are terminating,
+                            // and asking again for them is harmless, so the caller tries again later
+                            Err(e) if e.is_configuration() || e.is_transient() => return Err(e),
                             Err(e) => outcome.failed.push((id.clone(), e.to_string())),
                         }
                     }

@@ -7,6 +7,7 @@
 pub(crate) mod calls;
 pub mod ec2;
 pub(crate) mod iam;
+pub(crate) mod pacing;
 
 use aws_config::{BehaviorVersion, Region, retry::RetryConfig};
 use aws_credential_types::provider::ProvideCredentials;
@@ -75,22 +76,25 @@ impl AwsError {
     /// request's fault and fails the same way every time, so it is never retried.
     pub(crate) fn is_transient(&self) -> bool {
         match self {
-            AwsError::Api { code, .. } => matches!(
-                code.as_str(),
-                "RequestLimitExceeded"
-                    | "Throttling"
-                    | "ThrottlingException"
-                    | "RequestThrottled"
-                    | "InternalError"
-                    | "InternalFailure"
-                    | "ServiceUnavailable"
-                    | "Unavailable"
-                    | "ServiceFailure"
-            ),
+            AwsError::Api { code, .. } => {
+                self.is_throttling()
+                    || matches!(
+                        code.as_str(),
+                        "InternalError" | "InternalFailure" | "ServiceUnavailable" | "Unavailable" | "ServiceFailure"
+                    )
+            }
             // a timeout or a dropped connection mid-run (the endpoint answered before)
             AwsError::Unreachable { detail, .. } => detail == "timed out",
             AwsError::NoCredentials(_) | AwsError::WrongAccount { .. } => false,
         }
+    }
+
+    /// True when AWS refused the call for its rate (EC2's `RequestLimitExceeded`, IAM's and STS's
+    /// `Throttling`).
+    pub(crate) fn is_throttling(&self) -> bool {
+        self.code().is_some_and(|c| {
+            matches!(c, "RequestLimitExceeded" | "Throttling" | "ThrottlingException" | "RequestThrottled")
+        })
     }
 
     /// The AWS error code, when the call reached AWS.

@@ -483,8 +483,13 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     }
     let mut what = Vec::new();
     if let Some(p) = &provider {
-        if let Err(e) = ctx.ec2.terminate(&p.instance_id).await {
-            return Ok(batch_failure(format!("terminate instance {}: {e}", p.instance_id), &e));
+        // the call may wait its turn for EC2's termination bucket (minutes at thousands of
+        // machines), so an interrupt must not wait for it
+        tokio::select! {
+            _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
+            r = ctx.ec2.terminate(&p.instance_id) => if let Err(e) = r {
+                return Ok(batch_failure(format!("terminate instance {}: {e}", p.instance_id), &e));
+            },
         }
         let limit = params.deadline.unwrap_or(Duration::from_secs(600));
         tokio::select! {

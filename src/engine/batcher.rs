@@ -1,16 +1,18 @@
 //! EC2 batching for per-machine tasks: terminations are gathered into `TerminateInstances` calls
-//! of up to 500 ids, and one `DescribeInstances` per round answers every task waiting for its
+//! of up to 500 ids, each as large as EC2's termination bucket holds at the time (`aws::pacing`),
+//! and one `DescribeInstances` per round answers every task waiting for its
 //! instance to reach `terminated` (design §5), instead of one call per machine. Before a batch is
 //! terminated, one `DescribeInstances` reads each instance's own tags and operator: whatever the
 //! Kubernetes objects said, an instance that is not this cluster's self-managed Karpenter's (EKS
 //! Auto Mode's, another cluster's, untagged) is refused and left running.
 
-use std::collections::HashMap;
-use std::time::Duration;
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
 use crate::aws::ec2::TERMINATE_BATCH;
+use crate::aws::pacing::{Pace, TerminatePacer};
 use crate::aws::{AwsError, Ec2, InstanceInfo, InstanceState};
 
 /// Why a batched call failed for one instance.
@@ -79,61 +81,47 @@ impl Ec2Batcher {
 
 async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
     let mut waiting: HashMap<String, Vec<Reply>> = HashMap::new();
+    // terminations asked for and not yet sent, oldest first
+    let mut queued: VecDeque<Asked> = VecDeque::new();
+    let mut pacer = TerminatePacer::new(Instant::now());
+    let mut next_poll = Instant::now();
     loop {
-        let first = if waiting.is_empty() {
-            match rx.recv().await {
+        // Sleep until a request arrives, the bucket holds enough for the queued terminations, or
+        // the instances shutting down are due to be asked about again.
+        let bucket_ready = match pacer.next(queued.len(), TERMINATE_BATCH, Instant::now()) {
+            _ if queued.is_empty() => None,
+            Pace::Now(_) => Some(Instant::now()),
+            Pace::After(d) => Some(Instant::now() + d),
+        };
+        let poll_due = (!waiting.is_empty()).then_some(next_poll);
+        let wake = [bucket_ready, poll_due].into_iter().flatten().min();
+        let first = match wake {
+            None => match rx.recv().await {
                 Some(r) => Some(r),
                 None => return,
-            }
-        } else {
-            tokio::time::timeout(POLL, rx.recv()).await.unwrap_or_default()
-        };
-        let mut terminate: Vec<(String, Reply)> = Vec::new();
-        let mut take = |r: Request, waiting: &mut HashMap<_, Vec<_>>| match r {
-            Request::Terminate(id, tx) => terminate.push((id, tx)),
-            Request::WaitGone(id, tx) => waiting.entry(id).or_default().push(tx),
+            },
+            Some(at) => match tokio::time::timeout_at(at.into(), rx.recv()).await {
+                Ok(Some(r)) => Some(r),
+                // every handle is gone: nobody is left to answer
+                Ok(None) => return,
+                Err(_) => None,
+            },
         };
         if let Some(r) = first {
-            take(r, &mut waiting);
+            take(r, &mut queued, &mut waiting);
             let deadline = tokio::time::Instant::now() + GATHER;
             while let Ok(Some(r)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-                take(r, &mut waiting);
+                take(r, &mut queued, &mut waiting);
             }
         }
-        while !terminate.is_empty() {
-            let rest = terminate.split_off(terminate.len().min(TERMINATE_BATCH));
-            let batch = std::mem::replace(&mut terminate, rest);
-            let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
-            let found = match ec2.instances_by_id(&ids).await {
-                Ok(found) => found,
-                Err(e) => {
-                    for (_, tx) in batch {
-                        let _ = tx.send(Err(BatchError::from(&e)));
-                    }
-                    continue;
-                }
-            };
-            let (batch, refused) = split_ours(batch, &found, &cluster);
-            for (tx, err) in refused {
-                let _ = tx.send(Err(err));
-            }
-            if batch.is_empty() {
-                continue;
-            }
-            let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
-            let result = ec2.terminate(&ids).await;
-            for (id, tx) in batch {
-                let r = match &result {
-                    Ok(out) => match out.failed.iter().find(|(f, _)| *f == id) {
-                        Some((_, e)) => Err(BatchError { message: e.clone(), transient: false }),
-                        None => Ok(()),
-                    },
-                    Err(e) => Err(BatchError::from(e)),
-                };
-                let _ = tx.send(r);
-            }
+        while let Pace::Now(n) = pacer.next(queued.len(), TERMINATE_BATCH, Instant::now())
+            && n > 0
+        {
+            let batch: Vec<Asked> = queued.drain(..n).collect();
+            terminate_batch(&ec2, &cluster, &mut pacer, batch).await;
         }
-        if !waiting.is_empty() {
+        if !waiting.is_empty() && Instant::now() >= next_poll {
+            next_poll = Instant::now() + POLL;
             let ids: Vec<String> = waiting.keys().cloned().collect();
             match ec2.instances_by_id(&ids).await {
                 Ok(found) => {
@@ -152,6 +140,54 @@ async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
                 Err(e) => fail_unless_transient(&mut waiting, &e),
             }
         }
+    }
+}
+
+fn take(r: Request, queued: &mut VecDeque<Asked>, waiting: &mut HashMap<String, Vec<Reply>>) {
+    match r {
+        Request::Terminate(id, tx) => queued.push_back((id, tx)),
+        Request::WaitGone(id, tx) => waiting.entry(id).or_default().push(tx),
+    }
+}
+
+/// Reads the batch's instances, refuses those that are not this cluster's Karpenter's, and
+/// terminates the rest in one call, answering every asker.
+async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, batch: Vec<Asked>) {
+    let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+    let found = match ec2.instances_by_id(&ids).await {
+        Ok(found) => found,
+        Err(e) => {
+            for (_, tx) in batch {
+                let _ = tx.send(Err(BatchError::from(&e)));
+            }
+            return;
+        }
+    };
+    let (batch, refused) = split_ours(batch, &found, cluster);
+    for (tx, err) in refused {
+        let _ = tx.send(Err(err));
+    }
+    if batch.is_empty() {
+        return;
+    }
+    let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+    let result = ec2.terminate(&ids).await;
+    match &result {
+        Ok(_) => pacer.spent(ids.len(), Instant::now()),
+        // The SDK already retried the throttled call; the askers try again later (their tasks
+        // retry), and meanwhile the model starts from empty.
+        Err(e) if e.is_throttling() => pacer.refused(Instant::now()),
+        Err(_) => {}
+    }
+    for (id, tx) in batch {
+        let r = match &result {
+            Ok(out) => match out.failed.iter().find(|(f, _)| *f == id) {
+                Some((_, e)) => Err(BatchError { message: e.clone(), transient: false }),
+                None => Ok(()),
+            },
+            Err(e) => Err(BatchError::from(e)),
+        };
+        let _ = tx.send(r);
     }
 }
 

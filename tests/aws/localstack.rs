@@ -7,7 +7,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use karpenter_teardown::aws::InstanceState;
 use karpenter_teardown::aws::ec2::InstanceScope;
+use karpenter_teardown::engine::batcher::Ec2Batcher;
 use karpenter_teardown::{karpenter, verify};
+use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
 
 const REGION: &str = "us-west-2";
 
@@ -436,5 +438,54 @@ async fn the_ec2_proxy_shows_terminations_as_ec2_would_and_filters_on_that_state
     tokio::time::sleep(std::time::Duration::from_millis(2000)).await;
     assert_eq!(state(&tool).await, Some(InstanceState::Terminated));
     assert!(tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().is_empty());
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminations_asked_for_at_once_are_paced_to_ec2s_instance_bucket_and_never_refused() {
+    // EC2 lets 1,000 instances go at once and 20 a second after that, and refuses as a whole a
+    // call for more than its bucket holds. 1,400 terminations asked for at once: the batcher
+    // sends what the bucket holds, so EC2 refuses none, where batches of 500 met refusals and
+    // the SDK's backoff. The proxy is this test's own, so its bucket is full at the start.
+    let cloud = common::cloud(REGION).await;
+    let proxy = Ec2Proxy::start(common::LOCALSTACK, ProxyFaults::default()).await.unwrap();
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .region(aws_config::Region::new(REGION))
+        .endpoint_url(proxy.url())
+        .credentials_provider(aws_credential_types::Credentials::new("test", "test", None, None, "tests"))
+        // the tool's own retry settings (aws::AwsClients::connect)
+        .retry_config(aws_config::retry::RetryConfig::standard().with_max_attempts(8))
+        .load()
+        .await;
+    let tool = karpenter_teardown::aws::AwsClients::from_config(&config).await.unwrap();
+    let cluster = common::unique_cluster("paced");
+    let ours = cloud
+        .launch_tagged("ami-12c6146b", "m5.large", None, 1400, &karpenter_tags(&cluster, "general"))
+        .await
+        .unwrap();
+    assert_eq!(ours.len(), 1400);
+
+    let (batcher, work) = Ec2Batcher::start(tool.ec2.clone(), cluster.clone());
+    let worker = tokio::spawn(work);
+    let asks = ours.iter().map(|i| {
+        let (batcher, id) = (batcher.clone(), i.id.clone());
+        async move { batcher.terminate(&id).await.map_err(|e| format!("{id}: {e}")) }
+    });
+    let failed: Vec<String> = futures::future::join_all(asks).await.into_iter().filter_map(Result::err).collect();
+    assert!(failed.is_empty(), "{failed:?}");
+
+    let counts = proxy.counts();
+    assert_eq!(counts.over_budget, 0, "EC2 refused terminations the bucket could not hold: {counts:?}");
+    let calls = proxy.actions().get("TerminateInstances").copied().unwrap_or(0);
+    // two full calls of 500, then the other 400 at the refill's pace
+    assert!(calls >= 3, "{calls} TerminateInstances calls for 1,400 instances");
+    let ids: Vec<String> = ours.iter().map(|i| i.id.clone()).collect();
+    let after = tool.ec2.instances_by_id(&ids).await.unwrap();
+    assert_eq!(after.len(), 1400);
+    assert!(
+        after.iter().all(|i| matches!(i.state, InstanceState::ShuttingDown | InstanceState::Terminated)),
+        "{after:?}"
+    );
+    worker.abort();
     proxy.shutdown().await;
 }
