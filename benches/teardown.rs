@@ -13,7 +13,8 @@
 //!
 //! `--bed real` runs the same contenders on a real control plane instead (`realstack`: etcd,
 //! kube-apiserver, kube-controller-manager, kube-scheduler and kwok, fresh for each run), with the
-//! world generated there and the simulated Karpenter against the real kube-apiserver.
+//! world generated there and the simulated Karpenter against the real kube-apiserver. kwok ends a
+//! deleted pod when its grace period is over, in real seconds: use `--time-scale 1.0` there.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,7 +30,7 @@ use karpenter_teardown::k8s::{self, Kube};
 use kube::Client;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use realstack::RealStack;
+use realstack::{PodExit, RealStack};
 use sandbox_apiserver::{ApiServer, ServerOptions};
 use sandbox_sim::cloud::Cloud;
 use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
@@ -319,7 +320,9 @@ async fn start_bed(
         Bed::Real => {
             let rbac = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml"))
                 .context("reading deploy/rbac.yaml")?;
-            let stack = RealStack::start_full(&s.cluster, &rbac).await?;
+            // kwok ends a deleted pod when its grace period is over, as a kubelet ends a container
+            // that ignores SIGTERM, so the real bed has the sandbox's critical path
+            let stack = RealStack::start_full_with(&s.cluster, &rbac, PodExit::AfterGracePeriod).await?;
             let admin = stack.admin_client().await?;
             let schema = realstack::metrics::counting_flow_schema(COUNTING_FLOW_SCHEMA, realstack::TOOL_GROUP)?;
             Api::<FlowSchema>::all(admin.clone()).create(&PostParams::default(), &schema).await?;
@@ -405,11 +408,9 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
         }
     };
     let generate_s = t.elapsed().as_secs_f64();
-    let (critical_s, pods) = critical_path(&client, &world, args.time_scale).await?;
-    // kwok's default pod stages delete a pod as soon as it has a deletionTimestamp (sigs.k8s.io/kwok
-    // kustomize/stage/pod/fast/pod-delete.yaml, the stages cmd/kwok loads without a config): no
-    // grace period is waited for on the real bed
-    let critical_s = if args.bed == Bed::Real { 0.0 } else { critical_s };
+    // kube-apiserver does not scale time: on the real bed a grace period is its seconds
+    let grace_scale = if args.bed == Bed::Real { 1.0 } else { args.time_scale };
+    let (critical_s, pods) = critical_path(&client, &world, grace_scale).await?;
 
     // The simulated Karpenter gets its own clients so its requests can be told apart.
     let sim_kube = Kube::from_config(sim_config, None)?;
@@ -923,9 +924,9 @@ fn render(args: &Args, bin: &Path, rows: &[Measured]) -> String {
              run): k8s requests are kube-apiserver's own count of the tool's identity's requests \
              (`apiserver_flowcontrol_dispatched_requests_total` under a FlowSchema that matches that identity's \
              group only, read from /metrics before and after the run; the simulated Karpenter acts as an admin, \
-             counted apart under `exempt`); requests by verb are the tool's own count from its report. The \
-             critical path is 0: kwok deletes a pod as soon as it has a deletionTimestamp, so no grace period \
-             is waited for.\n",
+             counted apart under `exempt`); requests by verb are the tool's own count from its report. kwok \
+             deletes a pod at its deletionTimestamp, when its grace period is over, and grace periods are \
+             real seconds whatever the time scale, so the critical path is the longest of them unscaled.\n",
         );
     }
     out.push_str("\nCPU seconds of the bed's processes, while the world was generated / during the run:\n\n");

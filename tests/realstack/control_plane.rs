@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::Client;
 use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams, PostParams};
-use realstack::RealStack;
+use realstack::{PodExit, RealStack};
 use serde_json::json;
 
 pub(crate) async fn full_stack(context: &str) -> RealStack {
@@ -43,6 +43,11 @@ async fn create_namespace(client: &Client, name: &str) {
 
 /// A Deployment of `replicas` pods of app `name`, held to the nodes of `group`.
 async fn create_deployment(client: &Client, ns: &str, name: &str, group: &str, replicas: i32) {
+    create_deployment_with_grace(client, ns, name, group, replicas, 1).await
+}
+
+/// [`create_deployment`] with pods of `grace` seconds' termination grace period.
+async fn create_deployment_with_grace(client: &Client, ns: &str, name: &str, group: &str, replicas: i32, grace: i64) {
     let api: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(client.clone(), ns);
     let labels = json!({"app": name});
     let d = serde_json::from_value(json!({
@@ -51,7 +56,7 @@ async fn create_deployment(client: &Client, ns: &str, name: &str, group: &str, r
         "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
             "template": {"metadata": {"labels": labels}, "spec": {
                 "nodeSelector": {"group": group},
-                "terminationGracePeriodSeconds": 1,
+                "terminationGracePeriodSeconds": grace,
                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10",
                     "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]}}},
     }))
@@ -130,6 +135,31 @@ async fn a_deployment_is_scheduled_onto_kwok_nodes_and_its_pods_run() {
         let ready = node.status.and_then(|s| s.conditions).unwrap_or_default();
         assert!(ready.iter().any(|c| c.type_ == "Ready" && c.status == "True"), "{n}: {ready:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_graceful_pod_exit_an_evicted_pod_goes_when_its_grace_period_is_over_and_not_before() {
+    let s = RealStack::start_full_with("realstack-grace", &super::shipped_rbac_yaml(), PodExit::AfterGracePeriod)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let admin = s.admin_client().await.unwrap();
+    create_nodes(&admin, "grace", 1, 4).await;
+    create_namespace(&admin, "grace").await;
+    create_deployment_with_grace(&admin, "grace", "slow", "grace", 1, 8).await;
+    let running = running_pods(&admin, "grace", "slow", 1, &s).await;
+    let name = running[0].metadata.name.clone().unwrap();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "grace");
+    pods.evict(&name, &EvictParams::default()).await.unwrap();
+    let asked = Instant::now();
+    while pods.get_opt(&name).await.unwrap().is_some() {
+        assert!(asked.elapsed() < Duration::from_secs(60), "kwok never deleted {name}:\n{}", s.log_tail("kwok"));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // the deletionTimestamp is kept to the second, so the pod may go up to a second early
+    let took = asked.elapsed();
+    assert!(took >= Duration::from_secs(7), "{name} deleted {took:?} after its eviction, inside its 8 s grace period");
+    // kwok still runs pods: the ReplicaSet's replacement
+    running_pods(&admin, "grace", "slow", 1, &s).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

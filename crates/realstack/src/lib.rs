@@ -64,6 +64,14 @@ pub enum RealStackError {
         /// What openssl printed.
         stderr: String,
     },
+    /// kwok's pod stages could not be read from Go's module cache.
+    #[error(
+        "cannot read kwok's pod stages from Go's module cache: {reason}; the test bed needs Go and its module proxy (or GOMODCACHE holding sigs.k8s.io/kwok v0.7.0, which crates/realstack/build-real downloads)"
+    )]
+    KwokStages {
+        /// What went wrong.
+        reason: String,
+    },
     /// A component exited while the stack was starting.
     #[error("{component} exited while starting ({status}); the end of its log:\n{log}")]
     Exited {
@@ -332,8 +340,8 @@ impl Layout {
     }
 
     /// kwok as kwokctl starts it (sigs.k8s.io/kwok pkg/kwokctl/components/kwok_controller.go):
-    /// every node managed, node leases of 40 s (kwok's default), its default node and pod stages
-    /// (no `--config`, no Stage CRD), and its server on loopback for `/healthz`.
+    /// every node managed, node leases of 40 s (kwok's default), the stages of the stack's own
+    /// `kwok.yaml` ([`kwok_config`]; no Stage CRD), and its server on loopback for `/healthz`.
     pub(crate) fn kwok_args(&self) -> Vec<String> {
         vec![
             format!("--kubeconfig={}", self.file("admin.kubeconfig").display()),
@@ -356,6 +364,74 @@ pub enum ControlPlane {
     /// Also kube-controller-manager, kube-scheduler and kwok: workloads get pods, pods get nodes
     /// and run, PodDisruptionBudgets get a status.
     Full,
+}
+
+/// How kwok ends a pod that is being deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PodExit {
+    /// At once, whatever its grace period: kwok's default stages (sigs.k8s.io/kwok
+    /// `kustomize/stage/pod/fast`, what it loads without a configuration).
+    #[default]
+    AtOnce,
+    /// When its grace period is over, at the `deletionTimestamp` kube-apiserver set to the time of
+    /// the delete plus the grace period, as a kubelet ends a container that ignores SIGTERM: the
+    /// slowest pod of a node decides when its drain ends, as on a real cluster. kwok's own stages
+    /// make pods ready and complete them; the deletion stage is [`GRACEFUL_POD_DELETE`].
+    AfterGracePeriod,
+}
+
+/// kwok's module, whose pod stages [`PodExit::AfterGracePeriod`] loads from Go's module cache:
+/// the version `kwok/go.mod` builds, and its `go.sum` hash.
+pub(crate) const KWOK_MODULE: (&str, &str, &str) =
+    ("sigs.k8s.io/kwok", "v0.7.0", "h1:+eGsNOIPapjsSzeZlOEcwbpyEVa2Vqlcafa0qIjaKV4=");
+
+/// The deletion stage of [`PodExit::AfterGracePeriod`]: kwok's fast `pod-delete` (finalizers
+/// emptied, the pod deleted), delayed until the pod's `deletionTimestamp` (kwok reads an RFC 3339
+/// time in `durationFrom` as the time left until it: pkg/utils/lifecycle/value_duration_from.go).
+pub const GRACEFUL_POD_DELETE: &str = "apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-delete-after-grace-period
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'Exists'
+  delay:
+    durationMilliseconds: 0
+    durationFrom:
+      expressionFrom: '.metadata.deletionTimestamp'
+  next:
+    finalizers:
+      empty: true
+    delete: true
+";
+
+/// kwok's configuration for `pod_exit`: empty for its defaults, else its fast `pod-ready` and
+/// `pod-complete` stages from Go's module cache and [`GRACEFUL_POD_DELETE`]. kwok uses the pod
+/// stages of its configuration instead of all of its defaults, so all three are given; its node
+/// stages stay its defaults.
+pub(crate) fn kwok_config(pod_exit: PodExit) -> Result<String, RealStackError> {
+    match pod_exit {
+        PodExit::AtOnce => Ok(String::new()),
+        PodExit::AfterGracePeriod => {
+            let (module, version, sum) = KWOK_MODULE;
+            let dir = sandbox_sim::karpenter_crds::go_module_dir(module, version, sum)
+                .map_err(|reason| RealStackError::KwokStages { reason })?;
+            let mut docs = Vec::new();
+            for stage in ["pod-ready", "pod-complete"] {
+                let path = dir.join(format!("kustomize/stage/pod/fast/{stage}.yaml"));
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| RealStackError::KwokStages { reason: format!("{}: {e}", path.display()) })?;
+                docs.push(text);
+            }
+            docs.push(GRACEFUL_POD_DELETE.to_string());
+            Ok(docs.join("\n---\n"))
+        }
+    }
 }
 
 /// The static token file: an admin in `system:masters`, the tool's identity in [`TOOL_GROUP`]
@@ -552,11 +628,29 @@ impl RealStack {
         Self::start_with(context, rbac_yaml, ControlPlane::Full).await
     }
 
+    /// [`RealStack::start_full`] with kwok ending deleted pods as `pod_exit` says.
+    pub async fn start_full_with(
+        context: &str,
+        rbac_yaml: &str,
+        pod_exit: PodExit,
+    ) -> Result<RealStack, RealStackError> {
+        Self::start_as(context, rbac_yaml, ControlPlane::Full, pod_exit).await
+    }
+
     /// Starts the stack `control_plane` names.
     pub async fn start_with(
         context: &str,
         rbac_yaml: &str,
         control_plane: ControlPlane,
+    ) -> Result<RealStack, RealStackError> {
+        Self::start_as(context, rbac_yaml, control_plane, PodExit::AtOnce).await
+    }
+
+    async fn start_as(
+        context: &str,
+        rbac_yaml: &str,
+        control_plane: ControlPlane,
+        pod_exit: PodExit,
     ) -> Result<RealStack, RealStackError> {
         // A free port is found by binding port 0 and letting it go, so another stack starting at
         // the same moment (tests run in parallel) can take it before the component binds it: a
@@ -564,7 +658,7 @@ impl RealStack {
         // stack that failed is dropped first, which kills what it started).
         let mut attempt = 1;
         loop {
-            match Self::start_once(context, rbac_yaml, control_plane).await {
+            match Self::start_once(context, rbac_yaml, control_plane, pod_exit).await {
                 Err(e) if attempt < 3 && e.to_string().contains("address already in use") => attempt += 1,
                 other => return other,
             }
@@ -575,6 +669,7 @@ impl RealStack {
         context: &str,
         rbac_yaml: &str,
         control_plane: ControlPlane,
+        pod_exit: PodExit,
     ) -> Result<RealStack, RealStackError> {
         let (roles, bindings) = rbac_objects(rbac_yaml)?;
         let bin = binary()?;
@@ -606,9 +701,9 @@ impl RealStack {
             let text = kubeconfig(context, &layout.server(), &ca, user, token).to_string();
             std::fs::write(&path, text).map_err(io(format!("writing {}", path.display())))?;
         }
-        // kwok reads ~/.kwok/kwok.yaml unless told otherwise: an empty configuration keeps the
-        // user's own out and leaves kwok its defaults
-        std::fs::write(layout.file("kwok.yaml"), "").map_err(io("writing kwok.yaml"))?;
+        // kwok reads ~/.kwok/kwok.yaml unless told otherwise: a configuration of the stack's own
+        // keeps the user's out (empty, it leaves kwok its defaults)
+        std::fs::write(layout.file("kwok.yaml"), kwok_config(pod_exit)?).map_err(io("writing kwok.yaml"))?;
 
         let mut stack =
             RealStack { layout, children: Vec::new(), admin_kubeconfig, tool_kubeconfig, control_plane, _dir: dir };
@@ -820,6 +915,29 @@ mod tests {
         let go_mod = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/go/go.mod")).unwrap();
         let pinned = go_mod.lines().find_map(|l| l.trim().strip_prefix("k8s.io/kubernetes ")).unwrap();
         assert_eq!(pinned.trim(), KUBERNETES_VERSION);
+    }
+
+    #[test]
+    fn kwoks_stages_come_from_the_module_kwok_is_built_from() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/kwok");
+        let go_mod = std::fs::read_to_string(format!("{dir}/go.mod")).unwrap();
+        let (module, version, sum) = KWOK_MODULE;
+        assert!(go_mod.lines().any(|l| l.trim() == format!("{module} {version}")), "{go_mod}");
+        let go_sum = std::fs::read_to_string(format!("{dir}/go.sum")).unwrap();
+        assert!(go_sum.lines().any(|l| l == format!("{module} {version} {sum}")));
+    }
+
+    #[test]
+    fn a_graceful_pod_is_deleted_at_its_deletion_timestamp_and_no_sooner() {
+        assert_eq!(kwok_config(PodExit::AtOnce).unwrap(), "", "kwok's defaults");
+        let stage: serde_json::Value = serde_saphyr::from_str(GRACEFUL_POD_DELETE).unwrap();
+        let spec = &stage["spec"];
+        assert_eq!(spec["resourceRef"]["kind"], "Pod");
+        assert_eq!(spec["delay"]["durationFrom"]["expressionFrom"], ".metadata.deletionTimestamp");
+        assert_eq!(spec["next"]["delete"], true);
+        let keys: Vec<&str> =
+            spec["selector"]["matchExpressions"].as_array().unwrap().iter().filter_map(|e| e["key"].as_str()).collect();
+        assert_eq!(keys, [".metadata.deletionTimestamp"]);
     }
 
     #[test]

@@ -212,7 +212,7 @@ pub fn release_files(version: KarpenterVersion) -> Result<ReleaseFiles, ReleaseF
 
 /// The directory of `module@version` in Go's module cache, downloaded first if need be, once its
 /// `go.sum` hash is `sum`: the message of what went wrong otherwise.
-pub(crate) fn go_module_dir(module: &str, version: &str, sum: &str) -> Result<PathBuf, String> {
+pub fn go_module_dir(module: &str, version: &str, sum: &str) -> Result<PathBuf, String> {
     let out = Command::new(std::env::var_os("GO").unwrap_or_else(|| "go".into()))
         .args(["mod", "download", "-json", &format!("{module}@{version}")])
         // outside any module, so no go.mod of the caller's decides what is downloaded, and with
