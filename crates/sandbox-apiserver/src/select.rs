@@ -184,6 +184,11 @@ impl FieldSelector {
         self.matches_with(|k| Self::field_text(obj, k))
     }
 
+    /// The value `field` must equal for an object to match, when the selector requires one.
+    pub fn required(&self, field: &str) -> Option<&str> {
+        self.0.iter().find(|(k, eq, _)| *eq && k == field).map(|(_, _, v)| v.as_str())
+    }
+
     /// Whether the fields read through `get` (as text, absent as empty) match.
     pub fn matches_with(&self, mut get: impl FnMut(&str) -> String) -> bool {
         self.0.iter().all(|(k, eq, v)| (get(k) == *v) == *eq)

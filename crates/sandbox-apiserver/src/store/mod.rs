@@ -222,10 +222,18 @@ pub struct ObjectList {
 
 type Bucket = BTreeMap<(Arc<str>, Arc<str>), Stored>;
 
+fn is_pods(gr: &GroupResource) -> bool {
+    gr.group.is_empty() && gr.resource == "pods"
+}
+
 pub(crate) struct Inner {
     pub(crate) rv: u64,
     pub(crate) registry: Registry,
     objects: HashMap<GroupResource, Bucket>,
+    /// The keys of the pods bound to each node, as kube-apiserver's watch cache indexes pods by
+    /// `spec.nodeName` (k8s.io/kubernetes pkg/registry/core/pod/storage/storage.go, `Indexers`):
+    /// a list of one node's pods reads those, not every pod of the cluster under the store's lock.
+    pods_by_node: HashMap<Arc<str>, BTreeSet<(Arc<str>, Arc<str>)>>,
     uids: HashMap<Arc<str>, ObjectKey>,
     dependents: HashMap<String, BTreeSet<ObjectKey>>,
     history: VecDeque<HistoryEntry>,
@@ -347,6 +355,7 @@ impl Store {
             rv: 1,
             registry: Registry::new(),
             objects: HashMap::new(),
+            pods_by_node: HashMap::new(),
             uids: HashMap::new(),
             dependents: HashMap::new(),
             history: VecDeque::new(),
@@ -554,13 +563,40 @@ impl Inner {
         let ids = Ids { name: Some(key.name.clone()), uid };
         let stored = Stored::new(&obj, json.clone(), key.gr == crd_gr(), &mut self.interner, ids);
         self.emit(ty, key.clone(), json, old_json);
+        if is_pods(&key.gr) {
+            let before = self.stored(&key.gr, &key.namespace, &key.name).map(|s| s.summary().node_name.clone());
+            self.index_pod(&key, before.as_ref(), Some(&stored.summary().node_name));
+        }
         self.objects.entry(key.gr).or_default().insert((key.namespace, key.name), stored);
         obj
+    }
+
+    /// Moves a pod's key in [`Inner::pods_by_node`] from the node it was bound to (if any) to the
+    /// one it is bound to now (if any); unbound pods are not indexed.
+    fn index_pod(&mut self, key: &ObjectKey, from: Option<&Arc<str>>, to: Option<&Arc<str>>) {
+        if from == to {
+            return;
+        }
+        let entry = (key.namespace.clone(), key.name.clone());
+        if let Some(node) = from.filter(|n| !n.is_empty())
+            && let Some(set) = self.pods_by_node.get_mut(node)
+        {
+            set.remove(&entry);
+            if set.is_empty() {
+                self.pods_by_node.remove(node);
+            }
+        }
+        if let Some(node) = to.filter(|n| !n.is_empty()) {
+            self.pods_by_node.entry(node.clone()).or_default().insert(entry);
+        }
     }
 
     /// Removes an object for good.
     fn remove(&mut self, key: &ObjectKey) -> Option<Value> {
         let old = self.objects.get_mut(&key.gr)?.remove(&(key.namespace.clone(), key.name.clone()))?;
+        if is_pods(&key.gr) {
+            self.index_pod(key, Some(&old.summary().node_name), None);
+        }
         self.rv += 1;
         let mut last = Arc::unwrap_or_clone(old.value());
         last["metadata"]["resourceVersion"] = json!(self.rv.to_string());
@@ -610,8 +646,21 @@ impl Inner {
         let mut next = None;
         let mut remaining = 0usize;
         let mut last: Option<(&str, &str)> = None;
+        // one node's pods: only the keys indexed under it (the filters below still decide)
+        let node =
+            opts.fields.as_ref().and_then(|f| f.required("spec.nodeName")).filter(|n| is_pods(gr) && !n.is_empty());
         if let Some(bucket) = self.objects.get(gr) {
-            for ((kns, kname), obj) in bucket.range((start, Bound::Unbounded)) {
+            let candidates: Box<dyn Iterator<Item = (&(Arc<str>, Arc<str>), &Stored)>> = match node {
+                Some(node) => Box::new(
+                    self.pods_by_node
+                        .get(node)
+                        .into_iter()
+                        .flat_map(move |keys| keys.range((start.clone(), Bound::Unbounded)))
+                        .filter_map(|k| bucket.get_key_value(k)),
+                ),
+                None => Box::new(bucket.range((start, Bound::Unbounded))),
+            };
+            for ((kns, kname), obj) in candidates {
                 if ns.is_some_and(|n| n != &**kns) {
                     break;
                 }
@@ -695,5 +744,106 @@ mod tests {
 
     pub(super) fn cm(name: &str, data: &str) -> Value {
         json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"v": data}})
+    }
+
+    fn pod(name: &str, node: Option<&str>) -> Value {
+        let mut spec = json!({"containers": [{"name": "c", "image": "busybox"}]});
+        if let Some(n) = node {
+            spec["nodeName"] = json!(n);
+        }
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec})
+    }
+
+    fn names(list: &ObjectList) -> Vec<String> {
+        list.items
+            .iter()
+            .map(|o| {
+                format!(
+                    "{}/{}",
+                    o.value()["metadata"]["namespace"].as_str().unwrap(),
+                    o.value()["metadata"]["name"].as_str().unwrap()
+                )
+            })
+            .collect()
+    }
+
+    /// A list of one node's pods reads the node index; it must answer exactly what a scan of
+    /// every pod answers, page by page, as pods are created, bound, and deleted.
+    #[test]
+    fn a_list_of_one_nodes_pods_answers_what_a_scan_of_every_pod_does() {
+        let store = Store::new(1024, 1);
+        let gr = GroupResource::new("", "pods");
+        let info = Registry::new().get("", "pods").unwrap().clone();
+        let opts = WriteOptions::manager("t");
+        for ns in ["a", "b"] {
+            let namespace = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
+            store.create(&GroupResource::new("", "namespaces"), "", namespace, &opts).unwrap();
+        }
+        for i in 0..30 {
+            let node = ["n0", "n1", "n2"].get(i % 4).copied();
+            store.create(&gr, ["a", "b"][i % 2], pod(&format!("p{i}"), node), &opts).unwrap();
+        }
+        store
+            .delete(&gr, "a", "p4", &DeleteOptions { grace_period_seconds: Some(0), ..DeleteOptions::default() })
+            .unwrap();
+        // an unbound pod bound later (as the binding subresource writes it)
+        store.with(|inner| {
+            let key = ObjectKey { gr: gr.clone(), namespace: "b".into(), name: "p3".into() };
+            let mut bound = Arc::unwrap_or_clone(inner.find(&gr, "b", "p3").unwrap());
+            bound["spec"]["nodeName"] = json!("n1");
+            inner.put(&key, bound, "kube-scheduler", "binding");
+        });
+        let every = |selector: &str| {
+            let fields = FieldSelector::parse(selector, &info).unwrap();
+            let all = store.list(&gr, None, &ListOptions::default()).unwrap();
+            let mut want: Vec<String> = Vec::new();
+            for o in &all.items {
+                let v = o.value();
+                if fields.matches(&v) {
+                    want.push(format!(
+                        "{}/{}",
+                        v["metadata"]["namespace"].as_str().unwrap(),
+                        v["metadata"]["name"].as_str().unwrap()
+                    ));
+                }
+            }
+            want
+        };
+        for node in ["n0", "n1", "n2", "n9"] {
+            let selector = format!("spec.nodeName={node}");
+            let want = every(&selector);
+            let fields = Some(FieldSelector::parse(&selector, &info).unwrap());
+            let got = store.list(&gr, None, &ListOptions { fields: fields.clone(), ..ListOptions::default() }).unwrap();
+            assert_eq!(names(&got), want, "{node}");
+            // page by page, 2 at a time, from continue tokens
+            let mut paged = Vec::new();
+            let mut token = None;
+            loop {
+                let page = store
+                    .list(
+                        &gr,
+                        None,
+                        &ListOptions {
+                            fields: fields.clone(),
+                            limit: Some(2),
+                            continue_token: token,
+                            ..ListOptions::default()
+                        },
+                    )
+                    .unwrap();
+                paged.extend(names(&page));
+                token = page.continue_token;
+                if token.is_none() {
+                    break;
+                }
+            }
+            assert_eq!(paged, want, "{node}, paged");
+            // within one namespace
+            let in_a = store.list(&gr, Some("a"), &ListOptions { fields, ..ListOptions::default() }).unwrap();
+            let want_a: Vec<String> = want.iter().filter(|n| n.starts_with("a/")).cloned().collect();
+            assert_eq!(names(&in_a), want_a, "{node}, namespace a");
+        }
+        assert!(every("spec.nodeName=n1").contains(&"b/p3".to_string()), "the bound pod is indexed under its node");
+        assert!(!every("spec.nodeName=n0").contains(&"a/p4".to_string()));
     }
 }
