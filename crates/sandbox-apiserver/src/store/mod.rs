@@ -220,7 +220,9 @@ pub struct ObjectList {
     pub remaining: Option<usize>,
 }
 
-type Bucket = BTreeMap<(Arc<str>, Arc<str>), Stored>;
+/// An object's namespace and name, the order lists return objects in.
+type NsName = (Arc<str>, Arc<str>);
+type Bucket = BTreeMap<NsName, Stored>;
 
 fn is_pods(gr: &GroupResource) -> bool {
     gr.group.is_empty() && gr.resource == "pods"
@@ -233,7 +235,7 @@ pub(crate) struct Inner {
     /// The keys of the pods bound to each node, as kube-apiserver's watch cache indexes pods by
     /// `spec.nodeName` (k8s.io/kubernetes pkg/registry/core/pod/storage/storage.go, `Indexers`):
     /// a list of one node's pods reads those, not every pod of the cluster under the store's lock.
-    pods_by_node: HashMap<Arc<str>, BTreeSet<(Arc<str>, Arc<str>)>>,
+    pods_by_node: HashMap<Arc<str>, BTreeSet<NsName>>,
     uids: HashMap<Arc<str>, ObjectKey>,
     dependents: HashMap<String, BTreeSet<ObjectKey>>,
     history: VecDeque<HistoryEntry>,
@@ -650,7 +652,7 @@ impl Inner {
         let node =
             opts.fields.as_ref().and_then(|f| f.required("spec.nodeName")).filter(|n| is_pods(gr) && !n.is_empty());
         if let Some(bucket) = self.objects.get(gr) {
-            let candidates: Box<dyn Iterator<Item = (&(Arc<str>, Arc<str>), &Stored)>> = match node {
+            let candidates: Box<dyn Iterator<Item = (&NsName, &Stored)>> = match node {
                 Some(node) => Box::new(
                     self.pods_by_node
                         .get(node)
