@@ -114,11 +114,17 @@ async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
                 take(r, &mut queued, &mut waiting);
             }
         }
+        // Each call takes long enough for the bucket to hold the next one's worth again, so the
+        // instances shutting down are asked about between calls when due: otherwise none of the
+        // machines terminated so far would be confirmed, and released, before the last call.
         while let Pace::Now(n) = pacer.next(queued.len(), TERMINATE_BATCH, Instant::now())
             && n > 0
         {
             let batch: Vec<Asked> = queued.drain(..n).collect();
             terminate_batch(&ec2, &cluster, &mut pacer, batch).await;
+            if !waiting.is_empty() && Instant::now() >= next_poll {
+                break;
+            }
         }
         if !waiting.is_empty() && Instant::now() >= next_poll {
             next_poll = Instant::now() + POLL;

@@ -469,10 +469,26 @@ async fn terminations_asked_for_at_once_are_paced_to_ec2s_instance_bucket_and_ne
     let worker = tokio::spawn(work);
     let asks = ours.iter().map(|i| {
         let (batcher, id) = (batcher.clone(), i.id.clone());
-        async move { batcher.terminate(&id).await.map_err(|e| format!("{id}: {e}")) }
+        async move {
+            batcher.terminate(&id).await.map_err(|e| format!("{id}: {e}"))?;
+            let sent = std::time::Instant::now();
+            batcher.wait_terminated(&id).await.map_err(|e| format!("{id}: {e}"))?;
+            Ok::<_, String>((sent, std::time::Instant::now()))
+        }
     });
-    let failed: Vec<String> = futures::future::join_all(asks).await.into_iter().filter_map(Result::err).collect();
+    let (mut times, mut failed) = (Vec::new(), Vec::new());
+    for r in futures::future::join_all(asks).await {
+        match r {
+            Ok(t) => times.push(t),
+            Err(e) => failed.push(e),
+        }
+    }
     assert!(failed.is_empty(), "{failed:?}");
+    // the machines terminated first are confirmed while the last ones still wait their turn
+    // for the bucket (20 s for the last 400), not all at the end
+    let first_confirmed = times.iter().map(|(_, confirmed)| *confirmed).min().unwrap();
+    let last_sent = times.iter().map(|(sent, _)| *sent).max().unwrap();
+    assert!(first_confirmed < last_sent, "no termination was confirmed before the last one was sent");
 
     let counts = proxy.counts();
     assert_eq!(counts.over_budget, 0, "EC2 refused terminations the bucket could not hold: {counts:?}");
