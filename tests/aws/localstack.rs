@@ -444,7 +444,7 @@ async fn the_ec2_proxy_shows_terminations_as_ec2_would_and_filters_on_that_state
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn terminations_asked_for_at_once_are_paced_to_ec2s_instance_bucket_and_never_refused() {
     // EC2 lets 1,000 instances go at once and 20 a second after that, and refuses as a whole a
-    // call for more than its bucket holds. 1,400 terminations asked for at once: the batcher
+    // call for more than its bucket holds. 1,100 terminations asked for at once: the batcher
     // sends what the bucket holds, so EC2 refuses none, where batches of 500 met refusals and
     // the SDK's backoff. The proxy is this test's own, so its bucket is full at the start.
     let cloud = common::cloud(REGION).await;
@@ -460,10 +460,10 @@ async fn terminations_asked_for_at_once_are_paced_to_ec2s_instance_bucket_and_ne
     let tool = karpenter_teardown::aws::AwsClients::from_config(&config).await.unwrap();
     let cluster = common::unique_cluster("paced");
     let ours = cloud
-        .launch_tagged("ami-12c6146b", "m5.large", None, 1400, &karpenter_tags(&cluster, "general"))
+        .launch_tagged("ami-12c6146b", "m5.large", None, 1100, &karpenter_tags(&cluster, "general"))
         .await
         .unwrap();
-    assert_eq!(ours.len(), 1400);
+    assert_eq!(ours.len(), 1100);
 
     let (batcher, work) = Ec2Batcher::start(tool.ec2.clone(), cluster.clone());
     let worker = tokio::spawn(work);
@@ -485,7 +485,7 @@ async fn terminations_asked_for_at_once_are_paced_to_ec2s_instance_bucket_and_ne
     }
     assert!(failed.is_empty(), "{failed:?}");
     // the machines terminated first are confirmed while the last ones still wait their turn
-    // for the bucket (20 s for the last 400), not all at the end
+    // for the bucket (5 s for the last 100), not all at the end
     let first_confirmed = times.iter().map(|(_, confirmed)| *confirmed).min().unwrap();
     let last_sent = times.iter().map(|(sent, _)| *sent).max().unwrap();
     assert!(first_confirmed < last_sent, "no termination was confirmed before the last one was sent");
@@ -493,11 +493,11 @@ async fn terminations_asked_for_at_once_are_paced_to_ec2s_instance_bucket_and_ne
     let counts = proxy.counts();
     assert_eq!(counts.over_budget, 0, "EC2 refused terminations the bucket could not hold: {counts:?}");
     let calls = proxy.actions().get("TerminateInstances").copied().unwrap_or(0);
-    // two full calls of 500, then the other 400 at the refill's pace
-    assert!(calls >= 3, "{calls} TerminateInstances calls for 1,400 instances");
+    // two full calls of 500, then the other 100 at the refill's pace
+    assert!(calls >= 3, "{calls} TerminateInstances calls for 1,100 instances");
     let ids: Vec<String> = ours.iter().map(|i| i.id.clone()).collect();
     let after = tool.ec2.instances_by_id(&ids).await.unwrap();
-    assert_eq!(after.len(), 1400);
+    assert_eq!(after.len(), 1100);
     assert!(
         after.iter().all(|i| matches!(i.state, InstanceState::ShuttingDown | InstanceState::Terminated)),
         "{after:?}"
