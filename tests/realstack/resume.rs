@@ -333,7 +333,8 @@ async fn a_second_run_finishes_what_a_sigkilled_run_began_with_the_real_karpente
 
     // the controller comes back while the pods wait: only the fence keeps it from launching
     let deployments: Api<Deployment> = Api::namespaced(p.admin.clone(), realstack::karpenter::NAMESPACE);
-    let starts = p.karpenter.starts();
+    // remove-controller runs beside the drain, so at the kill the controller may be stopped,
+    // stopping, or not yet scaled down: what matters is that a live one sees the pending pods
     deployments
         .patch(realstack::karpenter::NAME, &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 1}})))
         .await
@@ -341,8 +342,8 @@ async fn a_second_run_finishes_what_a_sigkilled_run_began_with_the_real_karpente
     // the test bed starts the process once the Deployment asks for it and the old pod is gone,
     // which takes many seconds on a loaded machine
     let deadline = Instant::now() + Duration::from_secs(120);
-    while !(p.karpenter.running() && p.karpenter.starts() > starts) {
-        assert!(Instant::now() < deadline, "Karpenter did not start again: {}", p.karpenter.log_tail(20));
+    while !p.karpenter.running() {
+        assert!(Instant::now() < deadline, "Karpenter is not running: {}", p.karpenter.log_tail(20));
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let restarted = p.karpenter.log().len();
