@@ -88,11 +88,11 @@ async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
     loop {
         // Sleep until a request arrives, the bucket holds enough for the queued terminations, or
         // the instances shutting down are due to be asked about again.
-        let bucket_ready = match pacer.next(queued.len(), TERMINATE_BATCH, Instant::now()) {
-            _ if queued.is_empty() => None,
-            Pace::Now(_) => Some(Instant::now()),
-            Pace::After(d) => Some(Instant::now() + d),
-        };
+        let bucket_ready =
+            (!queued.is_empty()).then(|| match pacer.next(queued.len(), TERMINATE_BATCH, Instant::now()) {
+                Pace::Now(_) => Instant::now(),
+                Pace::After(d) => Instant::now() + d,
+            });
         let poll_due = (!waiting.is_empty()).then_some(next_poll);
         let wake = [bucket_ready, poll_due].into_iter().flatten().min();
         let first = match wake {
