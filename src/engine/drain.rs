@@ -305,7 +305,9 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
             match action {
                 Action::Evict(wave) => {
                     for p in wave {
-                        let heard = Box::pin(ask_eviction(ctx, p, &budget_changed)).await;
+                        let Some(heard) = Box::pin(ask_eviction(ctx, p, &budget_changed)).await else {
+                            return Ok(TaskOutcome::Interrupted);
+                        };
                         // an answer can only end the drain (an error asking again cannot cure)
                         for a in feed(&mut state, heard) {
                             if let Some(end) = Box::pin(act(ctx, task, &node, deadline, a)).await {
@@ -392,9 +394,15 @@ async fn act(ctx: &Ctx, task: &TaskRef, node: &str, deadline: Duration, action: 
     None
 }
 
-/// Asks the pod's budget, then (unless the budget holds it) the Eviction API, keeping the
-/// budget's reservation in step with the server's answer.
-async fn ask_eviction(ctx: &Ctx, p: Arc<PodRef>, budget_changed: &Arc<tokio::sync::Notify>) -> Observation {
+/// Waits for the eviction's turn (see [`super::gate`]), asks the pod's budget, then (unless the
+/// budget holds it) the Eviction API, keeping the budget's reservation in step with the server's
+/// answer. `None` when the run is interrupted first.
+async fn ask_eviction(ctx: &Ctx, p: Arc<PodRef>, budget_changed: &Arc<tokio::sync::Notify>) -> Option<Observation> {
+    let _turn = tokio::select! {
+        _ = ctx.cancel.cancelled() => return None,
+        turn = ctx.evictions.acquire(p.grace()) => turn,
+    };
+    // the budget is asked once the turn has come, so it answers with what is true then
     let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &*p.labels, p.ready, budget_changed) {
         Admission::Ask(reserved) => reserved,
         // nothing heard of the budget for a while: the watch may be behind the server
@@ -403,7 +411,7 @@ async fn ask_eviction(ctx: &Ctx, p: Arc<PodRef>, budget_changed: &Arc<tokio::syn
             None
         }
         // the budget allows nothing now: no request until its status changes
-        Admission::Wait(budget) => return Observation::Held { pod: p, budget },
+        Admission::Wait(budget) => return Some(Observation::Held { pod: p, budget }),
     };
     let outcome = Box::pin(evict(&ctx.kube.client, &p)).await;
     if let Some(key) = &reserved {
@@ -416,7 +424,7 @@ async fn ask_eviction(ctx: &Ctx, p: Arc<PodRef>, budget_changed: &Arc<tokio::syn
             _ => ctx.budgets.release(key, &p.name),
         }
     }
-    Observation::Answered { pod: p, outcome, reserved }
+    Some(Observation::Answered { pod: p, outcome, reserved })
 }
 
 // ---------------------------------------------------------------- the release of a node

@@ -9,6 +9,7 @@ pub mod budgets;
 pub mod context;
 pub mod drain;
 pub mod events;
+mod gate;
 pub mod inventory;
 pub mod permissions;
 pub mod podindex;
@@ -322,6 +323,7 @@ pub async fn run(
         pods,
         budgets,
         ec2,
+        evictions: gate::PriorityGate::new(crate::k8s::MAX_REQUESTS_IN_FLIGHT),
         drain: settings.drain,
         reclaim: settings.reclaim,
         inventoried: inv.machines.keys().cloned().collect(),

@@ -82,6 +82,12 @@ pub struct PodRef {
 }
 
 impl PodRef {
+    /// The grace period its eviction gives it, in seconds: a pod that names none gets the
+    /// Kubernetes default, 30 s.
+    pub(crate) fn grace(&self) -> i64 {
+        self.grace_seconds.unwrap_or(30)
+    }
+
     /// `namespace/name`.
     pub(crate) fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
@@ -159,8 +165,7 @@ fn tolerates(t: &Toleration, key: &str, effect: &str, value: &str) -> bool {
 pub(crate) fn eviction_wave(left: &[Arc<PodRef>]) -> Vec<&Arc<PodRef>> {
     let non_critical = left.iter().any(|p| !p.critical);
     let mut wave: Vec<&Arc<PodRef>> = left.iter().filter(|p| !non_critical || !p.critical).collect();
-    // a pod that names no grace period gets the Kubernetes default, 30 s
-    wave.sort_by_key(|p| std::cmp::Reverse(p.grace_seconds.unwrap_or(30)));
+    wave.sort_by_key(|p| std::cmp::Reverse(p.grace()));
     wave
 }
 
