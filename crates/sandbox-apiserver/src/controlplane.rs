@@ -326,7 +326,10 @@ pub async fn run(store: Store, time_scale: f64, cancel: CancellationToken) {
 
 impl ControlPlane {
     fn after(&mut self, secs: f64, t: Timer) {
-        let d = Duration::from_secs_f64((secs * self.scale).max(0.0));
+        self.after_real(Duration::from_secs_f64((secs * self.scale).max(0.0)), t);
+    }
+
+    fn after_real(&mut self, d: Duration, t: Timer) {
         self.seq += 1;
         self.timers.insert((Instant::now() + d, self.seq), t);
     }
@@ -415,7 +418,9 @@ impl ControlPlane {
             if self.terminating.insert(uid.clone()) {
                 let grace = o["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
                 if grace > 0 {
-                    self.after(grace as f64, Timer::Remove(ns, name, uid));
+                    // a backlog of changes can bring the deletion late
+                    let left = removal_left(o, self.scale, std::time::SystemTime::now());
+                    self.after_real(left, Timer::Remove(ns, name, uid));
                 }
             }
             return;
@@ -529,9 +534,11 @@ impl ControlPlane {
                     let (ns, name) = stored_ns_name(p);
                     if sum.deleting {
                         if self.terminating.insert(uid.clone()) {
-                            let grace = p.value()["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
+                            let pod = p.value();
+                            let grace = pod["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
                             if grace > 0 {
-                                self.after(grace as f64, Timer::Remove(ns, name, uid));
+                                let left = removal_left(&pod, self.scale, std::time::SystemTime::now());
+                                self.after_real(left, Timer::Remove(ns, name, uid));
                             }
                         }
                     } else if !sum.node_name.is_empty() && &*sum.phase == "Pending" && self.starting.insert(uid.clone())
@@ -1114,9 +1121,51 @@ pub(crate) fn hash_str(v: &str) -> u64 {
     h.finish()
 }
 
+/// How long until the kubelet removes a pod being deleted that a resync finds: what is left of its
+/// grace period counted from its deletion, not from the resync. The loop resyncs when it fell
+/// behind the change stream (thousands of evictions at once), and a grace period counted afresh
+/// there kept pods up to a whole grace period past their time, where a kubelet ends them on time.
+/// `deletionTimestamp` is the deletion's time plus the grace period in real seconds, truncated to
+/// the second, so the deletion is taken at the latest moment it can have been: never earlier than
+/// the kubelet would end the pod.
+fn removal_left(pod: &Value, scale: f64, now: std::time::SystemTime) -> Duration {
+    let grace = pod["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0).max(0) as f64;
+    let full = Duration::from_secs_f64((grace * scale).max(0.0));
+    let Some(stamp) = pod["metadata"]["deletionTimestamp"].as_str().and_then(|t| humantime::parse_rfc3339_weak(t).ok())
+    else {
+        return full;
+    };
+    let deleted = stamp + Duration::from_secs(1) - Duration::from_secs_f64(grace);
+    let due = deleted + full;
+    due.duration_since(now).unwrap_or(Duration::ZERO).min(full)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pod_found_late_is_removed_when_its_grace_period_from_its_deletion_ends() {
+        use std::time::{SystemTime, UNIX_EPOCH};
+        let deleted = UNIX_EPOCH + Duration::from_secs(1_800_000_000) + Duration::from_millis(300);
+        let pod = |grace: i64| {
+            let stamp = humantime::format_rfc3339_seconds(deleted + Duration::from_secs(grace as u64)).to_string();
+            json!({"metadata": {"deletionGracePeriodSeconds": grace, "deletionTimestamp": stamp}})
+        };
+        let at = |secs: f64| deleted + Duration::from_secs_f64(secs);
+        // seen at once: the whole grace period, give or take the timestamp's second
+        let prompt = removal_left(&pod(120), 1.0, at(0.0));
+        assert!(prompt <= Duration::from_secs(120) && prompt >= Duration::from_secs(119), "{prompt:?}");
+        // seen 40 s late: what is left of it, and never less than the kubelet would give
+        let late = removal_left(&pod(120), 1.0, at(40.0));
+        assert!(late >= Duration::from_secs(80) && late <= Duration::from_secs(81), "{late:?}");
+        assert_eq!(removal_left(&pod(30), 1.0, at(45.0)), Duration::ZERO, "overdue: at once");
+        // on an accelerated clock the grace period is scaled, the timestamp is not
+        let scaled = removal_left(&pod(120), 0.1, at(4.0));
+        assert!(scaled >= Duration::from_secs(8) && scaled <= Duration::from_secs(9), "{scaled:?}");
+        let unstamped = json!({"metadata": {"deletionGracePeriodSeconds": 30}});
+        assert_eq!(removal_left(&unstamped, 1.0, SystemTime::now()), Duration::from_secs(30));
+    }
 
     fn pdb(name: &str, selector: Value) -> Arc<Value> {
         Arc::new(json!({"metadata": {"name": name, "namespace": "apps"}, "spec": {"selector": selector}}))
