@@ -1126,8 +1126,9 @@ pub(crate) fn hash_str(v: &str) -> u64 {
 /// behind the change stream (thousands of evictions at once), and a grace period counted afresh
 /// there kept pods up to a whole grace period past their time, where a kubelet ends them on time.
 /// `deletionTimestamp` is the deletion's time plus the grace period in real seconds, truncated to
-/// the second, so the deletion is taken at the latest moment it can have been: never earlier than
-/// the kubelet would end the pod.
+/// the second: a deletion that may be less than a second old is taken as seen when it happened
+/// (the whole grace period, exactly, which an accelerated clock needs), an older one as made at
+/// the latest moment it can have been, so the pod is never removed earlier than by a kubelet.
 fn removal_left(pod: &Value, scale: f64, now: std::time::SystemTime) -> Duration {
     let grace = pod["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0).max(0) as f64;
     let full = Duration::from_secs_f64((grace * scale).max(0.0));
@@ -1135,8 +1136,11 @@ fn removal_left(pod: &Value, scale: f64, now: std::time::SystemTime) -> Duration
     else {
         return full;
     };
-    let deleted = stamp + Duration::from_secs(1) - Duration::from_secs_f64(grace);
-    let due = deleted + full;
+    let earliest = stamp - Duration::from_secs_f64(grace);
+    if now.duration_since(earliest).unwrap_or(Duration::ZERO) <= Duration::from_secs(1) {
+        return full;
+    }
+    let due = earliest + Duration::from_secs(1) + full;
     due.duration_since(now).unwrap_or(Duration::ZERO).min(full)
 }
 
@@ -1153,9 +1157,9 @@ mod tests {
             json!({"metadata": {"deletionGracePeriodSeconds": grace, "deletionTimestamp": stamp}})
         };
         let at = |secs: f64| deleted + Duration::from_secs_f64(secs);
-        // seen at once: the whole grace period, give or take the timestamp's second
-        let prompt = removal_left(&pod(120), 1.0, at(0.0));
-        assert!(prompt <= Duration::from_secs(120) && prompt >= Duration::from_secs(119), "{prompt:?}");
+        // seen at once: the whole grace period, also on an accelerated clock
+        assert_eq!(removal_left(&pod(120), 1.0, at(0.0)), Duration::from_secs(120));
+        assert_eq!(removal_left(&pod(30), 0.05, at(0.2)), Duration::from_secs_f64(1.5));
         // seen 40 s late: what is left of it, and never less than the kubelet would give
         let late = removal_left(&pod(120), 1.0, at(40.0));
         assert!(late >= Duration::from_secs(80) && late <= Duration::from_secs(81), "{late:?}");
