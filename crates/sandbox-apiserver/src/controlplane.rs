@@ -33,8 +33,6 @@ type NsName = (String, String);
 enum Timer {
     /// The kubelet reports the pod running.
     Start(String, String, String),
-    /// The kubelet finished terminating the pod (grace period over).
-    Remove(String, String, String),
     /// Recompute the status of the PDBs in the namespaces that changed.
     PdbRefresh,
     /// Run the scheduling pass that was held back by [`SCHEDULE_EVERY`].
@@ -128,6 +126,8 @@ fn labels_of(json: &[u8]) -> Value {
 struct ControlPlane {
     store: Store,
     scale: f64,
+    /// Pods to remove once their grace period is over, handed to [`kubelet`].
+    kubelet: tokio::sync::mpsc::UnboundedSender<Removal>,
     timers: BTreeMap<(Instant, u64), Timer>,
     seq: u64,
     terminating: BTreeSet<String>,
@@ -275,9 +275,75 @@ const DS_TOLERATIONS: [(&str, &str); 6] = [
 
 /// Runs the control plane until `cancel` fires.
 pub async fn run(store: Store, time_scale: f64, cancel: CancellationToken) {
+    let (removals, removals_rx) = tokio::sync::mpsc::unbounded_channel();
+    // A task of its own, so that it runs while the controllers' loop is busy. It ends with that
+    // loop (its sender dropped) or on `cancel`, and the set aborts it should this future be
+    // dropped first.
+    let mut kubelet_task = tokio::task::JoinSet::new();
+    kubelet_task.spawn(tracing::Instrument::instrument(
+        kubelet(store.clone(), removals_rx, cancel.clone()),
+        tracing::debug_span!("sandbox kubelet"),
+    ));
+    controllers(store, time_scale, removals, cancel).await;
+    let _ = kubelet_task.join_next().await;
+}
+
+/// A pod whose grace period ends at `due`.
+struct Removal {
+    due: Instant,
+    ns: String,
+    name: String,
+    uid: String,
+}
+
+/// Removes terminating pods when their grace period is over. A loop of its own, like a kubelet
+/// beside the controllers: the controllers' loop can be busy for seconds with a scheduling pass
+/// over thousands of pending replacements, and pods whose time came meanwhile were removed late,
+/// together, after it.
+async fn kubelet(store: Store, mut removals: tokio::sync::mpsc::UnboundedReceiver<Removal>, cancel: CancellationToken) {
+    let mut due: BTreeMap<(Instant, u64), Removal> = BTreeMap::new();
+    let mut seq = 0u64;
+    loop {
+        let next = due.keys().next().map(|(t, _)| *t);
+        let sleep = tokio::time::sleep_until(next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600)));
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = removals.recv() => match r {
+                Some(r) => {
+                    seq += 1;
+                    due.insert((r.due, seq), r);
+                }
+                // the controllers' loop ended
+                None => return,
+            },
+            _ = sleep, if next.is_some() => {
+                let now = Instant::now();
+                let keys: Vec<(Instant, u64)> = due.range(..=(now, u64::MAX)).map(|(k, _)| *k).collect();
+                for k in keys {
+                    let Some(r) = due.remove(&k) else { continue };
+                    let still =
+                        store.get(&pods_gr(), &r.ns, &r.name).is_ok_and(|p| p["metadata"]["uid"] == r.uid.as_str());
+                    if still {
+                        let opts = DeleteOptions { grace_period_seconds: Some(0), ..Default::default() };
+                        // Already gone or changed underneath: nothing left to terminate.
+                        let _ = store.delete(&pods_gr(), &r.ns, &r.name, &opts);
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn controllers(
+    store: Store,
+    time_scale: f64,
+    kubelet: tokio::sync::mpsc::UnboundedSender<Removal>,
+    cancel: CancellationToken,
+) {
     let mut cp = ControlPlane {
         store: store.clone(),
         scale: time_scale,
+        kubelet,
         timers: BTreeMap::new(),
         seq: 0,
         terminating: BTreeSet::new(),
@@ -327,6 +393,11 @@ pub async fn run(store: Store, time_scale: f64, cancel: CancellationToken) {
 impl ControlPlane {
     fn after(&mut self, secs: f64, t: Timer) {
         self.after_real(Duration::from_secs_f64((secs * self.scale).max(0.0)), t);
+    }
+
+    fn remove_after(&self, d: Duration, ns: String, name: String, uid: String) {
+        // the receiver lives as long as this loop (see `run`)
+        let _ = self.kubelet.send(Removal { due: Instant::now() + d, ns, name, uid });
     }
 
     fn after_real(&mut self, d: Duration, t: Timer) {
@@ -420,7 +491,7 @@ impl ControlPlane {
                 if grace > 0 {
                     // a backlog of changes can bring the deletion late
                     let left = removal_left(o, self.scale, std::time::SystemTime::now());
-                    self.after_real(left, Timer::Remove(ns, name, uid));
+                    self.remove_after(left, ns, name, uid);
                 }
             }
             return;
@@ -452,15 +523,6 @@ impl ControlPlane {
                 Timer::Schedule => {
                     self.schedule_armed = false;
                     d.schedule = true;
-                }
-                Timer::Remove(ns, name, uid) => {
-                    let still =
-                        self.store.get(&pods_gr(), &ns, &name).is_ok_and(|p| p["metadata"]["uid"] == uid.as_str());
-                    if still {
-                        let opts = DeleteOptions { grace_period_seconds: Some(0), ..Default::default() };
-                        // Already gone or changed underneath: nothing left to terminate.
-                        let _ = self.store.delete(&pods_gr(), &ns, &name, &opts);
-                    }
                 }
             }
         }
@@ -538,7 +600,7 @@ impl ControlPlane {
                             let grace = pod["metadata"]["deletionGracePeriodSeconds"].as_i64().unwrap_or(0);
                             if grace > 0 {
                                 let left = removal_left(&pod, self.scale, std::time::SystemTime::now());
-                                self.after_real(left, Timer::Remove(ns, name, uid));
+                                self.remove_after(left, ns, name, uid);
                             }
                         }
                     } else if !sum.node_name.is_empty() && &*sum.phase == "Pending" && self.starting.insert(uid.clone())
