@@ -392,17 +392,14 @@ async fn controllers(
 
 impl ControlPlane {
     fn after(&mut self, secs: f64, t: Timer) {
-        self.after_real(Duration::from_secs_f64((secs * self.scale).max(0.0)), t);
+        let d = Duration::from_secs_f64((secs * self.scale).max(0.0));
+        self.seq += 1;
+        self.timers.insert((Instant::now() + d, self.seq), t);
     }
 
     fn remove_after(&self, d: Duration, ns: String, name: String, uid: String) {
         // the receiver lives as long as this loop (see `run`)
         let _ = self.kubelet.send(Removal { due: Instant::now() + d, ns, name, uid });
-    }
-
-    fn after_real(&mut self, d: Duration, t: Timer) {
-        self.seq += 1;
-        self.timers.insert((Instant::now() + d, self.seq), t);
     }
 
     fn observe(&mut self, ev: &StoreEvent, d: &mut Dirty) {
@@ -1183,10 +1180,11 @@ pub(crate) fn hash_str(v: &str) -> u64 {
     h.finish()
 }
 
-/// How long until the kubelet removes a pod being deleted that a resync finds: what is left of its
-/// grace period counted from its deletion, not from the resync. The loop resyncs when it fell
-/// behind the change stream (thousands of evictions at once), and a grace period counted afresh
-/// there kept pods up to a whole grace period past their time, where a kubelet ends them on time.
+/// How long until the kubelet removes a pod being deleted: what is left of its grace period
+/// counted from its deletion, not from when the controllers' loop learns of it. The loop learns
+/// late when it falls behind the change stream (thousands of evictions at once) and resyncs, and a
+/// grace period counted afresh there kept pods up to a whole grace period past their time, where a
+/// kubelet ends them on time.
 /// `deletionTimestamp` is the deletion's time plus the grace period in real seconds, truncated to
 /// the second: a deletion that may be less than a second old is taken as seen when it happened
 /// (the whole grace period, exactly, which an accelerated clock needs), an older one as made at
