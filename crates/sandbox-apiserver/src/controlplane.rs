@@ -358,13 +358,13 @@ async fn controllers(
     let mut rx = store.subscribe();
     let mut dirty = Dirty { all: true, schedule: true, ds_all: true, ..Default::default() };
     loop {
-        cp.reconcile(&mut dirty);
+        off_the_workers(|| cp.reconcile(&mut dirty));
         let next = cp.timers.keys().next().map(|(t, _)| *t);
         let sleep = tokio::time::sleep_until(next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600)));
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = sleep, if next.is_some() => cp.fire_timers(&mut dirty),
-            r = rx.recv() => {
+            _ = sleep, if next.is_some() => off_the_workers(|| cp.fire_timers(&mut dirty)),
+            r = rx.recv() => off_the_workers(|| {
                 match r {
                     Ok(ev) => cp.observe(&ev, &mut dirty),
                     Err(_) => {
@@ -385,9 +385,24 @@ async fn controllers(
                         }
                     }
                 }
-            }
+            }),
         }
+        // Under load the change stream is never empty, so nothing above waits: give the API
+        // server's tasks this loop woke their turn before the next pass.
+        tokio::task::yield_now().await;
     }
+}
+
+/// Runs one synchronous pass of the controllers. At a thousand nodes a pass takes seconds, and a
+/// task that computes that long without returning to the runtime starves every task queued on
+/// its worker thread: the other worker steals only once its own queue is empty, which under load
+/// it never is, so requests and watch streams of the API server waited up to 28 s for one busy
+/// pass after another. On a multi-threaded runtime the worker's queue goes to another thread for
+/// the pass (`block_in_place`); a single-threaded runtime has no other thread to give it to.
+fn off_the_workers<T>(pass: impl FnOnce() -> T) -> T {
+    let multi = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi { tokio::task::block_in_place(pass) } else { pass() }
 }
 
 impl ControlPlane {
