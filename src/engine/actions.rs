@@ -18,7 +18,9 @@ use super::drain::drain;
 use super::events::{EngineEvent, TaskRef};
 use super::inventory::{Inventory, Machine, claim_owner, find_controller, list_dynamic, pool_owner};
 use crate::k8s::nodes::cordon_node;
-use crate::k8s::objects::{delete_if_present, last_manager_in, patch_params, remove_finalizer};
+use crate::k8s::objects::{
+    delete_and_remove_finalizer, delete_if_present, last_manager_in, patch_params, remove_finalizer,
+};
 use crate::k8s::{self, KubeError, status_code};
 use crate::karpenter::{self, ProviderId};
 use crate::plan::{OnDeadline, Params};
@@ -455,6 +457,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
             Err(e) => return Err(KubeError::api(format!("read NodeClaim {c}"), e).into()),
         }
     }
+    let mut node_read = None;
     if let Some(n) = &node_name {
         match nodes.get_opt(n).await {
             Ok(Some(node)) => {
@@ -465,6 +468,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
                         .and_then(|s| s.provider_id.as_deref())
                         .and_then(|p| ProviderId::parse(p).ok());
                 }
+                node_read = Some(node);
             }
             Ok(None) => node_name = None,
             Err(e) => return Err(KubeError::api(format!("read Node {n}"), e).into()),
@@ -477,7 +481,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     // A node goes only with no pod on it that a drain must move, however often its fence was
     // lifted since its drain.
     if let Some(n) = &node_name
-        && let Some(stop) = Box::pin(super::drain::drain_before_release(ctx, machine, n)).await?
+        && let Some(stop) = Box::pin(super::drain::drain_before_release(ctx, machine, n, node_read)).await?
     {
         return Ok(stop);
     }
@@ -505,13 +509,11 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     }
     // The instance is gone: now, and only now, the objects may go.
     if let Some(n) = &node_name {
-        delete_if_present(&nodes, n).await?;
-        remove_finalizer(&nodes, n, karpenter::FINALIZER_TERMINATION).await?;
+        delete_and_remove_finalizer(&nodes, n, karpenter::FINALIZER_TERMINATION).await?;
         what.push(format!("Node {n} released"));
     }
     if let Some(c) = &claim_name {
-        delete_if_present(&claims, c).await?;
-        remove_finalizer(&claims, c, karpenter::FINALIZER_TERMINATION).await?;
+        delete_and_remove_finalizer(&claims, c, karpenter::FINALIZER_TERMINATION).await?;
         what.push(format!("NodeClaim {c} released"));
     }
     Ok(TaskOutcome::Done(what.join("; ")))

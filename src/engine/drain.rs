@@ -22,7 +22,7 @@ use super::budgets::{self, Admission};
 use super::context::Ctx;
 use super::events::{EngineEvent, TaskRef, Waiting};
 use crate::config::DrainPolicy;
-use crate::k8s::nodes::{CordonOutcome, cordon_node};
+use crate::k8s::nodes::{CordonOutcome, cordon_node, cordon_read_node};
 use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict, eviction_wave};
 use crate::k8s::{self, KubeError};
 use crate::plan::{OnDeadline, Params};
@@ -439,11 +439,13 @@ const RELEASE_ROUNDS: usize = 5;
 /// a pod still bound when the instance goes dies with it, its budget bypassed. The fence is put
 /// back first, so that nothing new can be bound once the check finds the node empty; the check
 /// lists the node's pods from the API server rather than from the watch, which may be a moment
-/// behind. `None` when the node may go; otherwise the outcome the release stops with.
+/// behind. `read` is the node as the caller has just read it, which the first check starts from.
+/// `None` when the node may go; otherwise the outcome the release stops with.
 pub(super) async fn drain_before_release(
     ctx: &Ctx,
     machine: &str,
     node: &str,
+    mut read: Option<Node>,
 ) -> Result<Option<TaskOutcome>, TaskError> {
     let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
     let pods: Api<Pod> = Api::all(ctx.kube.client.clone());
@@ -460,7 +462,7 @@ pub(super) async fn drain_before_release(
         if ctx.cancel.is_cancelled() {
             return Ok(Some(TaskOutcome::Interrupted));
         }
-        if Box::pin(cordon_node(&nodes, node, false)).await?.gone {
+        if Box::pin(cordon_read_node(&nodes, node, false, read.take())).await?.gone {
             return Ok(None);
         }
         let lp = ListParams::default().fields(&format!("spec.nodeName={node}"));

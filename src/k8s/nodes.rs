@@ -81,11 +81,25 @@ pub(crate) fn fence_ops(node: &Node) -> Vec<Value> {
 /// it earlier in this run: finding the fence lifted means something reverted it, and the field
 /// manager that did it is returned (design §1.6).
 pub async fn cordon_node(api: &Api<Node>, name: &str, seen_cordoned: bool) -> Result<CordonOutcome, KubeError> {
+    cordon_read_node(api, name, seen_cordoned, None).await
+}
+
+/// [`cordon_node`], starting from `read` (the node as the caller has just read it) instead of a
+/// read of its own; a write still carries that read's resourceVersion, so it is as safe.
+pub async fn cordon_read_node(
+    api: &Api<Node>,
+    name: &str,
+    seen_cordoned: bool,
+    mut read: Option<Node>,
+) -> Result<CordonOutcome, KubeError> {
     for _ in 0..8 {
-        let node = match api.get_opt(name).await {
-            Ok(Some(n)) => n,
-            Ok(None) => return Ok(CordonOutcome { gone: true, wrote: false, reverted_by: None }),
-            Err(e) => return Err(KubeError::api(format!("read node {name}"), e)),
+        let node = match read.take() {
+            Some(n) => n,
+            None => match api.get_opt(name).await {
+                Ok(Some(n)) => n,
+                Ok(None) => return Ok(CordonOutcome { gone: true, wrote: false, reverted_by: None }),
+                Err(e) => return Err(KubeError::api(format!("read node {name}"), e)),
+            },
         };
         let fence = fence_ops(&node);
         if fence.is_empty() {

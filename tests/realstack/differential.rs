@@ -21,7 +21,9 @@ use k8s_openapi::api::authorization::v1::{ResourceAttributes, SelfSubjectAccessR
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Secret};
 use k8s_openapi::api::policy::v1::{Eviction, PodDisruptionBudget};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
-use karpenter_teardown::k8s::objects::{FinalizerRemoval, last_manager_in, remove_finalizer};
+use karpenter_teardown::k8s::objects::{
+    FinalizerRemoval, delete_and_remove_finalizer, last_manager_in, remove_finalizer,
+};
 use karpenter_teardown::k8s::{self, Kube};
 use kube::Client;
 use kube::api::{
@@ -958,7 +960,7 @@ async fn deletes(s: &Side) -> Seen {
     });
     let created = admin_claims.create(&post("karpenter"), &serde_json::from_value(claim.clone()).unwrap()).await;
     seen.insert("nodeclaim_create".into(), answer(created, |v| v["spec"].clone()));
-    let exists = admin_claims.create(&post("karpenter"), &serde_json::from_value(claim).unwrap()).await;
+    let exists = admin_claims.create(&post("karpenter"), &serde_json::from_value(claim.clone()).unwrap()).await;
     seen.insert("create_existing".into(), code(&exists));
     seen.insert("delete_with_finalizer".into(), describe!(claims.delete("claim-0", &DeleteParams::default()).await));
     seen.insert("delete_again".into(), describe!(claims.delete("claim-0", &DeleteParams::default()).await));
@@ -978,6 +980,52 @@ async fn deletes(s: &Side) -> Seen {
     seen.insert("delete_missing".into(), code(&claims.delete("claim-0", &DeleteParams::default()).await));
     let if_present = k8s::objects::delete_if_present(&claims, "claim-0").await.map_err(|e| e.to_string());
     seen.insert("delete_if_present_missing".into(), json!(format!("{if_present:?}")));
+
+    // a release's delete and finalizer removal, which starts from the object the delete answers
+    // with: exactly the termination finalizer goes, another stays, and the object with it
+    let held = json!(["karpenter.sh/termination", "example.com/other"]);
+    let mut claim1 = claim.clone();
+    claim1["metadata"] = json!({"name": "claim-1", "finalizers": held});
+    admin_claims.create(&post("karpenter"), &serde_json::from_value(claim1).unwrap()).await.unwrap();
+    let admin_nodes: Api<Node> = Api::all(s.admin.clone());
+    let nodes: Api<Node> = Api::all(s.tool.clone());
+    let node1: Node = serde_json::from_value(json!({"metadata": {"name": "release-0", "finalizers": held}})).unwrap();
+    admin_nodes.create(&post("karpenter"), &node1).await.unwrap();
+    let release = |r: Result<FinalizerRemoval, k8s::KubeError>| json!(format!("{:?}", r.map_err(|e| e.to_string())));
+    let c = delete_and_remove_finalizer(&claims, "claim-1", "karpenter.sh/termination").await;
+    assert!(matches!(c, Ok(FinalizerRemoval::Removed)), "{c:?}");
+    seen.insert("release_claim".into(), release(c));
+    let left = admin_claims.get_opt("claim-1").await.unwrap().map(|o| o.metadata.finalizers);
+    assert_eq!(left, Some(Some(vec!["example.com/other".to_string()])));
+    seen.insert("release_claim_left".into(), json!(left));
+    let n = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination").await;
+    assert!(matches!(n, Ok(FinalizerRemoval::Removed)), "{n:?}");
+    seen.insert("release_node".into(), release(n));
+    let left = admin_nodes.get_opt("release-0").await.unwrap().map(|o| o.metadata.finalizers);
+    assert_eq!(left, Some(Some(vec!["example.com/other".to_string()])));
+    seen.insert("release_node_left".into(), json!(left));
+    let again = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination").await;
+    seen.insert("release_node_again".into(), release(again));
+    for (what, r) in [
+        (
+            "claim",
+            admin_claims
+                .patch("claim-1", &pp("x"), &Patch::Merge(json!({"metadata": {"finalizers": null}})))
+                .await
+                .map(|_| ()),
+        ),
+        (
+            "node",
+            admin_nodes
+                .patch("release-0", &pp("x"), &Patch::Merge(json!({"metadata": {"finalizers": null}})))
+                .await
+                .map(|_| ()),
+        ),
+    ] {
+        seen.insert(format!("release_{what}_cleared"), json!(r.is_ok()));
+    }
+    let gone = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination").await;
+    seen.insert("release_node_gone".into(), release(gone));
 
     // propagation policies on a Deployment: the garbage collector's part (foreground and orphan
     // finalizers) is a controller's, and there is none here
