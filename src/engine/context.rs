@@ -45,7 +45,7 @@ pub struct Ctx {
     pub budgets: super::budgets::Budgets,
     /// Batched EC2 terminations and state polls.
     pub ec2: Ec2Batcher,
-    /// The order of every drain's evictions: longest grace period first, cluster-wide.
+    /// The order of every drain's evictions: earliest deadline first, cluster-wide (see the gate).
     pub(crate) evictions: super::gate::PriorityGate,
     /// CLI overrides for drain steps.
     pub drain: DrainOverrides,
