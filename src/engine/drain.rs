@@ -299,15 +299,13 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
         }
         let (riders, left): (Vec<Arc<PodRef>>, Vec<Arc<PodRef>>) =
             ctx.pods.pods_on(&node).into_iter().partition(|p| p.rides_with_node.is_some());
-        let node_pods = left.len();
         let observed = Observation::Pods { riders, left, fenced: ctx.pods.fenced(&node) };
         let mut todo: std::collections::VecDeque<Action> = feed(&mut state, observed).into();
         while let Some(action) = todo.pop_front() {
             match action {
                 Action::Evict(wave) => {
                     for p in wave {
-                        let Some(heard) = Box::pin(ask_eviction(ctx, (&node, node_pods), p, &budget_changed)).await
-                        else {
+                        let Some(heard) = Box::pin(ask_eviction(ctx, &node, p, &budget_changed)).await else {
                             return Ok(TaskOutcome::Interrupted);
                         };
                         // an answer can only end the drain (an error asking again cannot cure)
@@ -396,19 +394,18 @@ async fn act(ctx: &Ctx, task: &TaskRef, node: &str, deadline: Duration, action: 
     None
 }
 
-/// Waits for the eviction's turn (see [`super::gate`]; `node_pods` is how many pods the drain of
-/// `node` has to evict), asks the pod's budget, then (unless the
+/// Waits for the eviction's turn (see [`super::gate`]), asks the pod's budget, then (unless the
 /// budget holds it) the Eviction API, keeping the budget's reservation in step with the server's
 /// answer. `None` when the run is interrupted first.
 async fn ask_eviction(
     ctx: &Ctx,
-    (node, node_pods): (&str, usize),
+    node: &str,
     p: Arc<PodRef>,
     budget_changed: &Arc<tokio::sync::Notify>,
 ) -> Option<Observation> {
     let _turn = tokio::select! {
         _ = ctx.cancel.cancelled() => return None,
-        turn = ctx.evictions.acquire(node, node_pods, p.grace()) => turn,
+        turn = ctx.evictions.acquire(node, p.grace()) => turn,
     };
     // the budget is asked once the turn has come, so it answers with what is true then
     let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &*p.labels, p.ready, budget_changed) {

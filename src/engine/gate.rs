@@ -14,25 +14,22 @@
 //!   empty, so when the eviction rate rather than grace periods sets the pace (5,000 nodes), no
 //!   node is empty before the last evictions and all the terminations wait until after the drain.
 //!
-//! The gate therefore gives each node a target, the time at which the evictions queued so far
-//! would have emptied it and the nodes seen before it, at the eviction rate the gate measures, and
-//! serves the waiting evictions earliest deadline first, a pod's deadline being its node's target
-//! less its grace period. While the queue is short against the grace periods (1,000 nodes) the
-//! targets lie close together and the order is longest grace period first; once the queue is
-//! longer than the grace periods, nodes empty one after another while others still drain, and
-//! their releases overlap the drain. Before the first eviction has been answered there is no rate
-//! and every target is now: the order is longest grace period first.
+//! The gate therefore gives each node a target: when EC2 can terminate its instance, were the
+//! nodes terminated in the order their drains first asked, at EC2's default pace (the first 1,000
+//! at once, then 20 a second: [`crate::aws::pacing`]). It serves the waiting evictions earliest
+//! deadline first, a pod's deadline being its node's target less its grace period. Up to 1,000
+//! nodes every target is now, and the order is longest grace period first. Beyond, nodes empty
+//! one after another in time for their turn at EC2, so the termination floor is paid under the
+//! drain; the last nodes' long pods still start long before their turn. The targets use no
+//! measured rate, so every deadline is comparable with every other, whenever it was computed.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-/// How much each eviction's time moves the smoothed one: hundreds are answered a second on a large
-/// cluster, so the estimate follows the server within a second without jumping at one slow answer.
-const LATENCY_WEIGHT: f64 = 0.05;
+use crate::aws::pacing::{TERMINATE_BUCKET, TERMINATE_REFILL_PER_SEC};
 
 /// Hands out a fixed number of permits, the waiting with the earliest deadline first.
 #[derive(Clone)]
@@ -42,20 +39,14 @@ pub(crate) struct PriorityGate {
 
 struct State {
     free: usize,
-    /// How many permits the gate has: the eviction rate is this many per request's latency.
-    permits: usize,
     arrivals: u64,
     waiting: BinaryHeap<Waiter>,
-    /// Each node's target, counted in evictions: the pods of every node seen before it and its own.
-    targets: HashMap<String, u64>,
-    /// The pods of every node seen so far.
-    planned: u64,
-    /// How long an eviction holds its permit, smoothed; `None` until the first has come back.
-    latency: Option<Duration>,
+    /// Each node's place in the order the drains first asked, from 0.
+    ranks: HashMap<String, u64>,
 }
 
 struct Waiter {
-    /// Milliseconds from the gate's targets' origin; the smallest is served first.
+    /// Milliseconds from the first termination; the smallest is served first.
     deadline: i64,
     arrival: u64,
     grant: oneshot::Sender<Permit>,
@@ -82,45 +73,31 @@ impl PartialEq for Waiter {
 
 impl Eq for Waiter {}
 
-/// An eviction's deadline in milliseconds: its node's target, `target` evictions at `permits`
-/// per `latency`, less its grace period. Without a latency yet the target is zero for every node,
-/// which leaves the grace periods alone to order the queue.
-fn deadline_ms(target: u64, permits: usize, latency: Option<Duration>, grace: i64) -> i64 {
-    let per_eviction_ms = latency.map_or(0.0, |l| l.as_secs_f64() * 1000.0 / permits.max(1) as f64);
-    // `as` saturates: a target beyond i64's milliseconds is simply last
-    (target as f64 * per_eviction_ms) as i64 - grace.saturating_mul(1000)
-}
-
-/// The smoothed latency after one more eviction took `took`.
-fn smoothed(latency: Option<Duration>, took: Duration) -> Duration {
-    match latency {
-        None => took,
-        Some(l) => l.mul_f64(1.0 - LATENCY_WEIGHT) + took.mul_f64(LATENCY_WEIGHT),
-    }
+/// A pod's deadline in milliseconds after the first termination: its node's turn at EC2's
+/// default `TerminateInstances` pace, the node being the `rank`-th to ask, less the pod's grace
+/// period.
+fn deadline_ms(rank: u64, grace: i64) -> i64 {
+    let turn_ms = (rank as f64 - TERMINATE_BUCKET).max(0.0) * 1000.0 / TERMINATE_REFILL_PER_SEC;
+    // `as` saturates, and a rank beyond i64's milliseconds is simply last
+    (turn_ms as i64).saturating_sub(grace.saturating_mul(1000))
 }
 
 /// One of the gate's permits; dropping it hands it to the next waiter.
 pub(crate) struct Permit {
     /// `None` once the permit has been handed on, or for the permit of a gate that is gone.
     gate: Option<Arc<Mutex<State>>>,
-    granted: Instant,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         if let Some(state) = self.gate.take() {
-            let took = self.granted.elapsed();
-            {
-                let mut s = lock(&state);
-                s.latency = Some(smoothed(s.latency, took));
-            }
             release(&state);
         }
     }
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    // the state is counters, a map and a heap, each change a single call that cannot panic halfway
+    // the state is a counter, a map and a heap, each change a single call that cannot panic halfway
     state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -139,7 +116,7 @@ fn release(state: &Arc<Mutex<State>>) {
                 }
             }
         };
-        match next.grant.send(Permit { gate: Some(state.clone()), granted: Instant::now() }) {
+        match next.grant.send(Permit { gate: Some(state.clone()) }) {
             Ok(()) => return,
             // the waiter gave up (its drain ended or was cancelled): the next one gets it
             Err(mut unsent) => unsent.gate = None,
@@ -152,38 +129,27 @@ impl PriorityGate {
         Self {
             state: Arc::new(Mutex::new(State {
                 free: permits,
-                permits,
                 arrivals: 0,
                 waiting: BinaryHeap::new(),
-                targets: HashMap::new(),
-                planned: 0,
-                latency: None,
+                ranks: HashMap::new(),
             })),
         }
     }
 
-    /// A permit for evicting a pod with `grace` seconds from `node`, which had `node_pods` pods to
-    /// evict when its drain first asked: at once while one is free, otherwise once every waiter
-    /// with an earlier deadline, and every earlier one with the same, has had one. Cancel-safe: a
-    /// waiter dropped before its turn takes no permit with it.
-    pub(crate) async fn acquire(&self, node: &str, node_pods: usize, grace: i64) -> Permit {
+    /// A permit for evicting a pod with `grace` seconds from `node`: at once while one is free,
+    /// otherwise once every waiter with an earlier deadline, and every earlier one with the same,
+    /// has had one. Cancel-safe: a waiter dropped before its turn takes no permit with it.
+    pub(crate) async fn acquire(&self, node: &str, grace: i64) -> Permit {
         let granted = {
             let mut s = lock(&self.state);
-            // every node takes its place in the schedule when it first asks, served at once or not
-            let target = match s.targets.get(node) {
-                Some(t) => *t,
-                None => {
-                    s.planned += node_pods as u64;
-                    let t = s.planned;
-                    s.targets.insert(node.to_string(), t);
-                    t
-                }
-            };
+            // every node takes its place when it first asks, served at once or not
+            let next = s.ranks.len() as u64;
+            let rank = *s.ranks.entry(node.to_string()).or_insert(next);
             if s.free > 0 {
                 s.free -= 1;
-                return Permit { gate: Some(self.state.clone()), granted: Instant::now() };
+                return Permit { gate: Some(self.state.clone()) };
             }
-            let deadline = deadline_ms(target, s.permits, s.latency, grace);
+            let deadline = deadline_ms(rank, grace);
             let (grant, granted) = oneshot::channel();
             let arrival = s.arrivals;
             s.arrivals += 1;
@@ -193,17 +159,12 @@ impl PriorityGate {
         // The sender lives in the heap until a permit is sent through it, and the heap lives as
         // long as `self`, which this future borrows: it cannot be dropped unsent. Were it ever,
         // the caller goes ahead unbounded rather than waiting forever.
-        granted.await.unwrap_or(Permit { gate: None, granted: Instant::now() })
+        granted.await.unwrap_or(Permit { gate: None })
     }
 
     #[cfg(test)]
     fn free(&self) -> usize {
         lock(&self.state).free
-    }
-
-    #[cfg(test)]
-    fn assume_latency(&self, latency: Duration) {
-        lock(&self.state).latency = Some(latency);
     }
 }
 
@@ -213,19 +174,19 @@ mod tests {
 
     use super::*;
 
-    /// Starts a waiter for a pod of `node` (with `node_pods` pods) that records its name once it
-    /// holds a permit and keeps it until told.
+    /// Starts a waiter for a pod of `node` that records its name once it holds a permit and keeps
+    /// it until told.
     fn waiter(
         gate: &PriorityGate,
         name: &'static str,
-        (node, node_pods): (&'static str, usize),
+        node: &'static str,
         grace: i64,
         order: &tokio::sync::mpsc::UnboundedSender<&'static str>,
     ) -> (tokio::task::JoinHandle<()>, oneshot::Sender<()>) {
         let (done, hold) = oneshot::channel::<()>();
         let (gate, order) = (gate.clone(), order.clone());
         let task = tokio::spawn(async move {
-            let _permit = gate.acquire(node, node_pods, grace).await;
+            let _permit = gate.acquire(node, grace).await;
             let _ = order.send(name);
             let _ = hold.await;
         });
@@ -237,35 +198,29 @@ mod tests {
     }
 
     #[test]
-    fn a_deadline_is_the_node_target_at_the_measured_rate_less_the_grace_period() {
-        // no rate yet: the grace period alone
-        assert_eq!(deadline_ms(5_000, 64, None, 120), -120_000);
-        // 64 permits each held 640 ms: 100 evictions a second, so the 5,000th is due at 50 s
-        assert_eq!(deadline_ms(5_000, 64, Some(Duration::from_millis(640)), 120), 50_000 - 120_000);
-        assert_eq!(deadline_ms(5_000, 64, Some(Duration::from_millis(640)), 10), 50_000 - 10_000);
-        assert_eq!(deadline_ms(u64::MAX, 1, Some(Duration::from_secs(1)), 0), i64::MAX, "saturates");
-    }
-
-    #[test]
-    fn the_latency_follows_the_answers_slowly() {
-        let first = smoothed(None, Duration::from_millis(200));
-        assert_eq!(first, Duration::from_millis(200));
-        let next = smoothed(Some(first), Duration::from_millis(1_200));
-        assert_eq!(next, Duration::from_millis(250), "one slow answer moves it by a twentieth");
+    fn a_deadline_is_the_node_turn_at_ec2_less_the_grace_period() {
+        // the first 1,000 nodes' instances go in EC2's first burst
+        assert_eq!(deadline_ms(0, 120), -120_000);
+        assert_eq!(deadline_ms(1_000, 10), -10_000);
+        // then 20 a second: the 5,000th node's turn is 200 s after the first termination
+        assert_eq!(deadline_ms(5_000, 120), 200_000 - 120_000);
+        assert_eq!(deadline_ms(5_000, 10), 200_000 - 10_000);
+        assert!(deadline_ms(u64::MAX, 0) > deadline_ms(1 << 40, 0), "saturates, still last");
     }
 
     #[tokio::test]
-    async fn permits_go_at_once_while_free_then_longest_grace_first_while_no_rate_is_known() {
+    async fn permits_go_at_once_while_free_then_longest_grace_first_within_the_first_burst() {
         let gate = PriorityGate::new(2);
         let (tx, mut order) = tokio::sync::mpsc::unbounded_channel();
-        let (_a, release_a) = waiter(&gate, "a", ("n1", 2), 10, &tx);
-        let (_b, release_b) = waiter(&gate, "b", ("n1", 2), 10, &tx);
+        let (_a, release_a) = waiter(&gate, "a", "n1", 10, &tx);
+        let (_b, release_b) = waiter(&gate, "b", "n1", 10, &tx);
         settle().await;
         assert_eq!((order.recv().await, order.recv().await), (Some("a"), Some("b")), "both free permits go at once");
         let mut held = Vec::new();
-        let queued = [("short", "n2", 10), ("long-1", "n3", 120), ("medium", "n4", 30), ("long-2", "n5", 120)];
-        for (name, node, grace) in queued {
-            held.push(waiter(&gate, name, (node, 1_000), grace, &tx));
+        for (name, node, grace) in
+            [("short", "n2", 10), ("long-1", "n3", 120), ("medium", "n4", 30), ("long-2", "n5", 120)]
+        {
+            held.push(waiter(&gate, name, node, grace, &tx));
             settle().await;
         }
         assert!(order.try_recv().is_err(), "no permit is free");
@@ -283,20 +238,27 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn once_the_rate_is_known_an_early_node_empties_before_a_late_node_long_pod_starts() {
-        // one permit, each eviction one second: a node's target is its place in the queue, in seconds
+    async fn beyond_the_first_burst_an_early_node_empties_before_a_late_node_long_pod_starts() {
         let gate = PriorityGate::new(1);
-        gate.assume_latency(Duration::from_secs(1));
         let (tx, mut order) = tokio::sync::mpsc::unbounded_channel();
-        let (_h, release_holder) = waiter(&gate, "holder", ("early", 2), 30, &tx);
+        let (_h, release_holder) = waiter(&gate, "holder", "node-0", 30, &tx);
         assert_eq!(order.recv().await, Some("holder"));
-        // `early` is due at 2 s, `late` (300 pods behind it) at 302 s
-        let (_l, release_late) = waiter(&gate, "late-120s", ("late", 300), 120, &tx);
+        // nodes 1 to 4,998 have asked before, so that node-4999 is the 5,000th
+        {
+            let mut s = lock(&gate.state);
+            for i in 1..4_999 {
+                let next = s.ranks.len() as u64;
+                s.ranks.entry(format!("node-{i}")).or_insert(next);
+            }
+        }
+        // node-4999's turn at EC2 is 200 s in: its 120 s pod is due at 80 s, where node-0's
+        // 10 s pod is due 10 s before the first termination
+        let (_l, release_late) = waiter(&gate, "late-120s", "node-4999", 120, &tx);
         settle().await;
-        let (_s, release_short) = waiter(&gate, "early-10s", ("early", 2), 10, &tx);
+        let (_s, release_short) = waiter(&gate, "early-10s", "node-0", 10, &tx);
         settle().await;
         let _ = release_holder.send(());
-        assert_eq!(order.recv().await, Some("early-10s"), "2 - 10 s is due before 302 - 120 s");
+        assert_eq!(order.recv().await, Some("early-10s"), "-10 s is due before 80 s");
         let _ = release_short.send(());
         assert_eq!(order.recv().await, Some("late-120s"));
         let _ = release_late.send(());
@@ -306,10 +268,10 @@ mod tests {
     async fn a_waiter_that_gives_up_takes_no_permit_with_it() {
         let gate = PriorityGate::new(1);
         let (tx, mut order) = tokio::sync::mpsc::unbounded_channel();
-        let (_holder, release_holder) = waiter(&gate, "holder", ("n", 3), 0, &tx);
+        let (_holder, release_holder) = waiter(&gate, "holder", "n", 0, &tx);
         assert_eq!(order.recv().await, Some("holder"));
-        let (quitter, _keep) = waiter(&gate, "quitter", ("n", 3), 100, &tx);
-        let (_patient, release_patient) = waiter(&gate, "patient", ("n", 3), 1, &tx);
+        let (quitter, _keep) = waiter(&gate, "quitter", "n", 100, &tx);
+        let (_patient, release_patient) = waiter(&gate, "patient", "n", 1, &tx);
         settle().await;
         quitter.abort();
         settle().await;
@@ -323,14 +285,13 @@ mod tests {
     #[tokio::test]
     async fn permits_come_back_when_dropped_and_are_never_more_than_the_gate_has() {
         let gate = PriorityGate::new(3);
-        let held: Vec<Permit> = futures::future::join_all((0..3).map(|i| gate.acquire("n", 4, i))).await;
+        let held: Vec<Permit> = futures::future::join_all((0..3).map(|i| gate.acquire("n", i))).await;
         assert_eq!(gate.free(), 0);
-        let fourth = gate.acquire("n", 4, 7);
+        let fourth = gate.acquire("n", 7);
         tokio::pin!(fourth);
         assert!(tokio::time::timeout(Duration::from_millis(20), &mut fourth).await.is_err(), "none is free");
         drop(held);
         let _fourth = fourth.await;
         assert_eq!(gate.free(), 2, "one held, the other two returned");
-        assert!(lock(&gate.state).latency.is_some(), "the returned permits measured their time");
     }
 }
