@@ -142,9 +142,16 @@ impl PriorityGate {
     pub(crate) async fn acquire(&self, node: &str, grace: i64) -> Permit {
         let granted = {
             let mut s = lock(&self.state);
-            // every node takes its place when it first asks, served at once or not
-            let next = s.ranks.len() as u64;
-            let rank = *s.ranks.entry(node.to_string()).or_insert(next);
+            // every node takes its place when it first asks, served at once or not; the name is
+            // copied only then, not on each of its pods' turns
+            let rank = match s.ranks.get(node) {
+                Some(rank) => *rank,
+                None => {
+                    let rank = s.ranks.len() as u64;
+                    s.ranks.insert(node.to_string(), rank);
+                    rank
+                }
+            };
             if s.free > 0 {
                 s.free -= 1;
                 return Permit { gate: Some(self.state.clone()) };
