@@ -252,6 +252,23 @@ fn pp(manager: &str) -> PatchParams {
     PatchParams { field_manager: Some(manager.into()), ..PatchParams::default() }
 }
 
+fn release(r: Result<FinalizerRemoval, k8s::KubeError>) -> Value {
+    json!(format!("{:?}", r.map_err(|e| e.to_string())))
+}
+
+/// The tool's release of `name` (held by the termination finalizer and `example.com/other`):
+/// the call's answer and the finalizers the admin still sees, each also asserted on this side.
+async fn released<K>(tool: &Api<K>, admin: &Api<K>, name: &str) -> (Value, Value)
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + Serialize + std::fmt::Debug,
+{
+    let r = delete_and_remove_finalizer(tool, name, "karpenter.sh/termination").await;
+    assert!(matches!(r, Ok(FinalizerRemoval::Removed)), "{r:?}");
+    let left = admin.get_opt(name).await.unwrap().map(|o| o.meta().finalizers.clone());
+    assert_eq!(left, Some(Some(vec!["example.com/other".to_string()])));
+    (release(r), json!(left))
+}
+
 fn post(manager: &str) -> PostParams {
     PostParams { field_manager: Some(manager.into()), ..PostParams::default() }
 }
@@ -991,19 +1008,12 @@ async fn deletes(s: &Side) -> Seen {
     let nodes: Api<Node> = Api::all(s.tool.clone());
     let node1: Node = serde_json::from_value(json!({"metadata": {"name": "release-0", "finalizers": held}})).unwrap();
     admin_nodes.create(&post("karpenter"), &node1).await.unwrap();
-    let release = |r: Result<FinalizerRemoval, k8s::KubeError>| json!(format!("{:?}", r.map_err(|e| e.to_string())));
-    let c = delete_and_remove_finalizer(&claims, "claim-1", "karpenter.sh/termination").await;
-    assert!(matches!(c, Ok(FinalizerRemoval::Removed)), "{c:?}");
-    seen.insert("release_claim".into(), release(c));
-    let left = admin_claims.get_opt("claim-1").await.unwrap().map(|o| o.metadata.finalizers);
-    assert_eq!(left, Some(Some(vec!["example.com/other".to_string()])));
-    seen.insert("release_claim_left".into(), json!(left));
-    let n = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination").await;
-    assert!(matches!(n, Ok(FinalizerRemoval::Removed)), "{n:?}");
-    seen.insert("release_node".into(), release(n));
-    let left = admin_nodes.get_opt("release-0").await.unwrap().map(|o| o.metadata.finalizers);
-    assert_eq!(left, Some(Some(vec!["example.com/other".to_string()])));
-    seen.insert("release_node_left".into(), json!(left));
+    let (answered, left) = released(&claims, &admin_claims, "claim-1").await;
+    seen.insert("release_claim".into(), answered);
+    seen.insert("release_claim_left".into(), left);
+    let (answered, left) = released(&nodes, &admin_nodes, "release-0").await;
+    seen.insert("release_node".into(), answered);
+    seen.insert("release_node_left".into(), left);
     let again = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination").await;
     seen.insert("release_node_again".into(), release(again));
     let clear = Patch::Merge(json!({"metadata": {"finalizers": null}}));
