@@ -215,7 +215,7 @@ async fn wait_terminated(aws: &AwsClients, ids: &[String], limit: Duration) -> R
     let deadline = Instant::now() + limit;
     let mut live: Vec<String> = ids.to_vec();
     while !live.is_empty() {
-        let found = aws.ec2.instances_by_id(&live).await?;
+        let found = aws.ec2.live_instances_by_id(&live).await?;
         live = still_live(&live, &found);
         if live.is_empty() || Instant::now() >= deadline {
             break;

@@ -231,12 +231,7 @@ impl Ec2 {
         let mut filters = vec![tag_filter(karpenter::TAG_EKS_CLUSTER, cluster)];
         if scope == InstanceScope::KarpenterLive {
             filters.push(tag_key_filter(karpenter::TAG_NODEPOOL));
-            filters.push(
-                Filter::builder()
-                    .name("instance-state-name")
-                    .set_values(Some(InstanceState::LIVE_FILTER.iter().map(|s| s.to_string()).collect()))
-                    .build(),
-            );
+            filters.push(live_state_filter());
         }
         let all = self.describe(Some(filters)).await?;
         Ok(all.into_iter().filter(|i| scope.admits(i, cluster)).collect())
@@ -244,6 +239,19 @@ impl Ec2 {
 
     /// Looks up instances by id; ids EC2 no longer knows are simply absent from the result.
     pub async fn instances_by_id(&self, ids: &[String]) -> Result<Vec<InstanceInfo>, AwsError> {
+        self.by_id(ids, None).await
+    }
+
+    /// Those of `ids` that are live, for a wait until they are gone: EC2 leaves an instance
+    /// `terminated` in its answers for up to an hour, so without the state filter every poll
+    /// describes again, in full, each instance it has already confirmed. Absent means
+    /// `terminated` or unknown to EC2, the same reading as [`InstanceState::is_live`] (EC2 has no
+    /// state besides these five and `terminated`); verification proves the end with this filter too.
+    pub async fn live_instances_by_id(&self, ids: &[String]) -> Result<Vec<InstanceInfo>, AwsError> {
+        self.by_id(ids, Some(live_state_filter())).await
+    }
+
+    async fn by_id(&self, ids: &[String], state: Option<Filter>) -> Result<Vec<InstanceInfo>, AwsError> {
         // Owned chunks: a future borrowing a slice of `ids` makes the stream's type
         // lifetime-generic, which the spawned batcher's future cannot name.
         let chunks: Vec<Vec<String>> = ids.chunks(FILTER_VALUES_MAX).map(<[String]>::to_vec).collect();
@@ -253,7 +261,7 @@ impl Ec2 {
                 // from failing the whole call with InvalidInstanceID.NotFound (and InstanceIds
                 // cannot be combined with MaxResults).
                 let f = Filter::builder().name("instance-id").set_values(Some(chunk)).build();
-                self.describe(Some(vec![f]))
+                self.describe(Some([Some(f), state.clone()].into_iter().flatten().collect()))
             })
             .buffered(DESCRIBES_IN_FLIGHT)
             .try_collect()
@@ -462,6 +470,13 @@ impl Ec2 {
         }
         Ok(out)
     }
+}
+
+fn live_state_filter() -> Filter {
+    Filter::builder()
+        .name("instance-state-name")
+        .set_values(Some(InstanceState::LIVE_FILTER.iter().map(|s| s.to_string()).collect()))
+        .build()
 }
 
 fn tag_filter(key: &str, value: &str) -> Filter {

@@ -129,7 +129,7 @@ async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
         if !waiting.is_empty() && Instant::now() >= next_poll {
             next_poll = Instant::now() + POLL;
             let ids: Vec<String> = waiting.keys().cloned().collect();
-            match ec2.instances_by_id(&ids).await {
+            match ec2.live_instances_by_id(&ids).await {
                 Ok(found) => {
                     let live: HashMap<&str, InstanceState> =
                         found.iter().filter(|i| i.state.is_live()).map(|i| (i.id.as_str(), i.state)).collect();

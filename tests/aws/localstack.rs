@@ -429,14 +429,22 @@ async fn the_ec2_proxy_shows_terminations_as_ec2_would_and_filters_on_that_state
         let (tool, id) = (tool.clone(), id.clone());
         async move { tool.ec2.instances_by_id(&[id]).await.unwrap().first().map(|i| i.state) }
     };
+    // what a wait for the termination reads: LocalStack already says terminated throughout
+    let live_by_id = |tool: &karpenter_teardown::aws::AwsClients| {
+        let (tool, id) = (tool.clone(), id.clone());
+        async move { tool.ec2.live_instances_by_id(&[id]).await.unwrap().first().map(|i| i.state) }
+    };
     assert_eq!(state(&tool).await, Some(InstanceState::Running), "a read right after the call is stale");
+    assert_eq!(live_by_id(&tool).await, Some(InstanceState::Running), "a wait does not end on a stale read");
     let live = tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap();
     assert_eq!(live.len(), 1, "the live-state filter still finds it");
     tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
     assert_eq!(state(&tool).await, Some(InstanceState::ShuttingDown));
+    assert_eq!(live_by_id(&tool).await, Some(InstanceState::ShuttingDown), "nor while it shuts down");
     assert_eq!(tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().len(), 1);
     tokio::time::sleep(std::time::Duration::from_millis(2000)).await;
     assert_eq!(state(&tool).await, Some(InstanceState::Terminated));
+    assert_eq!(live_by_id(&tool).await, None, "terminated: left out of the answer, so the wait ends");
     assert!(tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().is_empty());
     proxy.shutdown().await;
 }
