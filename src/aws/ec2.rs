@@ -242,11 +242,12 @@ impl Ec2 {
         self.by_id(ids, None).await
     }
 
-    /// Those of `ids` that are live, for a wait until they are gone: EC2 leaves an instance
-    /// `terminated` in its answers for up to an hour, so without the state filter every poll
-    /// describes again, in full, each instance it has already confirmed. Absent means
-    /// `terminated` or unknown to EC2, the same reading as [`InstanceState::is_live`] (EC2 has no
-    /// state besides these five and `terminated`); verification proves the end with this filter too.
+    /// Those of `ids` that are live, for a wait until they are gone: EC2 keeps a `terminated`
+    /// instance in its answers for about an hour (the TerminateInstances reference), so without
+    /// the state filter a poll's answer describes in full every instance whose termination it
+    /// confirms. Absent means `terminated` or unknown to EC2, the same reading as
+    /// [`InstanceState::is_live`] (EC2 has no state besides these five and `terminated`);
+    /// verification proves the end with this filter too.
     pub async fn live_instances_by_id(&self, ids: &[String]) -> Result<Vec<InstanceInfo>, AwsError> {
         self.by_id(ids, Some(live_state_filter())).await
     }
