@@ -253,9 +253,12 @@ impl Ec2 {
     }
 
     async fn by_id(&self, ids: &[String], state: Option<Filter>) -> Result<Vec<InstanceInfo>, AwsError> {
+        // EC2 counts the values of all of a call's filters against its limit, not each filter's
+        let other_values = state.as_ref().map_or(0, |f| f.values().len());
+        let per_call = FILTER_VALUES_MAX - other_values;
         // Owned chunks: a future borrowing a slice of `ids` makes the stream's type
         // lifetime-generic, which the spawned batcher's future cannot name.
-        let chunks: Vec<Vec<String>> = ids.chunks(FILTER_VALUES_MAX).map(<[String]>::to_vec).collect();
+        let chunks: Vec<Vec<String>> = ids.chunks(per_call).map(<[String]>::to_vec).collect();
         let pages: Vec<Vec<InstanceInfo>> = stream::iter(chunks)
             .map(|chunk| {
                 // Filtering on instance-id instead of passing InstanceIds keeps one unknown id
