@@ -297,36 +297,6 @@ async fn pods_are_removed_after_their_scaled_grace_period() {
     s.shutdown().await;
 }
 
-/// A pod with nowhere to go is backed off, as kube-scheduler backs it off, and placed once a
-/// node takes it: the backoff ends (1 s doubled up to 10 s, scaled here to at most 0.1 s) and
-/// the scheduler tries it again.
-#[tokio::test]
-async fn an_unplaced_pod_is_placed_after_its_backoff_once_a_node_takes_it() {
-    let (s, c) = server(true).await;
-    let nodes: Api<Node> = Api::all(c.clone());
-    let mut cordoned = node("n1");
-    cordoned.spec = Some(serde_json::from_value(json!({"unschedulable": true})).unwrap());
-    nodes.create(&PostParams::default(), &cordoned).await.unwrap();
-    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
-    for n in ["a", "b", "c"] {
-        pods.create(&PostParams::default(), &pod(n, None, json!({}))).await.unwrap();
-    }
-    // long enough for several failed tries and the longest backoff
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    for n in ["a", "b", "c"] {
-        let p = pods.get(n).await.unwrap();
-        assert_eq!(p.spec.unwrap().node_name, None, "{n}: the only node is cordoned");
-    }
-    nodes.patch("n1", &PatchParams::default(), &Patch::Merge(json!({"spec": {"unschedulable": false}}))).await.unwrap();
-    for n in ["a", "b", "c"] {
-        eventually("the pod placed on the uncordoned node", || async {
-            pods.get(n).await.unwrap().spec.unwrap().node_name.as_deref() == Some("n1")
-        })
-        .await;
-    }
-    s.shutdown().await;
-}
-
 async fn running_pods(c: &Client, names: &[&str], labels: Value) {
     let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
     for n in names {

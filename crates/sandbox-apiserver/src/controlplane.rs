@@ -36,8 +36,6 @@ enum Timer {
     PdbRefresh,
     /// Run the scheduling pass that was held back by [`SCHEDULE_EVERY`].
     Schedule,
-    /// Run a scheduling pass for the pods whose backoff ends now ([`Backoff`]).
-    Retry,
     /// Recompute a namespace's PDBs when an entry of their `disruptedPods` expires, like the
     /// disruption controller's `enqueuePdbForRecheck`.
     PdbRecheck(String),
@@ -144,25 +142,7 @@ struct ControlPlane {
     /// When the scheduler last ran, and whether a [`Timer::Schedule`] is queued.
     scheduled_at: Option<Instant>,
     schedule_armed: bool,
-    /// Pods the scheduler could not place, by uid: not tried again before their backoff ends.
-    backoff: HashMap<Arc<str>, Backoff>,
-    /// When the queued [`Timer::Retry`] fires.
-    retry_at: Option<Instant>,
 }
-
-/// A pod the scheduler could not place, and when it may be tried again. kube-scheduler backs such
-/// a pod off for 1 s, doubled on each failure up to 10 s (`podInitialBackoffSeconds`,
-/// `podMaxBackoffSeconds`), and an event that could make it fit only moves it to the backoff
-/// queue, never past its backoff. Trying every unplaced pod on every pass instead made each pass
-/// parse all of a drain's replacement pods (tens of thousands at 5,000 nodes, none placeable, the
-/// nodes being cordoned) ten times a second, which took most of the sandbox's time.
-struct Backoff {
-    until: Instant,
-    last: Duration,
-}
-
-const BACKOFF_INITIAL: Duration = Duration::from_secs(1);
-const BACKOFF_MAX: Duration = Duration::from_secs(10);
 
 /// How often the scheduler runs at most. A pass lists every pod; during a large drain every
 /// eviction, deletion and replacement asks for one, and running them back to back kept a core
@@ -373,8 +353,6 @@ async fn controllers(
         pdb_recheck: HashMap::new(),
         scheduled_at: None,
         schedule_armed: false,
-        backoff: HashMap::new(),
-        retry_at: None,
     };
     // every change, never cut: a pass that falls behind catches up on the next one instead of
     // resynchronising everything (`Store::feed`)
@@ -549,10 +527,6 @@ impl ControlPlane {
                 }
                 Timer::Schedule => {
                     self.schedule_armed = false;
-                    d.schedule = true;
-                }
-                Timer::Retry => {
-                    self.retry_at = None;
                     d.schedule = true;
                 }
             }
@@ -1061,11 +1035,8 @@ impl ControlPlane {
         );
     }
 
-    fn schedule(&mut self) {
+    fn schedule(&self) {
         let all = self.store.list(&pods_gr(), None, &ListOptions::default()).map(|l| l.items).unwrap_or_default();
-        let now = Instant::now();
-        // the unplaced pods still pending: the others' backoff is forgotten
-        let mut unplaced: HashMap<Arc<str>, Backoff> = HashMap::new();
         let mut load: HashMap<String, usize> = HashMap::new();
         let mut pending = Vec::new();
         for p in &all {
@@ -1076,20 +1047,12 @@ impl ControlPlane {
                 }
             } else if !sum.deleting && !sum.terminal() {
                 let sched = sum.scheduler_name.as_deref().unwrap_or("default-scheduler");
-                if sched != "default-scheduler" {
-                    continue;
-                }
-                match self.backoff.remove(&sum.uid) {
-                    Some(b) if b.until > now => {
-                        unplaced.insert(sum.uid.clone(), b);
-                    }
-                    b => pending.push((p, b.map(|b| b.last))),
+                if sched == "default-scheduler" {
+                    pending.push(p);
                 }
             }
         }
         if pending.is_empty() {
-            self.backoff = unplaced;
-            self.arm_retry();
             return;
         }
         let usable = self.placement_nodes(node_ready);
@@ -1099,10 +1062,10 @@ impl ControlPlane {
         // 1,000 nodes would otherwise never settle).
         let caps: HashMap<String, usize> = usable.iter().map(|n| (s(&n["metadata"]["name"]), capacity(n))).collect();
         let mut by_signature: HashMap<String, BTreeSet<(usize, String)>> = HashMap::new();
-        for (stored, last) in pending {
+        for p in pending {
             // parsed one at a time: during a drain thousands of replacements wait here, and all of
             // them parsed at once were a third of a rehearsal's heap
-            let p = stored.value();
+            let p = p.value();
             let signature = json!([p["spec"]["nodeSelector"], p["spec"]["tolerations"]]).to_string();
             // Least loaded fitting node first, like a spreading scheduler.
             let chosen = by_signature
@@ -1120,12 +1083,7 @@ impl ControlPlane {
                 })
                 .first()
                 .cloned();
-            let Some((node_load, node_name)) = chosen else {
-                let last = last.map_or(BACKOFF_INITIAL, |l| (l * 2).min(BACKOFF_MAX));
-                let until = now + Duration::from_secs_f64(last.as_secs_f64() * self.scale);
-                unplaced.insert(stored.summary().uid.clone(), Backoff { until, last });
-                continue;
-            };
+            let Some((node_load, node_name)) = chosen else { continue };
             let (ns, name) = ns_name(&p);
             let wm = WriteOptions::manager("default-scheduler");
             let bound = self.store.patch(&pods_gr(), &ns, &name, PatchType::Merge,
@@ -1144,18 +1102,6 @@ impl ControlPlane {
                     set.insert((new_load, node_name.clone()));
                 }
             }
-        }
-        self.backoff = unplaced;
-        self.arm_retry();
-    }
-
-    /// Queues a scheduling pass for when the first backoff ends, unless one comes sooner.
-    fn arm_retry(&mut self) {
-        let Some(first) = self.backoff.values().map(|b| b.until).min() else { return };
-        if self.retry_at.is_none_or(|at| at > first) {
-            self.retry_at = Some(first);
-            self.seq += 1;
-            self.timers.insert((first, self.seq), Timer::Retry);
         }
     }
 }
