@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use tokio::sync::broadcast::error::TryRecvError;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -354,9 +355,7 @@ async fn controllers(
         scheduled_at: None,
         schedule_armed: false,
     };
-    // every change, never cut: a pass that falls behind catches up on the next one instead of
-    // resynchronising everything (`Store::feed`)
-    let mut rx = store.feed();
+    let mut rx = store.subscribe();
     let mut dirty = Dirty { all: true, schedule: true, ds_all: true, ..Default::default() };
     loop {
         off_the_workers(|| cp.reconcile(&mut dirty));
@@ -365,20 +364,28 @@ async fn controllers(
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = sleep, if next.is_some() => off_the_workers(|| cp.fire_timers(&mut dirty)),
-            r = rx.recv() => {
-                // never while this loop holds the store, which holds the sending side
-                let Some(ev) = r else { return };
-                off_the_workers(|| {
-                    cp.observe(&ev, &mut dirty);
-                    // Batch whatever else is already queued before reconciling.
-                    for _ in 0..10_000 {
-                        match rx.try_recv() {
-                            Ok(ev) => cp.observe(&ev, &mut dirty),
-                            Err(_) => break,
+            r = rx.recv() => off_the_workers(|| {
+                match r {
+                    Ok(ev) => cp.observe(&ev, &mut dirty),
+                    Err(_) => {
+                        // Fell behind the change stream: resynchronise everything.
+                        rx = store.subscribe();
+                        dirty.all = true;
+                    }
+                }
+                // Batch whatever else is already queued before reconciling.
+                for _ in 0..10_000 {
+                    match rx.try_recv() {
+                        Ok(ev) => cp.observe(&ev, &mut dirty),
+                        Err(TryRecvError::Empty) => break,
+                        Err(_) => {
+                            rx = store.subscribe();
+                            dirty.all = true;
+                            break;
                         }
                     }
-                })
-            }
+                }
+            }),
         }
         // Under load the change stream is never empty, so nothing above waits: give the API
         // server's tasks this loop woke their turn before the next pass.

@@ -219,8 +219,6 @@ impl Inner {
             }
         }
         let ev = Arc::new(StoreEvent { rv: self.rv, event_type, key, object_json, old_json });
-        // a feed whose receiver is gone is dropped
-        self.feeds.retain(|f| f.send(ev.clone()).is_ok());
         // No receiver is fine: nobody watches.
         let _ = self.tx.send(ev);
     }
@@ -320,34 +318,6 @@ mod tests {
                 at(EventType::Deleted, "4", Some("4")),
             ]
         );
-    }
-
-    /// The control plane's feed holds every change its reader has not taken yet, where a ring
-    /// receiver that far behind is cut (`Lagged`) and would have to resynchronise.
-    #[test]
-    fn a_feed_keeps_every_change_a_busy_reader_has_not_taken() {
-        let store = Store::new(100, 1);
-        let gr = GroupResource::new("", "configmaps");
-        let w = WriteOptions::manager("test");
-        let mut ring = store.subscribe();
-        let mut feed = store.feed();
-        let n = 20_000;
-        for i in 0..n {
-            store.create(&gr, "default", cm(&format!("c{i:05}"), "1"), &w).unwrap();
-        }
-        assert!(
-            matches!(ring.try_recv(), Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_))),
-            "more changes than the ring holds"
-        );
-        let mut names = Vec::new();
-        while let Ok(ev) = feed.try_recv() {
-            names.push(ev.object()["metadata"]["name"].as_str().unwrap().to_string());
-        }
-        assert_eq!(names.len(), n, "every change, in order");
-        assert_eq!((names[0].as_str(), names[n - 1].as_str()), ("c00000", "c19999"));
-        drop(feed);
-        store.create(&gr, "default", cm("after", "1"), &w).unwrap();
-        assert!(store.lock().feeds.is_empty(), "a feed nobody reads any more is dropped");
     }
 
     /// A resumed watch gets every change after its resourceVersion with the object and the old

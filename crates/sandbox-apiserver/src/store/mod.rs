@@ -252,8 +252,6 @@ pub(crate) struct Inner {
     /// gets 410.
     watch_floor: u64,
     tx: broadcast::Sender<Arc<StoreEvent>>,
-    /// The in-process control plane's change queues ([`Store::feed`]).
-    feeds: Vec<tokio::sync::mpsc::UnboundedSender<Arc<StoreEvent>>>,
     rng: u64,
     work: VecDeque<Work>,
     packer: Packer,
@@ -349,9 +347,9 @@ impl Store {
     /// An empty store with the default namespaces; `watch_history` events are kept for watch
     /// resumption (older resourceVersions answer 410).
     pub fn new(watch_history: usize, seed: u64) -> Store {
-        // Live watchers read changes from this ring; one that falls more than its capacity behind
-        // is cut and resumes from the history, as kube-apiserver closes a watcher that does not
-        // keep up (the control plane has a feed of its own, `Store::feed`). 4,096 cut the
+        // Live watchers and the control plane read changes from this ring; one that falls more than
+        // its capacity behind is cut and resumes from the history (a watch) or resynchronises (the
+        // control plane), as kube-apiserver closes a watcher that does not keep up. 4,096 cut the
         // tool's pod watch 17 times in a 1,000-node teardown and cost it 6 s; 16,384 cut it none,
         // and the process's peak memory was the same (3.0 GiB) either way.
         let (tx, _) = broadcast::channel(16_384);
@@ -369,7 +367,6 @@ impl Store {
             history_floor: 0,
             watch_floor: 0,
             tx,
-            feeds: Vec::new(),
             rng: seed | 1,
             work: VecDeque::new(),
             packer: Packer::default(),
@@ -407,19 +404,6 @@ impl Store {
     /// channel's capacity gets `Lagged` and must re-list.
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<StoreEvent>> {
         self.lock().tx.subscribe()
-    }
-
-    /// A receiver of every change from now on that is never cut: when its reader is busy the
-    /// queue grows, as a kube-controller-manager informer's does (a reflector reads its watch
-    /// into an unbounded queue). For the control plane in this process: on the ring of
-    /// [`Store::subscribe`] a pass of seconds at 5,000 nodes fell behind the drain's writes, and
-    /// each resynchronisation, longer still, fell behind again, so a Deployment scaled to zero
-    /// kept its pod for minutes where a real cluster removes it within its grace period. HTTP
-    /// watchers stay on the ring and are cut, as kube-apiserver cuts a watcher that lags.
-    pub fn feed(&self) -> tokio::sync::mpsc::UnboundedReceiver<Arc<StoreEvent>> {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        self.lock().feeds.push(tx);
-        rx
     }
 
     /// Reads one object.
