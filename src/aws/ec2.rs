@@ -255,7 +255,9 @@ impl Ec2 {
     async fn by_id(&self, ids: &[String], state: Option<Filter>) -> Result<Vec<InstanceInfo>, AwsError> {
         // EC2 counts the values of all of a call's filters against its limit, not each filter's
         let other_values = state.as_ref().map_or(0, |f| f.values().len());
-        let per_call = FILTER_VALUES_MAX - other_values;
+        // at least one id a call: a filter of 200 values or more would be EC2's refusal to
+        // report, not a chunk size of zero (which would panic)
+        let per_call = FILTER_VALUES_MAX.saturating_sub(other_values).max(1);
         // Owned chunks: a future borrowing a slice of `ids` makes the stream's type
         // lifetime-generic, which the spawned batcher's future cannot name.
         let chunks: Vec<Vec<String>> = ids.chunks(per_call).map(<[String]>::to_vec).collect();
