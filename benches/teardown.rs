@@ -179,6 +179,15 @@ impl Measured {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // `BENCH_LOG=sandbox_apiserver=debug` prints the bed's own timings (the sandbox's controllers'
+    // loop among them) on stderr, to tell what in the bed bounds a figure.
+    if let Ok(filter) = std::env::var("BENCH_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .init();
+    }
     let bin = match &args.bin {
         Some(b) => b.clone(),
         None => locate_binary()?,

@@ -41,6 +41,12 @@ pub struct Summary {
     pub phase: Arc<str>,
     /// `spec.schedulerName`, when set.
     pub scheduler_name: Option<Arc<str>>,
+    /// Whether `status.conditions` holds `Ready` with status `True`.
+    pub ready: bool,
+    /// A pod's `[spec.nodeSelector, spec.tolerations]` as JSON text, one copy for all the pods
+    /// that have the same: what decides the nodes a pod may go to, so the scheduler groups
+    /// pending pods by it without parsing each. `None` for other kinds.
+    pub placement: Option<Arc<str>>,
 }
 
 /// An object's labels, in key order; shared by the objects that carry the same set.
@@ -148,7 +154,20 @@ impl Summary {
             scheduler_name: obj["spec"]["schedulerName"]
                 .is_string()
                 .then(|| interner.str(&obj["spec"]["schedulerName"])),
+            ready: obj["status"]["conditions"]
+                .as_array()
+                .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True")),
+            placement: (obj["kind"] == "Pod").then(|| {
+                let spec = &obj["spec"];
+                interner.text(&serde_json::json!([spec["nodeSelector"], spec["tolerations"]]).to_string())
+            }),
         }
+    }
+
+    /// Whether a pod counts as healthy for its controller and its budgets: running, ready and
+    /// not being deleted (the summary's reading of `pod_healthy`).
+    pub fn pod_healthy(&self) -> bool {
+        !self.deleting && &*self.phase == "Running" && self.ready
     }
 
     /// A label's value.
@@ -287,6 +306,50 @@ mod tests {
         assert_eq!(sum.summary().controller_uid.as_deref(), Some("rs1"));
         assert!(!sum.summary().deleting && stored(&pending).summary().deleting);
         assert_eq!(*sum.value(), running, "the stored JSON parses back to the object");
+    }
+
+    /// The controllers count ready pods and the scheduler groups pending ones from the summary
+    /// alone: it must say what `pod_healthy` and the pod's own spec say.
+    #[test]
+    fn a_pods_health_and_placement_on_the_summary_answer_as_on_the_object() {
+        let mut interner = Interner::default();
+        let pod = |name: &str, phase: &str, ready: &str, deleting: bool, spec: Value| {
+            let mut p = json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": "apps", "uid": name},
+                "spec": spec,
+                "status": {"phase": phase, "conditions": [
+                    {"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": ready}]}});
+            if deleting {
+                p["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+            }
+            p
+        };
+        let web = json!({"nodeSelector": {"karpenter.sh/capacity-type": "on-demand"}, "containers": []});
+        let tolerant = json!({"nodeSelector": {"karpenter.sh/capacity-type": "on-demand"},
+            "tolerations": [{"key": "node.kubernetes.io/unschedulable", "operator": "Exists"}], "containers": []});
+        let pods = [
+            pod("a", "Running", "True", false, web.clone()),
+            pod("b", "Running", "False", false, web.clone()),
+            pod("c", "Running", "True", true, web.clone()),
+            pod("d", "Pending", "True", false, web.clone()),
+            pod("e", "Pending", "False", false, tolerant.clone()),
+            pod("f", "Pending", "False", false, json!({"containers": []})),
+        ];
+        let stored: Vec<Stored> = pods
+            .iter()
+            .map(|p| Stored::new(p, Json::plain(serde_json::to_vec(p).unwrap()), false, &mut interner, Ids::default()))
+            .collect();
+        for (p, s) in pods.iter().zip(&stored) {
+            assert_eq!(s.summary().pod_healthy(), crate::pod_healthy(p), "{}", p["metadata"]["name"]);
+        }
+        let placement = |i: usize| stored[i].summary().placement.clone().unwrap();
+        assert!(Arc::ptr_eq(&placement(0), &placement(3)), "one copy for pods placed alike");
+        assert_ne!(placement(0), placement(4), "tolerations are part of it");
+        assert_ne!(placement(0), placement(5), "the node selector is part of it");
+        let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}});
+        let node = Stored::new(&node, Json::plain(serde_json::to_vec(&node).unwrap()), false, &mut interner, Ids::default());
+        assert!(node.summary().ready && node.summary().placement.is_none());
     }
 
     /// Pods of one template share their label set and repeated strings, read back as their own;
