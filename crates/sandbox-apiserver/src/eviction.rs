@@ -42,39 +42,32 @@ fn scaled(v: &Value, total: i64) -> Option<i64> {
     s.parse().ok()
 }
 
-/// The replica count of the pod's controller (a Deployment's for pods of its ReplicaSets).
-fn controller_scale(inner: &Inner, pod: &Value, seen: &mut BTreeSet<String>) -> i64 {
-    let Some(owner) =
-        pod["metadata"]["ownerReferences"].as_array().and_then(|a| a.iter().find(|r| r["controller"] == true))
-    else {
-        // A bare pod counts for itself.
+/// The replica count of a pod's controller (a Deployment's for pods of its ReplicaSets), counted
+/// once per controller: 0 for a pod whose controller `seen` holds already. The controller is found
+/// by the owner reference's uid, as the disruption controller checks it, and parsed only the first
+/// time: at 100,000 pods a refresh of every budget parsed each pod and its owners, which took the
+/// sandbox's controllers 20 s at a time.
+fn controller_scale(inner: &Inner, pod: &Stored, seen: &mut BTreeSet<Arc<str>>) -> i64 {
+    // a bare pod, or one whose controller is gone, counts for itself
+    let Some((gr, owner)) = pod.summary().controller_uid.as_deref().and_then(|u| inner.by_uid(u)) else { return 1 };
+    let is = |gr: &GroupResource, resource: &str| gr.group == "apps" && gr.resource == resource;
+    let ctrl = if is(gr, "replicasets") {
+        owner
+            .summary()
+            .controller_uid
+            .as_deref()
+            .and_then(|u| inner.by_uid(u))
+            .filter(|(gr, _)| is(gr, "deployments"))
+            .map_or(owner, |(_, dep)| dep)
+    } else if is(gr, "statefulsets") || is(gr, "deployments") {
+        owner
+    } else {
         return 1;
     };
-    let kind = owner["kind"].as_str().unwrap_or_default();
-    let name = owner["name"].as_str().unwrap_or_default();
-    let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
-    let find = |res: &str| inner.find(&GroupResource::new("apps", res), ns, name);
-    let ctrl = match kind {
-        "ReplicaSet" => find("replicasets").map(|rs| {
-            let dep = rs["metadata"]["ownerReferences"]
-                .as_array()
-                .and_then(|a| a.iter().find(|r| r["controller"] == true && r["kind"] == "Deployment"))
-                .and_then(|d| d["name"].as_str())
-                .and_then(|d| inner.find(&GroupResource::new("apps", "deployments"), ns, d));
-            dep.unwrap_or(rs)
-        }),
-        "StatefulSet" => find("statefulsets"),
-        "Deployment" => find("deployments"),
-        _ => None,
-    };
-    let Some(ctrl) = ctrl else {
-        return 1;
-    };
-    let uid = ctrl["metadata"]["uid"].as_str().unwrap_or_default().to_string();
-    if !seen.insert(uid) {
+    if !seen.insert(ctrl.summary().uid.clone()) {
         return 0;
     }
-    ctrl["spec"]["replicas"].as_i64().unwrap_or(1)
+    ctrl.value()["spec"]["replicas"].as_i64().unwrap_or(1)
 }
 
 /// How long an accepted eviction keeps its pod in `disruptedPods` if the pod is not deleted:
@@ -89,17 +82,14 @@ pub(crate) fn deletion_timeout(time_scale: f64) -> std::time::Duration {
 pub(crate) fn pdb_status(inner: &Inner, pdb: &Value, timeout: std::time::Duration) -> Value {
     let ns = pdb["metadata"]["namespace"].as_str().unwrap_or_default();
     let sel = LabelSelector::from_object(&pdb["spec"]["selector"]);
-    // selected by the stored labels, so only the budget's own pods are parsed
-    let pods: Vec<Arc<Value>> = match &sel {
+    // selected and read from the summaries: no pod is parsed
+    let pods: Vec<&Stored> = match &sel {
         None => Vec::new(),
-        Some(sel) => inner.iter_ns(&pods_gr(), Some(ns)).filter(|p| p.selected_by(sel)).map(Stored::value).collect(),
+        Some(sel) => inner.iter_ns(&pods_gr(), Some(ns)).filter(|p| p.selected_by(sel)).collect(),
     };
     let mut disrupted: Map<String, Value> = pdb["status"]["disruptedPods"].as_object().cloned().unwrap_or_default();
-    let live: std::collections::HashSet<&str> = pods
-        .iter()
-        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
-        .filter_map(|p| p["metadata"]["name"].as_str())
-        .collect();
+    let live: std::collections::HashSet<&str> =
+        pods.iter().filter(|p| !p.summary().deleting).map(|p| &*p.summary().name).collect();
     let now_t = std::time::SystemTime::now();
     let fresh = |at: &Value| {
         at.as_str()
@@ -110,8 +100,7 @@ pub(crate) fn pdb_status(inner: &Inner, pdb: &Value, timeout: std::time::Duratio
     disrupted.retain(|name, at| live.contains(name.as_str()) && fresh(at));
     let healthy = pods
         .iter()
-        .filter(|p| pod_healthy(p))
-        .filter(|p| !disrupted.contains_key(p["metadata"]["name"].as_str().unwrap_or_default()))
+        .filter(|p| p.summary().pod_healthy() && !disrupted.contains_key(&*p.summary().name))
         .count() as i64;
     let spec = &pdb["spec"];
     let (expected, desired) = if !spec["maxUnavailable"].is_null() {

@@ -524,6 +524,14 @@ impl Inner {
         self.stored(gr, ns, name).map(Stored::value)
     }
 
+    /// The object with this uid, and its resource.
+    pub(crate) fn by_uid(&self, uid: &str) -> Option<(&GroupResource, &Stored)> {
+        let key = self.uids.get(uid)?;
+        let stored = self.objects.get(&key.gr)?.get(&(key.namespace.clone(), key.name.clone()))?;
+        // a name the object's successor took since
+        (*stored.summary().uid == *uid).then_some((&key.gr, stored))
+    }
+
     /// All objects of a resource in a namespace (or everywhere with `None`).
     pub(crate) fn iter_ns<'a>(
         &'a self,
