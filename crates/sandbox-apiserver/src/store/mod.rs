@@ -351,8 +351,10 @@ impl Store {
         // its capacity behind is cut and resumes from the history (a watch) or resynchronises (the
         // control plane), as kube-apiserver closes a watcher that does not keep up. 4,096 cut the
         // tool's pod watch 17 times in a 1,000-node teardown and cost it 6 s; 16,384 cut it none,
-        // and the process's peak memory was the same (3.0 GiB) either way.
-        let (tx, _) = broadcast::channel(16_384);
+        // and the process's peak memory was the same (3.0 GiB) either way. A 5,000-node drain
+        // writes about 2,000 changes a second, so 16,384 left the control plane 8 s for a pass, and
+        // each pass longer than that ended in a resynchronisation that made the next one longer.
+        let (tx, _) = broadcast::channel(65_536);
         let inner = Inner {
             rv: 1,
             registry: Registry::new(),
