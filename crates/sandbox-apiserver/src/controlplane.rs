@@ -1116,10 +1116,14 @@ impl ControlPlane {
         }
         let live = pods.iter().filter(|p| !p.summary().deleting).count();
         let ready = pods.iter().filter(|p| p.summary().pod_healthy()).count();
-        self.write_status(&apps("statefulsets"), &sts, json!({
-            "replicas": live, "readyReplicas": ready, "availableReplicas": ready,
-            "currentReplicas": live, "updatedReplicas": live, "observedGeneration": sts["metadata"]["generation"],
-        }));
+        self.write_status(
+            &apps("statefulsets"),
+            &sts,
+            json!({
+                "replicas": live, "readyReplicas": ready, "availableReplicas": ready,
+                "currentReplicas": live, "updatedReplicas": live, "observedGeneration": sts["metadata"]["generation"],
+            }),
+        );
     }
 
     fn daemonset(&self, (ns, name): &NsName, owned: &mut OwnedPods) {
@@ -1162,7 +1166,8 @@ impl ControlPlane {
                 &tolerations,
             );
         }
-        let ready = pods.iter().filter(|p| eligible.contains(&*p.summary().node_name) && p.summary().pod_healthy()).count();
+        let ready =
+            pods.iter().filter(|p| eligible.contains(&*p.summary().node_name) && p.summary().pod_healthy()).count();
         self.write_status(
             &apps("daemonsets"),
             &ds,

@@ -98,10 +98,8 @@ pub(crate) fn pdb_status(inner: &Inner, pdb: &Value, timeout: std::time::Duratio
             .is_some_and(|t| t + timeout + std::time::Duration::from_secs(1) > now_t)
     };
     disrupted.retain(|name, at| live.contains(name.as_str()) && fresh(at));
-    let healthy = pods
-        .iter()
-        .filter(|p| p.summary().pod_healthy() && !disrupted.contains_key(&*p.summary().name))
-        .count() as i64;
+    let healthy =
+        pods.iter().filter(|p| p.summary().pod_healthy() && !disrupted.contains_key(&*p.summary().name)).count() as i64;
     let spec = &pdb["spec"];
     let (expected, desired) = if !spec["maxUnavailable"].is_null() {
         let mut seen = BTreeSet::new();

@@ -348,7 +348,8 @@ mod tests {
         assert_ne!(placement(0), placement(5), "the node selector is part of it");
         let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"},
             "status": {"conditions": [{"type": "Ready", "status": "True"}]}});
-        let node = Stored::new(&node, Json::plain(serde_json::to_vec(&node).unwrap()), false, &mut interner, Ids::default());
+        let node =
+            Stored::new(&node, Json::plain(serde_json::to_vec(&node).unwrap()), false, &mut interner, Ids::default());
         assert!(node.summary().ready && node.summary().placement.is_none());
     }
 
