@@ -466,30 +466,24 @@ async fn controllers(
             _ = sleep, if next.is_some() => off_the_workers(|| cp.fire_timers(&mut dirty)),
             r = rx.recv() => off_the_workers(|| {
                 let started = Instant::now();
-                let observe = |ev: &StoreEvent, cp: &mut ControlPlane, dirty: &mut Dirty| {
-                    cp.stats.events += 1;
-                    cp.observe(ev, dirty);
-                };
-                let resync = |cp: &mut ControlPlane, dirty: &mut Dirty| {
-                    cp.stats.resyncs += 1;
-                    dirty.all = true;
-                };
                 match r {
-                    Ok(ev) => observe(&ev, &mut cp, &mut dirty),
+                    Ok(ev) => cp.observe(&ev, &mut dirty),
                     Err(_) => {
                         // Fell behind the change stream: resynchronise everything.
                         rx = store.subscribe();
-                        resync(&mut cp, &mut dirty);
+                        cp.stats.resyncs += 1;
+                        dirty.all = true;
                     }
                 }
                 // Batch whatever else is already queued before reconciling.
                 for _ in 0..10_000 {
                     match rx.try_recv() {
-                        Ok(ev) => observe(&ev, &mut cp, &mut dirty),
+                        Ok(ev) => cp.observe(&ev, &mut dirty),
                         Err(TryRecvError::Empty) => break,
                         Err(_) => {
                             rx = store.subscribe();
-                            resync(&mut cp, &mut dirty);
+                            cp.stats.resyncs += 1;
+                            dirty.all = true;
                             break;
                         }
                     }
@@ -528,6 +522,7 @@ impl ControlPlane {
     }
 
     fn observe(&mut self, ev: &StoreEvent, d: &mut Dirty) {
+        self.stats.events += 1;
         // Changes arrive as JSON; an object is parsed only by the arms that read it.
         let object = std::cell::LazyCell::new(|| ev.object());
         let (ns, name) = (ev.key.namespace.to_string(), ev.key.name.to_string());
