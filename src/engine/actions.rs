@@ -487,6 +487,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     }
     let mut what = Vec::new();
     if let Some(p) = &provider {
+        tracing::debug!(instance = %p.instance_id, "node checked empty; asking for the termination");
         // the call may wait its turn for EC2's termination bucket (minutes at thousands of
         // machines), so an interrupt must not wait for it
         tokio::select! {
@@ -495,11 +496,15 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
                 return Ok(batch_failure(format!("terminate instance {}: {e}", p.instance_id), &e));
             },
         }
+        tracing::debug!(instance = %p.instance_id, "termination accepted");
         let limit = params.deadline.unwrap_or(Duration::from_secs(600));
         tokio::select! {
             _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
             r = tokio::time::timeout(limit, ctx.ec2.wait_terminated(&p.instance_id)) => match r {
-                Ok(Ok(())) => what.push(format!("instance {} terminated", p.instance_id)),
+                Ok(Ok(())) => {
+                    tracing::debug!(instance = %p.instance_id, "termination confirmed");
+                    what.push(format!("instance {} terminated", p.instance_id));
+                }
                 Ok(Err(e)) => return Ok(batch_failure(format!("confirm termination of {}: {e}", p.instance_id), &e)),
                 Err(_) => return Ok(TaskOutcome::Failed(format!("instance {} not terminated after {}", p.instance_id, humantime::format_duration(limit)))),
             },

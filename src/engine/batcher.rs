@@ -129,8 +129,16 @@ async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
         if !waiting.is_empty() && Instant::now() >= next_poll {
             next_poll = Instant::now() + POLL;
             let ids: Vec<String> = waiting.keys().cloned().collect();
+            let asked = Instant::now();
             match ec2.live_instances_by_id(&ids).await {
                 Ok(found) => {
+                    tracing::debug!(
+                        instances = ids.len(),
+                        live = found.len(),
+                        seconds = asked.elapsed().as_secs_f64(),
+                        queued = queued.len(),
+                        "terminations polled"
+                    );
                     let live: HashMap<&str, InstanceState> =
                         found.iter().filter(|i| i.state.is_live()).map(|i| (i.id.as_str(), i.state)).collect();
                     waiting.retain(|id, txs| {
@@ -160,6 +168,7 @@ fn take(r: Request, queued: &mut VecDeque<Asked>, waiting: &mut HashMap<String, 
 /// terminates the rest in one call, answering every asker.
 async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, batch: Vec<Asked>) {
     let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+    let asked = Instant::now();
     let found = match ec2.instances_by_id(&ids).await {
         Ok(found) => found,
         Err(e) => {
@@ -177,7 +186,15 @@ async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, b
         return;
     }
     let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+    let read = asked.elapsed();
     let result = ec2.terminate(&ids).await;
+    tracing::debug!(
+        instances = ids.len(),
+        read_seconds = read.as_secs_f64(),
+        seconds = asked.elapsed().as_secs_f64(),
+        ok = result.is_ok(),
+        "termination batch sent"
+    );
     match &result {
         Ok(_) => pacer.spent(ids.len(), Instant::now()),
         // The SDK already retried the throttled call; the askers try again later (their tasks
