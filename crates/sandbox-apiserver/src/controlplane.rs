@@ -95,11 +95,27 @@ fn note_pod_labels(set: &mut PodLabels, ns: &str, labels: &Value) {
 
 /// Whether a workload event can change a budget's status: the budget reads the workload's
 /// existence, spec (replicas) and owner references, never its status (written on every pod start).
-fn workload_shape_changed(ev: &StoreEvent, o: &Value) -> bool {
+fn workload_shape_changed(ev: &StoreEvent, o: &Value, old: Option<&Value>) -> bool {
     ev.event_type != EventType::Modified
-        || ev.old().is_none_or(|old| {
+        || old.is_none_or(|old| {
             old["spec"] != o["spec"] || old["metadata"]["ownerReferences"] != o["metadata"]["ownerReferences"]
         })
+}
+
+/// Whether a workload event is only a status write (ours: these controllers are the only writers
+/// of workload status). Reconciling the workload again for it would find nothing to do, and at
+/// 10,000 workloads those second passes and their events were what overflowed the change stream.
+fn status_write_only(ev: &StoreEvent, o: &Value, old: Option<&Value>) -> bool {
+    let Some(old) = old.filter(|_| ev.event_type == EventType::Modified) else { return false };
+    let meta = |v: &Value| {
+        let mut m = v["metadata"].clone();
+        if let Some(m) = m.as_object_mut() {
+            m.remove("resourceVersion");
+            m.remove("managedFields");
+        }
+        m
+    };
+    old["spec"] == o["spec"] && meta(old) == meta(o)
 }
 
 /// An object's labels alone, read from its JSON without building the rest.
@@ -556,30 +572,39 @@ impl ControlPlane {
                 }
             }
             ("apps", "replicasets") => {
-                let o = &*object;
-                d.rs.insert((ns.clone(), name));
+                let (o, old) = (&*object, ev.old());
+                if !status_write_only(ev, o, old.as_ref()) {
+                    d.rs.insert((ns.clone(), name));
+                }
+                // the Deployment's status adds up its ReplicaSets' statuses
                 if let Some((kind, owner)) = controller_of(o)
                     && kind == "Deployment"
                 {
                     d.deploy.insert((ns.clone(), owner));
                 }
-                if workload_shape_changed(ev, o) {
+                if workload_shape_changed(ev, o, old.as_ref()) {
                     d.pdb_ns.insert(ns);
                 }
             }
             ("apps", "deployments") => {
-                d.deploy.insert((ns.clone(), name));
-                if workload_shape_changed(ev, &object) {
+                let (o, old) = (&*object, ev.old());
+                if !status_write_only(ev, o, old.as_ref()) {
+                    d.deploy.insert((ns.clone(), name));
+                }
+                if workload_shape_changed(ev, o, old.as_ref()) {
                     d.pdb_ns.insert(ns);
                 }
             }
             ("apps", "statefulsets") => {
-                d.sts.insert((ns.clone(), name));
-                if workload_shape_changed(ev, &object) {
+                let (o, old) = (&*object, ev.old());
+                if !status_write_only(ev, o, old.as_ref()) {
+                    d.sts.insert((ns.clone(), name));
+                }
+                if workload_shape_changed(ev, o, old.as_ref()) {
                     d.pdb_ns.insert(ns);
                 }
             }
-            ("apps", "daemonsets") => {
+            ("apps", "daemonsets") if !status_write_only(ev, &object, ev.old().as_ref()) => {
                 d.ds.insert((ns, name));
             }
             ("policy", "poddisruptionbudgets") if ev.event_type != EventType::Deleted => {
@@ -1447,6 +1472,36 @@ mod tests {
         annotated["metadata"]["annotations"] = json!({"kubectl.kubernetes.io/restartedAt": "2026-01-01T00:00:00Z"});
         assert!(!same_template_ignoring_hash(&t, &annotated), "a restart is a new template");
         assert!(!same_template_ignoring_hash(&annotated, &t));
+    }
+
+    #[test]
+    fn a_workloads_own_status_write_does_not_reconcile_it_again_but_any_other_change_does() {
+        let store = Store::new(1024, 1);
+        let mut changes = store.subscribe();
+        let rs = apps("replicasets");
+        let wm = WriteOptions::manager("test");
+        let obj = json!({"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": {"name": "web", "namespace": "a"},
+            "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+                "template": {"metadata": {"labels": {"app": "web"}}, "spec": {"containers": [{"name": "c", "image": "i"}]}}}});
+        let ns = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "a"}});
+        store.create(&GroupResource::new("", "namespaces"), "", ns, &wm).unwrap();
+        store.create(&rs, "a", obj, &wm).unwrap();
+        let mut next = |patch: Value, sub: &str| {
+            store.patch(&rs, "a", "web", PatchType::Merge, &patch, sub, &wm).unwrap();
+            // the creation's event first, then one per patch
+            loop {
+                let ev = changes.try_recv().unwrap();
+                if ev.event_type == EventType::Modified {
+                    let o = ev.object();
+                    return status_write_only(&ev, &o, ev.old().as_ref());
+                }
+            }
+        };
+        assert!(next(json!({"status": {"replicas": 2, "readyReplicas": 1}}), "status"));
+        assert!(!next(json!({"spec": {"replicas": 3}}), ""), "a scale is reconciled");
+        assert!(!next(json!({"metadata": {"labels": {"x": "y"}}}), ""), "a label change is reconciled");
+        assert!(!next(json!({"metadata": {"finalizers": ["example.com/hold"]}}), ""));
+        assert!(next(json!({"status": {"readyReplicas": 2}}), "status"));
     }
 
     #[test]
