@@ -165,18 +165,6 @@ impl Cloud {
         Ok(out.instances().iter().map(SimInstance::from_sdk).collect())
     }
 
-    /// Adds (or overwrites) `tags` on one resource.
-    pub async fn tag(&self, resource: &str, tags: &BTreeMap<String, String>) -> Result<(), CloudError> {
-        self.ec2
-            .create_tags()
-            .resources(resource)
-            .set_tags(Some(tags.iter().map(|(k, v)| Tag::builder().key(k).value(v).build()).collect()))
-            .send()
-            .await
-            .map_err(|e| CloudError::from_sdk("CreateTags", e))?;
-        Ok(())
-    }
-
     /// Creates a tagged launch template; its id.
     pub async fn create_launch_template(
         &self,

@@ -1120,7 +1120,7 @@ async fn provision(ctx: &Ctx, state: &mut State) {
                 node_name: &node_name,
                 pods: pods_alloc,
             };
-            (node_name.clone(), launch_karpenter_node(&ctx.client, &ctx.aws, &launch, None).await)
+            (node_name.clone(), launch_karpenter_node(&ctx.client, &ctx.aws, &launch).await)
         })
         .buffer_unordered(ctx.settings.concurrency.max(1))
         .collect()

@@ -2,7 +2,7 @@
 //! LocalStack, as the real Karpenter, EKS and workloads would have left it, and records what it
 //! made so tests can assert the end state of a teardown.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt, stream};
@@ -373,27 +373,21 @@ pub async fn generate(spec: &WorldSpec, client: &Client, aws: &Cloud) -> Result<
             (i, pool, uid, zone, ip_node_name(&spec.region, base, i))
         })
         .collect();
-    let mut prelaunched = prelaunch(spec, aws, &plan).await?;
-    let plan: Vec<_> = plan
-        .into_iter()
+    let nodes: Vec<GeneratedNode> = stream::iter(plan)
         .map(|(i, pool, uid, zone, node)| {
             let class = spec.class_name((i % spec.node_pools) % spec.node_classes);
-            let instance = prelaunched.get_mut(&(pool.clone(), class.clone(), zone.clone())).and_then(Vec::pop);
-            (pool, uid, zone, node, class, instance)
-        })
-        .collect();
-    let nodes: Vec<GeneratedNode> = stream::iter(plan)
-        .map(|(pool, uid, zone, node, class, instance)| async move {
-            let launch = NodeLaunch {
-                cluster: &spec.cluster,
-                region: &spec.region,
-                version: spec.version,
-                pool: PoolRef { name: &pool, uid: &uid, class: &class },
-                zone: &zone,
-                node_name: &node,
-                pods: u32::try_from(spec.max_pods_per_node.unwrap_or(spec.pods_per_node + 1)).unwrap_or(u32::MAX),
-            };
-            launch_karpenter_node(client, aws, &launch, instance).await
+            async move {
+                let launch = NodeLaunch {
+                    cluster: &spec.cluster,
+                    region: &spec.region,
+                    version: spec.version,
+                    pool: PoolRef { name: &pool, uid: &uid, class: &class },
+                    zone: &zone,
+                    node_name: &node,
+                    pods: u32::try_from(spec.max_pods_per_node.unwrap_or(spec.pods_per_node + 1)).unwrap_or(u32::MAX),
+                };
+                launch_karpenter_node(client, aws, &launch).await
+            }
         })
         .buffer_unordered(conc)
         .try_collect()
@@ -599,8 +593,7 @@ pub(crate) struct NodeLaunch<'a> {
 
 /// Launches one Karpenter node in Karpenter's order: the NodeClaim with its finalizer first (an
 /// instance never exists unguarded), then the instance with the §3 tags, then the Node (owned
-/// by the NodeClaim, with the termination finalizer), then the statuses. (The generated world's
-/// instances are launched ahead, in bulk, before any tool runs: see [`prelaunch`].)
+/// by the NodeClaim, with the termination finalizer), then the statuses.
 /// Launches in `zone`. LocalStack knows the zones of the commercial regions only; for a region
 /// of another partition (us-gov-west-1, cn-north-1) it refuses the zone, and the instance is
 /// launched without one. The NodeClaim and Node still name the spec's zone, as on a real cluster
@@ -620,56 +613,10 @@ async fn launch_in_zone(
     }
 }
 
-/// The instances of the world's Karpenter nodes, launched many to a `RunInstances` call with the
-/// tags their pool, class and zone share, by (pool, class, zone). EC2 does not care how instances
-/// were grouped into reservations, but LocalStack does: each termination walks every reservation
-/// (moto's `detach_volume` looks the instance up through `all_instances`), which at 5,000
-/// one-instance reservations cost about 55 ms an instance and made LocalStack, not EC2's bucket,
-/// the pace of a large teardown; with 500 to a reservation it is about 1.5 ms.
-async fn prelaunch(
-    spec: &WorldSpec,
-    aws: &Cloud,
-    plan: &[(usize, String, String, String, String)],
-) -> Result<HashMap<(String, String, String), Vec<SimInstance>>, SimError> {
-    const PER_CALL: usize = 500;
-    let mut wanted: BTreeMap<(String, String, String), usize> = BTreeMap::new();
-    for (i, pool, _, zone, _) in plan {
-        let class = spec.class_name((i % spec.node_pools) % spec.node_classes);
-        *wanted.entry((pool.clone(), class, zone.clone())).or_default() += 1;
-    }
-    let mut out = HashMap::new();
-    for ((pool, class, zone), count) in wanted {
-        let mut tags = naming::instance_tags(&spec.cluster, &pool, &class, "", "");
-        tags.retain(|k, _| k != karpenter::TAG_NODECLAIM && k != "Name");
-        let mut launched = Vec::with_capacity(count);
-        let mut left = count;
-        while left > 0 {
-            let n = left.min(PER_CALL);
-            let got = launch_in_zone(aws, INSTANCE_TYPE, &zone, i32::try_from(n).unwrap_or(i32::MAX), &tags)
-                .await
-                .map_err(SimError::aws(format!("launching {n} instances of NodePool {pool} in {zone}")))?;
-            if got.len() != n {
-                return Err(SimError::ShortLaunch {
-                    what: format!("NodePool {pool} in {zone}"),
-                    wanted: n,
-                    got: got.len(),
-                });
-            }
-            launched.extend(got);
-            left -= n;
-        }
-        out.insert((pool, class, zone), launched);
-    }
-    Ok(out)
-}
-
-/// Launches one Karpenter node (see above); `prelaunched` is an instance [`prelaunch`] launched
-/// for it, which then takes its NodeClaim's own tags, else one is launched here.
 pub(crate) async fn launch_karpenter_node(
     client: &Client,
     aws: &Cloud,
     l: &NodeLaunch<'_>,
-    prelaunched: Option<SimInstance>,
 ) -> Result<GeneratedNode, SimError> {
     let claims: Api<DynamicObject> = Api::all_with(client.clone(), &objects::nodeclaim_resource());
     let nodes: Api<Node> = Api::all(client.clone());
@@ -683,24 +630,14 @@ pub(crate) async fn launch_karpenter_node(
     let claim_uid =
         claim.uid().ok_or_else(|| SimError::Malformed { what: format!("NodeClaim {claim_name}"), field: "uid" })?;
     let tags = naming::instance_tags(l.cluster, pool, l.pool.class, &claim_name, l.node_name);
-    let instance = match prelaunched {
-        Some(instance) => {
-            aws.tag(&instance.id, &tags)
-                .await
-                .map_err(SimError::aws(format!("tagging the instance of NodeClaim {claim_name}")))?;
-            instance
-        }
-        None => {
-            let launched = launch_in_zone(aws, INSTANCE_TYPE, l.zone, 1, &tags)
-                .await
-                .map_err(SimError::aws(format!("launching the instance of NodeClaim {claim_name}")))?;
-            launched.into_iter().next().ok_or_else(|| SimError::ShortLaunch {
-                what: format!("NodeClaim {claim_name}"),
-                wanted: 1,
-                got: 0,
-            })?
-        }
-    };
+    let launched = launch_in_zone(aws, INSTANCE_TYPE, l.zone, 1, &tags)
+        .await
+        .map_err(SimError::aws(format!("launching the instance of NodeClaim {claim_name}")))?;
+    let instance = launched.into_iter().next().ok_or_else(|| SimError::ShortLaunch {
+        what: format!("NodeClaim {claim_name}"),
+        wanted: 1,
+        got: 0,
+    })?;
     let provider_id = naming::provider_id(l.zone, &instance.id);
     ops::patch_status(&claims, &claim_name, objects::nodeclaim_status(&provider_id, None, l.pods))
         .await
