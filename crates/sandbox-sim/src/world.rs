@@ -591,9 +591,6 @@ pub(crate) struct NodeLaunch<'a> {
     pub pods: u32,
 }
 
-/// Launches one Karpenter node in Karpenter's order: the NodeClaim with its finalizer first (an
-/// instance never exists unguarded), then the instance with the §3 tags, then the Node (owned
-/// by the NodeClaim, with the termination finalizer), then the statuses.
 /// Launches in `zone`. LocalStack knows the zones of the commercial regions only; for a region
 /// of another partition (us-gov-west-1, cn-north-1) it refuses the zone, and the instance is
 /// launched without one. The NodeClaim and Node still name the spec's zone, as on a real cluster
@@ -613,6 +610,9 @@ async fn launch_in_zone(
     }
 }
 
+/// Launches one Karpenter node in Karpenter's order: the NodeClaim with its finalizer first (an
+/// instance never exists unguarded), then the instance with the §3 tags, then the Node (owned
+/// by the NodeClaim, with the termination finalizer), then the statuses.
 pub(crate) async fn launch_karpenter_node(
     client: &Client,
     aws: &Cloud,
