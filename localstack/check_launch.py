@@ -10,10 +10,12 @@ launch.py's patches and asks again. The answers must be:
   is applied before either is recorded);
 - to a client, what LocalStack sent before: the same document once parsed with the EC2 model (the
   model the SDKs are generated from), and the same elements, so no field appears or disappears for
-  an SDK whose model is newer than LocalStack's.
+  an SDK whose model is newer than LocalStack's; with LocalStack's request id and content type.
 
-It also checks that the pass-through is what LocalStack's dispatcher now calls, and that an error
-still goes LocalStack's way. Run by `cargo test` (tests/aws) as
+Both are asked through LocalStack's EC2 service as it builds it on its first request (its provider,
+moto behind it, the skeleton that serializes), so what is compared is what a client receives,
+request id and content type included. It also checks that a client asking for JSON, an error and
+every other operation still go LocalStack's way. Run by `cargo test` (tests/aws) as
 `<LocalStack's virtualenv>/bin/python localstack/check_launch.py`; exits 1 with the differences.
 """
 
@@ -25,11 +27,15 @@ import xml.etree.ElementTree as ElementTree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import launch  # noqa: E402  (the patches, not yet applied: importing it does not start LocalStack)
-from localstack.aws.api import CommonServiceException, ServiceException  # noqa: E402
 from localstack.aws.client import parse_response  # noqa: E402
 from localstack.aws.forwarder import create_aws_request_context  # noqa: E402
-from localstack.aws.protocol.serializer import create_serializer  # noqa: E402
+from localstack.aws.handlers.service import ServiceResponseParser  # noqa: E402
+from localstack.aws.skeleton import Skeleton  # noqa: E402
+from localstack.aws.spec import load_service  # noqa: E402
+from localstack.http import Response  # noqa: E402
 from localstack.services import moto as localstack_moto  # noqa: E402
+from localstack.services.ec2.provider import Ec2Provider  # noqa: E402
+from localstack.services.moto import MotoFallbackDispatcher  # noqa: E402
 
 REGION = "us-west-2"
 CLUSTER = "check"
@@ -107,6 +113,9 @@ def build_world() -> list[str]:
             ],
         )
         ids.append(other["Instances"][0]["InstanceId"])
+    # and one nobody tagged
+    bare = call("RunInstances", ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1)
+    ids.append(bare["Instances"][0]["InstanceId"])
     call("CreateTags", Resources=[ids[1]], Tags=[{"Key": "added-later", "Value": "yes"}])
     call("StopInstances", InstanceIds=[ids[2]])
     call("TerminateInstances", InstanceIds=[ids[3]])
@@ -150,21 +159,22 @@ def element_paths(xml: bytes) -> list[str]:
     return [p for p in paths if not p.endswith("/requestId")]
 
 
-def describe(parameters: dict):  # type: ignore[no-untyped-def,type-arg]
+def localstack_ec2() -> Skeleton:
+    """EC2 as LocalStack serves it, built as on its first request: the provider, moto behind it."""
+    return Skeleton(load_service("ec2"), MotoFallbackDispatcher(Ec2Provider()))
+
+
+def describe(ec2: Skeleton, parameters: dict, accept: str | None):  # type: ignore[no-untyped-def,type-arg]
+    """What a client gets, and what moto wrote, for one DescribeInstances."""
     request = context("DescribeInstances", **parameters)
-    return request, localstack_moto.dispatch_to_moto(request)
+    if accept:
+        request.request.headers["Accept"] = accept
+    moto = localstack_moto.dispatch_to_moto(context("DescribeInstances", **parameters))
+    return request, ec2.invoke(request), moto.data
 
 
-def what_localstack_sent(request, response) -> bytes:  # type: ignore[no-untyped-def]
-    parsed = parse_response(request.operation, request.protocol, response, include_response_metadata=False)
-    serializer = create_serializer(request.service)
-    return serializer.serialize_to_response(parsed, request.operation, {}, "check").data
-
-
-def parsed(request, xml: bytes):  # type: ignore[no-untyped-def]
-    from localstack.http import Response
-
-    return parse_response(request.operation, request.protocol, Response(xml, 200), include_response_metadata=False)
+def parsed(request, response):  # type: ignore[no-untyped-def]
+    return parse_response(request.operation, request.protocol, response, include_response_metadata=False)
 
 
 def first_difference(a, b, path: str = "") -> str:  # type: ignore[no-untyped-def]
@@ -188,51 +198,61 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 def main() -> int:
     launch.fix_answers()  # what changes answers (repeated filters ANDed) is in both
     ids = build_world()
-    before = []
-    for parameters in queries(ids):
-        request, response = describe(parameters)
-        check(f"moto answers {sorted(parameters)}", response.status_code == 200, response.data[:300].decode())
-        before.append((parameters, response.data, what_localstack_sent(request, response)))
+    asked = [(q, None) for q in queries(ids)] + [({"InstanceIds": ids[:2]}, "application/json")]
+    ec2 = localstack_ec2()
+    before = [(q, accept, *describe(ec2, q, accept)) for q, accept in asked]
 
     launch.speed_up()
 
-    for parameters, moto_before, localstack_before in before:
-        request, response = describe(parameters)
-        now = response.data
-        name = f"DescribeInstances {sorted(parameters)}"
+    ec2 = localstack_ec2()
+    for (parameters, accept, request_before, answer_before, moto_before) in before:
+        request, answer, moto = describe(ec2, parameters, accept)
+        name = f"DescribeInstances {sorted(parameters)}" + (f" (Accept: {accept})" if accept else "")
+        check(f"{name}: answered", answer.status_code == 200 == answer_before.status_code, answer.data[:300].decode())
         check(
             f"{name}: moto's answer is unchanged",
-            without_request_id(now) == without_request_id(moto_before),
-            first_difference(parsed(request, now), parsed(request, moto_before)),
+            without_request_id(moto) == without_request_id(moto_before),
+            first_difference(parsed(request, Response(moto, 200)), parsed(request, Response(moto_before, 200))),
         )
+        passed = getattr(request, "passed_through_from_moto", False)
+        check(f"{name}: {'not ' if accept else ''}passed through", passed != bool(accept))
+        check(
+            f"{name}: its request id and content type are LocalStack's",
+            answer.headers.get("x-amzn-RequestId") == request.request_id
+            and answer.headers.get("Content-Type") == answer_before.headers.get("Content-Type")
+            and (accept or f"<requestId>{request.request_id}</requestId>".encode() in answer.data),
+            f"{dict(answer.headers)} against {dict(answer_before.headers)}",
+        )
+        if accept:
+            continue
         check(
             f"{name}: parsed with the EC2 model, it is what LocalStack sent",
-            parsed(request, now) == parsed(request, localstack_before),
-            first_difference(parsed(request, now), parsed(request, localstack_before)),
+            parsed(request, answer) == parsed(request_before, answer_before),
+            first_difference(parsed(request, answer), parsed(request_before, answer_before)),
         )
-        mine, theirs = element_paths(now), element_paths(localstack_before)
+        mine, theirs = element_paths(answer.data), element_paths(answer_before.data)
         check(
             f"{name}: it has the elements LocalStack sent",
             sorted(mine) == sorted(theirs),
             f"only in moto's: {sorted(set(mine) - set(theirs))}; only in LocalStack's: {sorted(set(theirs) - set(mine))}",
         )
+        # LocalStack's last response handler parses what it did not serialize; not this
+        ServiceResponseParser()(None, request, answer)
+        check(f"{name}: LocalStack does not parse it again", request.service_response is None)
 
-    # the dispatcher LocalStack builds for EC2 on its first request goes through the patch
-    request = context("DescribeInstances", InstanceIds=ids[:2])
-    answer = localstack_moto._proxy_moto(request, {})
-    check(
-        "a DescribeInstances is passed through as moto wrote it",
-        getattr(answer, "status_code", None) == 200 and getattr(request, "passed_through_from_moto", False),
-    )
     request = context("DescribeInstances", InstanceIds=["i-0123456789abcdef0"])
-    try:
-        localstack_moto._proxy_moto(request, {})
-        check("an unknown instance id is still an error", False, "no error raised")
-    except (CommonServiceException, ServiceException) as e:
-        code = getattr(e, "code", "")
-        check("an unknown instance id is still LocalStack's error", code == "InvalidInstanceID.NotFound", code)
+    answer = ec2.invoke(request)
+    check(
+        "an unknown instance id is still LocalStack's error",
+        answer.status_code == 400 and b"<Code>InvalidInstanceID.NotFound</Code>" in answer.data,
+        answer.data[:300].decode(),
+    )
     request = context("DescribeVpcs")
-    check("other operations take LocalStack's way", isinstance(localstack_moto._proxy_moto(request, {}), dict))
+    ec2.invoke(request)
+    check(
+        "other operations take LocalStack's way",
+        not getattr(request, "passed_through_from_moto", False) and request.service_response is not None,
+    )
 
     if failures:
         print("\n".join(["", "launch.py's patches change LocalStack's answers:", *failures]), file=sys.stderr)

@@ -26,16 +26,17 @@ one termination took about 55 ms here, measured: a `TerminateInstances` of 500 t
 where EC2 answers in about one. The lookup only reads, so it walks the reservations themselves,
 which yields the same instance objects in the same order without the copies.
 
-Describing instances then still cost about 5 ms an instance, three times over: moto's serializer
+Describing instances then still cost about 5 ms an instance, in three places: moto's serializer
 works out anew, for every field of every instance, under which attribute names the field may be
 stored (from the object's class, the key and the model's shape, none of which change between
 calls) and parses every launch time from its text; LocalStack then parses moto's XML with the EC2
-model and serializes it again, and parses it once more for its own request log. The first two are
-cached; a successful DescribeInstances goes to the client as moto wrote it, which LocalStack's
-answer was a copy of (errors still go LocalStack's way). Measured here with 1,000 instances, a
-describe of 200 took 1.05 to 1.15 s before and 0.48 to 0.53 s after. `localstack/check_launch.py`
-(run by the tests) proves the answers unchanged: moto's byte for byte, and to a client parsing
-them with the EC2 model what LocalStack sent before.
+model and serializes it again, and parses it once more for its own request log. For EC2 the first
+two are cached, and a successful DescribeInstances goes to the client as moto wrote it, which
+LocalStack's answer was a copy of, with LocalStack's request id (errors, JSON and every other
+operation still go LocalStack's way). Measured here with 1,000 instances, a describe of 200 took
+1.05 to 1.15 s before and 0.48 to 0.53 s after. `localstack/check_launch.py` (run by the tests)
+proves the answers unchanged: moto's byte for byte, and to a client parsing them with the EC2
+model what LocalStack sent before.
 
 Started by `localstack/up` instead of `python -m localstack.runtime.main`.
 """
@@ -138,7 +139,12 @@ def _patch_serializer_lookups() -> None:
     def get_possible_keys(self, context):  # type: ignore[no-untyped-def]
         # What the names depend on, and nothing else: the alias providers look at the object's
         # class and its Meta, the key, and the shape with the parent moto gives it (each member
-        # shape object belongs to one parent's `members`, so its parent never changes).
+        # shape object belongs to one parent's `members`, so its parent never changes). EC2's
+        # only: moto builds new shapes for every error it serializes, and IAM's errors have
+        # members, which would fill the cache one error at a time.
+        service = getattr(context.service_model, "service_name", None)
+        if service != "ec2":
+            return possible_keys(self, context)
         obj = context.obj
         key = (tuple(self.alias_providers), type(obj), getattr(obj, "Meta", None), context.key, context.shape)
         try:
@@ -190,10 +196,23 @@ def _patch_describe_passthrough() -> None:
     proxy_moto = localstack_moto._proxy_moto
 
     def proxy(context, request):  # type: ignore[no-untyped-def]
-        if (context.service.service_name, context.operation.name) not in PASSED_THROUGH:
+        accept = context.request.headers.get("Accept", "")
+        if (
+            (context.service.service_name, context.operation.name) not in PASSED_THROUGH
+            # moto writes XML only; LocalStack answers JSON or CBOR to a client that asks for it
+            or "json" in accept
+            or "cbor" in accept
+        ):
             return proxy_moto(context, request)
         response = localstack_moto.dispatch_to_moto(context)
         if response.status_code == 200:
+            # moto's serializer knows no request: the id is LocalStack's, in the body and the
+            # header, as its own serializer writes them
+            request_id = context.request_id
+            response.data = response.data.replace(
+                b"<requestId>request-id</requestId>", f"<requestId>{request_id}</requestId>".encode(), 1
+            )
+            response.headers["x-amzn-RequestId"] = request_id
             context.passed_through_from_moto = True
             return response
         # an error goes LocalStack's way, so that it reads as EC2's errors always did here

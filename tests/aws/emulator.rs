@@ -35,6 +35,6 @@ fn launch_py_speeds_up_describe_instances_without_changing_its_answers() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    // every comparison ran: six queries, three checks each, and the dispatcher's three
-    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 6 + 6 * 3 + 3, "{stdout}");
+    // every comparison ran: six queries of seven checks, one asking for JSON of four, two more
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 6 * 7 + 4 + 2, "{stdout}");
 }
