@@ -608,12 +608,10 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
         let name = class.metadata.name.clone().unwrap_or_default();
         let start = Instant::now();
         loop {
-            let inv = Inventory::read(&ctx.kube.client).await?;
-            let users: Vec<&Machine> = inv
-                .machines
-                .values()
-                .filter(|m| m.nodeclaim.is_some() && m.nodeclass.as_deref() == Some(&name))
-                .collect();
+            // the claims alone say which machines still use the class (a Node without a claim
+            // references none), so the nodes and the controller are not read again
+            let claimed = Inventory::read_claimed_machines(&ctx.kube.client).await?;
+            let users: Vec<&Machine> = claimed.iter().filter(|m| m.nodeclass.as_deref() == Some(&name)).collect();
             if users.is_empty() {
                 break;
             }
@@ -719,7 +717,7 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
         // what was just terminated must have had its time to show, whatever the controller did
         left = verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle, None).await?;
     }
-    left.objects = Inventory::read(&ctx.kube.client).await?.object_names();
+    left.objects = Inventory::read_objects(&ctx.kube.client).await?.object_names();
     let clean = left.is_clean();
     let lines = left.describe();
     ctx.events.send(EngineEvent::Verified { leftovers: left, reclaimed });

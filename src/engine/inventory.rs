@@ -90,46 +90,45 @@ impl Inventory {
     /// Reads the inventory through the API (three Karpenter lists, one node list by label, one
     /// deployment list by label). A Karpenter CRD that is not installed reads as empty.
     pub async fn read(client: &kube::Client) -> Result<Inventory, KubeError> {
-        let t = Instant::now();
-        let claims = list_dynamic(client, &k8s::nodeclaim_resource()).await?;
-        tracing::debug!(seconds = t.elapsed().as_secs_f64(), objects = claims.len(), "NodeClaims listed");
-        let pools = list_dynamic(client, &k8s::nodepool_resource()).await?;
+        let mut inv = Self::read_objects(client).await?;
+        inv.controller = find_controller(client).await?;
+        Ok(inv)
+    }
+
+    /// [`Inventory::read`] without the controller: the Karpenter objects and nodes, for a check
+    /// that does not look at the controller (what verification reports as left).
+    pub(crate) async fn read_objects(client: &kube::Client) -> Result<Inventory, KubeError> {
+        let (claims, pools) = read_claims_and_pools(client).await?;
         let classes = list_dynamic(client, &k8s::nodeclass_resource()).await?;
-        Self::build(client, claims, pools, classes).await
+        let nodes = list_karpenter_nodes(client).await?;
+        Ok(Self::assemble(claims, pools, classes, nodes))
+    }
+
+    /// The machines of this controller's NodeClaims, decided as [`Inventory::read`] decides them,
+    /// from two lists (NodeClaims and NodePools, whose owners decide the claims'): enough to know
+    /// which claims still use a class, without listing every node again.
+    pub(crate) async fn read_claimed_machines(client: &kube::Client) -> Result<Vec<Machine>, KubeError> {
+        let (claims, pools) = read_claims_and_pools(client).await?;
+        let inv = Self::assemble(claims, pools, Vec::new(), Vec::new());
+        Ok(inv.machines.into_values().filter(|m| m.nodeclaim.is_some()).collect())
     }
 
     /// The inventory without the Karpenter kinds: machines from the Karpenter-labelled nodes and
     /// the controller. Enough to prove identity when the Karpenter kinds cannot be read (a 1.0.x
     /// conversion webhook with no controller behind it).
     pub async fn read_core(client: &kube::Client) -> Result<Inventory, KubeError> {
-        Self::build(client, Vec::new(), Vec::new(), Vec::new()).await
+        let nodes = list_karpenter_nodes(client).await?;
+        let mut inv = Self::assemble(Vec::new(), Vec::new(), Vec::new(), nodes);
+        inv.controller = find_controller(client).await?;
+        Ok(inv)
     }
 
-    async fn build(
-        client: &kube::Client,
+    fn assemble(
         claims: Vec<DynamicObject>,
         pools: Vec<DynamicObject>,
         classes: Vec<DynamicObject>,
-    ) -> Result<Inventory, KubeError> {
-        let t = Instant::now();
-        let nodes: Api<Node> = Api::all(client.clone());
-        // of each node only what the inventory needs, so a list of thousands is never held whole
-        let nodes = k8s::list_pages(&nodes, &ListParams::default().labels(karpenter::LABEL_NODEPOOL), |n: Node| {
-            let pid = n.spec.and_then(|s| s.provider_id).and_then(|p| ProviderId::parse(&p).ok());
-            let mut labels = n.metadata.labels.unwrap_or_default();
-            let owner = karpenter::labels_owner(&labels);
-            Some((
-                n.metadata.name.unwrap_or_default(),
-                pid,
-                labels.remove(karpenter::LABEL_NODEPOOL),
-                labels.remove(karpenter::LABEL_NODECLASS),
-                owner,
-            ))
-        })
-        .await
-        .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
-        tracing::debug!(seconds = t.elapsed().as_secs_f64(), nodes = nodes.len(), "Karpenter nodes listed");
-
+        nodes: Vec<NodeFacts>,
+    ) -> Inventory {
         // Whose each object is, decided as Karpenter decides what it manages: pools and claims by
         // their node class reference, nodes by their claim (or, without one, their labels and
         // pool). What is not ours is set aside here, so no step ever sees it.
@@ -226,7 +225,7 @@ impl Inventory {
             .chain(classes.iter().map(|c| tracked(karpenter::AWS_GROUP, "EC2NodeClass", c)))
             .collect();
         not_ours.sort();
-        Ok(Inventory {
+        Inventory {
             not_ours,
             tracked,
             machines,
@@ -237,8 +236,8 @@ impl Inventory {
                 .filter_map(|c| c.data.pointer("/spec/instanceProfile").and_then(|v| v.as_str()))
                 .map(str::to_string)
                 .collect(),
-            controller: find_controller(client).await?,
-        })
+            controller: None,
+        }
     }
 
     /// Every object whose GitOps owners matter: the pools, the classes and the controller.
@@ -312,6 +311,40 @@ fn names(objs: &[DynamicObject]) -> Vec<String> {
     objs.iter().filter_map(|o| o.metadata.name.clone()).collect()
 }
 
+/// Of each Karpenter-labelled node what the inventory needs: its name, instance, pool, class and
+/// whether its labels make it another controller's.
+type NodeFacts = (String, Option<ProviderId>, Option<String>, Option<String>, Result<(), karpenter::NotOurs>);
+
+async fn read_claims_and_pools(client: &kube::Client) -> Result<(Vec<DynamicObject>, Vec<DynamicObject>), KubeError> {
+    let t = Instant::now();
+    let claims = list_dynamic(client, &k8s::nodeclaim_resource()).await?;
+    tracing::debug!(seconds = t.elapsed().as_secs_f64(), objects = claims.len(), "NodeClaims listed");
+    let pools = list_dynamic(client, &k8s::nodepool_resource()).await?;
+    Ok((claims, pools))
+}
+
+async fn list_karpenter_nodes(client: &kube::Client) -> Result<Vec<NodeFacts>, KubeError> {
+    let t = Instant::now();
+    let nodes: Api<Node> = Api::all(client.clone());
+    // of each node only what the inventory needs, so a list of thousands is never held whole
+    let nodes = k8s::list_pages(&nodes, &ListParams::default().labels(karpenter::LABEL_NODEPOOL), |n: Node| {
+        let pid = n.spec.and_then(|s| s.provider_id).and_then(|p| ProviderId::parse(&p).ok());
+        let mut labels = n.metadata.labels.unwrap_or_default();
+        let owner = karpenter::labels_owner(&labels);
+        Some((
+            n.metadata.name.unwrap_or_default(),
+            pid,
+            labels.remove(karpenter::LABEL_NODEPOOL),
+            labels.remove(karpenter::LABEL_NODECLASS),
+            owner,
+        ))
+    })
+    .await
+    .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
+    tracing::debug!(seconds = t.elapsed().as_secs_f64(), nodes = nodes.len(), "Karpenter nodes listed");
+    Ok(nodes)
+}
+
 /// Lists a Karpenter kind; a kind the server does not know (CRD not installed, or already
 /// removed) is an empty list, not an error.
 pub async fn list_dynamic(
@@ -352,4 +385,75 @@ pub async fn find_controller(client: &kube::Client) -> Result<Option<Controller>
         .collect();
     found.sort_by_key(|c| (c.namespace != "kube-system", c.name != "karpenter"));
     Ok(found.into_iter().next())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn object(value: Value) -> DynamicObject {
+        serde_json::from_value(value).expect("a DynamicObject")
+    }
+
+    fn claim(name: &str, pool: &str, class_ref: Value, node: Option<&str>) -> DynamicObject {
+        object(json!({
+            "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
+            "metadata": {"name": name, "labels": {karpenter::LABEL_NODEPOOL: pool}},
+            "spec": {"nodeClassRef": class_ref},
+            "status": {"nodeName": node, "providerID": node.map(|n| format!("aws:///us-west-2a/i-{n}"))},
+        }))
+    }
+
+    fn pool(name: &str, class_ref: Value) -> DynamicObject {
+        object(json!({
+            "apiVersion": "karpenter.sh/v1", "kind": "NodePool",
+            "metadata": {"name": name},
+            "spec": {"template": {"spec": {"nodeClassRef": class_ref}}},
+        }))
+    }
+
+    fn ours(class: &str) -> Value {
+        json!({"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": class})
+    }
+
+    fn auto_mode() -> Value {
+        json!({"group": "eks.amazonaws.com", "kind": "NodeClass", "name": "default"})
+    }
+
+    fn node(name: &str, pool: &str, class: &str) -> NodeFacts {
+        let pid = ProviderId::parse(&format!("aws:///us-west-2a/i-{name}")).ok();
+        (name.to_string(), pid, Some(pool.to_string()), Some(class.to_string()), Ok(()))
+    }
+
+    #[test]
+    fn the_claims_alone_decide_which_machines_use_a_class_as_the_whole_inventory_does() {
+        let claims = vec![
+            claim("general-a", "general", ours("default"), Some("0a")),
+            claim("general-b", "general", ours("gpu"), None),
+            claim("auto-c", "system", auto_mode(), Some("0c")),
+            // ours by its reference, but of a pool that is not: not ours
+            claim("foreign-d", "foreign", ours("default"), None),
+        ];
+        let pools = vec![pool("general", ours("default")), pool("foreign", auto_mode())];
+        let nodes =
+            vec![node("0a", "general", "default"), node("0c", "system", "default"), node("0e", "general", "default")];
+        let uses = |machines: Vec<&Machine>| -> Vec<(String, Option<String>)> {
+            machines.into_iter().map(|m| (m.name.clone(), m.nodeclass.clone())).collect()
+        };
+
+        let whole = Inventory::assemble(claims.clone(), pools.clone(), Vec::new(), nodes);
+        let claims_alone = Inventory::assemble(claims, pools, Vec::new(), Vec::new());
+
+        let expected = vec![
+            ("general-a".to_string(), Some("default".to_string())),
+            ("general-b".to_string(), Some("gpu".to_string())),
+        ];
+        assert_eq!(uses(whole.machines.values().filter(|m| m.nodeclaim.is_some()).collect()), expected);
+        assert_eq!(uses(claims_alone.machines.values().filter(|m| m.nodeclaim.is_some()).collect()), expected);
+        // the node without a claim is a machine of the whole inventory, and references no class
+        // through a claim, so it never counts as a user
+        assert!(whole.machines.contains_key("node/0e"));
+        assert!(whole.machines["node/0e"].nodeclaim.is_none());
+    }
 }
