@@ -183,7 +183,7 @@ PASSED_THROUGH = {("ec2", "DescribeInstances")}
 
 def _patch_describe_passthrough() -> None:
     try:
-        from localstack.aws.client import parse_response, raise_service_exception
+        from localstack.aws.forwarder import dispatch_to_backend
         from localstack.aws.handlers.service import ServiceResponseParser
         from localstack.services import moto as localstack_moto
     except ImportError as e:  # a different LocalStack: run it as it is, slower
@@ -215,10 +215,8 @@ def _patch_describe_passthrough() -> None:
             response.headers["x-amzn-RequestId"] = request_id
             context.passed_through_from_moto = True
             return response
-        # an error goes LocalStack's way, so that it reads as EC2's errors always did here
-        parsed = parse_response(context.operation, context.protocol, response, include_response_metadata=False)
-        raise_service_exception(response, parsed)
-        return parsed
+        # an error goes LocalStack's way (call_moto's own), so that it reads as it always did here
+        return dispatch_to_backend(context, lambda _: response)
 
     parse_service_response = ServiceResponseParser.__call__
 
