@@ -38,6 +38,36 @@ operation still go LocalStack's way). Measured here with 1,000 instances, a desc
 proves the answers unchanged: moto's byte for byte, and to a client parsing them with the EC2
 model what LocalStack sent before.
 
+LocalStack's community edition has no EKS, and the tool asks EKS (DescribeCluster) which cluster
+a kubeconfig reaches: it compares the kubeconfig's server URL and CA with the cluster's `endpoint`
+and `certificateAuthority.data`. moto has an EKS backend, so `serve_eks` registers a provider for
+"eks" with LocalStack's service plugins (the `localstack.aws.provider` namespace its other services
+come from; `SERVICES` in `localstack/up` enables it, and the health endpoint reports it) whose every
+operation goes to moto, as `MotoFallbackDispatcher` sends those a provider leaves to moto. Clusters
+are per account and region, ACTIVE as soon as they are created; a name in use is
+ResourceInUseException (409), an unknown one ResourceNotFoundException (404). LocalStack reads the
+error code of a REST-JSON answer from an `x-amzn-errortype` header in a dict that, unlike a
+client's, minds the case, and moto writes `X-Amzn-ErrorType`: the provider hands it over in lower
+case, or every EKS error would have its HTTP status for a code. Three things moto does not do, the
+provider adds to CreateCluster:
+
+- the test bed's hook: the tags `testbed.karpenter-teardown/endpoint` and
+  `testbed.karpenter-teardown/certificate-authority-data` (base64 of a PEM bundle, as EKS returns
+  it; longer than the 256 characters EKS allows a tag value, which neither LocalStack nor moto
+  checks) become the cluster's `endpoint` and `certificateAuthority.data`, in place of moto's
+  random ones, and are not kept as tags, so that the cluster the test bed creates is the
+  Kubernetes API server it started;
+- `computeConfig` (EKS Auto Mode) and `storageConfig` are kept and returned, as EKS does
+  (moto drops them), and a `kubernetesNetworkConfig` without `serviceIpv4Cidr` keeps moto's
+  default CIDR;
+- DeleteCluster answers with the cluster `DELETING`, as EKS does (moto deletes it at once, so a
+  DescribeCluster right after is already ResourceNotFoundException).
+
+`localstack/check_eks.py` proves these through LocalStack's gateway. In the Docker image, which
+starts LocalStack its own way, `localstack/docker-compose.yml` mounts this file as an init script
+(`/etc/localstack/init/start.d`), which LocalStack runs in its process as it starts: that serves
+EKS the same way; the other patches stay out of the image.
+
 Started by `localstack/up` instead of `python -m localstack.runtime.main`.
 """
 
@@ -230,6 +260,119 @@ def _patch_describe_passthrough() -> None:
     ServiceResponseParser.__call__ = parse_unless_passed_through
 
 
+# The test bed's hook: CreateCluster tags that become the cluster's endpoint and CA (not kept as tags)
+TESTBED_ENDPOINT_TAG = "testbed.karpenter-teardown/endpoint"
+TESTBED_CA_TAG = "testbed.karpenter-teardown/certificate-authority-data"
+# What EKS returns of CreateCluster's request and moto drops: the request's shape is the answer's
+KEPT_CLUSTER_FIELDS = {"computeConfig": "compute_config", "storageConfig": "storage_config"}
+
+
+def _patch_eks_clusters() -> bool:
+    try:
+        from moto.eks.models import DEFAULT_KUBERNETES_NETWORK_CONFIG, EKSBackend
+        from moto.eks.responses import EKSResponse
+    except ImportError as e:
+        print(f"localstack/launch.py: not patching moto's EKS clusters ({e})", file=sys.stderr)
+        return False
+    if not hasattr(EKSResponse, "create_cluster") or not hasattr(EKSBackend, "delete_cluster"):
+        print("localstack/launch.py: not patching moto's EKS clusters (its layout changed)", file=sys.stderr)
+        return False
+
+    create_cluster = EKSResponse.create_cluster
+
+    def create(self):  # type: ignore[no-untyped-def]
+        result = create_cluster(self)  # a name in use raises before anything below
+        cluster = self.eks_backend.clusters[self._get_param("name")]
+        # moto keeps the request's tag dict as the cluster's: what is popped is not a tag
+        tags = cluster.tags if isinstance(cluster.tags, dict) else {}
+        endpoint, ca = tags.pop(TESTBED_ENDPOINT_TAG, None), tags.pop(TESTBED_CA_TAG, None)
+        if endpoint is not None:
+            cluster.endpoint = endpoint
+        if ca is not None:
+            cluster.certificate_authority = {"data": ca}
+        for field, attribute in KEPT_CLUSTER_FIELDS.items():
+            value = self._get_param(field)
+            if value is not None:
+                setattr(cluster, attribute, value)
+        network = self._get_param("kubernetesNetworkConfig")
+        if isinstance(network, dict) and "serviceIpv4Cidr" not in network:
+            cluster.kubernetes_network_config = {**DEFAULT_KUBERNETES_NETWORK_CONFIG, **network}
+        return result  # serialized later: the answer is the cluster as changed here
+
+    delete_cluster = EKSBackend.delete_cluster
+
+    def delete(self, name):  # type: ignore[no-untyped-def]
+        cluster = delete_cluster(self, name)
+        cluster.status = "DELETING"  # no longer stored: only the answer sees it
+        return cluster
+
+    EKSResponse.create_cluster = create
+    EKSBackend.delete_cluster = delete
+    return True
+
+
+def _eks_service():  # type: ignore[no-untyped-def]
+    """EKS as LocalStack serves it, built on its first EKS request: moto behind every operation."""
+    from localstack.aws.forwarder import dispatch_to_backend
+    from localstack.aws.spec import load_service
+    from localstack.services import moto as localstack_moto
+    from localstack.services.plugins import Service
+
+    class EksProvider:
+        service = "eks"
+
+        def accept_state_visitor(self, visitor):  # type: ignore[no-untyped-def]
+            from moto.eks.models import eks_backends
+
+            visitor.visit(eks_backends)
+
+    def moto_eks(context):  # type: ignore[no-untyped-def]
+        response = localstack_moto.dispatch_to_moto(context)
+        # LocalStack parses moto's answer with headers in a plain dict, where botocore looks for
+        # the error code under this name in lower case
+        error_type = response.headers.pop("X-Amzn-ErrorType", None)
+        if error_type is not None:
+            response.headers["x-amzn-errortype"] = error_type
+        return response
+
+    def to_moto(context, request):  # type: ignore[no-untyped-def]
+        # moto raises NotImplementedError for what it lacks: LocalStack's 501, as for its others
+        return dispatch_to_backend(context, moto_eks)
+
+    table = {operation: to_moto for operation in load_service("eks").operation_names}
+    return Service.for_provider(EksProvider(), dispatch_table_factory=lambda _: table)
+
+
+def serve_eks() -> None:
+    """Registers EKS with LocalStack's service plugins (before or after it has listed them)."""
+    try:
+        from localstack.services.plugins import SERVICE_PLUGINS, aws_provider
+        from localstack.utils.bootstrap import get_enabled_apis, get_preloaded_services
+    except ImportError as e:
+        print(f"localstack/launch.py: not serving EKS ({e})", file=sys.stderr)
+        return
+    # resolves LocalStack's own providers, as its first request or health check would
+    providers = SERVICE_PLUGINS.api_provider_specs
+    if "eks" in providers:
+        print("localstack/launch.py: LocalStack has an EKS provider of its own; not adding moto's", file=sys.stderr)
+        return
+    plugins = SERVICE_PLUGINS.plugin_manager
+    plugins.list_plugin_specs()  # the plugin index, built
+    index = getattr(plugins, "_plugin_index", None)
+    create_container = getattr(plugins, "_create_container", None)
+    if not isinstance(index, dict) or create_container is None:
+        print("localstack/launch.py: not serving EKS (the plugin manager's layout changed)", file=sys.stderr)
+        return
+    if not _patch_eks_clusters():
+        return
+    spec = aws_provider(api="eks")(_eks_service)
+    index[spec.name] = create_container(spec)
+    providers["eks"] = ["default"]
+    # SERVICES is read against the providers that exist: again, now that EKS does
+    get_enabled_apis.cache_clear()
+    get_preloaded_services.cache_clear()
+
+
 def fix_answers() -> None:
     """The patches that make LocalStack answer as EC2 does."""
     _patch_repeated_filters()
@@ -243,8 +386,13 @@ def speed_up() -> None:
     _patch_describe_passthrough()
 
 
+if __name__ == "builtins":
+    # LocalStack's init scripts (the Docker image's start.d) are run with `exec(script, {})`
+    serve_eks()
+
 if __name__ == "__main__":
     fix_answers()
     speed_up()
+    serve_eks()
     sys.argv = ["localstack.runtime.main"]
     runpy.run_module("localstack.runtime.main", run_name="__main__", alter_sys=True)

@@ -214,7 +214,9 @@ pub struct TargetArgs {
     pub report: Option<PathBuf>,
 
     /// Also remove leftovers verification finds (instances without NodeClaim, launch templates,
-    /// instance profiles, detached network interfaces). Volumes are never deleted.
+    /// instance profiles, detached network interfaces). Volumes are never deleted. `verify`
+    /// terminates instances only once EKS says the cluster is gone or its API shows no node on
+    /// them; otherwise it refuses (exit 3): use `run`, which drains first.
     #[arg(long, env = "KARPENTER_TEARDOWN_RECLAIM")]
     pub reclaim: bool,
 }
@@ -257,7 +259,8 @@ pub struct TeardownArgs {
     pub drain_deadline: Option<String>,
 
     /// What to do with pods still there at the drain deadline: fail (exit 5 naming the blockers),
-    /// delete (delete them with their grace period, bypassing PodDisruptionBudgets), skip (go on).
+    /// delete (delete them with their grace period, bypassing PodDisruptionBudgets), skip (go on:
+    /// the node's instance is terminated under the pods left, bypassing their PodDisruptionBudgets).
     /// Overrides the plan's policy (fail in the built-in plans).
     #[arg(long, env = "KARPENTER_TEARDOWN_ON_DRAIN_DEADLINE", value_enum)]
     pub on_drain_deadline: Option<DrainPolicyArg>,
@@ -285,7 +288,8 @@ pub enum DrainPolicyArg {
     Fail,
     /// Delete the remaining pods with their grace period (bypasses PodDisruptionBudgets).
     Delete,
-    /// Leave the pods and go on with the teardown.
+    /// Go on with the teardown: the node's instance is terminated under the pods left, bypassing
+    /// their PodDisruptionBudgets.
     Skip,
 }
 
@@ -323,6 +327,20 @@ pub struct VerifyArgs {
     /// reclaim and changes nothing (the same consent model as `run`).
     #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
     pub yes: bool,
+
+    /// With --reclaim, while EKS says the cluster exists: the kubeconfig of that cluster, read to
+    /// prove no node still runs on an instance before it is terminated without a drain (default:
+    /// KUBECONFIG, then ~/.kube/config).
+    #[arg(long, env = "KARPENTER_TEARDOWN_KUBECONFIG", value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Kubeconfig context for --reclaim (default: the current context).
+    #[arg(long, env = "KARPENTER_TEARDOWN_CONTEXT")]
+    pub context: Option<String>,
+
+    /// With --reclaim: refuse (exit 3) when it would terminate more instances than this.
+    #[arg(long, env = "KARPENTER_TEARDOWN_MAX_NODES", value_name = "N")]
+    pub max_nodes: Option<u32>,
 }
 
 /// `sandbox ...`.

@@ -12,7 +12,7 @@ use crate::aws::{AwsClients, AwsError};
 use crate::cli::{
     Cli, Command, CompletionShell, CompletionsArgs, PlanArgs, PlanFormat, RunArgs, TfPruneArgs, VerifyArgs,
 };
-use crate::config::{ConfigError, Consent, PlanSource, RunConfig, Target};
+use crate::config::{ConfigError, Consent, KubeTarget, PlanSource, RunConfig, Target};
 use crate::engine::context::DrainOverrides;
 use crate::engine::events::{EngineEvent, Events};
 use crate::engine::{self, RunSettings};
@@ -106,9 +106,13 @@ async fn verify_command(args: &VerifyArgs) -> Exit {
         Ok(t) => t,
         Err(e) => return fail(&e.into()),
     };
+    if args.max_nodes == Some(0) {
+        return fail(&ConfigError::ZeroMaxNodes.into());
+    }
     let (mut report, started) = Report::start("verify", &target.cluster, &target.region, "");
     let consent = if args.yes { Consent::Yes } else { Consent::DryRun };
-    let result = verify_target(&target, consent, &mut report).await;
+    let kube = KubeTarget { kubeconfig: args.kubeconfig.clone(), context: args.context.clone() };
+    let result = verify_target(&target, consent, &kube, args.max_nodes, &mut report).await;
     let exit = match &result {
         Ok(exit) => *exit,
         Err(e) => {
@@ -120,9 +124,15 @@ async fn verify_command(args: &VerifyArgs) -> Exit {
     finish_report(&target, &report, exit)
 }
 
-async fn verify_target(target: &Target, consent: Consent, report: &mut Report) -> Result<Exit, CommandError> {
+async fn verify_target(
+    target: &Target,
+    consent: Consent,
+    kube: &KubeTarget,
+    max_nodes: Option<u32>,
+    report: &mut Report,
+) -> Result<Exit, CommandError> {
     let aws = AwsClients::connect(&target.region).await?;
-    let result = verify_with(target, consent, report, &aws).await;
+    let result = verify_with(target, consent, kube, max_nodes, report, &aws).await;
     report.api_calls.extend(aws.calls.snapshot());
     result
 }
@@ -130,6 +140,8 @@ async fn verify_target(target: &Target, consent: Consent, report: &mut Report) -
 async fn verify_with(
     target: &Target,
     consent: Consent,
+    kube: &KubeTarget,
+    max_nodes: Option<u32>,
     report: &mut Report,
     aws: &AwsClients,
 ) -> Result<Exit, CommandError> {
@@ -137,6 +149,22 @@ async fn verify_with(
         aws.check_account(account).await?;
     }
     let mut left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE, None).await?;
+    if target.reclaim && !left.reclaimable().is_empty() {
+        // Positive evidence before a removal from AWS alone: the cluster is gone, or its own API
+        // shows that nothing runs on what is about to go.
+        let seen = cluster_seen(target, kube, aws).await?;
+        tracing::info!(cluster = ?seen, "what the cluster says before a reclaim");
+        if let Some(refusal) = verify::reclaim_refusal(&left, &seen, &target.cluster, max_nodes) {
+            crate::progress::finish();
+            eprintln!("error: {refusal}");
+            report.error = Some(refusal.to_string());
+            report.leftovers = left;
+            return Ok(Exit::Refused);
+        }
+        if let verify::ClusterSeen::Live(holders) = &seen {
+            left = left.without_profiles(&holders.user_profiles);
+        }
+    }
     if !left.is_clean() && target.reclaim && consent == Consent::DryRun {
         tracing::warn!("--reclaim without --yes: listing what would be reclaimed, changing nothing");
         report.would_reclaim = left.reclaimable();
@@ -151,6 +179,44 @@ async fn verify_with(
     let clean = left.is_clean();
     report.leftovers = left;
     Ok(if clean { Exit::Clean } else { Exit::Leftovers })
+}
+
+/// What EKS and, while the cluster exists, its own API say of it: which instances its Nodes
+/// and NodeClaims stand for, and which instance profiles its EC2NodeClasses name. The API is
+/// read only once EKS's endpoint or certificate authority proves the kubeconfig reaches it.
+async fn cluster_seen(
+    target: &Target,
+    kube: &KubeTarget,
+    aws: &AwsClients,
+) -> Result<verify::ClusterSeen, CommandError> {
+    use crate::aws::EksLookup;
+    use crate::engine::preflight::{Observations, Reached, Target as IdentityTarget, verdict};
+    use verify::ClusterSeen;
+    let eks = aws.eks.describe_cluster(&target.cluster).await?;
+    match &eks {
+        EksLookup::NotFound => {
+            return Ok(ClusterSeen::Gone(format!("EKS has no cluster {} in {}", target.cluster, target.region)));
+        }
+        EksLookup::Found(c) if c.is_deleting() => {
+            return Ok(ClusterSeen::Gone(format!("EKS is deleting cluster {}", target.cluster)));
+        }
+        EksLookup::Found(_) => {}
+    }
+    let kube = match Kube::connect(kube).await {
+        Ok(k) => k,
+        Err(e) => return Ok(ClusterSeen::Unproven(e.to_string())),
+    };
+    // only EKS's word counts here: what the cluster says of itself is read after it is proven
+    let obs = Observations { context: None, reached: Reached::of(&kube), eks: Some(eks), ..Observations::default() };
+    let identity = IdentityTarget { cluster: &target.cluster, region: &target.region, account: None };
+    let ev = verdict(&obs, &identity);
+    if !ev.contradictions.is_empty() {
+        return Ok(ClusterSeen::Unproven(ev.contradictions.join("; ")));
+    }
+    match crate::engine::inventory::cluster_holders(&kube.client).await {
+        Ok(holders) => Ok(ClusterSeen::Live(holders)),
+        Err(e) => Ok(ClusterSeen::Unproven(e.to_string())),
+    }
 }
 
 /// Writes the report file (if asked) and prints the summary; a report that cannot be written

@@ -21,6 +21,8 @@ pub enum Exit {
     Leftovers,
     /// 5: blocked past a deadline under policy `fail` (the blockers are named).
     Blocked,
+    /// 6: the plan ran to its end without a `verify` step: nothing proves what is left.
+    Unverified,
     /// 130: interrupted by Ctrl-C or SIGTERM.
     Interrupted,
 }
@@ -35,6 +37,7 @@ impl Exit {
             Exit::Refused => 3,
             Exit::Leftovers => 4,
             Exit::Blocked => 5,
+            Exit::Unverified => 6,
             Exit::Interrupted => 130,
         }
     }
@@ -51,6 +54,7 @@ impl Exit {
             3 => Exit::Refused,
             4 => Exit::Leftovers,
             5 => Exit::Blocked,
+            6 => Exit::Unverified,
             130 => Exit::Interrupted,
             _ => Exit::Failure,
         }
@@ -64,12 +68,14 @@ impl Exit {
     fn rank(self) -> u8 {
         match self {
             Exit::Clean => 0,
-            Exit::Failure => 1,
-            Exit::Leftovers => 2,
-            Exit::Blocked => 3,
-            Exit::Interrupted => 4,
-            Exit::Refused => 5,
-            Exit::BadInput => 6,
+            // only ever in place of clean: any other outcome says more
+            Exit::Unverified => 1,
+            Exit::Failure => 2,
+            Exit::Leftovers => 3,
+            Exit::Blocked => 4,
+            Exit::Interrupted => 5,
+            Exit::Refused => 6,
+            Exit::BadInput => 7,
         }
     }
 }
@@ -83,6 +89,7 @@ impl fmt::Display for Exit {
             Exit::Refused => "refused by a safety guard, nothing changed",
             Exit::Leftovers => "finished, but leftovers remain",
             Exit::Blocked => "blocked past a deadline under policy `fail`",
+            Exit::Unverified => "finished without a verify step: nothing proves what is left",
             Exit::Interrupted => "interrupted",
         };
         write!(f, "{} ({what})", self.code())
@@ -98,6 +105,7 @@ Exit codes:
   3    refused by a safety guard (wrong cluster, too many nodes); nothing changed
   4    finished, but leftovers remain (listed in the report; --reclaim removes them)
   5    blocked past a deadline under --on-drain-deadline fail (the blockers are named)
+  6    unverified: the plan has no verify step, so nothing proves what is left
   130  interrupted (Ctrl-C or SIGTERM); run again to resume";
 
 #[cfg(test)]
@@ -111,6 +119,8 @@ mod tests {
         assert_eq!(Exit::Leftovers.worst(Exit::Blocked), Exit::Blocked);
         assert_eq!(Exit::Interrupted.worst(Exit::Blocked), Exit::Interrupted);
         assert_eq!(Exit::Clean.worst(Exit::Clean), Exit::Clean);
+        assert_eq!(Exit::Clean.worst(Exit::Unverified), Exit::Unverified);
+        assert_eq!(Exit::Unverified.worst(Exit::Failure), Exit::Failure);
     }
 
     #[test]
@@ -122,6 +132,7 @@ mod tests {
             Exit::Refused,
             Exit::Leftovers,
             Exit::Blocked,
+            Exit::Unverified,
             Exit::Interrupted,
         ];
         for e in all {

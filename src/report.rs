@@ -33,6 +33,8 @@ pub enum Outcome {
     DryRun,
     /// Interrupted.
     Interrupted,
+    /// The plan has no `verify` step: nothing proves what is left.
+    Unverified,
 }
 
 impl Outcome {
@@ -44,6 +46,7 @@ impl Outcome {
             Exit::Refused => Outcome::Refused,
             Exit::Blocked => Outcome::Blocked,
             Exit::Interrupted => Outcome::Interrupted,
+            Exit::Unverified => Outcome::Unverified,
             Exit::Failure | Exit::BadInput => Outcome::Failed,
         }
     }
@@ -267,7 +270,7 @@ impl Report {
         self.finished = rfc3339(now);
         self.wall_seconds = now.duration_since(started).map(|d| d.as_secs_f64()).unwrap_or_default();
         self.exit_code = exit.code();
-        self.outcome = if dry_run && matches!(exit, Exit::Clean | Exit::Leftovers) {
+        self.outcome = if dry_run && matches!(exit, Exit::Clean | Exit::Leftovers | Exit::Unverified) {
             Outcome::DryRun
         } else {
             Outcome::from_exit(exit)

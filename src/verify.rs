@@ -164,6 +164,105 @@ fn second_read_pause(settle: Duration, quiet_since: Option<Instant>, now: Instan
     }
 }
 
+/// What `verify --reclaim` knows of the cluster before it removes anything from AWS alone
+/// (design §2.7): terminating an instance without a drain is right only when no Kubernetes node
+/// runs on it any more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ClusterSeen {
+    /// EKS has no cluster of that name, or is deleting it: nothing can run on its instances.
+    Gone(String),
+    /// The cluster is there and its API, proven to be that cluster's, was read.
+    Live(crate::engine::inventory::ClusterHolders),
+    /// The cluster is there, but its API could not be read as that cluster's.
+    Unproven(String),
+}
+
+/// Why `verify --reclaim` removes nothing (exit 3).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ReclaimRefusal {
+    /// Some instances are still the cluster's nodes: they need a drain.
+    #[error(
+        "refusing to reclaim: cluster {cluster} is live and {} of its instances still stand for its nodes ({}); \
+         terminating them here would kill their pods without a drain. Nothing was changed; tear the cluster's \
+         compute down with `karpenter-teardown run` (it drains first), then verify",
+        .held.len(),
+        .held.iter().map(|(i, h)| format!("{i}: {h}")).collect::<Vec<_>>().join(", ")
+    )]
+    InUse {
+        /// `--cluster`.
+        cluster: String,
+        /// Instance id and what holds it.
+        held: Vec<(String, String)>,
+    },
+    /// The cluster is live, and its API could not be read as that cluster's.
+    #[error(
+        "refusing to reclaim: EKS says cluster {cluster} exists, and its Kubernetes API could not be read as that \
+         cluster's ({why}), so whether its instances still run pods is unknown. Nothing was changed; point \
+         --kubeconfig/--context at the cluster (aws eks update-kubeconfig --name {cluster}), or tear it down with \
+         `karpenter-teardown run`"
+    )]
+    Unproven {
+        /// `--cluster`.
+        cluster: String,
+        /// What went wrong.
+        why: String,
+    },
+    /// More instances than `--max-nodes`.
+    #[error(
+        "refusing to reclaim: it would terminate {instances} instances, more than --max-nodes {max}. Nothing was \
+         changed; raise --max-nodes if this is the right cluster"
+    )]
+    BlastRadius {
+        /// Instances the reclaim would terminate.
+        instances: usize,
+        /// `--max-nodes`.
+        max: u32,
+    },
+}
+
+/// Whether `left` may be reclaimed with what is known of the cluster: every live instance must
+/// stand for no Node or NodeClaim of a cluster that is still there, and there may be no more of
+/// them than `max`. Checked in a dry run too, which predicts the real run.
+pub(crate) fn reclaim_refusal(
+    left: &Leftovers,
+    seen: &ClusterSeen,
+    cluster: &str,
+    max: Option<u32>,
+) -> Option<ReclaimRefusal> {
+    if let Some(max) = max
+        && left.instances.len() > max as usize
+    {
+        return Some(ReclaimRefusal::BlastRadius { instances: left.instances.len(), max });
+    }
+    match seen {
+        ClusterSeen::Gone(_) => None,
+        ClusterSeen::Unproven(why) => Some(ReclaimRefusal::Unproven { cluster: cluster.to_string(), why: why.clone() }),
+        ClusterSeen::Live(holders) => {
+            let held: Vec<(String, String)> = left
+                .instances
+                .iter()
+                .filter_map(|i| {
+                    let by_tag = || {
+                        i.tag(crate::karpenter::TAG_NODECLAIM)
+                            .filter(|c| holders.claims.contains(*c))
+                            .map(|c| format!("NodeClaim {c} (its karpenter.sh/nodeclaim tag)"))
+                    };
+                    holders.instances.get(&i.id).cloned().or_else(by_tag).map(|h| (i.id.clone(), h))
+                })
+                .collect();
+            (!held.is_empty()).then(|| ReclaimRefusal::InUse { cluster: cluster.to_string(), held })
+        }
+    }
+}
+
+impl Leftovers {
+    /// Leaves out the instance profiles the user's EC2NodeClasses name.
+    pub(crate) fn without_profiles(mut self, user_profiles: &BTreeSet<String>) -> Leftovers {
+        self.instance_profiles.retain(|p| !user_profiles.contains(&p.name));
+        self
+    }
+}
+
 /// How long [`reclaim`] waits for the instances it terminated to reach `terminated`: a real
 /// instance stays `shutting-down` for tens of seconds to minutes after `TerminateInstances`, and
 /// a check made before it is gone would count it as left over.
@@ -395,6 +494,68 @@ mod tests {
         ];
         assert_eq!(still_live(&ids, &found), ["i-1", "i-2"], "i-4 is no longer known: gone");
         assert!(still_live(&ids, &found[2..]).is_empty());
+    }
+
+    fn live(instances: &[(&str, &str)], claims: &[&str]) -> ClusterSeen {
+        ClusterSeen::Live(crate::engine::inventory::ClusterHolders {
+            instances: instances.iter().map(|(i, h)| (i.to_string(), h.to_string())).collect(),
+            claims: claims.iter().map(|c| c.to_string()).collect(),
+            user_profiles: BTreeSet::new(),
+        })
+    }
+
+    fn two_instances() -> Leftovers {
+        let mut fresh = instance("i-2", "prod", InstanceState::Pending);
+        fresh.tags.insert(karpenter::TAG_NODECLAIM.into(), "default-abcde".into());
+        Leftovers { instances: vec![instance("i-1", "prod", InstanceState::Running), fresh], ..Leftovers::default() }
+    }
+
+    #[test]
+    fn a_reclaim_never_terminates_an_instance_a_node_or_claim_of_a_live_cluster_stands_for() {
+        let left = two_instances();
+        let refusal = reclaim_refusal(&left, &live(&[("i-1", "Node n1")], &[]), "prod", None);
+        assert_eq!(
+            refusal,
+            Some(ReclaimRefusal::InUse { cluster: "prod".into(), held: vec![("i-1".into(), "Node n1".into())] })
+        );
+        let text = refusal.unwrap().to_string();
+        assert!(text.contains("karpenter-teardown run") && text.contains("Nothing was changed"), "{text}");
+        let by_tag = reclaim_refusal(&left, &live(&[], &["default-abcde"]), "prod", None);
+        assert_eq!(
+            by_tag,
+            Some(ReclaimRefusal::InUse {
+                cluster: "prod".into(),
+                held: vec![("i-2".into(), "NodeClaim default-abcde (its karpenter.sh/nodeclaim tag)".into())]
+            }),
+            "a claim not yet naming its instance holds it by the instance's tag"
+        );
+        assert_eq!(reclaim_refusal(&left, &live(&[("i-9", "Node n9")], &["other"]), "prod", None), None);
+    }
+
+    #[test]
+    fn a_reclaim_goes_ahead_once_the_cluster_is_gone_and_refuses_when_it_cannot_tell() {
+        let left = two_instances();
+        assert_eq!(reclaim_refusal(&left, &ClusterSeen::Gone("EKS has no cluster prod".into()), "prod", None), None);
+        let unproven = ClusterSeen::Unproven("the kubeconfig's server is not EKS cluster prod's endpoint".into());
+        assert!(matches!(reclaim_refusal(&left, &unproven, "prod", None), Some(ReclaimRefusal::Unproven { .. })));
+    }
+
+    #[test]
+    fn a_reclaim_honours_max_nodes_whatever_the_cluster_says() {
+        let left = two_instances();
+        let gone = ClusterSeen::Gone("deleted".into());
+        assert_eq!(
+            reclaim_refusal(&left, &gone, "prod", Some(1)),
+            Some(ReclaimRefusal::BlastRadius { instances: 2, max: 1 })
+        );
+        assert_eq!(reclaim_refusal(&left, &gone, "prod", Some(2)), None);
+    }
+
+    #[test]
+    fn the_profiles_a_class_names_are_left_out_of_a_reclaim() {
+        let left = Leftovers { instance_profiles: vec![profile("prod_1"), profile("mine")], ..Leftovers::default() };
+        let kept = left.without_profiles(&BTreeSet::from(["mine".to_string()]));
+        assert_eq!(kept.instance_profiles, [profile("prod_1")]);
     }
 
     #[test]

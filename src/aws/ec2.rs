@@ -237,6 +237,24 @@ impl Ec2 {
         Ok(all.into_iter().filter(|i| scope.admits(i, cluster)).collect())
     }
 
+    /// The live instances Karpenter launched for NodeClaim `claim` of `cluster`, by the tag it
+    /// puts on them at launch (`karpenter.sh/nodeclaim`), before the claim's `status.providerID`
+    /// names the instance. Only this cluster's Karpenter's ([`InstanceInfo::is_karpenters`]).
+    pub async fn live_instances_of_nodeclaim(&self, cluster: &str, claim: &str) -> Result<Vec<InstanceInfo>, AwsError> {
+        let filters = vec![
+            tag_filter(karpenter::TAG_EKS_CLUSTER, cluster),
+            tag_filter(karpenter::TAG_NODECLAIM, claim),
+            live_state_filter(),
+        ];
+        let all = self.describe(Some(filters)).await?;
+        Ok(all
+            .into_iter()
+            .filter(|i| {
+                i.tag(karpenter::TAG_NODECLAIM) == Some(claim) && i.state.is_live() && i.is_karpenters(cluster).is_ok()
+            })
+            .collect())
+    }
+
     /// Looks up instances by id; ids EC2 no longer knows are simply absent from the result.
     pub async fn instances_by_id(&self, ids: &[String]) -> Result<Vec<InstanceInfo>, AwsError> {
         self.by_id(ids, None).await

@@ -1,11 +1,13 @@
 //! The AWS side: EC2 (instances, launch templates, network interfaces, volumes), IAM (instance
-//! profiles) and STS (account identity), through the real SDK.
+//! profiles), STS (account identity) and EKS (which API server the named cluster is), through the
+//! real SDK.
 //!
 //! Endpoints come from the SDK's standard environment (`AWS_ENDPOINT_URL`, `AWS_ENDPOINT_URL_EC2`,
 //! ...), credentials from its default chain; LocalStack needs no special flags.
 
 pub(crate) mod calls;
 pub mod ec2;
+pub mod eks;
 pub(crate) mod iam;
 pub(crate) mod pacing;
 
@@ -14,6 +16,7 @@ use aws_credential_types::provider::ProvideCredentials;
 
 pub(crate) use calls::AwsCalls;
 pub use ec2::{Ec2, InstanceInfo, InstanceState};
+pub use eks::{Eks, EksCluster, EksLookup};
 pub use iam::{Iam, InstanceProfileInfo};
 
 /// Failures of the AWS side, with what the user can do about them.
@@ -45,6 +48,8 @@ pub enum AwsError {
     /// The call reached AWS and was refused or failed.
     #[error("AWS {operation} failed: {code}: {message}{}", aws_hint(code))]
     Api {
+        /// The service (`ec2`, `iam`, `sts`, `eks`).
+        service: &'static str,
         /// The API operation that failed.
         operation: &'static str,
         /// The AWS error code (e.g. `UnauthorizedOperation`).
@@ -97,6 +102,22 @@ impl AwsError {
         })
     }
 
+    /// True when the identity lacks the permission for the call (EC2's `UnauthorizedOperation`,
+    /// IAM's, STS's and EKS's `AccessDenied`).
+    pub(crate) fn is_access_denied(&self) -> bool {
+        self.code().is_some_and(|c| {
+            matches!(c, "UnauthorizedOperation" | "AccessDenied" | "AccessDeniedException" | "UnauthorizedAccess")
+        })
+    }
+
+    /// The IAM action of the call that failed (`eks:DescribeCluster`), when it reached AWS.
+    pub(crate) fn action(&self) -> Option<String> {
+        match self {
+            AwsError::Api { service, operation, .. } => Some(format!("{service}:{operation}")),
+            _ => None,
+        }
+    }
+
     /// The AWS error code, when the call reached AWS.
     pub fn code(&self) -> Option<&str> {
         match self {
@@ -134,12 +155,14 @@ impl AwsError {
             SdkError::ServiceError(s) => {
                 let e = s.err();
                 AwsError::Api {
+                    service,
                     operation,
                     code: e.code().unwrap_or("Unknown").to_string(),
                     message: e.message().unwrap_or("").to_string(),
                 }
             }
             other => AwsError::Api {
+                service,
                 operation,
                 code: "ClientError".into(),
                 message: aws_smithy_types::error::display::DisplayErrorContext(&other).to_string(),
@@ -169,6 +192,7 @@ fn upper(service: &'static str) -> &'static str {
         "ec2" => "EC2",
         "iam" => "IAM",
         "sts" => "STS",
+        "eks" => "EKS",
         _ => "<SERVICE>",
     }
 }
@@ -180,7 +204,9 @@ pub struct AwsClients {
     pub ec2: Ec2,
     /// IAM (global).
     pub iam: Iam,
-    /// Every request the three clients sent, by `service:Operation`.
+    /// EKS in the cluster's region.
+    pub eks: Eks,
+    /// Every request the clients sent, by `service:Operation`.
     pub calls: AwsCalls,
     sts: aws_sdk_sts::Client,
     sts_endpoint: String,
@@ -217,15 +243,17 @@ impl AwsClients {
                 .or_else(|| config.endpoint_url().map(str::to_string))
                 .unwrap_or_else(|| format!("the default {svc} endpoint of {region}"))
         };
-        // one counter shared by the three clients, so the report names every AWS call the run
+        // one counter shared by the clients, so the report names every AWS call the run
         // made and the least-privilege test can compare them with deploy/iam-policy.json
         let calls = AwsCalls::default();
         let ec2 = aws_sdk_ec2::config::Builder::from(config).interceptor(calls.clone()).build();
         let iam = aws_sdk_iam::config::Builder::from(config).interceptor(calls.clone()).build();
         let sts = aws_sdk_sts::config::Builder::from(config).interceptor(calls.clone()).build();
+        let eks = aws_sdk_eks::config::Builder::from(config).interceptor(calls.clone()).build();
         Ok(AwsClients {
             ec2: Ec2::new(aws_sdk_ec2::Client::from_conf(ec2), endpoint("ec2")),
             iam: Iam::new(aws_sdk_iam::Client::from_conf(iam), endpoint("iam")),
+            eks: Eks::new(aws_sdk_eks::Client::from_conf(eks), endpoint("eks")),
             sts: aws_sdk_sts::Client::from_conf(sts),
             sts_endpoint: endpoint("sts"),
             calls,

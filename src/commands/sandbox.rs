@@ -78,6 +78,15 @@ async fn sandbox_up(args: &crate::cli::SandboxUpArgs, demo: bool) -> Exit {
         server.shutdown().await;
         return fail(&e.into());
     }
+    // EKS (LocalStack's) knows the sandbox's API server as the cluster, as EKS knows a real one
+    let eks = sandbox_sim::cloud::EksSpec { endpoint: server.url(), ..Default::default() };
+    if let Err(e) = aws.register_eks_cluster(&args.cluster, &eks).await {
+        server.shutdown().await;
+        eprintln!(
+            "error: cannot register the sandbox cluster with LocalStack's EKS: {e}; restart LocalStack with localstack/down and localstack/up"
+        );
+        return Exit::BadInput;
+    }
     let client = match kube::Client::try_from(server.kube_config()) {
         Ok(c) => c,
         Err(e) => {

@@ -19,7 +19,7 @@ use super::events::{EngineEvent, TaskRef};
 use super::inventory::{Inventory, Machine, claim_owner, find_controller, list_dynamic, pool_owner};
 use crate::k8s::nodes::cordon_node;
 use crate::k8s::objects::{
-    delete_and_remove_finalizer, delete_if_present, last_manager_in, patch_params, remove_finalizer,
+    FinalizerRemoval, delete_and_remove_finalizer, delete_if_present, last_manager_in, patch_params, remove_finalizer,
 };
 use crate::k8s::{self, KubeError, status_code};
 use crate::karpenter::{self, ProviderId};
@@ -137,9 +137,13 @@ async fn pause(ctx: &Ctx, d: Duration) -> bool {
 
 // ---------------------------------------------------------------- fence
 
+/// How often the fence reads and patches a NodePool that another writer keeps changing.
+const FENCE_ATTEMPTS: usize = 8;
+
 /// NodePool limits to zero and disruption budgets to zero nodes, originals kept in an
 /// annotation; a NodePool already fenced is left alone. Static NodePools are fenced on
 /// `limits.nodes` only (see [`karpenter::fence_limits`]); their `replicas` stay as they are.
+/// A pool another writer changes under every attempt is an error, not a pool left unfenced.
 pub async fn fence(ctx: &Ctx) -> Outcome {
     let ar = k8s::nodepool_resource();
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
@@ -149,7 +153,7 @@ pub async fn fence(ctx: &Ctx) -> Outcome {
     // providers' are not this controller's: their capacity is not the tool's to stop
     for pool in pools.into_iter().filter(|p| pool_owner(p).is_ok()) {
         let name = pool.metadata.name.clone().unwrap_or_default();
-        for attempt in 0..8 {
+        for attempt in 0..FENCE_ATTEMPTS {
             let current = match if attempt == 0 { Ok(Some(pool.clone())) } else { api.get_opt(&name).await } {
                 Ok(Some(p)) => p,
                 Ok(None) => break,
@@ -175,7 +179,17 @@ pub async fn fence(ctx: &Ctx) -> Outcome {
                     break;
                 }
                 Err(e) if status_code(&e) == Some(404) => break,
-                Err(e) if status_code(&e) == Some(409) => continue,
+                // another writer changed it since the read: read again, up to the last attempt
+                Err(e) if status_code(&e) == Some(409) && attempt + 1 < FENCE_ATTEMPTS => continue,
+                Err(e) if status_code(&e) == Some(409) => {
+                    return Err(KubeError::api(
+                        format!(
+                            "fence NodePool {name} (another writer changed it under each of {FENCE_ATTEMPTS} attempts)"
+                        ),
+                        e,
+                    )
+                    .into());
+                }
                 Err(e) => return Err(KubeError::api(format!("fence NodePool {name}"), e).into()),
             }
         }
@@ -440,10 +454,12 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     };
     let mut provider: Option<ProviderId> = None;
     let mut claim_exists = false;
+    let mut claim_uid: Option<String> = None;
     if let Some(c) = &claim_name {
         match claims.get_opt(c).await {
             Ok(Some(obj)) => {
                 claim_exists = true;
+                claim_uid = obj.metadata.uid.clone();
                 provider = obj
                     .data
                     .pointer("/status/providerID")
@@ -478,12 +494,35 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         // Karpenter (or an earlier run) finished this machine: nothing is left to guard
         return Ok(TaskOutcome::Skipped("already gone".into()));
     }
+    let node_uid = node_read.as_ref().and_then(|node| node.metadata.uid.clone());
     // A node goes only with no pod on it that a drain must move, however often its fence was
     // lifted since its drain.
     if let Some(n) = &node_name
         && let Some(stop) = Box::pin(super::drain::drain_before_release(ctx, machine, n, node_read)).await?
     {
         return Ok(stop);
+    }
+    // A claim that names no instance yet may still have one: Karpenter tags it with the claim's
+    // name at launch, before the claim's status names it. EC2 decides, not the claim's silence.
+    if provider.is_none()
+        && let Some(c) = claim_name.as_deref().filter(|_| claim_exists)
+    {
+        let found = ctx.aws.ec2.live_instances_of_nodeclaim(&ctx.cluster, c).await.map_err(TaskError::from)?;
+        match found.as_slice() {
+            [] => {}
+            [one] => {
+                tracing::info!(instance = %one.id, "the NodeClaim names no instance, but EC2 holds one tagged for it");
+                provider = Some(ProviderId { zone: one.zone.clone(), instance_id: one.id.clone() });
+            }
+            many => {
+                let ids: Vec<&str> = many.iter().map(|i| i.id.as_str()).collect();
+                return Ok(TaskOutcome::Failed(format!(
+                    "NodeClaim {c} names no instance and EC2 holds {} tagged for it ({}): left for Karpenter or a person to decide",
+                    ids.len(),
+                    ids.join(", ")
+                )));
+            }
+        }
     }
     let mut what = Vec::new();
     if let Some(p) = &provider {
@@ -512,14 +551,22 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     } else {
         what.push("no instance (never launched)".into());
     }
-    // The instance is gone: now, and only now, the objects may go.
+    // The instance is gone: now, and only now, the objects may go, and only the objects that
+    // were read (a Node of the same name made since is another machine's)
     if let Some(n) = &node_name {
-        delete_and_remove_finalizer(&nodes, n, karpenter::FINALIZER_TERMINATION).await?;
-        what.push(format!("Node {n} released"));
+        match delete_and_remove_finalizer(&nodes, n, karpenter::FINALIZER_TERMINATION, node_uid.as_deref()).await? {
+            FinalizerRemoval::Replaced => what.push(format!("Node {n} was replaced by another object: left alone")),
+            _ => what.push(format!("Node {n} released")),
+        }
     }
     if let Some(c) = &claim_name {
-        delete_and_remove_finalizer(&claims, c, karpenter::FINALIZER_TERMINATION).await?;
-        what.push(format!("NodeClaim {c} released"));
+        let uid = claim_uid.as_deref();
+        match delete_and_remove_finalizer(&claims, c, karpenter::FINALIZER_TERMINATION, uid).await? {
+            FinalizerRemoval::Replaced => {
+                what.push(format!("NodeClaim {c} was replaced by another object: left alone"))
+            }
+            _ => what.push(format!("NodeClaim {c} released")),
+        }
     }
     Ok(TaskOutcome::Done(what.join("; ")))
 }

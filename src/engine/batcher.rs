@@ -64,7 +64,8 @@ impl Ec2Batcher {
         (Ec2Batcher { tx }, run(ec2, cluster, rx))
     }
 
-    /// Terminates one instance (batched with others); unknown ids count as done.
+    /// Terminates one instance (batched with others) once its own tags show it is this
+    /// cluster's Karpenter's; an id EC2 does not show is never sent ([`Unseen`]).
     pub async fn terminate(&self, id: &str) -> Result<(), BatchError> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Request::Terminate(id.to_string(), tx)).await.map_err(|_| BatchError::stopped())?;
@@ -84,6 +85,7 @@ async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
     // terminations asked for and not yet sent, oldest first
     let mut queued: VecDeque<Asked> = VecDeque::new();
     let mut pacer = TerminatePacer::new(Instant::now());
+    let mut unseen = Unseen::default();
     let mut next_poll = Instant::now();
     loop {
         // Sleep until a request arrives, the bucket holds enough for the queued terminations, or
@@ -121,7 +123,7 @@ async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
             && n > 0
         {
             let batch: Vec<Asked> = queued.drain(..n).collect();
-            terminate_batch(&ec2, &cluster, &mut pacer, batch).await;
+            terminate_batch(&ec2, &cluster, &mut pacer, &mut unseen, batch).await;
             if !waiting.is_empty() && Instant::now() >= next_poll {
                 break;
             }
@@ -166,7 +168,7 @@ fn take(r: Request, queued: &mut VecDeque<Asked>, waiting: &mut HashMap<String, 
 
 /// Reads the batch's instances, refuses those that are not this cluster's Karpenter's, and
 /// terminates the rest in one call, answering every asker.
-async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, batch: Vec<Asked>) {
+async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, unseen: &mut Unseen, batch: Vec<Asked>) {
     let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
     let asked = Instant::now();
     let found = match ec2.instances_by_id(&ids).await {
@@ -178,9 +180,13 @@ async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, b
             return;
         }
     };
-    let (batch, refused) = split_ours(batch, &found, cluster);
+    let (batch, refused, not_shown) = split_ours(batch, &found, cluster);
     for (tx, err) in refused {
         let _ = tx.send(Err(err));
+    }
+    let now = Instant::now();
+    for (id, tx) in not_shown {
+        let _ = tx.send(unseen.judge(&id, now));
     }
     if batch.is_empty() {
         return;
@@ -214,12 +220,47 @@ async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, b
     }
 }
 
-/// Splits a batch into the instances that may be terminated (this cluster's Karpenter's, or
-/// unknown to EC2: gone, which `TerminateInstances` reports as done) and the refusals of the
-/// others, each naming whose the instance is.
-fn split_ours(batch: Vec<Asked>, found: &[InstanceInfo], cluster: &str) -> (Vec<Asked>, Vec<(Reply, BatchError)>) {
+/// What the batch's `DescribeInstances` did not return, and since when: such an instance is
+/// never sent to `TerminateInstances`, whose own answer does not check its tags. EC2's describe
+/// lags behind a fresh launch for some seconds (eventual consistency), so for
+/// [`UNSEEN_GRACE`] after it was first missing the asker is told to try again; after that EC2
+/// does not know it, and it is gone (terminated long enough ago that EC2 no longer lists it).
+/// An instance that was only late is still caught by verification, which reads by tag.
+#[derive(Debug, Default)]
+struct Unseen {
+    first_missing: HashMap<String, Instant>,
+}
+
+/// How long an instance EC2 does not show is taken to be a fresh one EC2 does not show yet.
+const UNSEEN_GRACE: Duration = Duration::from_secs(20);
+
+impl Unseen {
+    fn judge(&mut self, id: &str, now: Instant) -> Result<(), BatchError> {
+        let since = *self.first_missing.entry(id.to_string()).or_insert(now);
+        if now.duration_since(since) < UNSEEN_GRACE {
+            return Err(BatchError {
+                message: format!(
+                    "EC2's DescribeInstances does not show instance {id} (yet): it is not terminated unchecked; asking again"
+                ),
+                transient: true,
+            });
+        }
+        tracing::info!(instance = %id, "EC2 does not know the instance: gone, nothing to terminate");
+        Ok(())
+    }
+}
+
+/// Splits a batch into the instances that may be terminated (this cluster's Karpenter's, as
+/// their own tags show), the refusals of the others, each naming whose the instance is, and the
+/// ids EC2 did not return (never terminated unchecked: [`Unseen`]).
+fn split_ours(
+    batch: Vec<Asked>,
+    found: &[InstanceInfo],
+    cluster: &str,
+) -> (Vec<Asked>, Vec<(Reply, BatchError)>, Vec<Asked>) {
     let mut ours = Vec::new();
     let mut refused = Vec::new();
+    let mut not_shown = Vec::new();
     for (id, tx) in batch {
         match found.iter().find(|i| i.id == id).map(|i| i.is_karpenters(cluster)) {
             Some(Err(why)) => {
@@ -229,10 +270,11 @@ fn split_ours(batch: Vec<Asked>, found: &[InstanceInfo], cluster: &str) -> (Vec<
                 );
                 refused.push((tx, BatchError { message, transient: false }));
             }
-            Some(Ok(())) | None => ours.push((id, tx)),
+            Some(Ok(())) => ours.push((id, tx)),
+            None => not_shown.push((id, tx)),
         }
     }
-    (ours, refused)
+    (ours, refused, not_shown)
 }
 
 /// Only throttling and AWS's own server errors heal by themselves: those are retried on the next
@@ -286,12 +328,25 @@ mod tests {
                 (id.to_string(), tx)
             })
             .collect();
-        let (ours, refused) = split_ours(batch, &found, "prod");
+        let (ours, refused, not_shown) = split_ours(batch, &found, "prod");
         let ids: Vec<&str> = ours.iter().map(|(id, _)| id.as_str()).collect();
-        assert_eq!(ids, ["i-ours", "i-gone"], "an id EC2 does not know is gone: terminating it is a no-op");
+        assert_eq!(ids, ["i-ours"]);
+        let unseen: Vec<&str> = not_shown.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(unseen, ["i-gone"], "an id DescribeInstances did not return is never sent unchecked");
         let messages: Vec<String> = refused.iter().map(|(_, e)| e.message.clone()).collect();
         assert_eq!(messages.len(), 2);
         assert!(messages[0].contains("i-auto") && messages[0].contains("EKS Auto Mode"), "{messages:?}");
         assert!(messages[1].contains("i-other") && messages[1].contains("staging"), "{messages:?}");
+    }
+
+    #[test]
+    fn an_instance_ec2_does_not_show_is_asked_about_again_then_taken_as_gone() {
+        let mut unseen = Unseen::default();
+        let t0 = Instant::now();
+        let first = unseen.judge("i-fresh", t0);
+        assert!(first.as_ref().is_err_and(|e| e.transient), "{first:?}");
+        assert!(unseen.judge("i-fresh", t0 + UNSEEN_GRACE / 2).is_err(), "still inside the grace");
+        assert_eq!(unseen.judge("i-fresh", t0 + UNSEEN_GRACE), Ok(()), "EC2 has had time to show it: gone");
+        assert!(unseen.judge("i-other", t0 + UNSEEN_GRACE).is_err(), "each id has its own grace");
     }
 }

@@ -184,7 +184,7 @@ pub(crate) fn step(mut s: DrainState, obs: Observation, now: Instant) -> (DrainS
                     DrainPolicy::Skip => {
                         actions.push(Action::Abandon(left.iter().map(|p| p.uid.clone()).collect()));
                         actions.push(Action::Finish(TaskOutcome::Skipped(format!(
-                            "drain deadline passed with {} pod(s) on node {}; skipped by policy",
+                            "drain deadline passed with {} pod(s) on node {}; skipped by policy: the instance goes with them, their budgets bypassed",
                             left.len(),
                             s.node
                         ))));
@@ -980,7 +980,7 @@ mod step_tests {
         assert!(matches!(at[0], Action::DeadlinePassed { pods_left: 1 }));
         assert!(matches!(&at[1], Action::Abandon(uids) if uids == &["a".to_string()]), "{at:?}");
         assert!(
-            matches!(finished(&at), Some(TaskOutcome::Skipped(d)) if d == "drain deadline passed with 1 pod(s) on node n1; skipped by policy"),
+            matches!(finished(&at), Some(TaskOutcome::Skipped(d)) if d == "drain deadline passed with 1 pod(s) on node n1; skipped by policy: the instance goes with them, their budgets bypassed"),
             "{at:?}"
         );
     }

@@ -345,6 +345,51 @@ async fn list_karpenter_nodes(client: &kube::Client) -> Result<Vec<NodeFacts>, K
     Ok(nodes)
 }
 
+/// What of a live cluster stands for which instance, for `verify --reclaim`: every Node's and
+/// NodeClaim's instance id (all Nodes, not only Karpenter's: a node that lost its labels still
+/// runs pods), the names of the NodeClaims (an instance not yet named by its claim carries the
+/// claim's name as a tag), and the instance profiles the EC2NodeClasses name.
+pub(crate) async fn cluster_holders(client: &kube::Client) -> Result<ClusterHolders, KubeError> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node_ids = k8s::list_pages(&nodes, &ListParams::default(), |n: Node| {
+        let pid = n.spec.and_then(|s| s.provider_id).and_then(|p| ProviderId::parse(&p).ok())?;
+        Some((pid.instance_id, format!("Node {}", n.metadata.name.unwrap_or_default())))
+    })
+    .await
+    .map_err(|e| KubeError::api("list nodes", e))?;
+    let claims = list_dynamic(client, &k8s::nodeclaim_resource()).await?;
+    let classes = list_dynamic(client, &k8s::nodeclass_resource()).await?;
+    let mut holders = ClusterHolders::default();
+    for c in &claims {
+        let name = c.metadata.name.clone().unwrap_or_default();
+        if let Some(pid) =
+            c.data.pointer("/status/providerID").and_then(Value::as_str).and_then(|p| ProviderId::parse(p).ok())
+        {
+            holders.instances.insert(pid.instance_id, format!("NodeClaim {name}"));
+        }
+        holders.claims.insert(name);
+    }
+    // a Node names its instance more plainly than its claim does
+    holders.instances.extend(node_ids);
+    holders.user_profiles = classes
+        .iter()
+        .filter_map(|c| c.data.pointer("/spec/instanceProfile").and_then(Value::as_str))
+        .map(str::to_string)
+        .collect();
+    Ok(holders)
+}
+
+/// See [`cluster_holders`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ClusterHolders {
+    /// Instance id → `Node <name>` or `NodeClaim <name>`.
+    pub instances: BTreeMap<String, String>,
+    /// Every NodeClaim's name.
+    pub claims: BTreeSet<String>,
+    /// Instance profiles named by an EC2NodeClass's `spec.instanceProfile`.
+    pub user_profiles: BTreeSet<String>,
+}
+
 /// Lists a Karpenter kind; a kind the server does not know (CRD not installed, or already
 /// removed) is an empty list, not an error.
 pub async fn list_dynamic(

@@ -199,6 +199,12 @@ pub async fn run(
             .await
         {
             Ok(ev) => ev,
+            Err(e) if e.is_access_denied() => {
+                tracing::error!(error = %e, "identity evidence");
+                let refusal =
+                    Refusal::MissingPermissions { kubernetes: Vec::new(), ec2: e.action().into_iter().collect() };
+                return RunResult::refused(refusal, String::new());
+            }
             Err(e) => {
                 let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
                 return RunResult::early(exit, e.to_string(), String::new());
@@ -216,14 +222,28 @@ pub async fn run(
         };
         return RunResult::refused(refusal, String::new());
     }
-    let nodes = inv.machines.values().filter(|m| m.node.is_some()).count();
-    if let Some(max) = settings.max_nodes
-        && nodes > max as usize
-    {
-        return RunResult::refused(Refusal::BlastRadius { nodes, max }, String::new());
+    if let Some(max) = settings.max_nodes {
+        // what EC2 holds counts as much as what the cluster shows: a machine whose Node is gone
+        // (or never joined) is terminated too, and `--reclaim` takes every live one
+        let live =
+            match aws.ec2.cluster_instances(&settings.cluster, crate::aws::ec2::InstanceScope::KarpenterLive).await {
+                Ok(l) => l,
+                Err(e) => {
+                    let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
+                    return RunResult::early(exit, e.to_string(), String::new());
+                }
+            };
+        let nodes = blast_radius(&inv, &live);
+        if nodes > max as usize {
+            return RunResult::refused(Refusal::BlastRadius { nodes, max }, String::new());
+        }
     }
     let graph = settings.plan.expand(&inv.object_sets());
     let mut plan_text = describe_plan(&graph, &inv, &evidence);
+    if let Some(line) = drain_consent(&settings) {
+        plan_text.push_str(&line);
+        plan_text.push('\n');
+    }
     if let Err(early) = check_permissions(&kube, &aws, &settings, &inv, &plan_text).await {
         return early;
     }
@@ -333,7 +353,11 @@ pub async fn run(
         controller_gone_at: std::sync::OnceLock::new(),
         abandoned: Mutex::new(HashSet::new()),
     });
-    let (exit, mut steps) = execute(&graph, ctx.clone()).await;
+    let (mut exit, mut steps) = execute(&graph, ctx.clone()).await;
+    // clean is what verification proves: a plan without it ends unverified, never clean
+    if exit == Exit::Clean && !settings.plan.steps().iter().any(|s| s.action == Action::Verify) {
+        exit = Exit::Unverified;
+    }
     steps.splice(0..0, early_steps);
     background.shutdown().await;
     drop(ctx);
@@ -689,6 +713,47 @@ pub(crate) async fn run_task(ctx: &Ctx, node: &TaskNode) -> TaskOutcome {
 }
 
 /// The concrete plan for this cluster: steps with their task counts and the objects they act on.
+/// How many machines a run may act on: the inventory's machines with a node or an instance,
+/// and every live instance EC2 tags as this cluster's Karpenter's, each instance counted once.
+fn blast_radius(inv: &Inventory, live: &[crate::aws::InstanceInfo]) -> usize {
+    let mut instances: std::collections::BTreeSet<&str> = live.iter().map(|i| i.id.as_str()).collect();
+    let mut without_instance = 0;
+    for m in inv.machines.values() {
+        match &m.provider_id {
+            Some(p) => {
+                instances.insert(p.instance_id.as_str());
+            }
+            None if m.node.is_some() => without_instance += 1,
+            None => {}
+        }
+    }
+    instances.len() + without_instance
+}
+
+/// What the drain's policy at its deadline gives up, as the dry run states it: `delete` and
+/// `skip` both end a drain that budgets hold with its pods' budgets bypassed.
+fn drain_consent(settings: &RunSettings) -> Option<String> {
+    let plan_policy =
+        settings.plan.steps().iter().filter(|s| s.action == Action::Drain).find_map(|s| match s.params.on_deadline {
+            crate::plan::OnDeadline::Delete => Some(DrainPolicy::Delete),
+            crate::plan::OnDeadline::Skip | crate::plan::OnDeadline::Continue => Some(DrainPolicy::Skip),
+            crate::plan::OnDeadline::Fail => None,
+        });
+    match settings.drain.policy.or(plan_policy)? {
+        DrainPolicy::Fail => None,
+        DrainPolicy::Delete => Some(
+            "Consent: at the drain deadline the pods left are deleted with their grace period, their \
+             PodDisruptionBudgets bypassed (--on-drain-deadline delete)"
+                .into(),
+        ),
+        DrainPolicy::Skip => Some(
+            "Consent: at the drain deadline the drain stops and the node's instance is terminated under the pods \
+             left, their PodDisruptionBudgets bypassed and their grace periods not waited for (--on-drain-deadline skip)"
+                .into(),
+        ),
+    }
+}
+
 fn describe_plan(graph: &TaskGraph, inv: &Inventory, evidence: &preflight::Evidence) -> String {
     let mut by_step: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     for (_, t) in graph.tasks() {

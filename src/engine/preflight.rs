@@ -1,13 +1,16 @@
 //! Identity and blast radius, before any write (design §2.1, §7): the evidence of which
 //! cluster the kubeconfig reaches, checked against `--cluster`/`--region`/`--account`.
 //!
-//! Reading ([`identity`]) and judging ([`verdict`]) are apart so that what refuses a run can be
-//! tested without a cluster or AWS.
+//! A run goes ahead only on *positive* evidence that the cluster reached is `--cluster` (a
+//! [`Evidence::proofs`] entry), and never against a contradiction: finding nothing either way
+//! refuses. Reading ([`identity`]) and judging ([`verdict`]) are apart so that what refuses a run
+//! can be tested without a cluster or AWS.
 
 use std::collections::BTreeSet;
 
 use super::inventory::Inventory;
-use crate::aws::{AwsClients, InstanceInfo};
+use crate::aws::eks::same_server;
+use crate::aws::{AwsClients, EksLookup, InstanceInfo};
 use crate::k8s::Kube;
 use crate::karpenter::{self, ProviderId};
 use crate::partition::{EksClusterArn, partition_of_region};
@@ -17,8 +20,36 @@ use crate::partition::{EksClusterArn, partition_of_region};
 pub struct Evidence {
     /// What agrees (or is merely observed), one line each.
     pub facts: Vec<String>,
+    /// What positively shows that the cluster reached is the target, strongest first: without
+    /// one the run is refused ([`verdict`]). Each is in `facts` too.
+    pub proofs: Vec<String>,
     /// What contradicts the target: any entry refuses the run.
     pub contradictions: Vec<String>,
+}
+
+impl Evidence {
+    fn prove(&mut self, fact: String) {
+        self.proofs.push(fact.clone());
+        self.facts.push(fact);
+    }
+}
+
+/// Where the kubeconfig points: the API server and what it trusts for it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reached {
+    /// The server URL.
+    pub server: String,
+    /// The certificate authority the kubeconfig trusts (DER), empty without one.
+    pub ca_certs: Vec<Vec<u8>>,
+    /// Whether TLS is verified against it (https, and no `insecure-skip-tls-verify`).
+    pub tls_verified: bool,
+}
+
+impl Reached {
+    /// What a connected client points at.
+    pub fn of(kube: &Kube) -> Reached {
+        Reached { server: kube.server.clone(), ca_certs: kube.ca_certs.clone(), tls_verified: kube.tls_verified }
+    }
 }
 
 /// What the run is asked to tear down: the evidence is judged against it.
@@ -48,6 +79,10 @@ pub struct ControllerSeen {
 pub struct Observations {
     /// The kubeconfig context in use.
     pub context: Option<String>,
+    /// The API server the kubeconfig reaches.
+    pub reached: Reached,
+    /// What EKS said of `--cluster`; `None` when it was not asked.
+    pub eks: Option<EksLookup>,
     /// The Karpenter controller, when found.
     pub controller: Option<ControllerSeen>,
     /// The instances behind the Karpenter nodes and NodeClaims, from their providerIDs.
@@ -61,9 +96,11 @@ pub struct Observations {
 
 impl Observations {
     /// What the cluster itself shows: the context, the controller and the providerIDs (no I/O).
-    pub fn of_cluster(context: Option<String>, inv: &Inventory) -> Observations {
+    pub fn of_cluster(kube: &Kube, inv: &Inventory) -> Observations {
         Observations {
-            context,
+            context: kube.context.clone(),
+            reached: Reached::of(kube),
+            eks: None,
             controller: inv.controller.as_ref().map(|c| ControllerSeen {
                 namespace: c.namespace.clone(),
                 name: c.name.clone(),
@@ -91,7 +128,8 @@ pub async fn identity(
     inv: &Inventory,
 ) -> Result<Evidence, crate::aws::AwsError> {
     let target = Target { cluster, region, account };
-    let mut obs = Observations::of_cluster(kube.context.clone(), inv);
+    let mut obs = Observations::of_cluster(kube, inv);
+    obs.eks = Some(aws.eks.describe_cluster(cluster).await?);
     if asks_ec2(&obs, &target) {
         obs.instances = Some(aws.ec2.instances_by_id(&obs.instance_ids()).await?);
     }
@@ -110,9 +148,13 @@ pub fn asks_ec2(obs: &Observations, target: &Target<'_>) -> bool {
     !obs.provider_ids.is_empty() && ev.contradictions.is_empty()
 }
 
-/// Judges what was read against the target: every contradiction refuses the run.
+/// Judges what was read against the target: every contradiction refuses the run, and so does
+/// the want of a proof (design §2.1: positive evidence, then action).
 pub fn verdict(obs: &Observations, target: &Target<'_>) -> Evidence {
     let mut ev = Evidence::default();
+    if let Some(eks) = &obs.eks {
+        eks_evidence(eks, &obs.reached, target, &mut ev);
+    }
     cluster_evidence(obs, target, &mut ev);
     if let Some(found) = &obs.instances {
         instance_evidence(obs.provider_ids.len(), found, target, &mut ev);
@@ -124,7 +166,65 @@ pub fn verdict(obs: &Observations, target: &Target<'_>) -> Evidence {
             ev.facts.push(format!("AWS account {actual}"));
         }
     }
+    if ev.proofs.is_empty() && ev.contradictions.is_empty() {
+        ev.contradictions.push(format!(
+            "nothing shows that the cluster reached ({}) is {}: looked for EKS's endpoint and certificate authority of \
+             {} (eks:DescribeCluster), instances behind Karpenter nodes tagged for it, and a Karpenter controller \
+             configured for it",
+            obs.reached.server, target.cluster, target.cluster
+        ));
+    }
     ev
+}
+
+/// What EKS says of the target against the server the kubeconfig reaches. The certificate
+/// authority is the strongest proof: EKS makes one per cluster, and a verified TLS handshake
+/// shows the server holds a certificate it signed. The endpoint is EKS's own name for the
+/// server. A cluster EKS does not know, or whose authority and endpoint both differ from the
+/// kubeconfig's, is another cluster.
+fn eks_evidence(eks: &EksLookup, reached: &Reached, target: &Target<'_>, ev: &mut Evidence) {
+    let Target { cluster, region, .. } = *target;
+    let c = match eks {
+        EksLookup::NotFound => {
+            ev.contradictions.push(format!(
+                "EKS has no cluster named {cluster} in {region} for these AWS credentials (eks:DescribeCluster)"
+            ));
+            return;
+        }
+        EksLookup::Found(c) => c,
+    };
+    let ca_known = !c.certificate_authority.is_empty() && !reached.ca_certs.is_empty();
+    let ca_matches = ca_known && reached.ca_certs.iter().any(|k| c.certificate_authority.contains(k));
+    let endpoint_matches = c.endpoint.as_deref().is_some_and(|e| same_server(e, &reached.server));
+    if ca_matches && reached.tls_verified {
+        ev.prove(format!(
+            "the API server's certificate authority is EKS cluster {cluster}'s (TLS verified against it)"
+        ));
+    }
+    if endpoint_matches {
+        ev.prove(format!("the kubeconfig's server {} is EKS cluster {cluster}'s endpoint", reached.server));
+    }
+    if ca_known && !ca_matches {
+        ev.contradictions.push(format!(
+            "the kubeconfig's certificate authority for {} is not EKS cluster {cluster}'s",
+            reached.server
+        ));
+    } else if !endpoint_matches && !ca_matches {
+        ev.contradictions.push(format!(
+            "the kubeconfig's server {} is not EKS cluster {cluster}'s endpoint {}",
+            reached.server,
+            c.endpoint.as_deref().unwrap_or("(none yet)")
+        ));
+    }
+    ev.facts.push(format!(
+        "EKS cluster {cluster} is {}",
+        if c.status.is_empty() { "of unknown status" } else { &c.status }
+    ));
+    if c.auto_mode {
+        ev.facts.push(format!(
+            "EKS Auto Mode is enabled on {cluster}: its NodePools, NodeClaims and nodes are EKS's and are left alone"
+        ));
+    }
 }
 
 /// What the cluster says of itself: the kube context, the controller's CLUSTER_NAME and the
@@ -145,7 +245,7 @@ fn cluster_evidence(obs: &Observations, target: &Target<'_>, ev: &mut Evidence) 
                 "the Karpenter controller {}/{} is configured for cluster {name}, not {cluster}",
                 c.namespace, c.name
             )),
-            Some(name) => ev.facts.push(format!("the Karpenter controller is configured for cluster {name}")),
+            Some(name) => ev.prove(format!("the Karpenter controller is configured for cluster {name}")),
             None => ev.facts.push("the Karpenter controller names no cluster (CLUSTER_NAME unset)".into()),
         }
     }
@@ -180,10 +280,11 @@ fn instance_evidence(asked: usize, found: &[InstanceInfo], target: &Target<'_>, 
             karpenter::TAG_EKS_CLUSTER
         ));
     }
-    ev.facts.push(format!(
+    let line = format!(
         "{matching} of {asked} instance(s) behind the Karpenter nodes are tagged for cluster {cluster} ({} unknown to EC2 in {region})",
         asked.saturating_sub(found.len())
-    ));
+    );
+    if matching > 0 { ev.prove(line) } else { ev.facts.push(line) }
 }
 
 /// What an EKS ARN context says against the target: cluster, region, partition and account.
@@ -219,8 +320,14 @@ mod tests {
 
     const PROD: Target<'static> = Target { cluster: "prod", region: "us-west-2", account: None };
 
+    /// The context's evidence, beside a controller configured for the target (a proof, so that
+    /// only what the context says is judged).
     fn judge(ctx: &str, cluster: &str, region: &str, account: Option<&str>) -> Evidence {
-        let obs = Observations { context: Some(ctx.into()), ..Observations::default() };
+        let obs = Observations {
+            context: Some(ctx.into()),
+            controller: controller(Some(cluster)),
+            ..Observations::default()
+        };
         verdict(&obs, &Target { cluster, region, account })
     }
 
@@ -257,6 +364,7 @@ mod tests {
                 instance("i-2", &[(karpenter::TAG_EKS_CLUSTER, "prod")]),
             ]),
             account: Some("123456789012".into()),
+            ..Observations::default()
         }
     }
 
@@ -296,7 +404,127 @@ mod tests {
     fn a_context_that_is_no_eks_arn_is_only_a_fact() {
         let ev = judge("kind-prod", "staging", "us-west-2", Some("123456789012"));
         assert!(ev.contradictions.is_empty(), "{ev:?}");
-        assert_eq!(ev.facts, ["kube context kind-prod (not an EKS ARN: no evidence either way)"]);
+        assert_eq!(
+            ev.facts,
+            [
+                "kube context kind-prod (not an EKS ARN: no evidence either way)",
+                "the Karpenter controller is configured for cluster staging"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_cluster_that_shows_nothing_either_way_is_refused() {
+        let obs = Observations {
+            context: Some("kind-prod".into()),
+            reached: Reached { server: "https://127.0.0.1:6443".into(), ..Reached::default() },
+            ..Observations::default()
+        };
+        let ev = verdict(&obs, &Target { cluster: "staging", region: "us-west-2", account: None });
+        assert!(ev.proofs.is_empty(), "{ev:?}");
+        assert_eq!(ev.contradictions.len(), 1, "{ev:?}");
+        assert!(
+            ev.contradictions[0]
+                .starts_with("nothing shows that the cluster reached (https://127.0.0.1:6443) is staging"),
+            "{ev:?}"
+        );
+        let arn_only = judge_alone("arn:aws:eks:us-west-2:123456789012:cluster/prod", "prod");
+        assert_eq!(arn_only.contradictions.len(), 1, "a context's name is no proof: {arn_only:?}");
+    }
+
+    fn judge_alone(ctx: &str, cluster: &str) -> Evidence {
+        let obs = Observations { context: Some(ctx.into()), ..Observations::default() };
+        verdict(&obs, &Target { cluster, region: "us-west-2", account: None })
+    }
+
+    const SERVER: &str = "https://abc.gr7.us-west-2.eks.amazonaws.com";
+
+    fn eks_cluster(endpoint: &str, ca: &[u8]) -> EksLookup {
+        EksLookup::Found(crate::aws::EksCluster {
+            arn: "arn:aws:eks:us-west-2:123456789012:cluster/prod".into(),
+            status: "ACTIVE".into(),
+            endpoint: Some(endpoint.into()),
+            certificate_authority: vec![ca.to_vec()],
+            auto_mode: false,
+        })
+    }
+
+    fn reaching(server: &str, ca: &[u8], tls_verified: bool) -> Reached {
+        Reached { server: server.into(), ca_certs: vec![ca.to_vec()], tls_verified }
+    }
+
+    #[test]
+    fn eks_endpoint_and_authority_of_the_target_prove_it_alone() {
+        let obs = Observations {
+            reached: reaching(SERVER, b"ca-prod", true),
+            eks: Some(eks_cluster(SERVER, b"ca-prod")),
+            ..Observations::default()
+        };
+        let ev = verdict(&obs, &PROD);
+        assert!(ev.contradictions.is_empty(), "{ev:?}");
+        assert_eq!(
+            ev.proofs,
+            [
+                "the API server's certificate authority is EKS cluster prod's (TLS verified against it)".to_string(),
+                format!("the kubeconfig's server {SERVER} is EKS cluster prod's endpoint"),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_authority_proves_a_server_reached_through_another_address() {
+        let obs = Observations {
+            reached: reaching("https://127.0.0.1:8443", b"ca-prod", true),
+            eks: Some(eks_cluster(SERVER, b"ca-prod")),
+            ..Observations::default()
+        };
+        let ev = verdict(&obs, &PROD);
+        assert!(ev.contradictions.is_empty(), "{ev:?}");
+        assert_eq!(ev.proofs.len(), 1, "{ev:?}");
+        let unverified = Observations { reached: reaching("https://127.0.0.1:8443", b"ca-prod", false), ..obs };
+        let ev = verdict(&unverified, &PROD);
+        assert!(ev.proofs.is_empty(), "an authority TLS does not check proves nothing: {ev:?}");
+        assert_eq!(ev.contradictions.len(), 1, "{ev:?}");
+    }
+
+    #[test]
+    fn another_clusters_authority_or_endpoint_or_no_eks_cluster_refuses() {
+        let other_ca = Observations {
+            reached: reaching(SERVER, b"ca-staging", true),
+            eks: Some(eks_cluster(SERVER, b"ca-prod")),
+            controller: controller(Some("prod")),
+            ..Observations::default()
+        };
+        let ev = verdict(&other_ca, &PROD);
+        assert_eq!(
+            ev.contradictions,
+            [format!("the kubeconfig's certificate authority for {SERVER} is not EKS cluster prod's")]
+        );
+        let other_server = Observations {
+            reached: Reached { server: "https://def.gr7.us-west-2.eks.amazonaws.com".into(), ..Reached::default() },
+            ..other_ca.clone()
+        };
+        let ev = verdict(&other_server, &PROD);
+        assert_eq!(ev.contradictions.len(), 1, "{ev:?}");
+        assert!(ev.contradictions[0].contains(&format!("is not EKS cluster prod's endpoint {SERVER}")), "{ev:?}");
+        let gone = Observations { eks: Some(EksLookup::NotFound), ..other_ca };
+        let ev = verdict(&gone, &PROD);
+        assert_eq!(
+            ev.contradictions,
+            ["EKS has no cluster named prod in us-west-2 for these AWS credentials (eks:DescribeCluster)"]
+        );
+    }
+
+    #[test]
+    fn a_plain_http_server_is_proved_by_its_endpoint_alone() {
+        let obs = Observations {
+            reached: Reached { server: "http://127.0.0.1:38211".into(), ..Reached::default() },
+            eks: Some(eks_cluster("http://127.0.0.1:38211", b"unused")),
+            ..Observations::default()
+        };
+        let ev = verdict(&obs, &PROD);
+        assert!(ev.contradictions.is_empty(), "{ev:?}");
+        assert_eq!(ev.proofs, ["the kubeconfig's server http://127.0.0.1:38211 is EKS cluster prod's endpoint"]);
     }
 
     #[test]
@@ -326,10 +554,11 @@ mod tests {
 
     #[test]
     fn a_controller_without_cluster_name_is_only_a_fact() {
-        let obs = Observations { controller: controller(None), ..Observations::default() };
+        let obs = Observations { controller: controller(None), ..matching() };
         let ev = verdict(&obs, &PROD);
         assert!(ev.contradictions.is_empty(), "{ev:?}");
-        assert_eq!(ev.facts, ["the Karpenter controller names no cluster (CLUSTER_NAME unset)"]);
+        assert!(ev.facts.contains(&"the Karpenter controller names no cluster (CLUSTER_NAME unset)".to_string()));
+        assert!(!ev.proofs.iter().any(|p| p.contains("controller")), "{ev:?}");
     }
 
     #[test]
@@ -349,7 +578,11 @@ mod tests {
 
     #[test]
     fn a_local_zone_node_of_the_target_region_agrees() {
-        let obs = Observations { provider_ids: vec![node("us-west-2-lax-1a", "i-1")], ..Observations::default() };
+        let obs = Observations {
+            provider_ids: vec![node("us-west-2-lax-1a", "i-1")],
+            controller: controller(Some("prod")),
+            ..Observations::default()
+        };
         assert!(verdict(&obs, &PROD).contradictions.is_empty());
     }
 
@@ -411,7 +644,11 @@ mod tests {
 
     #[test]
     fn credentials_of_another_account_refuse() {
-        let obs = Observations { account: Some("210987654321".into()), ..Observations::default() };
+        let obs = Observations {
+            account: Some("210987654321".into()),
+            controller: controller(Some("prod")),
+            ..Observations::default()
+        };
         let ev = verdict(&obs, &Target { account: Some("123456789012"), ..PROD });
         assert_eq!(ev.contradictions, ["the AWS credentials belong to account 210987654321, not 123456789012"]);
     }

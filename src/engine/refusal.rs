@@ -17,7 +17,7 @@ pub(crate) enum Refusal {
     WrongClusterStranded { contradictions: Vec<String> },
     /// More Karpenter nodes than `--max-nodes` allows.
     #[error(
-        "refusing: this run would act on {nodes} Karpenter nodes, more than --max-nodes {max}. Nothing was changed; raise --max-nodes if this is the right cluster"
+        "refusing: this run would act on {nodes} Karpenter machines (nodes and live instances), more than --max-nodes {max}. Nothing was changed; raise --max-nodes if this is the right cluster"
     )]
     BlastRadius { nodes: usize, max: u32 },
     /// The identities lack permissions the plan needs: the run would stop half-way.
@@ -85,6 +85,8 @@ mod tests {
         let text = perms.to_string();
         assert!(text.contains("evict pods") && text.contains("deploy/rbac.yaml") && !text.contains("IAM"), "{text}");
         let radius = Refusal::BlastRadius { nodes: 12, max: 10 };
-        assert!(radius.to_string().contains("12 Karpenter nodes, more than --max-nodes 10"));
+        assert!(
+            radius.to_string().contains("12 Karpenter machines (nodes and live instances), more than --max-nodes 10")
+        );
     }
 }

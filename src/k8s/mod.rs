@@ -232,6 +232,11 @@ pub struct Kube {
     pub context: Option<String>,
     /// The API server URL.
     pub server: String,
+    /// The certificate authority the kubeconfig trusts for that server (DER), empty without one.
+    pub ca_certs: Vec<Vec<u8>>,
+    /// False when the kubeconfig turns TLS verification off (`insecure-skip-tls-verify`): then
+    /// its certificate authority proves nothing of the server reached.
+    pub tls_verified: bool,
     /// Requests made, by verb.
     pub calls: ApiCalls,
 }
@@ -277,6 +282,8 @@ impl Kube {
         // into a silent multi-minute stall (design §5); the engine retries what it chooses to.
         config.default_retry = false;
         let server = config.cluster_url.to_string();
+        let ca_certs = config.root_cert.clone().unwrap_or_default();
+        let tls_verified = !config.accept_invalid_certs && server.starts_with("https");
         let calls = ApiCalls::default();
         let client = kube::client::ClientBuilder::try_from(config)
             .map_err(|e| KubeError::Kubeconfig { path: "kubeconfig".into(), detail: e.to_string() })?
@@ -284,7 +291,7 @@ impl Kube {
             .with_layer(&calls.layer())
             .with_layer(&tower::limit::ConcurrencyLimitLayer::new(MAX_REQUESTS_IN_FLIGHT))
             .build();
-        Ok(Kube { client, context, server, calls })
+        Ok(Kube { client, context, server, ca_certs, tls_verified, calls })
     }
 
     /// Proves the server answers (`/version`), so an unreachable endpoint is reported as such.

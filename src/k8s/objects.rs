@@ -22,6 +22,8 @@ pub enum FinalizerRemoval {
     Removed,
     /// It was not there (or the object is gone): nothing to do.
     Absent,
+    /// The name now holds another object than the one read (another UID): left alone.
+    Replaced,
 }
 
 /// Removes exactly `finalizer` from the object, with a JSON patch whose `test` pins the list
@@ -31,28 +33,37 @@ pub async fn remove_finalizer<K>(api: &Api<K>, name: &str, finalizer: &str) -> R
 where
     K: kube::Resource + Clone + DeserializeOwned + serde::Serialize + std::fmt::Debug,
 {
-    remove_finalizer_seen(api, name, finalizer, None).await
+    remove_finalizer_seen(api, name, finalizer, None, None).await
 }
 
 /// Deletes the object, then removes exactly `finalizer` from it as [`remove_finalizer`] does.
 /// While finalizers hold an object, the server answers its delete with the object itself: that
 /// answer is the read the removal starts from, which saves a request per object when thousands
 /// of machines are released at once. The `test` in the patch keeps it as safe as a fresh read.
+/// With `uid`, both the delete (a precondition) and the removal (a `test`) act only on the object
+/// of that UID: a Node or NodeClaim made since under the same name is another machine's.
 pub async fn delete_and_remove_finalizer<K>(
     api: &Api<K>,
     name: &str,
     finalizer: &str,
+    uid: Option<&str>,
 ) -> Result<FinalizerRemoval, KubeError>
 where
     K: kube::Resource + Clone + DeserializeOwned + serde::Serialize + std::fmt::Debug,
 {
-    let seen = match api.delete(name, &DeleteParams::default()).await {
+    let params = DeleteParams {
+        preconditions: uid.map(|u| kube::api::Preconditions { uid: Some(u.to_string()), resource_version: None }),
+        ..DeleteParams::default()
+    };
+    let seen = match api.delete(name, &params).await {
         // the object (`None` for a Status: gone at once, or an answer a read then settles)
         Ok(answer) => answer.left(),
         Err(e) if status_code(&e) == Some(404) => return Ok(FinalizerRemoval::Absent),
+        // the precondition failed: the name holds another object now
+        Err(e) if uid.is_some() && status_code(&e) == Some(409) => return Ok(FinalizerRemoval::Replaced),
         Err(e) => return Err(KubeError::api(format!("delete {name}"), e)),
     };
-    remove_finalizer_seen(api, name, finalizer, seen).await
+    remove_finalizer_seen(api, name, finalizer, seen, uid).await
 }
 
 /// [`remove_finalizer`], starting from `seen` (the object as just read) instead of a read.
@@ -61,6 +72,7 @@ async fn remove_finalizer_seen<K>(
     name: &str,
     finalizer: &str,
     mut seen: Option<K>,
+    uid: Option<&str>,
 ) -> Result<FinalizerRemoval, KubeError>
 where
     K: kube::Resource + Clone + DeserializeOwned + serde::Serialize + std::fmt::Debug,
@@ -74,17 +86,25 @@ where
                 Err(e) => return Err(KubeError::api(format!("read {name}"), e)),
             },
         };
+        if let Some(u) = uid
+            && obj.meta().uid.as_deref() != Some(u)
+        {
+            return Ok(FinalizerRemoval::Replaced);
+        }
         let finalizers = obj.meta().finalizers.clone().unwrap_or_default();
         let Some(idx) = finalizers.iter().position(|f| f == finalizer) else {
             return Ok(FinalizerRemoval::Absent);
         };
-        let patch = json_patch::Patch(
-            serde_json::from_value(json!([
-                {"op": "test", "path": format!("/metadata/finalizers/{idx}"), "value": finalizer},
-                {"op": "remove", "path": format!("/metadata/finalizers/{idx}")},
-            ]))
-            .map_err(|e| KubeError::api(format!("build the finalizer patch for {name}"), kube::Error::SerdeError(e)))?,
-        );
+        let mut ops = vec![
+            json!({"op": "test", "path": format!("/metadata/finalizers/{idx}"), "value": finalizer}),
+            json!({"op": "remove", "path": format!("/metadata/finalizers/{idx}")}),
+        ];
+        if let Some(u) = uid {
+            ops.insert(0, json!({"op": "test", "path": "/metadata/uid", "value": u}));
+        }
+        let patch = json_patch::Patch(serde_json::from_value(Value::Array(ops)).map_err(|e| {
+            KubeError::api(format!("build the finalizer patch for {name}"), kube::Error::SerdeError(e))
+        })?);
         match api.patch(name, &patch_params(), &Patch::<()>::Json(patch)).await {
             Ok(_) => return Ok(FinalizerRemoval::Removed),
             Err(e) if status_code(&e) == Some(404) => return Ok(FinalizerRemoval::Absent),

@@ -125,6 +125,13 @@ pub(crate) async fn load(snap: &mut Snapshot, opts: &LoadOptions) -> Result<Copy
             return Err(e);
         }
     };
+    // EKS of the copy's account knows the copy as the cluster, as EKS knows the live one: the
+    // identity the rehearsed run proves is the copy's own
+    let eks = sandbox_sim::cloud::EksSpec { endpoint: server.url(), ..Default::default() };
+    if let Err(e) = cloud.register_eks_cluster(&snap.cluster, &eks).await {
+        server.shutdown().await;
+        return Err(RehearseError::LocalStack { endpoint: opts.localstack.clone(), detail: e.to_string() });
+    }
     // the copy starts as the live cluster is: its objects long there, no history of their making
     server.store().forget_history();
     server.start_control_plane();

@@ -12,6 +12,24 @@ fn localstack_state() -> PathBuf {
     }
 }
 
+/// Runs one of `localstack/`'s checks in LocalStack's virtualenv, in-process and without a
+/// server (nothing of the running LocalStack is touched); its standard output, once it passed.
+fn run_check(state: &std::path::Path, script: &str, env: &[(&str, &str)]) -> String {
+    let python = state.join("venv/bin/python");
+    assert!(python.exists(), "no LocalStack virtualenv at {}: run localstack/up first", python.display());
+    let out = Command::new(&python)
+        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("localstack").join(script))
+        .envs(env.iter().copied())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("LOCALSTACK_TELEMETRY", "0")
+        .output()
+        .expect("run LocalStack's python");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    stdout
+}
+
 #[test]
 fn launch_py_speeds_up_describe_instances_without_changing_its_answers() {
     let state = localstack_state();
@@ -21,20 +39,14 @@ fn launch_py_speeds_up_describe_instances_without_changing_its_answers() {
         eprintln!("LocalStack runs from its Docker image here; launch.py's patches are not in use");
         return;
     }
-    let python = state.join("venv/bin/python");
-    assert!(python.exists(), "no LocalStack virtualenv at {}: run localstack/up first", python.display());
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("localstack/check_launch.py");
-    let out = Command::new(&python)
-        .arg(&script)
-        // in-process and without a server: nothing of the running LocalStack is touched
-        .env("SERVICES", "ec2,iam,sts")
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("LOCALSTACK_TELEMETRY", "0")
-        .output()
-        .expect("run LocalStack's python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let stdout = run_check(&state, "check_launch.py", &[("SERVICES", "ec2,iam,sts")]);
     // every comparison ran: six queries of seven checks, one asking for JSON of four, two more
     assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 6 * 7 + 4 + 2, "{stdout}");
+}
+
+#[test]
+fn launch_py_serves_eks_through_moto_with_the_test_beds_endpoint_and_authority() {
+    // the script reads SERVICES from localstack/up itself
+    let stdout = run_check(&localstack_state(), "check_eks.py", &[]);
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 27, "{stdout}");
 }

@@ -27,6 +27,10 @@ fn arn(kind: &str, id: &str) -> String {
     format!("arn:aws:ec2:{REGION}:{}:{kind}/{id}", common::LOCALSTACK_ACCOUNT)
 }
 
+fn eks_arn(cluster: &str) -> String {
+    format!("arn:aws:eks:{REGION}:{}:cluster/{cluster}", common::LOCALSTACK_ACCOUNT)
+}
+
 fn profile_arn(name: &str) -> String {
     format!("arn:aws:iam::{}:instance-profile/karpenter/{REGION}/{CLUSTER}/uid/{name}", common::LOCALSTACK_ACCOUNT)
 }
@@ -71,6 +75,7 @@ fn the_tools_calls() -> Vec<Call> {
     .map(|a| call("a read", a, "*".into(), &[]))
     .collect();
     calls.extend([
+        call("this cluster", "eks:DescribeCluster", eks_arn(CLUSTER), &[]),
         call("a Karpenter instance", "ec2:TerminateInstances", arn("instance", "i-1"), &ours),
         call("a launch template", "ec2:DeleteLaunchTemplate", arn("launch-template", "lt-1"), &ours),
         call(
@@ -145,6 +150,8 @@ fn never() -> Vec<Call> {
         call("a volume", "ec2:DeleteVolume", arn("volume", "vol-1"), &[(karpenter::TAG_EKS_CLUSTER, CLUSTER)]),
         call("a launch", "ec2:RunInstances", arn("instance", "*"), &[]),
         call("a role", "iam:DeleteRole", "*".into(), &[]),
+        call("another cluster", "eks:DescribeCluster", eks_arn("staging"), &[]),
+        call("a cluster's deletion", "eks:DeleteCluster", eks_arn(CLUSTER), &[]),
     ]
 }
 

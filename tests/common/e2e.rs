@@ -54,6 +54,7 @@ pub async fn bed_with(cluster: &str, mut opts: ServerOptions) -> Bed {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig, cluster).unwrap();
+    super::register_eks(cluster, REGION, &server.url(), None).await;
     Bed { server, client, aws, cloud, dir, kubeconfig }
 }
 

@@ -45,6 +45,18 @@ pub async fn cloud(region: &str) -> sandbox_sim::cloud::Cloud {
     sandbox_sim::cloud::Cloud::from_config(&sandbox_sim::localstack::config_as(region, "test").await)
 }
 
+/// Makes LocalStack's EKS know `cluster` in `region` with the endpoint (and, for a TLS server,
+/// the certificate authority) of the API server a test started, as the cluster's creator would
+/// have: the positive evidence the tool proves a kubeconfig with before any write.
+pub async fn register_eks(cluster: &str, region: &str, endpoint: &str, ca_pem: Option<String>) {
+    let spec = sandbox_sim::cloud::EksSpec { endpoint: endpoint.to_string(), ca_pem, auto_mode: false };
+    cloud(region)
+        .await
+        .register_eks_cluster(cluster, &spec)
+        .await
+        .unwrap_or_else(|e| panic!("registering EKS cluster {cluster}: {e}"));
+}
+
 /// SDK clients for the code under test: through the enforcing EC2 proxy ([`ec2_proxy`]), so
 /// every EC2 call is held to AWS's request limits and throttling budget.
 pub async fn localstack_as_aws(region: &str) -> AwsClients {

@@ -178,7 +178,7 @@ async fn max_nodes_exceeded() {
     let g = guarded("bad-max").await;
     let run = g.run(&["--max-nodes", "1"], vec![], vec![]).await;
     assert_eq!(run.code, 3, "{}", run.dump());
-    assert_one_error(&run, &["2 Karpenter nodes", "--max-nodes 1", "raise --max-nodes"]);
+    assert_one_error(&run, &["2 Karpenter machines", "--max-nodes 1", "raise --max-nodes"]);
     assert_eq!(run.report["outcome"], "refused");
     g.assert_unchanged(&run).await;
 }

@@ -256,6 +256,7 @@ async fn bed(cluster: &str) -> Bed {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig, cluster).unwrap();
+    common::register_eks(cluster, REGION, &server.url(), None).await;
     let cloud = common::cloud(REGION).await;
     Bed { server, client, cloud, dir, kubeconfig }
 }

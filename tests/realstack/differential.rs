@@ -262,7 +262,8 @@ async fn released<K>(tool: &Api<K>, admin: &Api<K>, name: &str) -> (Value, Value
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + Serialize + std::fmt::Debug,
 {
-    let r = delete_and_remove_finalizer(tool, name, "karpenter.sh/termination").await;
+    let uid = admin.get(name).await.unwrap().meta().uid.clone();
+    let r = delete_and_remove_finalizer(tool, name, "karpenter.sh/termination", uid.as_deref()).await;
     assert!(matches!(r, Ok(FinalizerRemoval::Removed)), "{r:?}");
     let left = admin.get_opt(name).await.unwrap().map(|o| o.meta().finalizers.clone());
     assert_eq!(left, Some(Some(vec!["example.com/other".to_string()])));
@@ -1014,15 +1015,30 @@ async fn deletes(s: &Side) -> Seen {
     let (answered, left) = released(&nodes, &admin_nodes, "release-0").await;
     seen.insert("release_node".into(), answered);
     seen.insert("release_node_left".into(), left);
-    let again = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination").await;
+    let again = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination", None).await;
     seen.insert("release_node_again".into(), release(again));
     let clear = Patch::Merge(json!({"metadata": {"finalizers": null}}));
     let claim_cleared = admin_claims.patch("claim-1", &pp("x"), &clear).await.is_ok();
     seen.insert("release_claim_cleared".into(), json!(claim_cleared));
+    let old_uid = admin_nodes.get("release-0").await.unwrap().metadata.uid;
     let node_cleared = admin_nodes.patch("release-0", &pp("x"), &clear).await.is_ok();
     seen.insert("release_node_cleared".into(), json!(node_cleared));
-    let gone = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination").await;
+    let gone = delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination", None).await;
     seen.insert("release_node_gone".into(), release(gone));
+    // a Node made again under the released one's name is another machine's: a release that read
+    // the old one (its UID) leaves the new one as it is
+    let node_again: Node =
+        serde_json::from_value(json!({"metadata": {"name": "release-0", "finalizers": held}})).unwrap();
+    admin_nodes.create(&post("karpenter"), &node_again).await.unwrap();
+    let replaced =
+        delete_and_remove_finalizer(&nodes, "release-0", "karpenter.sh/termination", old_uid.as_deref()).await;
+    assert!(matches!(replaced, Ok(FinalizerRemoval::Replaced)), "{replaced:?}");
+    seen.insert("release_node_replaced".into(), release(replaced));
+    let new_node = admin_nodes.get("release-0").await.unwrap();
+    assert!(new_node.metadata.deletion_timestamp.is_none(), "the new Node was not deleted");
+    seen.insert("release_node_replaced_left".into(), json!(new_node.metadata.finalizers));
+    admin_nodes.patch("release-0", &pp("x"), &clear).await.unwrap();
+    admin_nodes.delete("release-0", &Default::default()).await.unwrap();
 
     // propagation policies on a Deployment: the garbage collector's part (foreground and orphan
     // finalizers) is a controller's, and there is none here

@@ -27,6 +27,12 @@ pub(crate) fn shipped_rbac_yaml() -> String {
     std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml")).expect("deploy/rbac.yaml")
 }
 
+/// Makes EKS know `cluster` as the stack's API server: its endpoint and certificate authority.
+pub(crate) async fn register_eks(s: &RealStack, cluster: &str) {
+    common::register_eks(cluster, common::e2e::REGION, &s.server(), Some(s.ca_pem().unwrap_or_else(|e| panic!("{e}"))))
+        .await;
+}
+
 /// `karpenter-teardown run --yes` against the stack as the tool's identity, with its report.
 async fn teardown(s: &RealStack, cluster: &str) -> common::e2e::Run {
     teardown_with(s, cluster, &[]).await
@@ -34,6 +40,7 @@ async fn teardown(s: &RealStack, cluster: &str) -> common::e2e::Run {
 
 /// [`teardown`] with more arguments (`--plan delegate`, a deadline).
 async fn teardown_with(s: &RealStack, cluster: &str, args: &[&str]) -> common::e2e::Run {
+    register_eks(s, cluster).await;
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));

@@ -47,6 +47,7 @@ async fn provisioned(prefix: &str, rbac_yaml: &str, pods_wanted: usize) -> Provi
     let started = Instant::now();
     let cluster = common::unique_cluster(prefix);
     let s = RealStack::start_full(&cluster, rbac_yaml).await.unwrap_or_else(|e| panic!("{e}"));
+    super::register_eks(&s, &cluster).await;
     let admin = s.admin_client().await.unwrap();
     let config = sandbox_sim::localstack::config_as(REGION, "test").await;
     let (ec2, iam) = (aws_sdk_ec2::Client::new(&config), aws_sdk_iam::Client::new(&config));

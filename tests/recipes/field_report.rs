@@ -136,6 +136,8 @@ async fn a_node_pool_of_kubernetes_manifest_would_come_back_until_tf_prune_s_blo
     let spec = sandbox_sim::WorldSpec { pods_per_node: 0, ..small_world("tf-manifest", 3) };
     let rbac = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml")).unwrap();
     let s = realstack::RealStack::start(&spec.cluster, &rbac).await.unwrap_or_else(|e| panic!("{e}"));
+    crate::common::register_eks(&spec.cluster, REGION, &s.server(), Some(s.ca_pem().unwrap_or_else(|e| panic!("{e}"))))
+        .await;
     let admin = s.admin_client().await.unwrap();
     let cloud = crate::common::cloud(REGION).await;
     let world = generate(&spec, &admin, &cloud).await.unwrap_or_else(|e| panic!("{e}"));

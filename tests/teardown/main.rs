@@ -12,6 +12,7 @@ mod ec2_time;
 mod faults;
 mod field_reports;
 mod gitops;
+mod identity;
 mod not_ours;
 mod plans;
 mod resume;

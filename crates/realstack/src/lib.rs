@@ -874,6 +874,13 @@ impl RealStack {
         self.layout.server()
     }
 
+    /// The PEM of the certificate authority the kubeconfigs trust for the server (what EKS gives
+    /// as a cluster's `certificateAuthority`).
+    pub fn ca_pem(&self) -> Result<String, RealStackError> {
+        let path = self.layout.file("ca.crt");
+        std::fs::read_to_string(&path).map_err(io(format!("reading {}", path.display())))
+    }
+
     /// The process ids of the components, in start order (etcd, kube-apiserver, then
     /// kube-controller-manager, kube-scheduler and kwok when started full).
     pub fn pids(&self) -> Vec<u32> {

@@ -115,7 +115,25 @@ impl Intercept for Attempts {
 pub struct Cloud {
     ec2: aws_sdk_ec2::Client,
     iam: aws_sdk_iam::Client,
+    eks: aws_sdk_eks::Client,
     ec2_requests: Attempts,
+}
+
+/// The tags by which LocalStack (`localstack/launch.py`) sets an EKS cluster's endpoint and
+/// certificate authority to the API server the test bed started, as EKS would have made them.
+pub const EKS_ENDPOINT_TAG: &str = "testbed.karpenter-teardown/endpoint";
+/// See [`EKS_ENDPOINT_TAG`]: base64 of the PEM bundle, as EKS gives `certificateAuthority.data`.
+pub const EKS_CA_TAG: &str = "testbed.karpenter-teardown/certificate-authority-data";
+
+/// What the test bed tells EKS of a cluster it stands up.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EksSpec {
+    /// The API server's URL.
+    pub endpoint: String,
+    /// The PEM of its certificate authority; `None` for a plain-HTTP server.
+    pub ca_pem: Option<String>,
+    /// EKS Auto Mode's compute is on.
+    pub auto_mode: bool,
 }
 
 impl Cloud {
@@ -123,7 +141,12 @@ impl Cloud {
     pub fn from_config(config: &aws_config::SdkConfig) -> Cloud {
         let ec2_requests = Attempts::default();
         let ec2 = aws_sdk_ec2::config::Builder::from(config).interceptor(ec2_requests.clone()).build();
-        Cloud { ec2: aws_sdk_ec2::Client::from_conf(ec2), iam: aws_sdk_iam::Client::new(config), ec2_requests }
+        Cloud {
+            ec2: aws_sdk_ec2::Client::from_conf(ec2),
+            iam: aws_sdk_iam::Client::new(config),
+            eks: aws_sdk_eks::Client::new(config),
+            ec2_requests,
+        }
     }
 
     /// EC2 requests these clients (and their clones) have sent so far.
@@ -359,6 +382,42 @@ impl Cloud {
             Err(e) => {
                 let e = CloudError::from_sdk("DeleteInstanceProfile", e);
                 if e.code() == Some("NoSuchEntity") { Ok(false) } else { Err(e) }
+            }
+        }
+    }
+
+    /// Makes EKS know cluster `name` with the endpoint and certificate authority of the API
+    /// server the test bed started (replacing one of the same name), as `eksctl` or Terraform
+    /// would have created it: what the tool proves a kubeconfig against.
+    pub async fn register_eks_cluster(&self, name: &str, spec: &EksSpec) -> Result<(), CloudError> {
+        use aws_sdk_eks::types::{ComputeConfigRequest, VpcConfigRequest};
+        use base64::Engine as _;
+        self.deregister_eks_cluster(name).await?;
+        let mut req = self
+            .eks
+            .create_cluster()
+            .name(name)
+            .role_arn("arn:aws:iam::000000000000:role/eks-cluster")
+            .resources_vpc_config(VpcConfigRequest::builder().build())
+            .tags(EKS_ENDPOINT_TAG, &spec.endpoint);
+        if let Some(pem) = &spec.ca_pem {
+            req = req.tags(EKS_CA_TAG, base64::engine::general_purpose::STANDARD.encode(pem));
+        }
+        if spec.auto_mode {
+            req =
+                req.compute_config(ComputeConfigRequest::builder().enabled(true).node_pools("general-purpose").build());
+        }
+        req.send().await.map(|_| ()).map_err(|e| CloudError::from_sdk("CreateCluster", e))
+    }
+
+    /// Makes EKS forget cluster `name` (as `aws eks delete-cluster` once done); one it does not
+    /// know is already forgotten.
+    pub async fn deregister_eks_cluster(&self, name: &str) -> Result<(), CloudError> {
+        match self.eks.delete_cluster().name(name).send().await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = CloudError::from_sdk("DeleteCluster", e);
+                if e.code() == Some("ResourceNotFoundException") { Ok(()) } else { Err(e) }
             }
         }
     }

@@ -7,7 +7,8 @@
 //! Resources per action, as the Service Authorization Reference lists them for the calls the
 //! tool makes: `ec2:TerminateInstances` each `instance/<id>`, `ec2:DeleteLaunchTemplate` the
 //! `launch-template/<id>`, `ec2:DeleteNetworkInterface` the `network-interface/<id>`, the IAM
-//! instance-profile calls `instance-profile<path><name>`; `Describe*`/`List*` calls and any other
+//! instance-profile calls `instance-profile<path><name>`, `eks:DescribeCluster` the
+//! `cluster/<name>`; `Describe*`/`List*` calls and any other
 //! action are judged on `*` without tags. `sts:GetCallerIdentity` needs no permission. A resource
 //! that does not exist is not judged: EC2 and IAM answer it with their NotFound error, which
 //! LocalStack gives.
@@ -139,9 +140,29 @@ async fn resources(
                 out.push((format!("arn:{}:iam::{}:instance-profile{path}{name}", p.partition, p.account), tags));
             }
         }
+        ("eks", "DescribeCluster") => {
+            for name in values("name") {
+                out.push((
+                    format!("arn:{}:eks:{}:{}:cluster/{name}", p.partition, caller.region, p.account),
+                    BTreeMap::new(),
+                ));
+            }
+        }
         _ => out.push(("*".to_string(), BTreeMap::new())),
     }
     Ok(out)
+}
+
+/// The EKS operation of a REST-JSON request the tool makes, with the cluster it names:
+/// `GET /clusters/{name}` is `DescribeCluster`.
+pub fn eks_operation(method: &http::Method, path: &str) -> Option<(&'static str, String)> {
+    let name = path.strip_prefix("/clusters/")?;
+    (method == http::Method::GET && !name.is_empty() && !name.contains('/'))
+        .then(|| ("DescribeCluster", percent_decoded(name)))
+}
+
+fn percent_decoded(s: &str) -> String {
+    form_urlencoded::parse(s.as_bytes()).map(|(k, _)| k.into_owned()).next().unwrap_or_default()
 }
 
 /// Judges a request of `caller` for `action` with its query `params` against `p`'s policy:
@@ -178,5 +199,13 @@ mod tests {
             Some(Caller { key: "KTD7".into(), region: "us-west-2".into(), service: "ec2".into() })
         );
         assert_eq!(Caller::of("Bearer x"), None);
+    }
+
+    #[test]
+    fn an_eks_describe_is_read_from_its_method_and_path() {
+        assert_eq!(eks_operation(&http::Method::GET, "/clusters/prod"), Some(("DescribeCluster", "prod".into())));
+        assert_eq!(eks_operation(&http::Method::DELETE, "/clusters/prod"), None);
+        assert_eq!(eks_operation(&http::Method::GET, "/clusters/prod/node-groups"), None);
+        assert_eq!(eks_operation(&http::Method::GET, "/"), None);
     }
 }

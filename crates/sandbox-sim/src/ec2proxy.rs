@@ -4,7 +4,7 @@
 //! share of EC2 requests with EC2's throttling error (`RequestLimitExceeded`, HTTP 503) or an
 //! internal error (HTTP 500), so the tool is tested against the real SDK as AWS would treat it.
 //!
-//! Only EC2 requests (query protocol, `Version=2016-11-15`) are faulted; IAM and STS requests
+//! Only EC2 requests (query protocol, `Version=2016-11-15`) are faulted; IAM, STS and EKS requests
 //! sharing the endpoint are forwarded untouched, so a test isolates EC2 throttling.
 //!
 //! Two more things real AWS does that LocalStack does not:
@@ -337,14 +337,24 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     };
     let text = String::from_utf8_lossy(&body).into_owned();
     let query = parts.uri.query().unwrap_or_default();
+    // EKS speaks REST-JSON: its operation is the method and path, not an `Action` parameter
+    let eks = super::ec2auth::eks_operation(&parts.method, parts.uri.path());
     let action = super::ec2limits::action_of(&text)
         .or_else(|| super::ec2limits::action_of(query))
+        .or_else(|| eks.as_ref().map(|(op, _)| op.to_string()))
         .unwrap_or_else(|| "(none)".to_string());
     *lock(&shared.actions).entry(action.clone()).or_default() += 1;
-    let params: Vec<(String, String)> = form_urlencoded::parse(text.as_bytes())
-        .chain(form_urlencoded::parse(query.as_bytes()))
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect();
+    let mut params: Vec<(String, String)> = Vec::new();
+    if eks.is_none() {
+        params.extend(
+            form_urlencoded::parse(text.as_bytes())
+                .chain(form_urlencoded::parse(query.as_bytes()))
+                .map(|(k, v)| (k.into_owned(), v.into_owned())),
+        );
+    }
+    if let Some((_, name)) = &eks {
+        params.push(("name".into(), name.clone()));
+    }
     let is_ec2 = text.contains(EC2_API_VERSION) || query.contains(EC2_API_VERSION);
     if is_ec2 && lock(&shared.denied).contains(&action) {
         shared.counters.refused.fetch_add(1, Ordering::Relaxed);

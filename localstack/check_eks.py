@@ -1,0 +1,264 @@
+"""Checks that the LocalStack `localstack/up` starts serves EKS, the test bed's hook included.
+
+Runs in LocalStack's own virtualenv, in one process and without a server: it registers EKS as
+launch.py does (`serve_eks`), builds LocalStack's gateway (the handler chain its server runs: the
+service found from the request's signature, SERVICES, the provider, moto behind it) and sends it
+boto3's requests, signed and serialized by boto3, in-process. It checks:
+
+- that `up` and docker-compose.yml enable EKS, and `up` waits for it;
+- CreateCluster with the hook's tags: the cluster's `endpoint` and `certificateAuthority.data` are
+  theirs (a CA of about 2 KB), the tags are gone, `computeConfig` and `storageConfig` come back,
+  the status is ACTIVE; without the tags, moto's own; per region;
+- a name in use is ResourceInUseException (409); DeleteCluster, then DescribeCluster is
+  ResourceNotFoundException (404), and the name can be created again;
+- that EC2 still answers, and that LocalStack running launch.py as an init script (how the Docker
+  image gets EKS) serves EKS too.
+
+Run as `localstack/.state/venv/bin/python localstack/check_eks.py`; exits 1 with the failures.
+"""
+
+import base64
+import os
+import re
+import subprocess
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, here)
+
+
+def read(name: str) -> str:
+    with open(os.path.join(here, name)) as f:
+        return f.read()
+
+
+# the services `up` enables, as it starts LocalStack: read before LocalStack reads SERVICES
+UP_SERVICES = re.search(r"\bSERVICES=([\w,-]+)", read("up")).group(1)  # type: ignore[union-attr]
+os.environ["SERVICES"] = UP_SERVICES
+
+import boto3  # noqa: E402
+from botocore.awsrequest import AWSResponse  # noqa: E402
+from botocore.config import Config  # noqa: E402
+from botocore.exceptions import ClientError  # noqa: E402
+
+import launch  # noqa: E402  (the patches, not yet applied: importing it does not start LocalStack)
+from localstack.aws.app import LocalstackAwsGateway  # noqa: E402
+from localstack.aws.client import create_http_request  # noqa: E402
+from localstack.http import Response  # noqa: E402
+from localstack.services.plugins import SERVICE_PLUGINS, ServiceState  # noqa: E402
+
+# the hook's tags, as the test bed sends them
+ENDPOINT_TAG = "testbed.karpenter-teardown/endpoint"
+CA_TAG = "testbed.karpenter-teardown/certificate-authority-data"
+ROLE = "arn:aws:iam::000000000000:role/eks"
+NODE_ROLE = "arn:aws:iam::000000000000:role/nodes"
+failures: list[str] = []
+
+
+def check(name: str, ok: bool, detail: object = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}")
+    if not ok:
+        failures.append(f"{name}: {detail!s:.600}")
+
+
+def pem_bundle_data() -> str:
+    """certificateAuthority.data as EKS returns it: base64 of a PEM bundle, here two certificates."""
+    pems = []
+    for n in range(2):
+        der = bytes((n * 7 + i * 31) % 256 for i in range(700))
+        body = base64.b64encode(der).decode()
+        lines = "\n".join(body[i : i + 64] for i in range(0, len(body), 64))
+        pems.append(f"-----BEGIN CERTIFICATE-----\n{lines}\n-----END CERTIFICATE-----\n")
+    return base64.b64encode("".join(pems).encode()).decode()
+
+
+class _Raw:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def stream(self, **kwargs):  # type: ignore[no-untyped-def]
+        yield self.data
+
+
+def client(gateway: LocalstackAwsGateway, service: str, region: str):  # type: ignore[no-untyped-def]
+    """A boto3 client whose requests LocalStack's gateway answers, in this process."""
+    c = boto3.client(
+        service,
+        region_name=region,
+        endpoint_url="http://127.0.0.1:4566",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        config=Config(retries={"max_attempts": 1}),
+    )
+
+    def send(request, **kwargs):  # type: ignore[no-untyped-def]
+        response = Response()
+        gateway.process(create_http_request(request), response)
+        return AWSResponse(request.url, response.status_code, dict(response.headers), _Raw(response.data))
+
+    c.meta.events.register("before-send", send)
+    return c
+
+
+def error(call):  # type: ignore[no-untyped-def]
+    """(HTTP status, error code) of a call that must fail, or (None, its answer)."""
+    try:
+        return None, call()
+    except ClientError as e:
+        return e.response["ResponseMetadata"]["HTTPStatusCode"], e.response["Error"]["Code"]
+
+
+def check_scripts() -> None:
+    enabled = set(UP_SERVICES.split(","))
+    awaited = re.search(r"for svc in ([\w -]+); do", read("up"))
+    composed = re.search(r"SERVICES: ([\w,-]+)", read("docker-compose.yml"))
+    check(
+        "up enables EKS, waits for every service it enables, and docker-compose.yml enables the same",
+        "eks" in enabled
+        and awaited is not None
+        and set(awaited.group(1).split()) == enabled
+        and composed is not None
+        and set(composed.group(1).split(",")) == enabled,
+        f"up: SERVICES={UP_SERVICES}, waits for {awaited and awaited.group(1)}; compose: {composed and composed.group(1)}",
+    )
+
+
+def check_clusters(gateway: LocalstackAwsGateway) -> None:
+    eks = client(gateway, "eks", "us-west-2")
+    ca = pem_bundle_data()
+    endpoint = "https://127.0.0.1:6443"
+    compute = {"enabled": True, "nodePools": ["general-purpose", "system"], "nodeRoleArn": NODE_ROLE}
+    created = eks.create_cluster(
+        name="bed",
+        roleArn=ROLE,
+        resourcesVpcConfig={},
+        computeConfig=compute,
+        storageConfig={"blockStorage": {"enabled": True}},
+        kubernetesNetworkConfig={"elasticLoadBalancing": {"enabled": True}},
+        tags={
+            ENDPOINT_TAG: endpoint,
+            CA_TAG: ca,
+            "team": "platform",
+        },
+    )["cluster"]
+    described = eks.describe_cluster(name="bed")["cluster"]
+    for name, cluster in [("CreateCluster", created), ("DescribeCluster", described)]:
+        check(
+            f"{name}: the hook's endpoint and CA ({len(ca)} characters) are the cluster's",
+            cluster.get("endpoint") == endpoint and cluster.get("certificateAuthority") == {"data": ca},
+            f"endpoint {cluster.get('endpoint')!r}, CA {str(cluster.get('certificateAuthority'))[:80]}",
+        )
+        check(f"{name}: the hook's tags are not the cluster's", cluster.get("tags") == {"team": "platform"}, cluster.get("tags"))
+        check(
+            f"{name}: computeConfig and storageConfig come back",
+            cluster.get("computeConfig") == compute
+            and cluster.get("storageConfig") == {"blockStorage": {"enabled": True}},
+            f"{cluster.get('computeConfig')} {cluster.get('storageConfig')}",
+        )
+        check(
+            f"{name}: kubernetesNetworkConfig keeps elasticLoadBalancing and a service CIDR",
+            cluster.get("kubernetesNetworkConfig")
+            == {"serviceIpv4Cidr": "172.20.0.0/16", "elasticLoadBalancing": {"enabled": True}},
+            cluster.get("kubernetesNetworkConfig"),
+        )
+        check(f"{name}: ACTIVE", cluster.get("status") == "ACTIVE", cluster.get("status"))
+    check(
+        "the cluster is in its account and region",
+        described.get("arn") == "arn:aws:eks:us-west-2:000000000000:cluster/bed",
+        described.get("arn"),
+    )
+
+    status, code = error(lambda: eks.create_cluster(name="bed", roleArn=ROLE, resourcesVpcConfig={}))
+    check("a name in use: ResourceInUseException (409)", (status, code) == (409, "ResourceInUseException"), (status, code))
+    check("a name in use: the cluster is unchanged", eks.describe_cluster(name="bed")["cluster"] == described)
+
+    # the minimal request, in another region: moto's own endpoint and CA
+    other = client(gateway, "eks", "eu-central-1")
+    plain = other.create_cluster(name="bed", roleArn=ROLE, resourcesVpcConfig={})["cluster"]
+    check(
+        "without the hook's tags (the minimal request): moto's endpoint and CA, ACTIVE",
+        re.fullmatch(r"https://[\w.]+\.eu-central-1\.eks\.amazonaws\.com/", plain.get("endpoint", "")) is not None
+        and len(plain.get("certificateAuthority", {}).get("data", "")) > 0
+        and plain["certificateAuthority"]["data"] != ca
+        and plain.get("tags") == {}
+        and "computeConfig" not in plain
+        and plain.get("status") == "ACTIVE",
+        plain,
+    )
+    check(
+        "ListClusters: each region its own",
+        eks.list_clusters()["clusters"] == ["bed"] == other.list_clusters()["clusters"]
+        and other.describe_cluster(name="bed")["cluster"]["endpoint"] == plain["endpoint"],
+    )
+    only = other.create_cluster(
+        name="endpoint-only", roleArn=ROLE, resourcesVpcConfig={}, tags={ENDPOINT_TAG: endpoint}
+    )["cluster"]
+    check(
+        "the endpoint's tag alone: that endpoint, moto's CA",
+        only.get("endpoint") == endpoint and only["certificateAuthority"]["data"] != ca and only.get("tags") == {},
+        only,
+    )
+
+    deleted = eks.delete_cluster(name="bed")["cluster"]
+    check("DeleteCluster: DELETING", deleted.get("status") == "DELETING", deleted.get("status"))
+    status, code = error(lambda: eks.describe_cluster(name="bed"))
+    check("deleted: ResourceNotFoundException (404)", (status, code) == (404, "ResourceNotFoundException"), (status, code))
+    status, code = error(lambda: eks.delete_cluster(name="bed"))
+    check("deleted twice: ResourceNotFoundException (404)", (status, code) == (404, "ResourceNotFoundException"), (status, code))
+    again = eks.create_cluster(
+        name="bed",
+        roleArn=ROLE,
+        resourcesVpcConfig={},
+        tags={ENDPOINT_TAG: "http://127.0.0.1:38211", CA_TAG: ca},
+    )["cluster"]
+    check(
+        "deleted, then created again: the new endpoint, ACTIVE",
+        eks.describe_cluster(name="bed")["cluster"]["endpoint"] == "http://127.0.0.1:38211" == again["endpoint"]
+        and again["status"] == "ACTIVE",
+        again,
+    )
+    check(
+        "another region's cluster of the same name is untouched",
+        other.describe_cluster(name="bed")["cluster"]["endpoint"] == plain["endpoint"],
+    )
+
+
+def check_init_script() -> None:
+    """The Docker image runs launch.py as LocalStack runs its init scripts, once it has listed its services."""
+    program = (
+        "import os, sys\n"
+        "from localstack.runtime.init import PythonScriptRunner\n"
+        "from localstack.services.plugins import SERVICE_PLUGINS\n"
+        "before = SERVICE_PLUGINS.exists('eks')\n"
+        "SERVICE_PLUGINS.list_available()\n"
+        f"PythonScriptRunner().run({os.path.join(here, 'launch.py')!r})\n"
+        "print(before, SERVICE_PLUGINS.get_state('eks').value, SERVICE_PLUGINS.get_service('eks') is not None)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=os.environ.copy())
+    check(
+        "launch.py as LocalStack's init script (the Docker image): EKS available",
+        run.returncode == 0 and run.stdout.split() == ["False", "available", "True"],
+        run.stdout + run.stderr[-600:],
+    )
+
+
+def main() -> int:
+    check_scripts()
+    check("without launch.py, LocalStack has no EKS", not SERVICE_PLUGINS.exists("eks"))
+    launch.serve_eks()
+    check("with it, EKS is available (as the health endpoint reports)", SERVICE_PLUGINS.get_state("eks") == ServiceState.AVAILABLE, SERVICE_PLUGINS.get_state("eks"))
+    gateway = LocalstackAwsGateway(SERVICE_PLUGINS)
+    check_clusters(gateway)
+    check("after requests, EKS is running", SERVICE_PLUGINS.get_state("eks") == ServiceState.RUNNING, SERVICE_PLUGINS.get_state("eks"))
+    reservations = client(gateway, "ec2", "us-west-2").describe_instances()
+    check("EC2 still answers", reservations["ResponseMetadata"]["HTTPStatusCode"] == 200, reservations)
+    check_init_script()
+
+    if failures:
+        print("\n".join(["", "LocalStack does not serve EKS as the test bed needs:", *failures]), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
