@@ -50,6 +50,9 @@ async fn live_bed(cluster: &str, rbac: Rbac) -> Bed {
     let config = sandbox_sim::localstack::config_at(common::LOCALSTACK, REGION, &account).await;
     b.cloud = sandbox_sim::cloud::Cloud::from_config(&config);
     b.aws = karpenter_teardown::aws::AwsClients::from_config(&config).await.unwrap();
+    // EKS of that account knows the cluster
+    let eks = sandbox_sim::cloud::EksSpec { endpoint: b.server.url(), ..Default::default() };
+    b.cloud.register_eks_cluster(cluster, &eks).await.unwrap();
     b
 }
 

@@ -166,6 +166,8 @@ async fn a_govcloud_cluster_is_torn_down_from_its_arn_context() {
     let arn = format!("arn:aws-us-gov:eks:{GOV}:000000000000:cluster/{}", world.cluster);
     let kubeconfig = b.dir.path().join("gov-kubeconfig");
     b.server.write_kubeconfig(&kubeconfig, &arn).unwrap();
+    // EKS of the GovCloud region knows the cluster, as it would on AWS
+    common::register_eks(&world.cluster, GOV, &b.server.url(), None).await;
     let report = b.dir.path().join("gov-report.json");
 
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
