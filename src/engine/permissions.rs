@@ -94,14 +94,7 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
             }
             Action::Cordon => need.extend([p("get", "", "nodes"), p("patch", "", "nodes")]),
             Action::Drain => {
-                need.extend([
-                    p("get", "", "nodes"),
-                    p("patch", "", "nodes"),
-                    p("get", "karpenter.sh", "nodeclaims"),
-                    p("get", "", "pods"),
-                    p("list", "policy", "poddisruptionbudgets"),
-                    KubePermission { subresource: "eviction", ..p("create", "", "pods") },
-                ]);
+                need.extend(drain_needs());
                 if delete_pods || step.params.on_deadline == OnDeadline::Delete {
                     need.insert(p("delete", "", "pods"));
                 }
@@ -122,23 +115,48 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
                     });
                 }
             }
-            Action::DischargeFinalizers => need.extend([
-                p("get", "karpenter.sh", "nodeclaims"),
-                p("patch", "karpenter.sh", "nodeclaims"),
-                p("delete", "karpenter.sh", "nodeclaims"),
-                p("get", "", "nodes"),
-                p("patch", "", "nodes"),
-                p("delete", "", "nodes"),
-            ]),
+            // the release check drains what was bound since the drain (`release-check`)
+            Action::DischargeFinalizers => need.extend(release_needs().into_iter().chain(drain_needs())),
             Action::DeleteNodepools => need.extend([p("delete", "karpenter.sh", "nodepools")]),
-            Action::DeleteNodeclasses => need.extend([
-                p("get", "karpenter.k8s.aws", "ec2nodeclasses"),
-                p("patch", "karpenter.k8s.aws", "ec2nodeclasses"),
-                p("delete", "karpenter.k8s.aws", "ec2nodeclasses"),
-            ]),
+            // a NodeClaim launched during the run is drained and released here (`sweep`)
+            Action::DeleteNodeclasses => need.extend(
+                [
+                    p("get", "karpenter.k8s.aws", "ec2nodeclasses"),
+                    p("patch", "karpenter.k8s.aws", "ec2nodeclasses"),
+                    p("delete", "karpenter.k8s.aws", "ec2nodeclasses"),
+                ]
+                .into_iter()
+                .chain(release_needs())
+                .chain(drain_needs()),
+            ),
         }
     }
     need
+}
+
+/// What a drain does: read and fence the node, read its pods and budgets, evict.
+fn drain_needs() -> [KubePermission; 6] {
+    [
+        p("get", "", "nodes"),
+        p("patch", "", "nodes"),
+        p("get", "karpenter.sh", "nodeclaims"),
+        p("get", "", "pods"),
+        p("list", "policy", "poddisruptionbudgets"),
+        KubePermission { subresource: "eviction", ..p("create", "", "pods") },
+    ]
+}
+
+/// What a machine's release does once its instance is gone: delete the Node and NodeClaim and
+/// remove their finalizer.
+fn release_needs() -> [KubePermission; 6] {
+    [
+        p("get", "karpenter.sh", "nodeclaims"),
+        p("patch", "karpenter.sh", "nodeclaims"),
+        p("delete", "karpenter.sh", "nodeclaims"),
+        p("get", "", "nodes"),
+        p("patch", "", "nodes"),
+        p("delete", "", "nodes"),
+    ]
 }
 
 /// A mutating EC2 call a run of the plan makes.
@@ -161,8 +179,9 @@ pub fn ec2_needs(plan: &Plan, reclaim: bool) -> BTreeSet<Ec2Need> {
             Action::DischargeFinalizers => {
                 need.insert(Ec2Need::TerminateInstances);
             }
+            // and the machines launched during the run, which it releases (`sweep`)
             Action::DeleteNodeclasses => {
-                need.insert(Ec2Need::DeleteLaunchTemplate);
+                need.extend([Ec2Need::DeleteLaunchTemplate, Ec2Need::TerminateInstances]);
             }
             Action::Verify if reclaim => {
                 need.extend([
@@ -312,5 +331,32 @@ mod tests {
             [Ec2Need::TerminateInstances, Ec2Need::DeleteLaunchTemplate, Ec2Need::DeleteNetworkInterface].into(),
             "--reclaim may delete detached interfaces: their permission is asked too"
         );
+    }
+
+    fn plan_of(steps: &[(&str, &str)]) -> Plan {
+        let mut text = "version = 1\nname = \"p\"\n".to_string();
+        let mut after: Option<&str> = None;
+        for (id, action) in steps {
+            text.push_str(&format!("[[step]]\nid = \"{id}\"\naction = \"{action}\"\n"));
+            if let Some(a) = after {
+                text.push_str(&format!("after = [\"{a}\"]\n"));
+            }
+            after = Some(id);
+        }
+        Plan::from_str(&text, "test").unwrap()
+    }
+
+    #[test]
+    fn the_work_a_step_does_beyond_its_graph_is_asked_for_too() {
+        // delete-nodeclasses drains and releases the machines launched during the run (`sweep`)
+        let classes = plan_of(&[("preflight", "preflight"), ("classes", "delete-nodeclasses")]);
+        let need = kubernetes_needs(&classes, false, false);
+        assert!(has(&need, "create", "pods", "eviction") && has(&need, "delete", "nodes", ""), "{need:?}");
+        assert!(has(&need, "delete", "nodeclaims", "") && has(&need, "patch", "nodes", ""), "{need:?}");
+        assert!(ec2_needs(&classes, false).contains(&Ec2Need::TerminateInstances));
+        // discharge-finalizers drains what was bound to a node since its drain (`release-check`)
+        let text = "version = 1\nname = \"p\"\n[[step]]\nid = \"preflight\"\naction = \"preflight\"\n[[step]]\nid = \"release\"\naction = \"discharge-finalizers\"\nfor_each = \"machine\"\nafter = [\"preflight\"]\n";
+        let release = Plan::from_str(text, "test").unwrap();
+        assert!(has(&kubernetes_needs(&release, false, false), "create", "pods", "eviction"));
     }
 }

@@ -9,10 +9,10 @@ mod common;
 
 mod default_plan;
 mod ec2_time;
+mod evidence;
 mod faults;
 mod field_reports;
 mod gitops;
-mod identity;
 mod not_ours;
 mod plans;
 mod resume;

@@ -382,3 +382,32 @@ async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
     assert!(left.values().all(|s| *s == InstanceState::Terminated), "{left:?}");
     b.server.shutdown().await;
 }
+
+/// A plan of one's own without `verify` tears down what it says and ends `unverified` (exit 6):
+/// nothing proved what is left, so it is never `clean`. Its dry run says what `skip` bypasses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_without_verify_ends_unverified_and_a_skip_policy_says_what_it_bypasses() {
+    let s = small_world("e2e-unverified", 2);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
+    let start = text.find("[[step]]\nid = \"verify\"").expect("default.toml has a verify step");
+    let without = text[..start].replace("name = \"default\"", "name = \"no-verify\"");
+    let plan = plan_file(&b, "no-verify.toml", &without);
+    let plan = plan.to_str().unwrap();
+
+    let dry = teardown(&b, &world.cluster, Consent::DryRun, &["--plan", plan, "--on-drain-deadline", "skip"]).await;
+    assert_eq!(dry.code, 0, "{}", dry.dump());
+    assert!(
+        dry.stdout.contains("Consent: at the drain deadline the drain stops and the node's instance is terminated under the pods left, their PodDisruptionBudgets bypassed"),
+        "{}",
+        dry.stdout
+    );
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", plan]).await;
+    assert_eq!(run.code, 6, "{}", run.dump());
+    assert_eq!(run.report["outcome"], "unverified", "{}", run.dump());
+    let left = states(&b.aws, &world.karpenter_instance_ids()).await;
+    assert_eq!(left.len(), 2);
+    assert!(left.values().all(|st| *st == InstanceState::Terminated), "the plan did its work: {left:?}");
+    b.server.shutdown().await;
+}

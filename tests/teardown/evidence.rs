@@ -1,8 +1,13 @@
-//! Positive identity before any write (design §7): a kubeconfig that reaches some other cluster,
-//! one that shows nothing either way, and `verify --reclaim` against a cluster that still runs.
+//! Positive evidence before every destructive call (design §7): a kubeconfig that reaches some
+//! other cluster, `verify --reclaim` against a cluster that still runs, a NodeClaim that names no
+//! instance while EC2 holds one for it, and `--max-nodes` counting what EC2 holds.
 
+use k8s_openapi::api::core::v1::Node;
 use karpenter_teardown::aws::InstanceState;
+use karpenter_teardown::k8s;
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use sandbox_sim::generate;
+use serde_json::json;
 
 use crate::common::e2e::{Bed, Consent, REGION, Run, bed, run_of, small_world, states, teardown};
 
@@ -97,5 +102,62 @@ async fn verify_reclaim_never_terminates_under_a_live_cluster_and_finishes_once_
     let kept = states(&b.aws, &keep).await;
     assert_eq!(kept.len(), keep.len());
     assert!(kept.values().all(|s| *s == InstanceState::Running), "managed and decoy instances: {kept:?}");
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodeclaim_that_names_no_instance_is_released_only_after_the_instance_tagged_for_it() {
+    let spec = small_world("e2e-ev-claimtag", 3);
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    // a claim Karpenter launched for but never updated: no providerID, no node yet
+    let n = &world.nodes[0];
+    let claims: Api<DynamicObject> = Api::all_with(b.client.clone(), &k8s::nodeclaim_resource());
+    let unset = json!({"status": {"providerID": null, "nodeName": null}});
+    claims.patch_status(&n.nodeclaim, &PatchParams::default(), &Patch::Merge(&unset)).await.unwrap();
+    let nodes: Api<Node> = Api::all(b.client.clone());
+    nodes
+        .patch(&n.node, &PatchParams::default(), &Patch::Merge(json!({"metadata": {"finalizers": null}})))
+        .await
+        .unwrap();
+    nodes.delete(&n.node, &Default::default()).await.unwrap();
+    let claim = claims.get(&n.nodeclaim).await.unwrap();
+    assert!(claim.data.pointer("/status/providerID").is_none_or(serde_json::Value::is_null), "{claim:?}");
+
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let steps = run.report["steps"].as_array().unwrap();
+    let released: Vec<&str> = steps
+        .iter()
+        .filter(|s| s["object"] == n.nodeclaim.as_str() && s["action"] == "discharge-finalizers")
+        .filter_map(|s| s["detail"].as_str())
+        .collect();
+    assert_eq!(released.len(), 1, "{}", run.dump());
+    assert!(released[0].contains(&format!("instance {} terminated", n.instance_id)), "{released:?}");
+    let states = states(&b.aws, &world.karpenter_instance_ids()).await;
+    assert_eq!(states.len(), 3);
+    assert!(states.values().all(|s| *s == InstanceState::Terminated), "{states:?}");
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_nodes_counts_the_live_instances_ec2_holds_without_a_node() {
+    let spec = small_world("e2e-ev-radius", 2);
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    // two more machines of this cluster's Karpenter that never joined as Nodes
+    let n = &world.nodes[0];
+    let mut tags = sandbox_sim::world::expected_instance_tags(&world, n);
+    tags.insert(karpenter_teardown::karpenter::TAG_NODECLAIM.into(), "never-joined".into());
+    let extra = b.cloud.launch_tagged(sandbox_sim::naming::IMAGE_ID, "m5.large", None, 2, &tags).await.unwrap();
+    assert_eq!(extra.len(), 2);
+
+    let run = teardown(&b, &world.cluster, Consent::DryRun, &["--max-nodes", "3"]).await;
+    assert_eq!(run.code, 3, "2 nodes and 2 instances without one are 4 machines: {}", run.dump());
+    assert!(run.stderr.contains("act on 4 Karpenter machines"), "{}", run.dump());
+    let run = teardown(&b, &world.cluster, Consent::DryRun, &["--max-nodes", "4"]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let ids: Vec<String> = extra.into_iter().map(|i| i.id).collect();
+    b.cloud.terminate(&ids).await.unwrap();
     b.server.shutdown().await;
 }
