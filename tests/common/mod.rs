@@ -84,6 +84,11 @@ pub fn ec2_proxy() -> &'static str {
     &shared_proxy().0
 }
 
+/// The settings of this test binary's EC2 proxy (what it hides, what it saw).
+pub fn ec2_proxy_control() -> &'static ProxyControl {
+    &shared_proxy().1
+}
+
 fn shared_proxy() -> &'static (String, ProxyControl) {
     static PROXY: OnceLock<(String, ProxyControl)> = OnceLock::new();
     PROXY.get_or_init(|| {

@@ -161,3 +161,24 @@ async fn max_nodes_counts_the_live_instances_ec2_holds_without_a_node() {
     b.cloud.terminate(&ids).await.unwrap();
     b.server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_describe_does_not_show_is_not_terminated_until_its_tags_are_read() {
+    let spec = small_world("e2e-ev-unseen", 2);
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let ids = world.karpenter_instance_ids();
+    assert_eq!(ids.len(), 2);
+    // EC2's describe lags behind a launch: the first machine's instance is not shown for a while
+    let proxy = crate::common::ec2_proxy_control();
+    proxy.hide_instances(&ids[..1], std::time::Duration::from_secs(8));
+
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let unseen: Vec<String> = proxy.terminated_unseen().into_iter().filter(|id| ids.contains(id)).collect();
+    assert_eq!(unseen, Vec::<String>::new(), "an instance was sent to TerminateInstances unchecked");
+    let states = states(&b.aws, &ids).await;
+    assert_eq!(states.len(), 2);
+    assert!(states.values().all(|s| *s == InstanceState::Terminated), "terminated once shown: {states:?}");
+    b.server.shutdown().await;
+}

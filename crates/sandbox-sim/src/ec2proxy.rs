@@ -109,6 +109,18 @@ struct Shared {
     terminations: Mutex<Terminations>,
     /// `service:Action on resource` of each request a caller's policy refused.
     unauthorized: Mutex<Vec<String>>,
+    /// Instances `DescribeInstances` does not show yet, until when: EC2's describe lags behind
+    /// a fresh launch ([`ProxyControl::hide_instances`]).
+    hidden: Mutex<std::collections::HashMap<String, std::time::Instant>>,
+    /// Instances a `TerminateInstances` named while `DescribeInstances` did not show them.
+    terminated_unseen: Mutex<Vec<String>>,
+}
+
+impl Shared {
+    /// The instances hidden from `DescribeInstances` at `now`.
+    fn hidden_now(&self, now: std::time::Instant) -> std::collections::BTreeSet<String> {
+        lock(&self.hidden).iter().filter(|(_, until)| now < **until).map(|(id, _)| id.clone()).collect()
+    }
 }
 
 /// A handle on a running proxy's settings that other threads and tasks can hold.
@@ -131,6 +143,19 @@ impl ProxyControl {
     /// Requests refused because the caller's policy did not allow them, so far.
     pub fn unauthorized(&self) -> Vec<String> {
         lock(&self.shared.unauthorized).clone()
+    }
+
+    /// Leaves these instances out of every `DescribeInstances` answer for `how_long` from now,
+    /// as EC2's eventually consistent describe does for some seconds after a launch.
+    pub fn hide_instances(&self, ids: &[String], how_long: std::time::Duration) {
+        let until = std::time::Instant::now() + how_long;
+        lock(&self.shared.hidden).extend(ids.iter().map(|id| (id.clone(), until)));
+    }
+
+    /// The instances a `TerminateInstances` named while they were hidden from `DescribeInstances`
+    /// (sent without a look at their tags), so far.
+    pub fn terminated_unseen(&self) -> Vec<String> {
+        lock(&self.shared.terminated_unseen).clone()
     }
 }
 
@@ -168,6 +193,8 @@ impl Ec2Proxy {
             timing: Mutex::default(),
             terminations: Mutex::default(),
             unauthorized: Mutex::default(),
+            hidden: Mutex::default(),
+            terminated_unseen: Mutex::default(),
         });
         let app = Router::new().fallback(handle).with_state(shared.clone());
         let task = tokio::spawn(async move {
@@ -415,10 +442,30 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         }
     };
     let dry_run = params.iter().any(|(k, v)| k == "DryRun" && v.eq_ignore_ascii_case("true"));
+    let now = std::time::Instant::now();
+    let hidden = if is_ec2 { shared.hidden_now(now) } else { Default::default() };
+    if is_ec2 && action == "TerminateInstances" && !dry_run {
+        let named = params.iter().filter(|(k, _)| k.starts_with("InstanceId.")).map(|(_, v)| v);
+        lock(&shared.terminated_unseen).extend(named.filter(|id| hidden.contains(*id)).cloned());
+    }
     if is_ec2 && action == "TerminateInstances" && !dry_run && answer.status().is_success() {
         let ids = params.iter().filter(|(k, _)| k.starts_with("InstanceId.")).map(|(_, v)| v.clone());
-        lock(&shared.terminations).record(ids, std::time::Instant::now());
+        lock(&shared.terminations).record(ids, now);
     }
+    let answer = if is_ec2 && action == "DescribeInstances" && !hidden.is_empty() && answer.status().is_success() {
+        let (head, body) = answer.into_parts();
+        match axum::body::to_bytes(body, MAX_BODY).await {
+            Ok(b) => {
+                let xml = super::ec2time::drop_instances(&String::from_utf8_lossy(&b), &hidden);
+                Response::from_parts(head, Body::from(xml))
+            }
+            Err(e) => {
+                return plain(StatusCode::BAD_GATEWAY, format!("the EC2 proxy cannot read LocalStack's answer: {e}"));
+            }
+        }
+    } else {
+        answer
+    };
     match modeled {
         Some(m) if answer.status().is_success() => {
             let (head, body) = answer.into_parts();

@@ -173,6 +173,20 @@ fn instance_items(xml: &str) -> Result<Vec<InstanceItem>, xmlparser::Error> {
     Ok(items)
 }
 
+/// Leaves the instances `hidden` out of a `DescribeInstances` answer, as EC2's describe does for
+/// a moment after a launch. An answer that is not well-formed XML is returned as it came.
+pub fn drop_instances(xml: &str, hidden: &BTreeSet<String>) -> String {
+    let Ok(items) = instance_items(xml) else {
+        return xml.to_string();
+    };
+    let mut out = xml.to_string();
+    // from the last to the first, so that earlier offsets stay valid
+    for item in items.iter().rev().filter(|i| hidden.contains(&i.id)) {
+        out.replace_range(item.span.0..item.span.1, "");
+    }
+    out
+}
+
 /// Rewrites a `DescribeInstances` answer: each instance in `modeled` shows its modeled state, and
 /// when the request filtered by state (`wanted`, names or codes) the instances whose shown state
 /// it does not ask for are dropped, as EC2 would not have returned them. A reservation left
@@ -234,6 +248,14 @@ mod tests {
         format!(
             "<?xml version=\"1.0\"?><DescribeInstancesResponse><reservationSet><item><reservationId>r-1</reservationId><groupSet/><instancesSet>{items}</instancesSet></item></reservationSet></DescribeInstancesResponse>"
         )
+    }
+
+    #[test]
+    fn hidden_instances_are_left_out_of_an_answer() {
+        let xml = answer(&[("i-1", 16, "running"), ("i-2", 16, "running")]);
+        let out = drop_instances(&xml, &BTreeSet::from(["i-2".to_string()]));
+        assert!(out.contains("i-1") && !out.contains("i-2"), "{out}");
+        assert_eq!(instance_items(&out).unwrap().len(), 1);
     }
 
     #[test]
