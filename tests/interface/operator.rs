@@ -441,34 +441,16 @@ async fn text_logs_without_a_terminal_have_no_control_characters() {
     b.server.shutdown().await;
 }
 
+/// The DOT the binary prints is plain text a renderer can take as it is (the render itself is
+/// checked in `plan::dot_output_is_a_valid_digraph_of_the_steps`).
 #[tokio::test]
-async fn plan_dot_renders_with_graphviz() {
+async fn plan_dot_on_stdout_is_plain_text() {
     for plan in ["default", "delegate"] {
         let out = binary(&["plan", "--plan", plan, "--format", "dot"], &[]).await;
         assert_eq!(out.code, 0, "{}", out.stderr);
         assert_plain("dot", &out.stdout);
         assert!(out.stdout.trim_start().starts_with("digraph"), "{}", out.stdout);
-        let dot = std::process::Command::new("dot").arg("-V").output();
-        if dot.is_err() {
-            eprintln!("skipping the render check: Graphviz `dot` is not installed");
-            return;
-        }
-        let mut child = tokio::process::Command::new("dot")
-            .arg("-Tsvg")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        {
-            use tokio::io::AsyncWriteExt;
-            let mut stdin = child.stdin.take().unwrap();
-            stdin.write_all(out.stdout.as_bytes()).await.unwrap();
-        }
-        let svg = child.wait_with_output().await.unwrap();
-        assert!(svg.status.success(), "dot rejected the {plan} plan: {}", String::from_utf8_lossy(&svg.stderr));
-        let svg = String::from_utf8_lossy(&svg.stdout);
-        assert!(svg.contains("<svg") && svg.contains("drain"), "{svg}");
+        assert!(out.stdout.contains("\"drain\""), "{}", out.stdout);
     }
 }
 

@@ -596,6 +596,8 @@ mod tests {
             timing: Mutex::default(),
             terminations: Mutex::default(),
             unauthorized: Mutex::default(),
+            hidden: Mutex::default(),
+            terminated_unseen: Mutex::default(),
         };
         let (mut t, mut i) = (0, 0);
         for _ in 0..10_000 {
