@@ -453,6 +453,7 @@ async fn run_command(args: &RunArgs) -> Exit {
             report.leftovers = r.leftovers;
             report.reclaimed = r.reclaimed;
             report.pods_rebound = Some(r.pods_rebound);
+            report.pods_lost = Some(r.pods_lost);
             report.error = r.error;
             report.gitops = r.gitops;
             report.not_ours = r.not_ours;

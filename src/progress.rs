@@ -114,7 +114,7 @@ impl Board {
                 self.push_blocker(line);
             }
             // the drains' own progress lines show the pods; the report counts them
-            EngineEvent::PodsRebound { .. } | EngineEvent::Verified { .. } => {}
+            EngineEvent::PodsRebound { .. } | EngineEvent::PodsLost { .. } | EngineEvent::Verified { .. } => {}
         }
     }
 

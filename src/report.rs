@@ -113,6 +113,9 @@ pub enum BlockerKind {
     PodGoesWithNode,
     /// A GitOps owner whose sync or reconcile was still in flight at the deadline.
     GitopsOwner,
+    /// A pod a drain must move that was still bound to its node when the node's instance was
+    /// terminated: it went down with it.
+    PodLost,
 }
 
 impl BlockerKind {
@@ -126,6 +129,7 @@ impl BlockerKind {
             BlockerKind::Nodeclaim => "nodeclaim",
             BlockerKind::PodGoesWithNode => "pod-goes-with-node",
             BlockerKind::GitopsOwner => "gitops-owner",
+            BlockerKind::PodLost => "pod-lost",
         }
     }
 }
@@ -210,6 +214,11 @@ pub struct Report {
     /// lifted the node's fence), each drained too before its node was released.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pods_rebound: Option<u64>,
+    /// `run`: pods a drain must move that were still bound to their node when its instance was
+    /// terminated (bound after the node was checked empty): they went down with it, and the run
+    /// is not clean.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pods_lost: Option<u64>,
     /// API calls made, by `service:verb` (e.g. `kubernetes:patch`, `ec2:TerminateInstances`); AWS
     /// keys are the IAM actions the calls need.
     pub api_calls: BTreeMap<String, u64>,
@@ -254,6 +263,7 @@ impl Report {
                 reclaimed: Vec::new(),
                 would_reclaim: Vec::new(),
                 pods_rebound: None,
+                pods_lost: None,
                 api_calls: BTreeMap::new(),
                 gitops: Survey::default(),
                 not_ours: Vec::new(),

@@ -551,6 +551,21 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     } else {
         what.push("no instance (never launched)".into());
     }
+    // A pod bound since the node was checked empty went down with the instance: it is named,
+    // and the run is not clean.
+    if let Some(n) = node_name.as_ref().filter(|_| provider.is_some()) {
+        let pods: Api<Pod> = Api::all(ctx.kube.client.clone());
+        let lp = ListParams::default().fields(&format!("spec.nodeName={n}"));
+        let on_node = pods.list(&lp).await.map_err(|e| KubeError::api(format!("list the pods on node {n}"), e))?;
+        let lost = {
+            let abandoned = ctx.abandoned.lock().unwrap_or_else(|p| p.into_inner());
+            super::drain::must_leave_before_release(&on_node.items, &abandoned)
+        };
+        if !lost.is_empty() {
+            what.push(format!("{} pod(s) went down with node {n}", lost.len()));
+        }
+        ctx.note_lost(n, &lost);
+    }
     // The instance is gone: now, and only now, the objects may go, and only the objects that
     // were read (a Node of the same name made since is another machine's)
     if let Some(n) = &node_name {

@@ -89,6 +89,25 @@ impl Ctx {
         self.events.send(super::events::EngineEvent::PodsRebound { node: node.to_string(), uids });
     }
 
+    /// Reports pods that went down with their node: each is named, and the run is not clean.
+    pub(crate) fn note_lost(&self, node: &str, pods: &[crate::k8s::pods::PodRef]) {
+        if pods.is_empty() {
+            return;
+        }
+        tracing::error!(node = %node, pods = pods.len(), "pods went down with their node: bound to it after it was checked empty");
+        for p in pods {
+            self.note(
+                BlockerKind::PodLost,
+                &format!("{}/{}", p.namespace, p.name),
+                format!(
+                    "went down with node {node}: bound to it after it was checked empty, while something had lifted its fence"
+                ),
+            );
+        }
+        let uids = pods.iter().map(|p| p.uid.clone()).collect();
+        self.events.send(super::events::EngineEvent::PodsLost { node: node.to_string(), uids });
+    }
+
     /// Reports a blocker or an actor that fought the run (the run's record keeps each once).
     pub fn note(&self, kind: BlockerKind, name: &str, reason: impl Into<String>) {
         let b = Blocker { kind, name: name.into(), reason: reason.into() };

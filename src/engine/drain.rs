@@ -496,7 +496,7 @@ pub(super) async fn drain_before_release(
 /// The pods among `on_node` that must leave before their node is released: those a drain moves
 /// (not finished, not a DaemonSet's or a mirror, not tolerating the fence) and that no drain left
 /// there by policy.
-fn must_leave_before_release(on_node: &[Pod], abandoned: &HashSet<String>) -> Vec<PodRef> {
+pub(super) fn must_leave_before_release(on_node: &[Pod], abandoned: &HashSet<String>) -> Vec<PodRef> {
     on_node
         .iter()
         .filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")))

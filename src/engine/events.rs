@@ -79,6 +79,14 @@ pub enum EngineEvent {
         /// The pods' UIDs.
         uids: Vec<String>,
     },
+    /// Pods a drain must move found on a node whose instance was terminated: they went down with
+    /// it (bound after the node was checked empty, while something lifted its fence).
+    PodsLost {
+        /// The node.
+        node: String,
+        /// The pods' UIDs.
+        uids: Vec<String>,
+    },
     /// Verification's answer: what is left, and what `--reclaim` removed before it looked again.
     Verified {
         /// What AWS and the cluster still hold.

@@ -79,6 +79,8 @@ pub struct RunResult {
     pub reclaimed: Vec<String>,
     /// Pods found bound to a node after its drain began, each drained too.
     pub pods_rebound: u64,
+    /// Pods that went down with their node (bound after it was checked empty).
+    pub pods_lost: u64,
     /// The error or refusal, if any.
     pub error: Option<String>,
     /// The concrete plan, for a dry run (and the log of a real one).
@@ -103,6 +105,7 @@ impl RunResult {
             leftovers: Leftovers::default(),
             reclaimed: Vec::new(),
             pods_rebound: 0,
+            pods_lost: 0,
             error: Some(error),
             plan_text,
             not_ours: Vec::new(),
@@ -267,6 +270,7 @@ pub async fn run(
             leftovers: Leftovers::default(),
             reclaimed: Vec::new(),
             pods_rebound: 0,
+            pods_lost: 0,
             error: None,
             plan_text,
             gitops,
@@ -369,7 +373,19 @@ pub async fn run(
     let leftovers = record.leftovers;
     let reclaimed = record.reclaimed;
     let pods_rebound = record.rebound.len() as u64;
-    let error = steps.iter().find(|s| s.result == TaskResult::Failed).map(|s| format!("{}: {}", label(s), s.detail));
+    let pods_lost = record.lost.len() as u64;
+    let mut error =
+        steps.iter().find(|s| s.result == TaskResult::Failed).map(|s| format!("{}: {}", label(s), s.detail));
+    // a pod that went down with its node is a failure of the run, however clean the end state
+    if pods_lost > 0 {
+        exit = exit.worst(Exit::Failure);
+        error.get_or_insert_with(|| {
+            format!(
+                "{pods_lost} pod(s) went down with their node: bound to it after it was checked empty, while something \
+                 lifted its fence (blockers of kind pod-lost name them; the field managers in the report name who)"
+            )
+        });
+    }
     RunResult {
         exit,
         steps,
@@ -377,6 +393,7 @@ pub async fn run(
         leftovers,
         reclaimed,
         pods_rebound,
+        pods_lost,
         error,
         plan_text,
         gitops,

@@ -16,6 +16,8 @@ pub(crate) struct RunRecord {
     pub(crate) blockers: Vec<Blocker>,
     /// UIDs of the pods bound to a node after its drain began.
     pub(crate) rebound: BTreeSet<String>,
+    /// UIDs of the pods that went down with their node.
+    pub(crate) lost: BTreeSet<String>,
     /// What the last verification found.
     pub(crate) leftovers: Leftovers,
     /// What `--reclaim` removed.
@@ -35,6 +37,9 @@ impl RunRecord {
             }
             EngineEvent::PodsRebound { uids, .. } => {
                 self.rebound.extend(uids.iter().cloned());
+            }
+            EngineEvent::PodsLost { uids, .. } => {
+                self.lost.extend(uids.iter().cloned());
             }
             EngineEvent::Verified { leftovers, reclaimed } => {
                 self.leftovers = leftovers.clone();
@@ -67,6 +72,19 @@ mod tests {
         assert!(r.apply(&blocker("shop/db")));
         let names: Vec<&str> = r.blockers.iter().map(|b| b.name.as_str()).collect();
         assert_eq!(names, ["shop/web", "shop/db"]);
+    }
+
+    #[test]
+    fn a_pod_lost_with_its_node_counts_once() {
+        let mut r = RunRecord::default();
+        let lost = |uids: &[&str]| EngineEvent::PodsLost {
+            node: "n1".into(),
+            uids: uids.iter().map(|u| u.to_string()).collect(),
+        };
+        r.apply(&lost(&["a"]));
+        r.apply(&lost(&["a", "b"]));
+        assert_eq!(r.lost.len(), 2);
+        assert!(r.rebound.is_empty(), "lost is not rebound");
     }
 
     #[test]
