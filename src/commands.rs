@@ -149,6 +149,7 @@ async fn verify_with(
         aws.check_account(account).await?;
     }
     let mut left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE, None).await?;
+    let mut user_profiles = BTreeSet::new();
     if target.reclaim && !left.reclaimable().is_empty() {
         // Positive evidence before a removal from AWS alone: the cluster is gone, or its own API
         // shows that nothing runs on what is about to go.
@@ -161,8 +162,9 @@ async fn verify_with(
             report.leftovers = left;
             return Ok(Exit::Refused);
         }
-        if let verify::ClusterSeen::Live(holders) = &seen {
-            left = left.without_profiles(&holders.user_profiles);
+        if let verify::ClusterSeen::Live(holders) = seen {
+            user_profiles = holders.user_profiles;
+            left = left.without_profiles(&user_profiles);
         }
     }
     if !left.is_clean() && target.reclaim && consent == Consent::DryRun {
@@ -174,7 +176,7 @@ async fn verify_with(
         for f in failures {
             tracing::warn!(failure = %f, "could not reclaim");
         }
-        left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE, None).await?;
+        left = verify::verify(aws, &target.cluster, &user_profiles, VERIFY_SETTLE, None).await?;
     }
     let clean = left.is_clean();
     report.leftovers = left;

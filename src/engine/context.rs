@@ -1,7 +1,7 @@
 //! What every task can reach: the clients, the shared pod index and EC2 batcher, the run's
 //! settings and a sink for what it observed.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -70,6 +70,9 @@ pub struct Ctx {
     /// user's consent to let them go with the node, which the check before a node's release
     /// honours.
     pub abandoned: Mutex<HashSet<String>>,
+    /// When each drain's deadline clock started (`step/node`), kept across the attempts of its
+    /// task: a drain restarted after a transient error keeps its first deadline.
+    pub(crate) drain_clocks: Mutex<HashMap<String, tokio::time::Instant>>,
 }
 
 impl Ctx {
@@ -87,6 +90,16 @@ impl Ctx {
         }
         tracing::warn!(node = %node, pods = uids.len(), "pods were bound to the node after its drain began; draining them too");
         self.events.send(super::events::EngineEvent::PodsRebound { node: node.to_string(), uids });
+    }
+
+    /// When the drain `key` (`step/node`) started its deadline's clock in an earlier attempt.
+    pub(crate) fn drain_clock(&self, key: &str) -> Option<tokio::time::Instant> {
+        self.drain_clocks.lock().unwrap_or_else(|p| p.into_inner()).get(key).copied()
+    }
+
+    /// Keeps the first start of the drain `key`'s deadline clock.
+    pub(crate) fn keep_drain_clock(&self, key: &str, since: tokio::time::Instant) {
+        self.drain_clocks.lock().unwrap_or_else(|p| p.into_inner()).entry(key.to_string()).or_insert(since);
     }
 
     /// Reports pods that went down with their node: each is named, and the run is not clean.

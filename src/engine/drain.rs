@@ -95,6 +95,18 @@ impl DrainState {
             last_fence_check: now,
         }
     }
+
+    /// Continues the deadline's clock of an earlier attempt of the same drain (one a transient
+    /// error ended): a restart must not give the drain a new deadline, or repeated errors would
+    /// stretch `--drain-deadline` without bound.
+    pub(crate) fn resume_clock(&mut self, since: Instant) {
+        self.started = Some(self.started.map_or(since, |t| t.min(since)));
+    }
+
+    /// When the deadline's clock started, once it has.
+    pub(crate) fn clock(&self) -> Option<Instant> {
+        self.started
+    }
 }
 
 /// What the driver saw or heard, fed to [`step`].
@@ -293,7 +305,19 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
     // woken when a budget this drain waits on changes its status
     let budget_changed = Arc::new(tokio::sync::Notify::new());
     let mut state = Some(DrainState::new(&node, deadline, policy, ctx.drain.deadline_from_dispatch, Instant::now()));
+    // the deadline counts from the first attempt of this drain, whatever restarted it since
+    let clock_key = format!("{}/{node}", task.step);
+    let mut clock_kept = false;
+    if let Some(since) = ctx.drain_clock(&clock_key)
+        && let Some(s) = state.as_mut()
+    {
+        s.resume_clock(since);
+    }
     loop {
+        if !clock_kept && let Some(since) = state.as_ref().and_then(DrainState::clock) {
+            ctx.keep_drain_clock(&clock_key, since);
+            clock_kept = true;
+        }
         if ctx.cancel.is_cancelled() {
             return Ok(TaskOutcome::Interrupted);
         }
@@ -951,6 +975,24 @@ mod step_tests {
         let refuse = |_: &Arc<PodRef>| Ok(EvictionOutcome::Blocked("would violate shop/web".into()));
         let (s, _) = round(start(policy, t0), &[&a], t0, refuse);
         (s, a, t0)
+    }
+
+    #[test]
+    fn a_restarted_drain_keeps_the_deadline_of_its_first_attempt() {
+        let (t0, a) = (Instant::now(), pod("a", 30));
+        // the first attempt started at t0; a transient error restarted the drain 50 s on
+        let restart = t0 + Duration::from_secs(50);
+        let mut s = start(DrainPolicy::Fail, restart);
+        s.resume_clock(t0);
+        assert_eq!(s.clock(), Some(t0));
+        let (_, at) = step(s, pods(&[&a]), t0 + DEADLINE);
+        assert!(
+            matches!(at.first(), Some(Action::DeadlinePassed { pods_left: 1 })),
+            "the deadline counts from the first attempt: {at:?}"
+        );
+        let mut later = start(DrainPolicy::Fail, t0);
+        later.resume_clock(restart);
+        assert_eq!(later.clock(), Some(t0), "an earlier start is never pushed later");
     }
 
     #[test]

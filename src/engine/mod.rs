@@ -356,6 +356,7 @@ pub async fn run(
         events: task_events,
         controller_gone_at: std::sync::OnceLock::new(),
         abandoned: Mutex::new(HashSet::new()),
+        drain_clocks: Mutex::new(HashMap::new()),
     });
     let (mut exit, mut steps) = execute(&graph, ctx.clone()).await;
     // clean is what verification proves: a plan without it ends unverified, never clean
