@@ -64,7 +64,8 @@ impl CommandError {
             CommandError::TfPrune(_) => Exit::BadInput,
             CommandError::Kube(e) if e.is_configuration() => Exit::BadInput,
             CommandError::Kube(_) => Exit::Failure,
-            CommandError::Aws(e) if e.is_configuration() => Exit::BadInput,
+            // a permission the identity lacks is the caller's setup, as in the run's preflight
+            CommandError::Aws(e) if e.is_configuration() || e.is_access_denied() => Exit::BadInput,
             CommandError::Aws(AwsError::WrongAccount { .. }) => Exit::Refused,
             CommandError::Aws(_) | CommandError::Report { .. } => Exit::Failure,
             #[cfg(feature = "sandbox")]
@@ -483,4 +484,25 @@ fn confirm_on_terminal(cluster: &str) -> bool {
         return false;
     }
     line.trim() == cluster
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(code: &str) -> CommandError {
+        CommandError::Aws(AwsError::Api {
+            service: "eks",
+            operation: "DescribeCluster",
+            code: code.into(),
+            message: "no".into(),
+        })
+    }
+
+    #[test]
+    fn a_missing_aws_permission_is_bad_input_and_other_refusals_are_failures() {
+        assert_eq!(api("AccessDeniedException").exit(), Exit::BadInput);
+        assert_eq!(api("UnauthorizedOperation").exit(), Exit::BadInput);
+        assert_eq!(api("InternalFailure").exit(), Exit::Failure);
+    }
 }
