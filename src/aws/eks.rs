@@ -1,6 +1,6 @@
 //! EKS: what the control plane says of the cluster named on the command line. It is the source
 //! of truth for which API server is that cluster (its endpoint and certificate authority), whether
-//! it still exists, and whether EKS Auto Mode runs compute in it (design §2.1).
+//! it still exists, and whether EKS Auto Mode runs compute in it (design §7, Identity).
 
 use base64::Engine as _;
 

@@ -105,9 +105,7 @@ impl AwsError {
     /// True when the identity lacks the permission for the call (EC2's `UnauthorizedOperation`,
     /// IAM's, STS's and EKS's `AccessDenied`).
     pub(crate) fn is_access_denied(&self) -> bool {
-        self.code().is_some_and(|c| {
-            matches!(c, "UnauthorizedOperation" | "AccessDenied" | "AccessDeniedException" | "UnauthorizedAccess")
-        })
+        self.code().is_some_and(is_access_denied_code)
     }
 
     /// The IAM action of the call that failed (`eks:DescribeCluster`), when it reached AWS.
@@ -171,10 +169,15 @@ impl AwsError {
     }
 }
 
+/// The codes with which AWS says the identity lacks a permission.
+fn is_access_denied_code(code: &str) -> bool {
+    matches!(code, "UnauthorizedOperation" | "AccessDenied" | "AccessDeniedException" | "UnauthorizedAccess")
+}
+
 /// What to do about an AWS error code, as a clause after its message.
 fn aws_hint(code: &str) -> &'static str {
     match code {
-        "UnauthorizedOperation" | "AccessDenied" | "AccessDeniedException" | "UnauthorizedAccess" => {
+        c if is_access_denied_code(c) => {
             "; the credentials lack this permission: attach deploy/iam-policy.json (README, Real use against EKS) to the identity and run again"
         }
         "AuthFailure" | "InvalidClientTokenId" | "ExpiredToken" | "ExpiredTokenException" | "SignatureDoesNotMatch" => {

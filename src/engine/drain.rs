@@ -274,6 +274,15 @@ fn feed(state: &mut Option<DrainState>, obs: Observation) -> Vec<Action> {
 
 // ---------------------------------------------------------------- the driver
 
+/// The drain policy a plan's `on_deadline` stands for (`--on-drain-deadline` overrides it).
+pub(crate) fn policy_of(on_deadline: OnDeadline) -> DrainPolicy {
+    match on_deadline {
+        OnDeadline::Delete => DrainPolicy::Delete,
+        OnDeadline::Skip | OnDeadline::Continue => DrainPolicy::Skip,
+        OnDeadline::Fail => DrainPolicy::Fail,
+    }
+}
+
 /// Fences the machine's node, evicts its pods in Karpenter's order respecting
 /// PodDisruptionBudgets, waits for them by watch, and applies the deadline policy.
 pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) -> Outcome {
@@ -286,11 +295,7 @@ pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) ->
         return Ok(TaskOutcome::Skipped("no node".into()));
     };
     let deadline = ctx.drain.deadline.or(params.deadline).unwrap_or(Duration::from_secs(600));
-    let policy = ctx.drain.policy.unwrap_or(match params.on_deadline {
-        OnDeadline::Delete => DrainPolicy::Delete,
-        OnDeadline::Skip | OnDeadline::Continue => DrainPolicy::Skip,
-        OnDeadline::Fail => DrainPolicy::Fail,
-    });
+    let policy = ctx.drain.policy.unwrap_or(policy_of(params.on_deadline));
     let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
     if Box::pin(cordon_node(&nodes, &node, false)).await?.gone {
         return Ok(TaskOutcome::Done("node already gone".into()));

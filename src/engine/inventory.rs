@@ -154,10 +154,7 @@ impl Inventory {
             let name = c.metadata.name.clone().unwrap_or_default();
             let status = c.data.get("status");
             let node = status.and_then(|s| s.get("nodeName")).and_then(|v| v.as_str()).map(str::to_string);
-            let provider_id = status
-                .and_then(|s| s.get("providerID"))
-                .and_then(|v| v.as_str())
-                .and_then(|p| ProviderId::parse(p).ok());
+            let provider_id = claim_provider_id(c);
             let labels = c.metadata.labels.clone().unwrap_or_default();
             if let Err(why) = claim_owner(c, &labels, &foreign_pools) {
                 foreign_nodes.extend(node.clone().map(|n| (n, why.clone())));
@@ -231,11 +228,7 @@ impl Inventory {
             machines,
             nodepools: names(&pools),
             nodeclasses: names(&classes),
-            user_instance_profiles: classes
-                .iter()
-                .filter_map(|c| c.data.pointer("/spec/instanceProfile").and_then(|v| v.as_str()))
-                .map(str::to_string)
-                .collect(),
+            user_instance_profiles: user_instance_profiles(&classes),
             controller: None,
         }
     }
@@ -362,21 +355,29 @@ pub(crate) async fn cluster_holders(client: &kube::Client) -> Result<ClusterHold
     let mut holders = ClusterHolders::default();
     for c in &claims {
         let name = c.metadata.name.clone().unwrap_or_default();
-        if let Some(pid) =
-            c.data.pointer("/status/providerID").and_then(Value::as_str).and_then(|p| ProviderId::parse(p).ok())
-        {
+        if let Some(pid) = claim_provider_id(c) {
             holders.instances.insert(pid.instance_id, format!("NodeClaim {name}"));
         }
         holders.claims.insert(name);
     }
     // a Node names its instance more plainly than its claim does
     holders.instances.extend(node_ids);
-    holders.user_profiles = classes
+    holders.user_profiles = user_instance_profiles(&classes);
+    Ok(holders)
+}
+
+/// The instance a NodeClaim names (`status.providerID`), once it names one.
+fn claim_provider_id(claim: &DynamicObject) -> Option<ProviderId> {
+    claim.data.pointer("/status/providerID").and_then(Value::as_str).and_then(|p| ProviderId::parse(p).ok())
+}
+
+/// The instance profiles EC2NodeClasses name in `spec.instanceProfile`: the user's.
+fn user_instance_profiles(classes: &[DynamicObject]) -> BTreeSet<String> {
+    classes
         .iter()
         .filter_map(|c| c.data.pointer("/spec/instanceProfile").and_then(Value::as_str))
         .map(str::to_string)
-        .collect();
-    Ok(holders)
+        .collect()
 }
 
 /// See [`cluster_holders`].

@@ -751,12 +751,13 @@ fn blast_radius(inv: &Inventory, live: &[crate::aws::InstanceInfo]) -> usize {
 /// What the drain's policy at its deadline gives up, as the dry run states it: `delete` and
 /// `skip` both end a drain that budgets hold with its pods' budgets bypassed.
 fn drain_consent(settings: &RunSettings) -> Option<String> {
-    let plan_policy =
-        settings.plan.steps().iter().filter(|s| s.action == Action::Drain).find_map(|s| match s.params.on_deadline {
-            crate::plan::OnDeadline::Delete => Some(DrainPolicy::Delete),
-            crate::plan::OnDeadline::Skip | crate::plan::OnDeadline::Continue => Some(DrainPolicy::Skip),
-            crate::plan::OnDeadline::Fail => None,
-        });
+    let plan_policy = settings
+        .plan
+        .steps()
+        .iter()
+        .filter(|s| s.action == Action::Drain)
+        .map(|s| drain::policy_of(s.params.on_deadline))
+        .find(|p| *p != DrainPolicy::Fail);
     match settings.drain.policy.or(plan_policy)? {
         DrainPolicy::Fail => None,
         DrainPolicy::Delete => Some(

@@ -333,30 +333,25 @@ mod tests {
         );
     }
 
-    fn plan_of(steps: &[(&str, &str)]) -> Plan {
-        let mut text = "version = 1\nname = \"p\"\n".to_string();
-        let mut after: Option<&str> = None;
-        for (id, action) in steps {
-            text.push_str(&format!("[[step]]\nid = \"{id}\"\naction = \"{action}\"\n"));
-            if let Some(a) = after {
-                text.push_str(&format!("after = [\"{a}\"]\n"));
-            }
-            after = Some(id);
-        }
+    /// A plan of `preflight` and one step after it.
+    fn plan_with(id: &str, action: &str, for_each: Option<&str>) -> Plan {
+        let each = for_each.map(|k| format!("for_each = \"{k}\"\n")).unwrap_or_default();
+        let text = format!(
+            "version = 1\nname = \"p\"\n[[step]]\nid = \"preflight\"\naction = \"preflight\"\n[[step]]\nid = \"{id}\"\naction = \"{action}\"\n{each}after = [\"preflight\"]\n"
+        );
         Plan::from_str(&text, "test").unwrap()
     }
 
     #[test]
     fn the_work_a_step_does_beyond_its_graph_is_asked_for_too() {
         // delete-nodeclasses drains and releases the machines launched during the run (`sweep`)
-        let classes = plan_of(&[("preflight", "preflight"), ("classes", "delete-nodeclasses")]);
+        let classes = plan_with("classes", "delete-nodeclasses", None);
         let need = kubernetes_needs(&classes, false, false);
         assert!(has(&need, "create", "pods", "eviction") && has(&need, "delete", "nodes", ""), "{need:?}");
         assert!(has(&need, "delete", "nodeclaims", "") && has(&need, "patch", "nodes", ""), "{need:?}");
         assert!(ec2_needs(&classes, false).contains(&Ec2Need::TerminateInstances));
         // discharge-finalizers drains what was bound to a node since its drain (`release-check`)
-        let text = "version = 1\nname = \"p\"\n[[step]]\nid = \"preflight\"\naction = \"preflight\"\n[[step]]\nid = \"release\"\naction = \"discharge-finalizers\"\nfor_each = \"machine\"\nafter = [\"preflight\"]\n";
-        let release = Plan::from_str(text, "test").unwrap();
+        let release = plan_with("release", "discharge-finalizers", Some("machine"));
         assert!(has(&kubernetes_needs(&release, false, false), "create", "pods", "eviction"));
     }
 }

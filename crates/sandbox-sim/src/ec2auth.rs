@@ -158,11 +158,7 @@ async fn resources(
 pub fn eks_operation(method: &http::Method, path: &str) -> Option<(&'static str, String)> {
     let name = path.strip_prefix("/clusters/")?;
     (method == http::Method::GET && !name.is_empty() && !name.contains('/'))
-        .then(|| ("DescribeCluster", percent_decoded(name)))
-}
-
-fn percent_decoded(s: &str) -> String {
-    form_urlencoded::parse(s.as_bytes()).map(|(k, _)| k.into_owned()).next().unwrap_or_default()
+        .then(|| ("DescribeCluster", name.to_string()))
 }
 
 /// Judges a request of `caller` for `action` with its query `params` against `p`'s policy:
