@@ -27,8 +27,9 @@ pub const TAG_EKS_CLUSTER: &str = "eks:eks-cluster-name";
 pub const TAG_NODEPOOL: &str = "karpenter.sh/nodepool";
 /// Instance tag naming the EC2NodeClass.
 pub const TAG_NODECLASS: &str = "karpenter.k8s.aws/ec2nodeclass";
-/// Instance tag naming the NodeClaim it was launched for (`v1.NodeClaimTagKey`), there from the
-/// launch on, before the claim's `status.providerID` names the instance.
+/// Instance tag naming the NodeClaim it was launched for (`v1.NodeClaimTagKey`). Not a launch
+/// tag: Karpenter's tagging controller (`pkg/controllers/nodeclaim/tagging`, 1.0 to 1.14) writes
+/// it once the claim's `status.providerID` names the instance.
 pub const TAG_NODECLAIM: &str = "karpenter.sh/nodeclaim";
 /// Launch-template tag naming the cluster in Karpenter 1.0.x (later releases use the EKS tag).
 pub const TAG_LEGACY_CLUSTER: &str = "karpenter.k8s.aws/cluster";

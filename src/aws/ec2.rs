@@ -237,9 +237,9 @@ impl Ec2 {
         Ok(all.into_iter().filter(|i| scope.admits(i, cluster)).collect())
     }
 
-    /// The live instances Karpenter launched for NodeClaim `claim` of `cluster`, by the tag it
-    /// puts on them at launch (`karpenter.sh/nodeclaim`), before the claim's `status.providerID`
-    /// names the instance. Only this cluster's Karpenter's ([`InstanceInfo::is_karpenters`]).
+    /// The live instances tagged for NodeClaim `claim` of `cluster` (`karpenter.sh/nodeclaim`,
+    /// which Karpenter's tagging controller writes once the claim has named its instance). Only
+    /// this cluster's Karpenter's ([`InstanceInfo::is_karpenters`]).
     pub async fn live_instances_of_nodeclaim(&self, cluster: &str, claim: &str) -> Result<Vec<InstanceInfo>, AwsError> {
         let filters = vec![
             tag_filter(karpenter::TAG_EKS_CLUSTER, cluster),

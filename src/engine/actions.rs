@@ -502,8 +502,11 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     {
         return Ok(stop);
     }
-    // A claim that names no instance yet may still have one: Karpenter tags it with the claim's
-    // name at launch, before the claim's status names it. EC2 decides, not the claim's silence.
+    // A claim that names no instance may still have one: EC2 decides, not the claim's silence.
+    // Only an instance Karpenter's tagging controller already tagged with the claim's name is
+    // found this way (it tags after the claim named it; launch tags do not name the claim); an
+    // untagged one of a launch that never reached the claim is verification's, which reads by
+    // Karpenter's own tags and reports it.
     if provider.is_none()
         && let Some(c) = claim_name.as_deref().filter(|_| claim_exists)
     {

@@ -110,7 +110,8 @@ async fn a_nodeclaim_that_names_no_instance_is_released_only_after_the_instance_
     let spec = small_world("e2e-ev-claimtag", 3);
     let b = bed(&spec.cluster).await;
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
-    // a claim Karpenter launched for but never updated: no providerID, no node yet
+    // a claim that names no instance and no node, whose instance carries the claim's tag (written
+    // by Karpenter's tagging controller once the claim had named it)
     let n = &world.nodes[0];
     let claims: Api<DynamicObject> = Api::all_with(b.client.clone(), &k8s::nodeclaim_resource());
     let unset = json!({"status": {"providerID": null, "nodeName": null}});
