@@ -13,8 +13,9 @@ use kube::core::DynamicObject;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+use super::batcher::Sent;
 use super::context::Ctx;
-use super::drain::drain;
+use super::drain::{Release, drain};
 use super::events::{EngineEvent, TaskRef};
 use super::inventory::{Inventory, Machine, claim_owner, find_controller, list_dynamic, pool_owner};
 use crate::k8s::nodes::cordon_node;
@@ -495,13 +496,16 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         return Ok(TaskOutcome::Skipped("already gone".into()));
     }
     let node_uid = node_read.as_ref().and_then(|node| node.metadata.uid.clone());
-    // A node goes only with no pod on it that a drain must move, however often its fence was
-    // lifted since its drain.
-    if let Some(n) = &node_name
-        && let Some(stop) = Box::pin(super::drain::drain_before_release(ctx, machine, n, node_read)).await?
-    {
-        return Ok(stop);
-    }
+    // A node goes only once its fence has held a while and no pod a drain must move is on it,
+    // however often its fence was lifted since its drain.
+    let mut ready = match &node_name {
+        Some(n) => match Box::pin(super::drain::hold_before_release(ctx, machine, n, node_read)).await? {
+            Release::Stop(stop) => return Ok(stop),
+            Release::Ready { fenced_since, abandoned } => Some((fenced_since, abandoned)),
+            Release::Gone => None,
+        },
+        None => None,
+    };
     // A claim that names no instance may still have one: EC2 decides, not the claim's silence.
     // Only an instance Karpenter's tagging controller already tagged with the claim's name is
     // found this way (it tags after the claim named it; launch tags do not name the claim); an
@@ -529,23 +533,48 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     }
     let mut what = Vec::new();
     if let Some(p) = &provider {
-        tracing::debug!(instance = %p.instance_id, "node checked empty; asking for the termination");
-        // the call may wait its turn for EC2's termination bucket (minutes at thousands of
-        // machines), so an interrupt must not wait for it
-        tokio::select! {
-            _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
-            r = ctx.ec2.terminate(&p.instance_id) => if let Err(e) = r {
-                return Ok(batch_failure(format!("terminate instance {}: {e}", p.instance_id), &e));
-            },
+        loop {
+            let guard = node_name.as_deref().zip(ready.take()).map(|(n, (held, abandoned))| {
+                let (pods, node) = (ctx.pods.clone(), n.to_string());
+                Box::new(move || {
+                    super::drain::still_clear(&node, pods.fenced_since(&node), held, &pods.pods_on(&node), &abandoned)
+                }) as super::batcher::Guard
+            });
+            tracing::debug!(instance = %p.instance_id, "node checked empty; asking for the termination");
+            // the call may wait its turn for EC2's termination bucket (minutes at thousands of
+            // machines), so an interrupt must not wait for it
+            let sent = tokio::select! {
+                _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
+                r = ctx.ec2.terminate(&p.instance_id, guard) => match r {
+                    Ok(sent) => sent,
+                    Err(e) => return Ok(batch_failure(format!("terminate instance {}: {e}", p.instance_id), &e)),
+                },
+            };
+            let Sent::Withdrawn(why) = sent else { break };
+            // while it waited its turn, its node was opened again: check it, drain it, again
+            let Some(n) = node_name.as_deref() else { break };
+            tracing::warn!(node = %n, why = %why, "the termination was withdrawn; checking the node again");
+            ready = match Box::pin(super::drain::hold_before_release(ctx, machine, n, None)).await? {
+                Release::Stop(stop) => return Ok(stop),
+                Release::Ready { fenced_since, abandoned } => Some((fenced_since, abandoned)),
+                Release::Gone => None,
+            };
         }
         tracing::debug!(instance = %p.instance_id, "termination accepted");
+        // EC2 accepted the termination: the instance is shutting down, which nothing undoes. The
+        // Node goes now, not once EC2 shows it terminated (a minute or more later), so that
+        // nothing can be bound to it meanwhile; the NodeClaim keeps its finalizer, and with it
+        // the instance's name for a resumed run, until the instance is confirmed terminated.
+        if let Some(n) = &node_name {
+            release_node(ctx, &nodes, n, node_uid.as_deref(), true, &mut what).await?;
+        }
         let limit = params.deadline.unwrap_or(Duration::from_secs(600));
         tokio::select! {
             _ = ctx.cancel.cancelled() => return Ok(TaskOutcome::Interrupted),
             r = tokio::time::timeout(limit, ctx.ec2.wait_terminated(&p.instance_id)) => match r {
                 Ok(Ok(())) => {
                     tracing::debug!(instance = %p.instance_id, "termination confirmed");
-                    what.push(format!("instance {} terminated", p.instance_id));
+                    what.insert(0, format!("instance {} terminated", p.instance_id));
                 }
                 Ok(Err(e)) => return Ok(batch_failure(format!("confirm termination of {}: {e}", p.instance_id), &e)),
                 Err(_) => return Ok(TaskOutcome::Failed(format!("instance {} not terminated after {}", p.instance_id, humantime::format_duration(limit)))),
@@ -553,30 +582,12 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         }
     } else {
         what.push("no instance (never launched)".into());
-    }
-    // A pod bound since the node was checked empty went down with the instance: it is named,
-    // and the run is not clean.
-    if let Some(n) = node_name.as_ref().filter(|_| provider.is_some()) {
-        let pods: Api<Pod> = Api::all(ctx.kube.client.clone());
-        let lp = ListParams::default().fields(&format!("spec.nodeName={n}"));
-        let on_node = pods.list(&lp).await.map_err(|e| KubeError::api(format!("list the pods on node {n}"), e))?;
-        let lost = {
-            let abandoned = ctx.abandoned.lock().unwrap_or_else(|p| p.into_inner());
-            super::drain::must_leave_before_release(&on_node.items, &abandoned)
-        };
-        if !lost.is_empty() {
-            what.push(format!("{} pod(s) went down with node {n}", lost.len()));
-        }
-        ctx.note_lost(n, &lost);
-    }
-    // The instance is gone: now, and only now, the objects may go, and only the objects that
-    // were read (a Node of the same name made since is another machine's)
-    if let Some(n) = &node_name {
-        match delete_and_remove_finalizer(&nodes, n, karpenter::FINALIZER_TERMINATION, node_uid.as_deref()).await? {
-            FinalizerRemoval::Replaced => what.push(format!("Node {n} was replaced by another object: left alone")),
-            _ => what.push(format!("Node {n} released")),
+        if let Some(n) = &node_name {
+            release_node(ctx, &nodes, n, node_uid.as_deref(), false, &mut what).await?;
         }
     }
+    // The instance is gone: now, and only now, its NodeClaim may go, and only the one that was
+    // read (a NodeClaim of the same name made since is another machine's)
     if let Some(c) = &claim_name {
         let uid = claim_uid.as_deref();
         match delete_and_remove_finalizer(&claims, c, karpenter::FINALIZER_TERMINATION, uid).await? {
@@ -587,6 +598,42 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         }
     }
     Ok(TaskOutcome::Done(what.join("; ")))
+}
+
+/// Deletes a machine's Node (the one that was read: a Node of the same name made since is another
+/// machine's) once its instance is shutting down, and, when it had an instance (`had_instance`),
+/// names any pod that went down with it: bound since the node was checked empty, it is counted
+/// and the run is not clean.
+async fn release_node(
+    ctx: &Ctx,
+    nodes: &Api<Node>,
+    n: &str,
+    uid: Option<&str>,
+    had_instance: bool,
+    what: &mut Vec<String>,
+) -> Result<(), TaskError> {
+    match delete_and_remove_finalizer(nodes, n, karpenter::FINALIZER_TERMINATION, uid).await? {
+        FinalizerRemoval::Replaced => {
+            what.push(format!("Node {n} was replaced by another object: left alone"));
+            return Ok(());
+        }
+        _ => what.push(format!("Node {n} released")),
+    }
+    if !had_instance {
+        return Ok(());
+    }
+    let pods: Api<Pod> = Api::all(ctx.kube.client.clone());
+    let lp = ListParams::default().fields(&format!("spec.nodeName={n}"));
+    let on_node = pods.list(&lp).await.map_err(|e| KubeError::api(format!("list the pods on node {n}"), e))?;
+    let lost = {
+        let abandoned = ctx.abandoned.lock().unwrap_or_else(|p| p.into_inner());
+        super::drain::must_leave_before_release(&on_node.items, &abandoned)
+    };
+    if !lost.is_empty() {
+        what.push(format!("{} pod(s) went down with node {n}", lost.len()));
+    }
+    ctx.note_lost(n, &lost);
+    Ok(())
 }
 
 // ---------------------------------------------------------------- pools, classes, waits

@@ -4,7 +4,10 @@
 //! instance to reach `terminated` (design §5), instead of one call per machine. Before a batch is
 //! terminated, one `DescribeInstances` reads each instance's own tags and operator: whatever the
 //! Kubernetes objects said, an instance that is not this cluster's self-managed Karpenter's (EKS
-//! Auto Mode's, another cluster's, untagged) is refused and left running.
+//! Auto Mode's, another cluster's, untagged) is refused and left running. Then each
+//! termination's guard is asked, last of all: a machine may have waited its turn for minutes,
+//! and one whose node was opened again meanwhile is withdrawn, not sent (design §2, the default
+//! plan's cordon and drain).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -38,11 +41,31 @@ impl From<&AwsError> for BatchError {
 }
 
 type Reply = oneshot::Sender<Result<(), BatchError>>;
-/// A termination asked for: the instance and who waits for the answer.
-type Asked = (String, Reply);
+type SentReply = oneshot::Sender<Result<Sent, BatchError>>;
+
+/// Asked right before an instance's termination is sent: `Err` says why its machine may no
+/// longer go (its node's fence was lifted, or a pod was bound to it, while it waited its turn).
+pub type Guard = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// What became of a termination asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Sent {
+    /// EC2 accepted it (or does not know the instance: it is gone).
+    Accepted,
+    /// Not sent: the guard said the machine may no longer go, and why.
+    Withdrawn(String),
+}
+
+/// A termination asked for: the instance, what must still hold when it is sent, and who waits
+/// for the answer.
+struct Asked {
+    id: String,
+    guard: Option<Guard>,
+    tx: SentReply,
+}
 
 enum Request {
-    Terminate(String, Reply),
+    Terminate(Asked),
     WaitGone(String, Reply),
 }
 
@@ -65,10 +88,12 @@ impl Ec2Batcher {
     }
 
     /// Terminates one instance (batched with others) once its own tags show it is this
-    /// cluster's Karpenter's; an id EC2 does not show is never sent ([`Unseen`]).
-    pub async fn terminate(&self, id: &str) -> Result<(), BatchError> {
+    /// cluster's Karpenter's, and `guard` (asked right before the call that sends it) still lets
+    /// it go; an id EC2 does not show is never sent ([`Unseen`]).
+    pub async fn terminate(&self, id: &str, guard: Option<Guard>) -> Result<Sent, BatchError> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(Request::Terminate(id.to_string(), tx)).await.map_err(|_| BatchError::stopped())?;
+        let asked = Asked { id: id.to_string(), guard, tx };
+        self.tx.send(Request::Terminate(asked)).await.map_err(|_| BatchError::stopped())?;
         rx.await.map_err(|_| BatchError::stopped())?
     }
 
@@ -161,7 +186,7 @@ async fn run(ec2: Ec2, cluster: String, mut rx: mpsc::Receiver<Request>) {
 
 fn take(r: Request, queued: &mut VecDeque<Asked>, waiting: &mut HashMap<String, Vec<Reply>>) {
     match r {
-        Request::Terminate(id, tx) => queued.push_back((id, tx)),
+        Request::Terminate(asked) => queued.push_back(asked),
         Request::WaitGone(id, tx) => waiting.entry(id).or_default().push(tx),
     }
 }
@@ -169,13 +194,13 @@ fn take(r: Request, queued: &mut VecDeque<Asked>, waiting: &mut HashMap<String, 
 /// Reads the batch's instances, refuses those that are not this cluster's Karpenter's, and
 /// terminates the rest in one call, answering every asker.
 async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, unseen: &mut Unseen, batch: Vec<Asked>) {
-    let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+    let ids: Vec<String> = batch.iter().map(|a| a.id.clone()).collect();
     let asked = Instant::now();
     let found = match ec2.instances_by_id(&ids).await {
         Ok(found) => found,
         Err(e) => {
-            for (_, tx) in batch {
-                let _ = tx.send(Err(BatchError::from(&e)));
+            for a in batch {
+                let _ = a.tx.send(Err(BatchError::from(&e)));
             }
             return;
         }
@@ -185,13 +210,19 @@ async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, u
         let _ = tx.send(Err(err));
     }
     let now = Instant::now();
-    for (id, tx) in not_shown {
-        let _ = tx.send(unseen.judge(&id, now));
+    for a in not_shown {
+        let _ = a.tx.send(unseen.judge(&a.id, now).map(|()| Sent::Accepted));
+    }
+    // the last look before the call: a machine may have waited its turn for a long time
+    let (batch, withdrawn) = still_wanted(batch);
+    for (tx, why) in withdrawn {
+        tracing::warn!(why = %why, "termination withdrawn before it was sent");
+        let _ = tx.send(Ok(Sent::Withdrawn(why)));
     }
     if batch.is_empty() {
         return;
     }
-    let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+    let ids: Vec<String> = batch.iter().map(|a| a.id.clone()).collect();
     let read = asked.elapsed();
     let result = ec2.terminate(&ids).await;
     tracing::debug!(
@@ -208,16 +239,29 @@ async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, u
         Err(e) if e.is_throttling() => pacer.refused(Instant::now()),
         Err(_) => {}
     }
-    for (id, tx) in batch {
+    for a in batch {
         let r = match &result {
-            Ok(out) => match out.failed.iter().find(|(f, _)| *f == id) {
+            Ok(out) => match out.failed.iter().find(|(f, _)| *f == a.id) {
                 Some((_, e)) => Err(BatchError { message: e.clone(), transient: false }),
-                None => Ok(()),
+                None => Ok(Sent::Accepted),
             },
             Err(e) => Err(BatchError::from(e)),
         };
-        let _ = tx.send(r);
+        let _ = a.tx.send(r);
     }
+}
+
+/// Splits a batch into what may still be sent and what its guard withdraws, with why.
+fn still_wanted(batch: Vec<Asked>) -> (Vec<Asked>, Vec<(SentReply, String)>) {
+    let mut send = Vec::new();
+    let mut withdrawn = Vec::new();
+    for a in batch {
+        match a.guard.as_ref().map_or(Ok(()), |g| g()) {
+            Ok(()) => send.push(a),
+            Err(why) => withdrawn.push((a.tx, why)),
+        }
+    }
+    (send, withdrawn)
 }
 
 /// What the batch's `DescribeInstances` did not return, and since when: such an instance is
@@ -257,21 +301,22 @@ fn split_ours(
     batch: Vec<Asked>,
     found: &[InstanceInfo],
     cluster: &str,
-) -> (Vec<Asked>, Vec<(Reply, BatchError)>, Vec<Asked>) {
+) -> (Vec<Asked>, Vec<(SentReply, BatchError)>, Vec<Asked>) {
     let mut ours = Vec::new();
     let mut refused = Vec::new();
     let mut not_shown = Vec::new();
-    for (id, tx) in batch {
+    for a in batch {
+        let id = a.id.as_str();
         match found.iter().find(|i| i.id == id).map(|i| i.is_karpenters(cluster)) {
             Some(Err(why)) => {
                 tracing::warn!(instance = %id, why = %why, "refusing to terminate an instance that is not this cluster's Karpenter's");
                 let message = format!(
                     "instance {id} is not this cluster's self-managed Karpenter's ({why}); it was left running"
                 );
-                refused.push((tx, BatchError { message, transient: false }));
+                refused.push((a.tx, BatchError { message, transient: false }));
             }
-            Some(Ok(())) => ours.push((id, tx)),
-            None => not_shown.push((id, tx)),
+            Some(Ok(())) => ours.push(a),
+            None => not_shown.push(a),
         }
     }
     (ours, refused, not_shown)
@@ -320,23 +365,43 @@ mod tests {
             instance("i-other", &[(karpenter::TAG_EKS_CLUSTER, "staging")], None),
         ];
         let mut replies = Vec::new();
-        let batch: Vec<(String, Reply)> = ["i-ours", "i-auto", "i-other", "i-gone"]
+        let batch: Vec<Asked> = ["i-ours", "i-auto", "i-other", "i-gone"]
             .into_iter()
             .map(|id| {
                 let (tx, rx) = oneshot::channel();
                 replies.push((id, rx));
-                (id.to_string(), tx)
+                Asked { id: id.to_string(), guard: None, tx }
             })
             .collect();
         let (ours, refused, not_shown) = split_ours(batch, &found, "prod");
-        let ids: Vec<&str> = ours.iter().map(|(id, _)| id.as_str()).collect();
+        let ids: Vec<&str> = ours.iter().map(|a| a.id.as_str()).collect();
         assert_eq!(ids, ["i-ours"]);
-        let unseen: Vec<&str> = not_shown.iter().map(|(id, _)| id.as_str()).collect();
+        let unseen: Vec<&str> = not_shown.iter().map(|a| a.id.as_str()).collect();
         assert_eq!(unseen, ["i-gone"], "an id DescribeInstances did not return is never sent unchecked");
         let messages: Vec<String> = refused.iter().map(|(_, e)| e.message.clone()).collect();
         assert_eq!(messages.len(), 2);
         assert!(messages[0].contains("i-auto") && messages[0].contains("EKS Auto Mode"), "{messages:?}");
         assert!(messages[1].contains("i-other") && messages[1].contains("staging"), "{messages:?}");
+    }
+
+    #[test]
+    fn a_guard_that_no_longer_lets_its_machine_go_withdraws_it_from_the_batch() {
+        let (held_tx, mut held_rx) = oneshot::channel();
+        let (clear_tx, _clear_rx) = oneshot::channel();
+        let (free_tx, _free_rx) = oneshot::channel();
+        let batch = vec![
+            Asked { id: "i-held".into(), guard: Some(Box::new(|| Err("a pod was bound".into()))), tx: held_tx },
+            Asked { id: "i-clear".into(), guard: Some(Box::new(|| Ok(()))), tx: clear_tx },
+            Asked { id: "i-free".into(), guard: None, tx: free_tx },
+        ];
+        let (send, withdrawn) = still_wanted(batch);
+        let ids: Vec<&str> = send.iter().map(|a| a.id.as_str()).collect();
+        assert_eq!(ids, ["i-clear", "i-free"]);
+        assert_eq!(withdrawn.len(), 1);
+        let (tx, why) = withdrawn.into_iter().next().unwrap();
+        assert_eq!(why, "a pod was bound");
+        tx.send(Ok(Sent::Withdrawn(why))).unwrap();
+        assert_eq!(held_rx.try_recv().unwrap(), Ok(Sent::Withdrawn("a pod was bound".into())));
     }
 
     #[test]

@@ -22,7 +22,7 @@ use super::budgets::{self, Admission};
 use super::context::Ctx;
 use super::events::{EngineEvent, TaskRef, Waiting};
 use crate::config::DrainPolicy;
-use crate::k8s::nodes::{CordonOutcome, cordon_node, cordon_read_node};
+use crate::k8s::nodes::{CordonOutcome, LIFTER_NOT_RECORDED, cordon_node, cordon_read_node};
 use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict, eviction_wave};
 use crate::k8s::{self, KubeError};
 use crate::plan::{OnDeadline, Params};
@@ -68,6 +68,9 @@ pub(crate) struct DrainState {
     /// What the progress view was last told.
     shown: Option<(u64, Waiting)>,
     last_fence_check: Instant,
+    /// How often the fence was found lifted, and by whom last.
+    lifts: u32,
+    last_lifter: Option<String>,
 }
 
 impl DrainState {
@@ -93,6 +96,8 @@ impl DrainState {
             fenced: None,
             shown: None,
             last_fence_check: now,
+            lifts: 0,
+            last_lifter: None,
         }
     }
 
@@ -151,7 +156,7 @@ pub(crate) enum Action {
     /// Read the node, put its fence back if lifted, and feed back [`Observation::FenceChecked`].
     CheckFence,
     /// End blocked (policy `fail`): name these pods, why each is blocked and their budgets.
-    Block { left: Vec<Arc<PodRef>>, blocked: BTreeMap<String, (PodRef, String)> },
+    Block { left: Vec<Arc<PodRef>>, blocked: BTreeMap<String, (PodRef, String)>, lifted: Option<String> },
     /// End with this outcome.
     Finish(TaskOutcome),
     /// End with an error that asking again cannot cure.
@@ -190,7 +195,8 @@ pub(crate) fn step(mut s: DrainState, obs: Observation, now: Instant) -> (DrainS
                 match s.policy {
                     DrainPolicy::Fail => {
                         let blocked = std::mem::take(&mut s.book.blocked);
-                        actions.push(Action::Block { left, blocked });
+                        let lifted = s.last_lifter.as_deref().map(|who| lifted(s.lifts as usize, who));
+                        actions.push(Action::Block { left, blocked, lifted });
                         return (s, actions);
                     }
                     DrainPolicy::Skip => {
@@ -245,7 +251,13 @@ pub(crate) fn step(mut s: DrainState, obs: Observation, now: Instant) -> (DrainS
             Ok(o) if o.gone => {
                 actions.push(Action::Finish(TaskOutcome::Done("node went away during the drain".into())))
             }
-            Ok(o) => actions.extend(o.reverted_by.map(Action::NoteReverted)),
+            Ok(o) => {
+                if let Some(who) = o.reverted_by {
+                    s.lifts += 1;
+                    s.last_lifter = Some(who.clone());
+                    actions.push(Action::NoteReverted(who));
+                }
+            }
             Err(KubeError::Api { source, .. }) if k8s::is_transient(&source) => {}
             Err(e) => actions.push(Action::Abort(e)),
         },
@@ -384,14 +396,7 @@ async fn act(ctx: &Ctx, task: &TaskRef, node: &str, deadline: Duration, action: 
         Action::NoteRebound(uids) => {
             ctx.note_rebound(node, uids.iter().map(String::as_str));
         }
-        Action::NoteReverted(who) => {
-            tracing::warn!(node = %node, field_manager = %who, "the fence was lifted; put it back");
-            ctx.note(
-                BlockerKind::FieldManager,
-                &who,
-                format!("lifted the fence of node {node} (its cordon or taint) during the drain; re-asserted"),
-            );
-        }
+        Action::NoteReverted(who) => note_lift(ctx, node, &who, "during the drain"),
         Action::DeadlinePassed { pods_left } => {
             ctx.events.send(EngineEvent::DrainDeadlinePassed { task: task.clone(), pods_left });
         }
@@ -407,10 +412,14 @@ async fn act(ctx: &Ctx, task: &TaskRef, node: &str, deadline: Duration, action: 
         Action::Progress { pods_left, waiting } => {
             ctx.events.send(EngineEvent::DrainProgress { task: task.clone(), pods_left, waiting });
         }
-        Action::Block { left, blocked } => {
+        Action::Block { left, blocked, lifted } => {
             let names = Box::pin(describe_blockers(ctx, &left, &blocked)).await;
+            // pods that keep coming back are the lifter's doing, not their budgets'
+            let lifted = lifted
+                .map(|l| format!("; its fence keeps being lifted ({l}), so pods are bound to it again"))
+                .unwrap_or_default();
             return Some(Ok(TaskOutcome::Blocked(format!(
-                "{} pod(s) still on node {node} after {}: {names}",
+                "{} pod(s) still on node {node} after {}: {names}{lifted}",
                 left.len(),
                 humantime::format_duration(deadline)
             ))));
@@ -463,24 +472,81 @@ async fn ask_eviction(
 
 // ---------------------------------------------------------------- the release of a node
 
-/// How many times the check before a node's release drains pods bound to the node since its
-/// drain before it gives up: each round is a whole drain, so only an actor that lifts the fence
-/// again and again while pods wait for a place keeps it going.
-const RELEASE_ROUNDS: usize = 5;
+/// How long a node's fence must have held, unlifted, before its machine is released. An actor
+/// that lifts fences (a K3s agent, a remediation controller) does it on a loop of a second or
+/// so, and shows itself within this; a fence set at the start of a drain has held this long by
+/// its end almost always, so a run pays it only for nodes drained in an instant.
+pub(crate) const FENCE_SETTLE: Duration = Duration::from_secs(5);
 
-/// Drains, before a node is released, the pods bound to it since its drain: the scheduler places
-/// pods on a node whenever something (a K3s agent, a remediation controller) lifts its fence, and
-/// a pod still bound when the instance goes dies with it, its budget bypassed. The fence is put
-/// back first, so that nothing new can be bound once the check finds the node empty; the check
-/// lists the node's pods from the API server rather than from the watch, which may be a moment
-/// behind. `read` is the node as the caller has just read it, which the first check starts from.
-/// `None` when the node may go; otherwise the outcome the release stops with.
-pub(super) async fn drain_before_release(
+/// What waiting for a node's fence to hold decides now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// The fence has held, unlifted, for the settle time.
+    Settled,
+    /// The node watch shows the fence lifted: put it back, and start again.
+    Lifted,
+    /// Look again after this long (or when the watch shows a change).
+    Wait(Duration),
+}
+
+/// Whether a node's fence has held long enough, from what the node watch shows: `fenced` now,
+/// and since when without a break.
+pub(crate) fn hold(fenced: Option<bool>, fenced_since: Option<Instant>, now: Instant, settle: Duration) -> Hold {
+    match (fenced, fenced_since) {
+        (_, Some(since)) if now >= since + settle => Hold::Settled,
+        (_, Some(since)) => Hold::Wait(since + settle - now),
+        (Some(false), None) => Hold::Lifted,
+        // the watch has not shown the node (yet): only a short wait, never a pass
+        _ => Hold::Wait(Duration::from_millis(250)),
+    }
+}
+
+/// Whether a machine that was found ready to go still may, right before its termination is sent
+/// (it may have waited its turn at EC2's termination pace meanwhile): its node's fence unbroken
+/// since it was found ready (`held`), and nothing a drain moves bound to it, by the pod index.
+pub(crate) fn still_clear(
+    node: &str,
+    fenced_since: Option<Instant>,
+    held: Instant,
+    on_node: &[Arc<PodRef>],
+    abandoned: &HashSet<String>,
+) -> Result<(), String> {
+    if fenced_since != Some(held) {
+        return Err(format!("the fence of node {node} was lifted while its termination waited its turn"));
+    }
+    let bound = on_node.iter().filter(|p| p.rides_with_node.is_none() && !abandoned.contains(&p.uid)).count();
+    if bound > 0 {
+        return Err(format!("{bound} pod(s) were bound to node {node} while its termination waited its turn"));
+    }
+    Ok(())
+}
+
+/// What the check before a node's release found.
+pub(super) enum Release {
+    /// The node is gone: nothing can be bound to it.
+    Gone,
+    /// The node's fence has held for [`FENCE_SETTLE`] since `fenced_since` and the server lists
+    /// nothing a drain moves on it: the machine may go, if that still holds when its termination
+    /// is sent ([`still_clear`]).
+    Ready { fenced_since: Instant, abandoned: HashSet<String> },
+    /// The release stops with this outcome.
+    Stop(TaskOutcome),
+}
+
+/// Waits, before a node is released, until its fence has held unlifted for [`FENCE_SETTLE`] and
+/// the server lists no pod on it that a drain must move, draining any that were bound since its
+/// drain. The scheduler places pods on a node whenever something lifts its fence, and a pod
+/// still bound when the instance goes dies with it, its budget bypassed; so a node whose fence
+/// keeps being lifted is not released, and at the run's drain deadline (counted from the first
+/// check, across retries) the release ends blocked, naming the node. The pods are listed from
+/// the API server rather than from the watch, which may be a moment behind. `read` is the node
+/// as the caller has just read it, which the first check starts from.
+pub(super) async fn hold_before_release(
     ctx: &Ctx,
     machine: &str,
     node: &str,
     mut read: Option<Node>,
-) -> Result<Option<TaskOutcome>, TaskError> {
+) -> Result<Release, TaskError> {
     let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
     let pods: Api<Pod> = Api::all(ctx.kube.client.clone());
     // the drain step's defaults, under the run's --drain-deadline and --on-drain-deadline
@@ -492,34 +558,112 @@ pub(super) async fn drain_before_release(
     };
     let task =
         TaskRef { step: "release-check".into(), action: crate::plan::Action::Drain, object: Some(machine.to_string()) };
-    for _ in 0..RELEASE_ROUNDS {
+    // One deadline for the whole check, the drains it runs included (they keep the same clock):
+    // the run's drain deadline beyond one settle time, so that a deadline shorter than the
+    // settle still lets a fence that holds pass.
+    let clock_key = format!("{}/{node}", task.step);
+    ctx.keep_drain_clock(&clock_key, Instant::now());
+    let started = ctx.drain_clock(&clock_key).unwrap_or_else(Instant::now);
+    let deadline = started + FENCE_SETTLE + ctx.drain.deadline.unwrap_or(Duration::from_secs(600));
+    let mut changes = ctx.pods.subscribe(node);
+    let mut lifts: Vec<String> = Vec::new();
+    let mut first = true;
+    'check: loop {
         if ctx.cancel.is_cancelled() {
-            return Ok(Some(TaskOutcome::Interrupted));
+            return Ok(Release::Stop(TaskOutcome::Interrupted));
         }
-        if Box::pin(cordon_read_node(&nodes, node, false, read.take())).await?.gone {
-            return Ok(None);
+        // put the fence back (a lift found after the first look is someone else's doing)
+        let fence = Box::pin(cordon_read_node(&nodes, node, !first, read.take())).await?;
+        first = false;
+        if fence.gone {
+            return Ok(Release::Gone);
         }
+        if let Some(who) = fence.reverted_by {
+            note_lift(ctx, node, &who, "before its release");
+            lifts.push(who);
+        }
+        let held = loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(Release::Stop(TaskOutcome::Blocked(not_settled(node, &lifts))));
+            }
+            match hold(ctx.pods.fenced(node), ctx.pods.fenced_since(node), now, FENCE_SETTLE) {
+                Hold::Settled => break ctx.pods.fenced_since(node),
+                Hold::Lifted => continue 'check,
+                Hold::Wait(d) => {
+                    tokio::select! {
+                        _ = ctx.cancel.cancelled() => return Ok(Release::Stop(TaskOutcome::Interrupted)),
+                        _ = changes.changed() => {}
+                        _ = tokio::time::sleep_until(deadline.min(now + d)) => {}
+                    }
+                }
+            }
+        };
+        let Some(held) = held else { continue };
         let lp = ListParams::default().fields(&format!("spec.nodeName={node}"));
         let list =
             Box::pin(pods.list(&lp)).await.map_err(|e| KubeError::api(format!("list the pods on node {node}"), e))?;
-        let bound = must_leave_before_release(&list.items, &ctx.abandoned.lock().unwrap_or_else(|p| p.into_inner()));
+        let abandoned = ctx.abandoned.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let bound = must_leave_before_release(&list.items, &abandoned);
         if bound.is_empty() {
-            return Ok(None);
+            // the list came after the fence had held: if it still holds, nothing was bound since
+            if ctx.pods.fenced_since(node) == Some(held) {
+                return Ok(Release::Ready { fenced_since: held, abandoned });
+            }
+            continue;
         }
         ctx.note_rebound(node, bound.iter().map(|p| p.uid.as_str()));
         match Box::pin(drain(ctx, machine, &params, &task)).await? {
             TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
             TaskOutcome::Blocked(d) => {
-                return Ok(Some(TaskOutcome::Blocked(format!(
-                    "node {node} not released: pods were bound to it after its drain: {d}"
+                let lifted = lifts.last().map(|who| format!(" ({})", lifted(lifts.len(), who))).unwrap_or_default();
+                return Ok(Release::Stop(TaskOutcome::Blocked(format!(
+                    "node {node} not released: pods were bound to it after its drain{lifted}: {d}"
                 ))));
             }
-            other => return Ok(Some(other)),
+            other => return Ok(Release::Stop(other)),
         }
     }
-    Ok(Some(TaskOutcome::Blocked(format!(
-        "node {node} not released: pods were bound to it again after {RELEASE_ROUNDS} drains; something keeps lifting its fence (see the field managers in the report)"
-    ))))
+}
+
+/// Why a node's release ended at the deadline without its fence having held.
+fn not_settled(node: &str, lifts: &[String]) -> String {
+    let settle = humantime::format_duration(FENCE_SETTLE);
+    if lifts.is_empty() {
+        format!(
+            "node {node} not released: the node watch never showed its fence holding for {settle} before the drain deadline"
+        )
+    } else {
+        format!(
+            "node {node} not released: its fence keeps being lifted ({}), and a machine goes only once its fence has held for {settle}: stop what uncordons it, then run again",
+            lifted(lifts.len(), lifts.last().map_or(LIFTER_NOT_RECORDED, String::as_str))
+        )
+    }
+}
+
+/// "lifted N time(s), last by M", saying so when the server kept no record of who.
+fn lifted(times: usize, last: &str) -> String {
+    let by = if last == LIFTER_NOT_RECORDED {
+        "by a writer the server keeps no record of (it records no field manager for a removed field)".to_string()
+    } else {
+        format!("last by field manager {last}")
+    };
+    format!("lifted {times} time(s), {by}")
+}
+
+/// Reports a lift of `node`'s fence, put back since; `when` says during what.
+fn note_lift(ctx: &Ctx, node: &str, who: &str, when: &str) {
+    tracing::warn!(node = %node, field_manager = %who, "the fence was lifted; put it back");
+    let unrecorded = if who == LIFTER_NOT_RECORDED {
+        " (the server records no field manager for a removed field, so who lifted it is not known)"
+    } else {
+        ""
+    };
+    ctx.note(
+        BlockerKind::FieldManager,
+        who,
+        format!("lifted the fence of node {node} (its cordon or taint) {when}; re-asserted{unrecorded}"),
+    );
 }
 
 /// The pods among `on_node` that must leave before their node is released: those a drain moves
@@ -1011,7 +1155,7 @@ mod step_tests {
         let (_, at) = step(s, pods(&[&a]), t0 + DEADLINE);
         assert!(matches!(at[0], Action::DeadlinePassed { pods_left: 1 }), "{at:?}");
         match &at[1] {
-            Action::Block { left, blocked } => {
+            Action::Block { left, blocked, .. } => {
                 assert_eq!(left.len(), 1);
                 assert_eq!(blocked.get("a").map(|(_, why)| why.as_str()), Some("would violate shop/web"));
             }
@@ -1165,5 +1309,55 @@ mod step_tests {
         let abandoned: HashSet<String> = ["skipped".to_string()].into();
         let names: Vec<String> = must_leave_before_release(&on_node, &abandoned).into_iter().map(|p| p.name).collect();
         assert_eq!(names, ["web", "pending-start"]);
+    }
+    #[test]
+    fn a_machine_goes_only_once_its_fence_has_held_unlifted_for_the_settle_time() {
+        let t0 = Instant::now();
+        let settle = FENCE_SETTLE;
+        assert_eq!(hold(Some(true), Some(t0), t0 + settle, settle), Hold::Settled);
+        assert_eq!(
+            hold(Some(true), Some(t0), t0 + Duration::from_secs(2), settle),
+            Hold::Wait(settle - Duration::from_secs(2))
+        );
+        assert_eq!(hold(Some(false), None, t0, settle), Hold::Lifted, "a lifted fence is put back before any wait");
+        assert_eq!(
+            hold(None, None, t0 + settle * 10, settle),
+            Hold::Wait(Duration::from_millis(250)),
+            "unseen is never a pass"
+        );
+    }
+
+    #[test]
+    fn a_machine_waiting_its_turn_is_withdrawn_when_its_fence_was_lifted_or_a_pod_was_bound() {
+        let t0 = Instant::now();
+        let none = HashSet::new();
+        assert_eq!(still_clear("n", Some(t0), t0, &[], &none), Ok(()));
+        let lifted = still_clear("n", Some(t0 + Duration::from_secs(1)), t0, &[], &none);
+        assert!(lifted.as_ref().is_err_and(|e| e.contains("fence of node n was lifted")), "{lifted:?}");
+        assert!(still_clear("n", None, t0, &[], &none).is_err(), "lifted now");
+        let bound = pod("b", 30);
+        let rebound = still_clear("n", Some(t0), t0, std::slice::from_ref(&bound), &none);
+        assert!(rebound.as_ref().is_err_and(|e| e.contains("1 pod(s) were bound to node n")), "{rebound:?}");
+        // a pod left there by policy, and one that tolerates the fence, go with the node
+        let abandoned: HashSet<String> = [bound.uid.clone()].into();
+        assert_eq!(still_clear("n", Some(t0), t0, std::slice::from_ref(&bound), &abandoned), Ok(()));
+        let mut rider = (*pod("r", 30)).clone();
+        rider.rides_with_node = Some("node.kubernetes.io/unschedulable");
+        assert_eq!(still_clear("n", Some(t0), t0, &[Arc::new(rider)], &none), Ok(()));
+    }
+
+    #[test]
+    fn a_fence_that_keeps_being_lifted_is_named_with_what_the_server_recorded() {
+        let unrecorded = not_settled("n-1", &[LIFTER_NOT_RECORDED.to_string(), LIFTER_NOT_RECORDED.to_string()]);
+        assert!(
+            unrecorded.contains("node n-1 not released: its fence keeps being lifted (lifted 2 time(s)"),
+            "{unrecorded}"
+        );
+        assert!(unrecorded.contains("records no field manager for a removed field"), "{unrecorded}");
+        assert!(!unrecorded.contains("unknown"), "{unrecorded}");
+        let named = not_settled("n-1", &["k3s".to_string()]);
+        assert!(named.contains("last by field manager k3s"), "{named}");
+        let unseen = not_settled("n-1", &[]);
+        assert!(unseen.contains("never showed its fence holding"), "{unseen}");
     }
 }

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use tokio::time::Instant;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -46,13 +47,36 @@ struct Index {
     list_round: u64,
     /// node → its change signal, for the nodes someone waits on
     signals: HashMap<String, watch::Sender<u64>>,
-    /// node → whether the node watch last saw it fenced (cordoned and tainted)
-    fenced: HashMap<String, bool>,
+    /// node → whether the node watch last saw it fenced (cordoned and tainted), and since when
+    /// it has been seen so (the release of a machine waits for its fence to hold a while)
+    fenced: HashMap<String, FenceSeen>,
     /// during a (re)list of the nodes: what was seen so far
     nodes_relisting: Option<HashMap<String, bool>>,
 }
 
+/// What the node watch last showed of one node's fence, and since when it has shown it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FenceSeen {
+    fenced: bool,
+    since: Instant,
+}
+
 impl Index {
+    /// Records what the watch shows of `node`'s fence now; true when that changed.
+    fn see_fence(&mut self, node: &str, fenced: bool, now: Instant) -> bool {
+        match self.fenced.get_mut(node) {
+            Some(seen) if seen.fenced == fenced => false,
+            Some(seen) => {
+                *seen = FenceSeen { fenced, since: now };
+                true
+            }
+            None => {
+                self.fenced.insert(node.to_string(), FenceSeen { fenced, since: now });
+                true
+            }
+        }
+    }
+
     fn changed(&self, node: &str) {
         if let Some(tx) = self.signals.get(node) {
             tx.send_modify(|n| *n += 1);
@@ -100,17 +124,24 @@ impl PodIndex {
                 }
             }
             watcher::Event::InitDone => {
-                idx.fenced = idx.nodes_relisting.take().unwrap_or_default();
+                // A node fenced before and after the watch was down keeps its `since`: a lift
+                // and its repair while the watch was down go unseen here, but the release's
+                // check on the server (its resourceVersion) does not miss them.
+                let now = Instant::now();
+                let seen = idx.nodes_relisting.take().unwrap_or_default();
+                idx.fenced.retain(|name, _| seen.contains_key(name));
+                for (name, fenced) in seen {
+                    idx.see_fence(&name, fenced, now);
+                }
                 for tx in idx.signals.values() {
                     tx.send_modify(|n| *n += 1);
                 }
             }
             watcher::Event::Apply(node) => {
-                if let Some(name) = node.metadata.name.clone() {
-                    let now = fenced(&node);
-                    if idx.fenced.insert(name.clone(), now) != Some(now) {
-                        idx.changed(&name);
-                    }
+                if let Some(name) = node.metadata.name.clone()
+                    && idx.see_fence(&name, fenced(&node), Instant::now())
+                {
+                    idx.changed(&name);
                 }
             }
             watcher::Event::Delete(node) => {
@@ -127,7 +158,14 @@ impl PodIndex {
     /// node (not listed yet, or deleted): only a read can tell then.
     pub fn fenced(&self, node: &str) -> Option<bool> {
         let idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        idx.fenced.get(node).copied()
+        idx.fenced.get(node).map(|f| f.fenced)
+    }
+
+    /// Since when the node watch has shown `node` fenced without a break; `None` while it
+    /// shows the fence lifted or does not show the node.
+    pub(crate) fn fenced_since(&self, node: &str) -> Option<Instant> {
+        let idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        idx.fenced.get(node).filter(|f| f.fenced).map(|f| f.since)
     }
 
     fn apply(&self, ev: watcher::Event<Pod>) {
@@ -354,5 +392,47 @@ mod tests {
         let counts: std::collections::BTreeMap<String, usize> =
             inner.label_sets.iter().map(|(l, n)| (l.get("app").unwrap_or_default().to_string(), *n)).collect();
         assert_eq!(counts, [("cache".to_string(), 1), ("db".to_string(), 1), ("web".to_string(), 1)].into());
+    }
+    fn node(name: &str, fenced: bool) -> Node {
+        let mut n: Node = serde_json::from_value(serde_json::json!({"metadata": {"name": name}, "spec": {}})).unwrap();
+        if fenced {
+            let spec = n.spec.get_or_insert_default();
+            spec.unschedulable = Some(true);
+            spec.taints = Some(vec![k8s_openapi::api::core::v1::Taint {
+                key: crate::k8s::nodes::TAINT_DRAINING.into(),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            }]);
+        }
+        n
+    }
+
+    #[test]
+    fn a_fence_holds_since_the_watch_last_saw_it_put_back_and_a_relist_keeps_an_unbroken_one() {
+        let idx = index();
+        idx.apply_node(watcher::Event::Init);
+        idx.apply_node(watcher::Event::InitApply(node("a", true)));
+        idx.apply_node(watcher::Event::InitApply(node("b", false)));
+        idx.apply_node(watcher::Event::InitDone);
+        let a_since = idx.fenced_since("a").expect("a is fenced");
+        assert_eq!(idx.fenced_since("b"), None, "b is not fenced");
+        assert_eq!(idx.fenced_since("c"), None, "c was never seen");
+        // another write to a fenced node (a label, a status) does not restart its hold
+        idx.apply_node(watcher::Event::Apply(node("a", true)));
+        assert_eq!(idx.fenced_since("a"), Some(a_since));
+        // a lift ends the hold; the fence put back starts a new one
+        idx.apply_node(watcher::Event::Apply(node("a", false)));
+        assert_eq!(idx.fenced_since("a"), None);
+        assert_eq!(idx.fenced("a"), Some(false));
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        idx.apply_node(watcher::Event::Apply(node("a", true)));
+        let again = idx.fenced_since("a").expect("fenced again");
+        assert!(again > a_since, "the hold starts again when the fence is put back");
+        // a relist that shows the node fenced still keeps the hold; a node it no longer shows goes
+        idx.apply_node(watcher::Event::Init);
+        idx.apply_node(watcher::Event::InitApply(node("a", true)));
+        idx.apply_node(watcher::Event::InitDone);
+        assert_eq!(idx.fenced_since("a"), Some(again));
+        assert_eq!(idx.fenced("b"), None, "b was not in the relist");
     }
 }

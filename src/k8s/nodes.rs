@@ -29,6 +29,11 @@ use super::{KubeError, status_code};
 /// The tool's own taint on the nodes it drains, with effect `NoSchedule`.
 pub const TAINT_DRAINING: &str = "karpenter-teardown.io/draining";
 
+/// The field manager named for a lift of the fence that the server kept no record of: an uncordon
+/// or a stripped taint removes the field, and the server records no manager for a field that is
+/// not there, so who lifted it cannot be read from `managedFields`.
+pub const LIFTER_NOT_RECORDED: &str = "(not recorded)";
+
 /// What cordoning a node found and did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CordonOutcome {
@@ -108,7 +113,7 @@ pub async fn cordon_read_node(
         let reverted_by = if seen_cordoned {
             let managed = serde_json::to_value(&node.metadata.managed_fields).unwrap_or(Value::Null);
             let field = if is_cordoned(&node) { "taints" } else { "unschedulable" };
-            Some(last_manager_in(&managed, &["spec", field]).unwrap_or_else(|| "unknown".into()))
+            Some(last_manager_in(&managed, &["spec", field]).unwrap_or_else(|| LIFTER_NOT_RECORDED.into()))
         } else {
             None
         };

@@ -483,7 +483,8 @@ async fn terminations_asked_for_at_once_are_paced_to_ec2s_instance_bucket_and_ne
     let asks = ours.iter().map(|i| {
         let (batcher, id) = (batcher.clone(), i.id.clone());
         async move {
-            batcher.terminate(&id).await.map_err(|e| format!("{id}: {e}"))?;
+            let accepted = batcher.terminate(&id, None).await.map_err(|e| format!("{id}: {e}"))?;
+            assert_eq!(accepted, karpenter_teardown::engine::batcher::Sent::Accepted, "no guard: nothing withdraws it");
             let sent = std::time::Instant::now();
             batcher.wait_terminated(&id).await.map_err(|e| format!("{id}: {e}"))?;
             Ok::<_, String>((sent, std::time::Instant::now()))

@@ -692,3 +692,79 @@ async fn a_rehearsals_prediction_matches_the_real_run_on_the_real_stack() {
     );
     p.end().await;
 }
+
+/// Lifts the fence of every Karpenter node once, as K3s or a remediation controller does:
+/// uncordons it and strips the tool's taint. Returns how many nodes it opened.
+async fn lift_fences(admin: &kube::Client) -> usize {
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let pp = PatchParams { field_manager: Some("k3s-reverter".into()), ..PatchParams::default() };
+    let mut opened = 0;
+    for n in nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap().items {
+        let taints: Vec<_> = n
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|t| t.key != k8s::nodes::TAINT_DRAINING)
+            .collect();
+        let name = n.metadata.name.clone().unwrap_or_default();
+        let patch = json!({"spec": {"unschedulable": false, "taints": taints}});
+        if nodes.patch(&name, &pp, &Patch::Merge(patch)).await.is_ok() {
+            opened += 1;
+        }
+    }
+    opened
+}
+
+/// The field report of a machine drained, checked empty and then terminated under pods bound to
+/// it meanwhile. Here the real scheduler binds the workload's Pending pods to a node the moment
+/// its fence is lifted, right after the tool found the node empty and asked for its termination,
+/// while the termination waits its turn (EC2's answer to the last look at the instance's tags,
+/// held for a few seconds by the EC2 proxy, stands for a wait at EC2's termination pace). The
+/// termination must be withdrawn, the node fenced and drained again, and only then released:
+/// drained, not killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_bound_while_a_machine_waits_its_turn_are_drained_not_killed_with_the_real_karpenter() {
+    let p = provisioned("rsw", &super::shipped_rbac_yaml(), 2).await;
+    let proxy =
+        sandbox_sim::ec2proxy::Ec2Proxy::start(common::LOCALSTACK, sandbox_sim::ec2proxy::ProxyFaults::default())
+            .await
+            .unwrap();
+    proxy.control().delay_action("DescribeInstances", Duration::from_secs(2));
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = p.tool("run", p.s.tool_kubeconfig(), &report);
+    cmd.args(["--yes", "--log-level", LOG_LEVEL])
+        .env("AWS_ENDPOINT_URL", proxy.url())
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    let mut opened = 0;
+    while let Some(line) = lines.next_line().await.unwrap() {
+        let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        seen.push(line);
+        // the first machine found empty and on its way to EC2: open every node once
+        if opened == 0 && v["message"] == "node checked empty; asking for the termination" {
+            opened = lift_fences(&p.admin).await;
+        }
+    }
+    let code = child.wait().await.unwrap().code();
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let log = seen.join("\n");
+    assert!(opened > 0, "no fence was lifted: the test proves nothing\n{log}");
+    assert_eq!(code, Some(0), "{report:#}\n{log}");
+    assert_eq!(report["outcome"], "clean", "{report:#}");
+    assert!(
+        log.contains("termination withdrawn before it was sent"),
+        "the termination that waited was sent although its node had been opened:\n{log}"
+    );
+    assert!(report["pods_rebound"].as_u64().unwrap_or(0) >= 1, "no pod was bound again: {report:#}");
+    assert_eq!(report["pods_lost"].as_u64().unwrap_or(0), 0, "pods went down with their node: {report:#}");
+    p.assert_torn_down(&p.instances).await;
+    proxy.shutdown().await;
+    p.end().await;
+}

@@ -178,24 +178,46 @@ async fn stale_taint_writer() {
     b.server.shutdown().await;
 }
 
-/// Uncordons every cordoned Karpenter node, as K3s did in the field report.
-async fn cordon_reverter(client: Client, stop: Arc<AtomicBool>, reverts: Arc<AtomicU64>) {
+/// Lifts the fence of every fenced Karpenter node, as K3s did in the field report: uncordons it
+/// and, with `strip_taint`, strips the tool's taint too, every `every`.
+async fn fence_lifter(
+    client: Client,
+    stop: Arc<AtomicBool>,
+    reverts: Arc<AtomicU64>,
+    strip_taint: bool,
+    every: Duration,
+) {
     let nodes: Api<Node> = Api::all(client.clone());
     let pp = PatchParams { field_manager: Some("k3s-reverter".into()), ..PatchParams::default() };
     while !stop.load(Ordering::Relaxed) {
         if let Ok(list) = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await {
             for n in list.items {
-                let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+                let spec = n.spec.clone().unwrap_or_default();
+                let cordoned = spec.unschedulable.unwrap_or(false);
+                let taints = spec.taints.unwrap_or_default();
+                let tainted = taints.iter().any(|t| t.key == k8s::nodes::TAINT_DRAINING);
+                let fenced = cordoned || (strip_taint && tainted);
+                if !fenced {
+                    continue;
+                }
+                let mut patch = json!({"spec": {"unschedulable": false}});
+                if strip_taint {
+                    let kept: Vec<&Taint> = taints.iter().filter(|t| t.key != k8s::nodes::TAINT_DRAINING).collect();
+                    patch["spec"]["taints"] = json!(kept);
+                }
                 let name = n.metadata.name.unwrap_or_default();
-                if cordoned
-                    && nodes.patch(&name, &pp, &Patch::Merge(json!({"spec": {"unschedulable": false}}))).await.is_ok()
-                {
+                if nodes.patch(&name, &pp, &Patch::Merge(patch)).await.is_ok() {
                     reverts.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(every).await;
     }
+}
+
+/// Uncordons every cordoned Karpenter node every 200 ms, as K3s did in the field report.
+async fn cordon_reverter(client: Client, stop: Arc<AtomicBool>, reverts: Arc<AtomicU64>) {
+    fence_lifter(client, stop, reverts, false, Duration::from_millis(200)).await;
 }
 
 /// A pod without an owner on `node` that takes `grace` (scaled by the server's time scale) to
@@ -210,10 +232,11 @@ async fn slow_pod(client: &Client, node: &str, name: &str, grace_seconds: i64) {
     pods.create(&PostParams::default(), &pod).await.unwrap();
 }
 
-/// The fence is put back and the lift reported. Who lifted it cannot be named: an uncordon
-/// (`unschedulable: false`) removes the field, and kube-apiserver records no owner of a field
-/// that is not there, so `managedFields` keeps no trace of the reverter (the differential suite,
-/// tests/realstack/differential.rs, shows it on the real server, and the emulator does the same).
+/// The fence is put back and the lift reported; the machines go once it holds. Who lifted it
+/// cannot be named: an uncordon (`unschedulable: false`) removes the field, and kube-apiserver
+/// records no owner of a field that is not there, so `managedFields` keeps no trace of the
+/// reverter (the differential suite, tests/realstack/differential.rs, shows it on the real
+/// server, and the emulator does the same); the report says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lifted_cordon_is_put_back_and_reported() {
     let s = two_pool_world("fr-reverter", 2);
@@ -225,18 +248,87 @@ async fn a_lifted_cordon_is_put_back_and_reported() {
     let stop = Arc::new(AtomicBool::new(false));
     let reverts = Arc::new(AtomicU64::new(0));
     let reverter = tokio::spawn(cordon_reverter(b.client.clone(), stop.clone(), reverts.clone()));
+    // the reverter gives up after a while (its own loop, an operator who notices): from then on
+    // the fences hold, and the machines go
+    let stopper = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(12)).await;
+            stop.store(true, Ordering::Relaxed);
+        })
+    };
 
     let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     stop.store(true, Ordering::Relaxed);
     reverter.await.unwrap();
+    stopper.abort();
     assert_eq!(run.code, 0, "{}", run.dump());
     assert!(reverts.load(Ordering::Relaxed) > 0, "the reverter never reverted: the test proves nothing");
-    let lifted =
-        run.report["blockers"].as_array().into_iter().flatten().any(|b| {
+    let lifts: Vec<&Value> = run.report["blockers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|b| {
             b["kind"] == "field-manager" && b["reason"].as_str().is_some_and(|r| r.contains("lifted the fence"))
-        });
-    assert!(lifted, "the report does not say the fence was lifted:\n{}", run.dump());
+        })
+        .collect();
+    assert!(!lifts.is_empty(), "the report does not say the fence was lifted:\n{}", run.dump());
+    for l in &lifts {
+        assert_eq!(l["name"], k8s::nodes::LIFTER_NOT_RECORDED, "{l}");
+        assert!(l["reason"].as_str().is_some_and(|r| r.contains("records no field manager")), "{l}");
+    }
+    assert_eq!(run.report["pods_lost"].as_u64().unwrap_or(0), 0, "{}", run.dump());
     assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+/// An actor that lifts the cordon and strips the tool's taint every second never lets a fence
+/// hold: no machine is released under it, so no pod can go down with one; at the drain deadline
+/// the run ends blocked, naming the nodes and that their fence keeps being lifted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_that_keeps_being_lifted_holds_its_machine_back_until_the_deadline() {
+    let s = two_pool_world("fr-lifter", 2);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let reverts = Arc::new(AtomicU64::new(0));
+    let lifter =
+        tokio::spawn(fence_lifter(b.client.clone(), stop.clone(), reverts.clone(), true, Duration::from_secs(1)));
+
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--drain-deadline", "15s"]).await;
+    stop.store(true, Ordering::Relaxed);
+    lifter.await.unwrap();
+    assert!(reverts.load(Ordering::Relaxed) > 0, "the lifter never lifted a fence: the test proves nothing");
+    assert_eq!(run.code, 5, "{}", run.dump());
+    assert_eq!(run.report["pods_lost"].as_u64().unwrap_or(0), 0, "{}", run.dump());
+    let blockers = run.report["blockers"].to_string();
+    assert!(!blockers.contains("unknown"), "a lift the server kept no record of is said so: {blockers}");
+    // each Karpenter node is either still fenced off by the run or named as lifted; those whose
+    // fence never held are not released, and their instances still run
+    let nodes: Api<Node> = Api::all(b.client.clone());
+    let mut held_back = 0;
+    for n in &world.nodes {
+        if nodes.get_opt(&n.node).await.unwrap().is_none() {
+            continue;
+        }
+        held_back += 1;
+        assert_eq!(states(&b.aws, std::slice::from_ref(&n.instance_id)).await[&n.instance_id], InstanceState::Running);
+    }
+    assert_eq!(held_back, world.nodes.len(), "every node's fence was lifted, so none was released:\n{}", run.dump());
+    // each held-back machine's task says why; the lifts are in the blockers, the lifter unnamed
+    let held: Vec<String> = run.report["steps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| t["result"] == "blocked")
+        .filter_map(|t| t["detail"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(held.len(), world.nodes.len(), "{held:?}\n{}", run.dump());
+    for (n, why) in world.nodes.iter().zip(&held) {
+        assert!(why.contains("keeps being lifted"), "the task says why the node was held back: {why}");
+        assert!(held.iter().any(|h| h.contains(&n.node)), "node {} is not named: {held:?}", n.node);
+    }
+    assert!(blockers.contains("records no field manager for a removed field"), "{blockers}");
     b.server.shutdown().await;
 }
 

@@ -60,7 +60,20 @@ async fn run_until(
     mut det: Detector,
     signals: &[(&str, Duration)],
 ) -> (Option<i32>, Vec<String>) {
-    let inv = Invocation { args: vec!["--yes", "--log-level", LOG_LEVEL], ..Invocation::default() };
+    // Verification's settle counts from the controller's end, which the releases' own settle
+    // (their fences held for a while) has mostly used up by the time it starts: a longer one
+    // keeps the verify task in flight long enough to be interrupted in the middle.
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("slow-verify.toml");
+    let default = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/plans/default.toml")).unwrap();
+    assert_eq!(default.matches("settle = \"5s\"").count(), 1, "the default plan's verify settle moved");
+    std::fs::write(&plan, default.replace("settle = \"5s\"", "settle = \"20s\"")).unwrap();
+    let plan = plan.to_string_lossy().into_owned();
+    let mut args = vec!["--yes", "--log-level", LOG_LEVEL];
+    if matches!(det.point, KillPoint::MidVerify) {
+        args.extend(["--plan", plan.as_str()]);
+    }
+    let inv = Invocation { args, ..Invocation::default() };
     let mut cmd = command(b, "run", cluster, &inv);
     cmd.stderr(Stdio::piped()).stdout(Stdio::null());
     let mut child = cmd.spawn().unwrap();

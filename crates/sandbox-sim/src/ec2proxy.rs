@@ -114,6 +114,8 @@ struct Shared {
     hidden: Mutex<std::collections::HashMap<String, std::time::Instant>>,
     /// Instances a `TerminateInstances` named while `DescribeInstances` did not show them.
     terminated_unseen: Mutex<Vec<String>>,
+    /// How long requests of an action wait before they are answered ([`ProxyControl::delay_action`]).
+    delays: Mutex<std::collections::HashMap<String, std::time::Duration>>,
 }
 
 impl Shared {
@@ -150,6 +152,13 @@ impl ProxyControl {
     pub fn hide_instances(&self, ids: &[String], how_long: std::time::Duration) {
         let until = std::time::Instant::now() + how_long;
         lock(&self.shared.hidden).extend(ids.iter().map(|id| (id.clone(), until)));
+    }
+
+    /// Holds every request of `action` (`DescribeInstances`, ...) for `how_long` before it is
+    /// answered, from now on (zero: no longer): a slow or far EC2, or a caller's turn at EC2's
+    /// pace, stretched so that a test can act in between.
+    pub fn delay_action(&self, action: &str, how_long: std::time::Duration) {
+        lock(&self.shared.delays).insert(action.to_string(), how_long);
     }
 
     /// The instances a `TerminateInstances` named while they were hidden from `DescribeInstances`
@@ -194,6 +203,7 @@ impl Ec2Proxy {
             terminations: Mutex::default(),
             unauthorized: Mutex::default(),
             hidden: Mutex::default(),
+            delays: Mutex::default(),
             terminated_unseen: Mutex::default(),
         });
         let app = Router::new().fallback(handle).with_state(shared.clone());
@@ -393,6 +403,10 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     }
     if let Some(refusal) = shared.authorize(&parts.headers, &action, &params).await {
         return refusal;
+    }
+    let delay = lock(&shared.delays).get(&action).copied().unwrap_or_default();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
     }
     if is_ec2 {
         if let Some(r) = shared.limits.check(&text, std::time::Instant::now()) {
@@ -597,6 +611,7 @@ mod tests {
             terminations: Mutex::default(),
             unauthorized: Mutex::default(),
             hidden: Mutex::default(),
+            delays: Mutex::default(),
             terminated_unseen: Mutex::default(),
         };
         let (mut t, mut i) = (0, 0);
