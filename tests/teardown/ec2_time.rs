@@ -35,8 +35,7 @@ async fn the_default_plan_ends_clean_when_instances_stay_shutting_down_for_a_min
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let before = untouchable_nodes(&b.client, &world).await;
     let n = &world.nodes[0];
-    let tags =
-        naming::instance_tags(&world.cluster, &n.pool, &n.class, &format!("{}-orphan", n.pool), "never-registered");
+    let tags = naming::launch_tags(&world.cluster, &n.pool, &n.class);
     let orphan = b.cloud.launch_tagged(naming::IMAGE_ID, naming::INSTANCE_TYPE, Some(&n.zone), 1, &tags).await.unwrap();
     let orphan = orphan[0].id.clone();
     let proxy = Ec2Proxy::start(common::LOCALSTACK, ProxyFaults::default()).await.unwrap();

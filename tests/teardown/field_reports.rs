@@ -439,8 +439,7 @@ async fn strict_pdb() {
 
 async fn launch_orphan(b: &Bed, world: &World) -> String {
     let n = &world.nodes[0];
-    let tags: BTreeMap<String, String> =
-        naming::instance_tags(&world.cluster, &n.pool, &n.class, &format!("{}-orphan", n.pool), "never-registered");
+    let tags: BTreeMap<String, String> = naming::launch_tags(&world.cluster, &n.pool, &n.class);
     let got = b.cloud.launch_tagged(naming::IMAGE_ID, naming::INSTANCE_TYPE, Some(&n.zone), 1, &tags).await.unwrap();
     got[0].id.clone()
 }

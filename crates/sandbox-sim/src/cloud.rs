@@ -188,6 +188,21 @@ impl Cloud {
         Ok(out.instances().iter().map(SimInstance::from_sdk).collect())
     }
 
+    /// Adds `tags` to an instance (`CreateTags`), as Karpenter's tagging controller does once the
+    /// instance is registered.
+    pub async fn tag_instance(&self, id: &str, tags: &BTreeMap<String, String>) -> Result<(), CloudError> {
+        let tags: Vec<aws_sdk_ec2::types::Tag> =
+            tags.iter().map(|(k, v)| aws_sdk_ec2::types::Tag::builder().key(k).value(v).build()).collect();
+        self.ec2
+            .create_tags()
+            .resources(id)
+            .set_tags(Some(tags))
+            .send()
+            .await
+            .map_err(|e| CloudError::from_sdk("CreateTags", e))?;
+        Ok(())
+    }
+
     /// Creates a tagged launch template; its id.
     pub async fn create_launch_template(
         &self,

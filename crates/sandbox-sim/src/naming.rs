@@ -103,13 +103,30 @@ pub fn instance_profile(version: KarpenterVersion, region: &str, cluster: &str, 
     (name, path)
 }
 
-/// Exactly the tags design §3 lists for a registered Karpenter instance.
+/// Exactly the tags design §3 lists for a registered Karpenter instance: those of its launch and
+/// those Karpenter's tagging controller adds once it is registered.
 pub fn instance_tags(cluster: &str, pool: &str, class: &str, nodeclaim: &str, node: &str) -> BTreeMap<String, String> {
+    let mut tags = launch_tags(cluster, pool, class);
+    tags.extend(registration_tags(nodeclaim, node));
+    tags
+}
+
+/// The tags an instance is launched with (`GetTags` in karpenter-provider-aws's `pkg/utils`, with
+/// no tags of the class's own): they do not name the NodeClaim or the node, which are not known
+/// yet, or not to EC2.
+pub fn launch_tags(cluster: &str, pool: &str, class: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (karpenter::cluster_tag_key(cluster), "owned".to_string()),
         (karpenter::TAG_EKS_CLUSTER.to_string(), cluster.to_string()),
         (karpenter::TAG_NODEPOOL.to_string(), pool.to_string()),
         (karpenter::TAG_NODECLASS.to_string(), class.to_string()),
+    ])
+}
+
+/// The tags Karpenter's tagging controller (`pkg/controllers/nodeclaim/tagging`) adds once the
+/// NodeClaim names its node: the node's name and the NodeClaim's.
+pub fn registration_tags(nodeclaim: &str, node: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
         (karpenter::TAG_NODECLAIM.to_string(), nodeclaim.to_string()),
         ("Name".to_string(), node.to_string()),
     ])
@@ -138,6 +155,17 @@ pub fn provider_id(zone: &str, instance_id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_launch_names_neither_its_claim_nor_its_node_and_registration_adds_both() {
+        let launch = launch_tags("prod", "web", "default");
+        assert_eq!(launch.len(), 4, "{launch:?}");
+        assert!(!launch.contains_key(karpenter::TAG_NODECLAIM) && !launch.contains_key("Name"), "{launch:?}");
+        let all = instance_tags("prod", "web", "default", "web-abcde", "ip-10-0-0-1");
+        assert_eq!(all.len(), 6, "{all:?}");
+        assert_eq!(all[karpenter::TAG_NODECLAIM], "web-abcde");
+        assert_eq!(all["Name"], "ip-10-0-0-1");
+    }
 
     #[test]
     fn hashes_are_stable_and_separate_parts() {

@@ -611,8 +611,9 @@ async fn launch_in_zone(
 }
 
 /// Launches one Karpenter node in Karpenter's order: the NodeClaim with its finalizer first (an
-/// instance never exists unguarded), then the instance with the §3 tags, then the Node (owned
-/// by the NodeClaim, with the termination finalizer), then the statuses.
+/// instance never exists unguarded), then the instance with its launch tags, then the Node
+/// (owned by the NodeClaim, with the termination finalizer), then the statuses, and last the
+/// tags naming the node and the claim, as Karpenter's tagging controller adds them.
 pub(crate) async fn launch_karpenter_node(
     client: &Client,
     aws: &Cloud,
@@ -629,7 +630,9 @@ pub(crate) async fn launch_karpenter_node(
         .map_err(SimError::kube(format!("creating NodeClaim {claim_name}")))?;
     let claim_uid =
         claim.uid().ok_or_else(|| SimError::Malformed { what: format!("NodeClaim {claim_name}"), field: "uid" })?;
-    let tags = naming::instance_tags(l.cluster, pool, l.pool.class, &claim_name, l.node_name);
+    // the launch's tags name neither the NodeClaim nor the node: the tagging controller adds
+    // those once the claim names its node, below
+    let tags = naming::launch_tags(l.cluster, pool, l.pool.class);
     let launched = launch_in_zone(aws, INSTANCE_TYPE, l.zone, 1, &tags)
         .await
         .map_err(SimError::aws(format!("launching the instance of NodeClaim {claim_name}")))?;
@@ -654,6 +657,9 @@ pub(crate) async fn launch_karpenter_node(
     ops::patch_status(&claims, &claim_name, objects::nodeclaim_status(&provider_id, Some(l.node_name), l.pods))
         .await
         .map_err(SimError::kube(format!("writing NodeClaim {claim_name} status")))?;
+    aws.tag_instance(&instance.id, &naming::registration_tags(&claim_name, l.node_name))
+        .await
+        .map_err(SimError::aws(format!("tagging the instance of NodeClaim {claim_name}")))?;
     Ok(GeneratedNode {
         node: l.node_name.to_string(),
         nodeclaim: claim_name,
