@@ -207,6 +207,7 @@ pub(crate) async fn rehearse(
                     run_seconds,
                     deadline_passed,
                     order: predict::StepOrder::of(&settings.plan),
+                    fence_settle: crate::engine::drain::FENCE_SETTLE,
                 },
             );
             Ok(Prediction {

@@ -72,6 +72,9 @@ pub(crate) struct TimingInputs {
     pub deadline_passed: BTreeSet<String>,
     /// The plan's order: each step's id and what it runs after.
     pub order: BTreeMap<String, StepOrder>,
+    /// How long a node's fence must hold before its machine is released (the engine's
+    /// `FENCE_SETTLE`), on both clocks alike.
+    pub fence_settle: Duration,
 }
 
 /// Where one step sits in the plan: the steps it runs after, and what it is expanded over.
@@ -249,6 +252,10 @@ fn delay_of_the_end(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs
     // when the rehearsal saw the controller gone (its removal's end) and how much later that
     // moment comes on the real clock
     let mut controller_gone: Option<(f64, f64)> = None;
+    // when the rehearsal saw every node fenced (the cordon's end) and how much later on the
+    // real clock: a machine's release waits until its fence has held for the settle time
+    let mut fenced: Option<(f64, f64)> = None;
+    let fence_settle = inputs.fence_settle.as_secs_f64();
     for &i in &by_end {
         let r = &records[i];
         let kind = inputs.order.get(&r.step).and_then(|o| o.for_each);
@@ -274,7 +281,19 @@ fn delay_of_the_end(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs
             let measured_pause = (gone.0 + settle - secs(start)).clamp(0.0, secs(end) - secs(start));
             own -= measured_pause.min((start_delay - gone.1).max(0.0));
         }
+        if r.action == "discharge-finalizers"
+            && let (Some(fence), Some((start, end))) = (fenced, times[i])
+        {
+            // Likewise the release's wait for its node's fence to have held a while: it ends
+            // the settle time after the cordon, which the real run's longer drain has mostly
+            // outlasted.
+            let measured_pause = (fence.0 + fence_settle - secs(start)).clamp(0.0, secs(end) - secs(start));
+            own -= measured_pause.min((start_delay - fence.1).max(0.0));
+        }
         let end_delay = start_delay + own;
+        if r.action == "cordon" {
+            fenced = Some((times[i].map_or(0.0, |(_, e)| secs(e)), end_delay));
+        }
         if r.action == "remove-controller" {
             controller_gone = Some((times[i].map_or(0.0, |(_, e)| secs(e)), end_delay));
         }
@@ -430,6 +449,8 @@ mod tests {
             run_seconds,
             deadline_passed: deadline_passed.iter().map(|m| m.to_string()).collect(),
             order: StepOrder::of(&Plan::builtin_default()),
+            // the tests below that are not about the release's settle leave it out
+            fence_settle: Duration::ZERO,
         }
     }
 
@@ -526,6 +547,24 @@ mod tests {
         let t = timing(&Waits::of(&s), &records, &inputs(6.5, &[]));
         // the run ends as the drain's 57 s restored push everything after it, less the 4.6 s pause
         assert!((t.predicted_seconds - (6.5 + 0.95 * 60.0 - 4.6)).abs() < 1e-9, "{t:?}");
+    }
+
+    /// In the copy the drain is over long before the fences have held for the settle time, so
+    /// each release waits; on the real clock it starts after node a's 60 s, and waits no more.
+    #[test]
+    fn a_release_does_not_wait_again_for_a_fence_settle_the_drain_outlasted() {
+        let s = snap(vec![pod("a", 60, false)]);
+        let records = [
+            record("cordon", None, 0.0, 0.5, TaskResult::Done),
+            record("remove-controller", None, 0.0, 1.0, TaskResult::Done),
+            record("drain", Some("node/a"), 0.5, 3.5, TaskResult::Done),
+            // it waited until the fence had held 5 s (at 5.5 s), then worked for 0.3 s
+            record("discharge-finalizers", Some("node/a"), 3.5, 5.8, TaskResult::Done),
+        ];
+        let with_settle = TimingInputs { fence_settle: Duration::from_secs(5), ..inputs(6.0, &[]) };
+        let t = timing(&Waits::of(&s), &records, &with_settle);
+        // node a's 57 s restored, less the 2 s pause the real run does not make
+        assert!((t.predicted_seconds - (6.0 + 0.95 * 60.0 - 2.0)).abs() < 1e-9, "{t:?}");
     }
 
     #[test]
