@@ -92,6 +92,9 @@ pub struct Observations {
     pub instances: Option<Vec<InstanceInfo>>,
     /// The account of the AWS credentials; `None` when no `--account` asked for it.
     pub account: Option<String>,
+    /// EKS Auto Mode's objects in the cluster (`Node/name`, `NodePool/name`, ...), which the
+    /// inventory set aside: only a cluster with Auto Mode enabled has them.
+    pub auto_mode_objects: Vec<String>,
 }
 
 impl Observations {
@@ -109,6 +112,12 @@ impl Observations {
             provider_ids: inv.machines.values().filter_map(|m| m.provider_id.clone()).collect(),
             instances: None,
             account: None,
+            auto_mode_objects: inv
+                .not_ours
+                .iter()
+                .filter(|f| f.why == crate::karpenter::NotOurs::EksAutoMode)
+                .map(|f| format!("{}/{}", f.kind, f.name))
+                .collect(),
         }
     }
 
@@ -154,6 +163,9 @@ pub fn verdict(obs: &Observations, target: &Target<'_>) -> Evidence {
     let mut ev = Evidence::default();
     if let Some(eks) = &obs.eks {
         eks_evidence(eks, &obs.reached, target, &mut ev);
+        if let EksLookup::Found(c) = eks {
+            auto_mode_evidence(c.auto_mode, &obs.auto_mode_objects, target.cluster, &mut ev);
+        }
     }
     cluster_evidence(obs, target, &mut ev);
     if let Some(found) = &obs.instances {
@@ -220,10 +232,38 @@ fn eks_evidence(eks: &EksLookup, reached: &Reached, target: &Target<'_>, ev: &mu
         "EKS cluster {cluster} is {}",
         if c.status.is_empty() { "of unknown status" } else { &c.status }
     ));
-    if c.auto_mode {
-        ev.facts.push(format!(
+}
+
+/// What EKS says of Auto Mode against what the inventory set aside as Auto Mode's. Only a
+/// cluster with Auto Mode enabled runs Auto Mode's nodes and pools, so finding them where EKS
+/// says it is off means the cluster reached is not `--cluster` (or Auto Mode was turned off and
+/// its machines are not gone yet): either way, what the tool would act on is not what EKS
+/// describes, and it refuses.
+fn auto_mode_evidence(enabled: bool, objects: &[String], cluster: &str, ev: &mut Evidence) {
+    let named = || {
+        let mut shown: Vec<&str> = objects.iter().take(3).map(String::as_str).collect();
+        if objects.len() > shown.len() {
+            shown.push("...");
+        }
+        shown.join(", ")
+    };
+    match (enabled, objects.is_empty()) {
+        (false, false) => ev.contradictions.push(format!(
+            "the cluster reached holds {} object(s) of EKS Auto Mode ({}), but EKS cluster {cluster} has Auto Mode off \
+             (computeConfig.enabled): it is another cluster, or Auto Mode was turned off and its machines are not \
+             gone yet (run again once they are)",
+            objects.len(),
+            named()
+        )),
+        (true, false) => ev.facts.push(format!(
+            "EKS Auto Mode is enabled on {cluster}: its {} object(s) ({}) are EKS's and are left alone",
+            objects.len(),
+            named()
+        )),
+        (true, true) => ev.facts.push(format!(
             "EKS Auto Mode is enabled on {cluster}: its NodePools, NodeClaims and nodes are EKS's and are left alone"
-        ));
+        )),
+        (false, true) => {}
     }
 }
 
@@ -451,6 +491,37 @@ mod tests {
 
     fn reaching(server: &str, ca: &[u8], tls_verified: bool) -> Reached {
         Reached { server: server.into(), ca_certs: vec![ca.to_vec()], tls_verified }
+    }
+
+    #[test]
+    fn auto_mode_objects_where_eks_says_auto_mode_is_off_refuse_the_run() {
+        let with = |auto_mode: bool, objects: &[&str]| {
+            let mut eks = eks_cluster(SERVER, b"ca-prod");
+            if let EksLookup::Found(c) = &mut eks {
+                c.auto_mode = auto_mode;
+            }
+            let obs = Observations {
+                reached: reaching(SERVER, b"ca-prod", true),
+                eks: Some(eks),
+                auto_mode_objects: objects.iter().map(|o| o.to_string()).collect(),
+                ..Observations::default()
+            };
+            verdict(&obs, &PROD)
+        };
+        let off = with(false, &["NodePool/general-purpose", "Node/i-1", "Node/i-2", "Node/i-3"]);
+        assert_eq!(off.contradictions.len(), 1, "{off:?}");
+        assert!(
+            off.contradictions[0].starts_with(
+                "the cluster reached holds 4 object(s) of EKS Auto Mode (NodePool/general-purpose, Node/i-1, Node/i-2, ...), but EKS cluster prod has Auto Mode off"
+            ),
+            "{off:?}"
+        );
+        let on = with(true, &["NodePool/general-purpose"]);
+        assert!(on.contradictions.is_empty(), "{on:?}");
+        assert!(on.facts.iter().any(|f| f.contains("its 1 object(s) (NodePool/general-purpose) are EKS's")), "{on:?}");
+        let none = with(false, &[]);
+        assert!(none.contradictions.is_empty(), "{none:?}");
+        assert!(!none.facts.iter().any(|f| f.contains("Auto Mode")), "{none:?}");
     }
 
     #[test]

@@ -125,18 +125,26 @@ pub(crate) async fn load(snap: &mut Snapshot, opts: &LoadOptions) -> Result<Copy
             return Err(e);
         }
     };
-    // EKS of the copy's account knows the copy as the cluster, as EKS knows the live one: the
-    // identity the rehearsed run proves is the copy's own
-    let eks = sandbox_sim::cloud::EksSpec { endpoint: server.url(), ..Default::default() };
-    if let Err(e) = cloud.register_eks_cluster(&snap.cluster, &eks).await {
-        server.shutdown().await;
-        return Err(RehearseError::LocalStack { endpoint: opts.localstack.clone(), detail: e.to_string() });
-    }
     // the copy starts as the live cluster is: its objects long there, no history of their making
     server.store().forget_history();
     server.start_control_plane();
     let client = kube::Client::try_from(server.kube_config())
         .map_err(|e| RehearseError::Load { what: "a client for the copy".into(), detail: e.to_string() })?;
+    // EKS of the copy's account knows the copy as the cluster, as EKS knows the live one: the
+    // identity the rehearsed run proves is the copy's own, and Auto Mode is on where the copy
+    // holds Auto Mode's compute (the live cluster's EKS said so, or the live run is refused)
+    let auto_mode = match crate::engine::inventory::Inventory::read_objects(&client).await {
+        Ok(inv) => inv.not_ours.iter().any(|f| f.why == crate::karpenter::NotOurs::EksAutoMode),
+        Err(e) => {
+            server.shutdown().await;
+            return Err(RehearseError::Load { what: "the copy's Karpenter objects".into(), detail: e.to_string() });
+        }
+    };
+    let eks = sandbox_sim::cloud::EksSpec { endpoint: server.url(), auto_mode, ..Default::default() };
+    if let Err(e) = cloud.register_eks_cluster(&snap.cluster, &eks).await {
+        server.shutdown().await;
+        return Err(RehearseError::LocalStack { endpoint: opts.localstack.clone(), detail: e.to_string() });
+    }
     let (namespace, deployment) = snap
         .karpenter
         .controller

@@ -50,9 +50,14 @@ pub async fn cloud(region: &str) -> sandbox_sim::cloud::Cloud {
 /// have: the positive evidence the tool proves a kubeconfig with before any write.
 pub async fn register_eks(cluster: &str, region: &str, endpoint: &str, ca_pem: Option<String>) {
     let spec = sandbox_sim::cloud::EksSpec { endpoint: endpoint.to_string(), ca_pem, auto_mode: false };
+    register_eks_as(cluster, region, &spec).await;
+}
+
+/// [`register_eks`] with every field of EKS's answer given (Auto Mode's flag among them).
+pub async fn register_eks_as(cluster: &str, region: &str, spec: &sandbox_sim::cloud::EksSpec) {
     cloud(region)
         .await
-        .register_eks_cluster(cluster, &spec)
+        .register_eks_cluster(cluster, spec)
         .await
         .unwrap_or_else(|e| panic!("registering EKS cluster {cluster}: {e}"));
 }

@@ -14,7 +14,8 @@ use sandbox_sim::world::AUTO_MODE_APP;
 use sandbox_sim::{World, generate};
 use serde_json::{Value, json};
 
-use crate::common::e2e::{Bed, Consent, bed, live_karpenter, small_world, states, teardown};
+use crate::common;
+use crate::common::e2e::{Bed, Consent, REGION, bed, live_karpenter, small_world, states, teardown};
 
 /// Everything of Auto Mode's that a teardown could touch, as it is now.
 async fn auto_mode_state(b: &Bed, world: &World) -> Value {
@@ -76,8 +77,21 @@ async fn eks_auto_mode_compute_is_left_alone_while_karpenters_is_torn_down() {
     assert_eq!(before["pods"].as_array().map(Vec::len), Some(2), "{before:#}");
     let auto_instances: Vec<String> = world.auto_mode_nodes.iter().map(|n| n.instance_id.clone()).collect();
 
+    // Auto Mode's compute where EKS says Auto Mode is off: not the cluster EKS describes
+    let refused = teardown(&b, &world.cluster, Consent::DryRun, &[]).await;
+    assert_eq!(refused.code, 3, "{}", refused.dump());
+    assert!(
+        refused.stderr.contains("object(s) of EKS Auto Mode") && refused.stderr.contains("has Auto Mode off"),
+        "{}",
+        refused.dump()
+    );
+    assert_eq!(auto_mode_state(&b, &world).await, before, "a refused run changed Auto Mode's compute");
+    let eks = sandbox_sim::cloud::EksSpec { endpoint: b.server.url(), auto_mode: true, ..Default::default() };
+    common::register_eks_as(&world.cluster, REGION, &eks).await;
+
     let dry = teardown(&b, &world.cluster, Consent::DryRun, &[]).await;
     assert_eq!(dry.code, 0, "{}", dry.dump());
+    assert!(dry.stdout.contains("EKS Auto Mode is enabled on"), "the plan says what EKS said:\n{}", dry.stdout);
     assert!(
         dry.stdout.contains("Left alone (not this cluster's self-managed Karpenter's)")
             && dry.stdout.contains("NodePool/general-purpose (EKS Auto Mode's)"),
