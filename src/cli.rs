@@ -78,6 +78,10 @@ pub enum Command {
     /// that make Terraform forget them. Changes nothing.
     #[command(name = "tf-prune", after_long_help = TF_PRUNE_HELP)]
     TfPrune(TfPruneArgs),
+    /// Draw a run's report (`run --report FILE`): `report timeline FILE` prints a Mermaid Gantt
+    /// chart of its steps, the slowest machines and what did not end done.
+    #[command(subcommand)]
+    Report(ReportCommand),
     /// Print a shell completion script (e.g. `karpenter-teardown completions bash > /etc/bash_completion.d/karpenter-teardown`).
     Completions(CompletionsArgs),
 }
@@ -151,6 +155,22 @@ pub struct RehearseArgs {
     /// The LocalStack that holds the copy's AWS side (a private account of its own).
     #[arg(long, env = "KARPENTER_TEARDOWN_LOCALSTACK", default_value = "http://localhost:4566", value_name = "URL")]
     pub localstack: String,
+}
+
+/// `report ...`.
+#[derive(Debug, Subcommand)]
+pub enum ReportCommand {
+    /// Print the report as a Mermaid Gantt chart (paste it into a Markdown file, a pull request
+    /// or a CI job summary, which render Mermaid).
+    Timeline(ReportTimelineArgs),
+}
+
+/// `report timeline`.
+#[derive(Debug, Args)]
+pub struct ReportTimelineArgs {
+    /// The report file `run --report` wrote.
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
 }
 
 /// `tf-prune`.
@@ -235,6 +255,11 @@ pub struct RunArgs {
     /// Actually do it. Without --yes the tool shows the concrete plan and changes nothing.
     #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
     pub yes: bool,
+
+    /// Without a terminal (a CI log), how often to log what the run is waiting for: tasks
+    /// running, pods left on how many nodes, the budgets holding them, time to the deadline.
+    #[arg(long, env = "KARPENTER_TEARDOWN_PROGRESS_EVERY", value_name = "DURATION", default_value = "30s")]
+    pub progress_every: String,
 }
 
 /// What a teardown does and against which cluster: shared by `run` and `rehearse` (which plays

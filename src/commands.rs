@@ -84,6 +84,7 @@ pub async fn execute(cli: Cli) -> Exit {
     match cli.command {
         Command::TfPrune(args) => tf_prune_command(&args).await,
         Command::Completions(args) => completions_command(&args),
+        Command::Report(crate::cli::ReportCommand::Timeline(args)) => report_timeline_command(&args),
         Command::Verify(args) => verify_command(&args).await,
         Command::Run(args) => run_command(&args).await,
         Command::Plan(args) => plan_command(&args),
@@ -255,6 +256,34 @@ fn completions_command(args: &CompletionsArgs) -> Exit {
     Exit::Clean
 }
 
+/// `report timeline`: the chart on stdout; a file that cannot be read or is not a report is
+/// bad input.
+fn report_timeline_command(args: &crate::cli::ReportTimelineArgs) -> Exit {
+    let path = args.file.display();
+    let text = match std::fs::read_to_string(&args.file) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read the report {path}: {e}");
+            return Exit::BadInput;
+        }
+    };
+    let chart = serde_json::from_str::<serde_json::Value>(&text)
+        .map_err(|e| {
+            format!("{path} is not JSON ({e}): is this a report written by `karpenter-teardown run --report`?")
+        })
+        .and_then(|v| crate::report::timeline::timeline(&v).map_err(|e| format!("{path}: {e}")));
+    match chart {
+        Ok(c) => {
+            print!("{c}");
+            Exit::Clean
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Exit::BadInput
+        }
+    }
+}
+
 /// `tf-prune`: prints the advice on stdout; exit 0 whether or not there is something to prune.
 async fn tf_prune_command(args: &TfPruneArgs) -> Exit {
     match tf_prune(args).await {
@@ -364,14 +393,35 @@ fn watch_run_signals(token: CancellationToken, in_flight: Option<InFlight>) -> t
 /// The tasks running now, by label, from the engine's events.
 type InFlight = std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>;
 
-/// Reads the engine's events: the live view (on a terminal) and what is in flight.
+/// Reads the engine's events: the live view (on a terminal), or without one a line every
+/// `every` (`--progress-every`) saying what the run waits for (a CI log shows a long wait as it
+/// happens), and what is in flight.
 fn consume_events(
     mut rx: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
     in_flight: InFlight,
+    drain_deadline: std::time::Duration,
+    every: std::time::Duration,
 ) -> tokio::task::JoinHandle<()> {
     let view = crate::progress::active();
     tokio::spawn(async move {
-        while let Some(ev) = rx.recv().await {
+        let mut board = view.is_none().then(crate::progress::Board::default);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => match ev {
+                    Some(ev) => ev,
+                    None => break,
+                },
+                _ = tick.tick() => {
+                    if let Some(line) = board.as_ref().and_then(|b| b.waiting_summary(std::time::Instant::now(), drain_deadline)) {
+                        tracing::info!(waiting = %line, "still running");
+                    }
+                    continue;
+                }
+            };
+            if let Some(b) = board.as_mut() {
+                b.on_event(&ev, std::time::Instant::now());
+            }
             match &ev {
                 EngineEvent::TaskStarted(t) => {
                     in_flight.lock().unwrap_or_else(|p| p.into_inner()).insert(t.label());
@@ -422,7 +472,11 @@ async fn run_command(args: &RunArgs) -> Exit {
         let in_flight = InFlight::default();
         let signals = watch_run_signals(cancel.clone(), Some(in_flight.clone()));
         let (events, rx) = Events::channel();
-        let consumer = consume_events(rx, in_flight);
+        let drain_deadline = config
+            .drain_deadline
+            .or_else(|| plan.ordered_steps().find(|s| s.action == crate::plan::Action::Drain)?.params.deadline)
+            .unwrap_or(std::time::Duration::from_secs(600));
+        let consumer = consume_events(rx, in_flight, drain_deadline, config.progress_every);
         // the report counts every call, Kubernetes and AWS, however the run ends
         let calls = (kube.calls.clone(), aws.calls.clone());
         let mut result = engine::run(kube.clone(), aws.clone(), settings.clone(), cancel.clone(), events.clone()).await;

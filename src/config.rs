@@ -132,6 +132,8 @@ pub(crate) struct RunConfig {
     pub max_nodes: Option<u32>,
     /// What may be done about GitOps owners of the Karpenter objects.
     pub gitops: crate::gitops::GitopsConsent,
+    /// Without a terminal, how often the run logs what it waits for.
+    pub progress_every: Duration,
 }
 
 impl Target {
@@ -174,6 +176,16 @@ impl RunConfig {
             on_drain_deadline: t.on_drain_deadline,
             max_nodes: t.max_nodes,
             gitops: t.gitops,
+            progress_every: match parse_duration("progress-every", &a.progress_every)? {
+                d if d.is_zero() => {
+                    return Err(ConfigError::BadDuration {
+                        flag: "progress-every",
+                        value: a.progress_every.clone(),
+                        detail: "it must be longer than zero".into(),
+                    });
+                }
+                d => d,
+            },
         })
     }
 }

@@ -147,6 +147,17 @@ impl Board {
         parts.join(" · ")
     }
 
+    /// The tasks running now, with when each started.
+    fn running(&self) -> Vec<(&TaskKey, Instant, &TaskLine)> {
+        self.tasks
+            .iter()
+            .filter_map(|(k, l)| match l.state {
+                TaskState::Running(since) => Some((k, since, l)),
+                TaskState::Ended(_) => None,
+            })
+            .collect()
+    }
+
     /// Finished tasks.
     pub(crate) fn finished(&self) -> u64 {
         self.tasks.values().filter(|l| matches!(l.state, TaskState::Ended(_))).count() as u64
@@ -155,14 +166,7 @@ impl Board {
     /// One line per running task, longest-running first, at most [`MAX_TASK_LINES`], and how
     /// many more run.
     pub(crate) fn running_lines(&self, now: Instant) -> (Vec<(TaskKey, String)>, usize) {
-        let mut running: Vec<(&TaskKey, Instant, &TaskLine)> = self
-            .tasks
-            .iter()
-            .filter_map(|(k, l)| match l.state {
-                TaskState::Running(since) => Some((k, since, l)),
-                TaskState::Ended(_) => None,
-            })
-            .collect();
+        let mut running = self.running();
         running.sort_by_key(|(_, since, _)| *since);
         let more = running.len().saturating_sub(MAX_TASK_LINES);
         let lines = running
@@ -185,6 +189,48 @@ impl Board {
             })
             .collect();
         (lines, more)
+    }
+}
+
+impl Board {
+    /// One line for a log without a terminal, saying what the run is waiting for now: how many
+    /// tasks run, the drains' pods and nodes, the budgets they wait on, and how long until the
+    /// longest-running drain's deadline. `None` when nothing runs.
+    pub(crate) fn waiting_summary(&self, now: Instant, drain_deadline: Duration) -> Option<String> {
+        let running = self.running();
+        if running.is_empty() {
+            return None;
+        }
+        let mut by_step: BTreeMap<&str, usize> = BTreeMap::new();
+        for (k, _, _) in &running {
+            *by_step.entry(k.step.as_str()).or_default() += 1;
+        }
+        let steps: Vec<String> = by_step.iter().map(|(s, n)| format!("{s} {n}")).collect();
+        let mut out = format!("{} task(s) running ({})", running.len(), steps.join(", "));
+        let drains: Vec<&(&TaskKey, Instant, &TaskLine)> =
+            running.iter().filter(|(_, _, l)| l.action == Action::Drain).collect();
+        if !drains.is_empty() {
+            let pods: u64 = drains.iter().filter_map(|(_, _, l)| l.drain.as_ref().map(|d| d.0)).sum();
+            let nodes = drains.iter().filter(|(_, _, l)| l.drain.as_ref().is_some_and(|d| d.0 > 0)).count();
+            let _ = write!(out, "; {pods} pod(s) to move on {nodes} node(s)");
+            let budgets: std::collections::BTreeSet<&str> = drains
+                .iter()
+                .filter_map(|(_, _, l)| match l.drain.as_ref().map(|d| &d.1) {
+                    Some(Waiting::Budget(b)) => Some(b.as_str()),
+                    _ => None,
+                })
+                .collect();
+            if !budgets.is_empty() {
+                let shown: Vec<&str> = budgets.iter().take(5).copied().collect();
+                let more = if budgets.len() > shown.len() { ", ..." } else { "" };
+                let _ = write!(out, ", held by PodDisruptionBudget(s) {}{more}", shown.join(", "));
+            }
+            if let Some(oldest) = drains.iter().map(|(_, since, _)| *since).min() {
+                let left = drain_deadline.saturating_sub(now.saturating_duration_since(oldest));
+                let _ = write!(out, "; the first drain's deadline in {}s", left.as_secs());
+            }
+        }
+        Some(out)
     }
 }
 
@@ -424,6 +470,33 @@ mod tests {
         );
         assert_eq!(blockers, vec!["drain node-b: blocked: pod a/p blocked by PDB a/pdb".to_string()]);
         progress.clear();
+    }
+
+    #[test]
+    fn without_a_terminal_a_line_says_what_the_run_waits_for() {
+        let mut board = Board::default();
+        let t0 = Instant::now();
+        assert_eq!(board.waiting_summary(t0, Duration::from_secs(600)), None, "nothing runs yet");
+        let (a, b, r) = (
+            task("drain", Action::Drain, Some("node-a")),
+            task("drain", Action::Drain, Some("node-b")),
+            task("remove-controller", Action::RemoveController, None),
+        );
+        for ev in [
+            EngineEvent::TaskStarted(a.clone()),
+            EngineEvent::TaskStarted(b.clone()),
+            EngineEvent::TaskStarted(r),
+            EngineEvent::DrainProgress { task: a, pods_left: 3, waiting: Waiting::Budget("web/api".into()) },
+            EngineEvent::DrainProgress { task: b, pods_left: 2, waiting: Waiting::GracePeriods },
+        ] {
+            board.on_event(&ev, t0);
+        }
+        let line = board.waiting_summary(t0 + Duration::from_secs(90), Duration::from_secs(600)).unwrap();
+        assert_eq!(
+            line,
+            "3 task(s) running (drain 2, remove-controller 1); 5 pod(s) to move on 2 node(s), held by \
+             PodDisruptionBudget(s) web/api; the first drain's deadline in 510s"
+        );
     }
 
     #[test]

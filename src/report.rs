@@ -2,6 +2,8 @@
 //! The schema is versioned; `deploy/report.schema.json` (JSON Schema 2020-12) describes version 1
 //! field by field, and a test validates a real run's report against it.
 
+pub(crate) mod timeline;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::SystemTime;

@@ -260,8 +260,14 @@ async fn sandbox_demo(kubeconfig: &std::path::Path, world: &sandbox_sim::World, 
             return Exit::Failure;
         }
     };
-    if let Ok(text) = std::fs::read_to_string(&report) {
-        println!("sandbox: the report ({}):\n{text}", report.display());
+    // the run printed its summary above; the report itself is hundreds of lines of JSON, read
+    // from its file (or drawn as a timeline) rather than poured onto the terminal
+    if report.exists() {
+        println!(
+            "sandbox: the report is {}; as a timeline: karpenter-teardown report timeline {}",
+            report.display(),
+            report.display()
+        );
     }
     let mut ids = world.karpenter_instance_ids();
     let managed = world.managed_instance_ids();

@@ -397,9 +397,38 @@ async fn strict_pdb() {
     let strict = world.workloads.iter().find(|w| w.strict_pdb).unwrap();
     let pdb = format!("{}/{}", strict.namespace, strict.name);
 
-    let blocked = teardown(&b, &world.cluster, Consent::Yes, &["--drain-deadline", "2s"]).await;
+    // no terminal here: a line every second says what the run waits for, the budget by name
+    let args = ["--drain-deadline", "4s", "--progress-every", "1s"];
+    let blocked = teardown(&b, &world.cluster, Consent::Yes, &args).await;
     assert_eq!(blocked.code, 5, "{}", blocked.dump());
     assert_eq!(blocked.report["outcome"], "blocked");
+    // the report drawn as a timeline: the drain's blocked machines marked critical
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("report.json");
+    std::fs::write(&file, blocked.report.to_string()).unwrap();
+    let drawn = std::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .args(["report", "timeline"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let chart = String::from_utf8_lossy(&drawn.stdout);
+    assert_eq!(drawn.status.code(), Some(0), "{chart}{}", String::from_utf8_lossy(&drawn.stderr));
+    assert!(chart.starts_with("gantt\n") && chart.contains("    section drain\n"), "{chart}");
+    assert!(chart.lines().any(|l| l.contains(" blocked : crit, ")), "{chart}");
+    std::fs::write(&file, "{\"kind\": \"Pod\"}").unwrap();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .args(["report", "timeline"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2), "not a report is bad input");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("is this a report written by"));
+    let waiting: Vec<&str> = blocked.stderr.lines().filter(|l| l.contains("still running")).collect();
+    assert!(!waiting.is_empty(), "no line said what the run waited for:\n{}", blocked.stderr);
+    assert!(
+        waiting.iter().any(|l| l.contains("pod(s) to move on") && l.contains(&format!("PodDisruptionBudget(s) {pdb}"))),
+        "{waiting:#?}"
+    );
     assert!(
         blocked.report["blockers"].as_array().unwrap().iter().any(|b| b["kind"] == "pdb" && b["name"] == pdb),
         "the report does not name PDB {pdb}:\n{}",
