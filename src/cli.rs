@@ -155,6 +155,13 @@ pub struct RehearseArgs {
     /// The LocalStack that holds the copy's AWS side (a private account of its own).
     #[arg(long, env = "KARPENTER_TEARDOWN_LOCALSTACK", default_value = "http://localhost:4566", value_name = "URL")]
     pub localstack: String,
+
+    /// The kubeconfig and AWS credentials given are the ones the real run will use: a
+    /// permission of the plan they lack (asked as the run's preflight asks, read-only) is
+    /// predicted as the run's refusal (exit 2). Without it the rehearsal, usually run with the
+    /// read-only identity of deploy/rbac-rehearse.yaml, only reports what that identity lacks.
+    #[arg(long, env = "KARPENTER_TEARDOWN_PREDICT_PERMISSIONS", conflicts_with = "from_snapshot")]
+    pub predict_permissions: bool,
 }
 
 /// `report ...`.

@@ -15,7 +15,7 @@ use crate::config::{KubeTarget, Target, TeardownConfig};
 use crate::engine::context::DrainOverrides;
 use crate::exit::Exit;
 use crate::k8s::Kube;
-use crate::rehearse::{Prediction, Rehearsal, RehearsalSettings, RehearseError};
+use crate::rehearse::{PermissionsSeen, Prediction, Rehearsal, RehearsalSettings, RehearseError};
 use crate::report::Report;
 use crate::snapshot::{Snapshot, SnapshotError};
 
@@ -32,7 +32,7 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
         Ok(p) => p,
         Err(e) => return fail(&e.into()),
     };
-    let snap = match snapshot(args, target.as_ref(), &teardown.kube).await {
+    let (snap, live) = match snapshot(args, target.as_ref(), &teardown.kube).await {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
@@ -77,7 +77,24 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
     };
     let cancel = CancellationToken::new();
     let signals = watch_signals(cancel.clone());
-    let played = crate::rehearse::rehearse(snap, &settings, cancel.clone()).await;
+    // the copy runs as its administrator: with the run's own identity, what it may do is asked
+    // of the live cluster and EC2 as the real run's preflight asks (access reviews and EC2 dry
+    // runs, which a read-only rehearsal identity is not meant to send), before the copy is played
+    let instances: Vec<String> = snap.aws.instances.iter().map(|i| i.id.clone()).collect();
+    let permissions = match live.as_ref().filter(|_| args.predict_permissions) {
+        Some((kube, aws)) => match live_permissions(kube, aws, &settings, &snap.cluster, &instances).await {
+            Ok(p) => Some(p),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return Exit::Failure;
+            }
+        },
+        None => None,
+    };
+    let played = crate::rehearse::rehearse(snap, &settings, cancel.clone()).await.map(|p| match permissions {
+        Some(seen) => p.with_permissions(seen),
+        None => p,
+    });
     signals.abort();
     let exit = match played {
         Ok(prediction) => {
@@ -153,8 +170,35 @@ fn validate(args: &RehearseArgs) -> Result<(TeardownConfig, Option<Target>, Stri
     Ok((teardown, target, url))
 }
 
-/// The snapshot: from a file, or read from the live cluster (lists and describes only).
-async fn snapshot(args: &RehearseArgs, target: Option<&Target>, kube: &KubeTarget) -> Result<Snapshot, SnapshotError> {
+/// What of the plan's permissions the live identity lacks: the real run's preflight questions
+/// (SelfSubjectAccessReviews, EC2 dry runs), asked of the live cluster and EC2. Read-only.
+async fn live_permissions(
+    kube: &Kube,
+    aws: &AwsClients,
+    settings: &RehearsalSettings,
+    cluster: &str,
+    instances: &[String],
+) -> Result<PermissionsSeen, String> {
+    use crate::engine::permissions;
+    let delete_pods = settings.drain.policy == Some(crate::config::DrainPolicy::Delete);
+    let k8s_need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
+    let k8s = permissions::missing_kubernetes(&kube.client, &k8s_need).await.map_err(|e| e.to_string())?;
+    let ec2_need = permissions::ec2_needs(&settings.plan, settings.reclaim);
+    let ec2 = permissions::missing_ec2(aws, cluster, &ec2_need, instances).await.map_err(|e| e.to_string())?;
+    Ok(PermissionsSeen {
+        kubernetes_checked: k8s.is_some(),
+        missing_kubernetes: k8s.unwrap_or_default().iter().map(ToString::to_string).collect(),
+        missing_ec2: ec2.iter().map(ToString::to_string).collect(),
+    })
+}
+
+/// The snapshot: from a file, or read from the live cluster (lists and describes only), with the
+/// live clients it was read through.
+async fn snapshot(
+    args: &RehearseArgs,
+    target: Option<&Target>,
+    kube: &KubeTarget,
+) -> Result<(Snapshot, Option<(Kube, AwsClients)>), SnapshotError> {
     if let Some(path) = &args.from_snapshot {
         let snap = Snapshot::load(path)?;
         if let Some(c) = &args.cluster
@@ -165,14 +209,15 @@ async fn snapshot(args: &RehearseArgs, target: Option<&Target>, kube: &KubeTarge
                 detail: format!("it is a snapshot of cluster {}, not {c}", snap.cluster),
             });
         }
-        return Ok(snap);
+        return Ok((snap, None));
     }
     let Some(target) = target else {
         return Err(SnapshotError::Read { path: "the command line".into(), detail: "no --cluster to read".into() });
     };
     let kube = Kube::connect(kube).await?;
     let aws = AwsClients::connect(&target.region).await?;
-    Snapshot::take(&kube, &aws, &target.cluster, &target.region).await
+    let snap = Snapshot::take(&kube, &aws, &target.cluster, &target.region).await?;
+    Ok((snap, Some((kube, aws))))
 }
 
 /// The prediction for a terminal.
@@ -189,6 +234,24 @@ fn render(p: &Prediction) -> String {
     );
     if let Some(e) = &p.error {
         let _ = writeln!(s, "  error it will end with: {e}");
+    }
+    match &p.permissions {
+        Some(seen) if seen.missing_kubernetes.is_empty() && seen.missing_ec2.is_empty() => {
+            let k8s = if seen.kubernetes_checked {
+                "the API server"
+            } else {
+                "EC2 (the API server answers no access reviews)"
+            };
+            let _ = writeln!(s, "  permissions: the live identity has every one the plan needs, asked of {k8s}");
+        }
+        Some(_) => {}
+        None => {
+            let _ = writeln!(
+                s,
+                "  permissions: not predicted (the copy runs as administrator); rehearse with the run's own identity and \
+                 --predict-permissions to predict them"
+            );
+        }
     }
     for b in &p.blockers {
         let _ = write!(s, "  blocker: {} {}: {}", b.kind, b.name, b.reason);

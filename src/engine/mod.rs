@@ -15,7 +15,7 @@ pub mod permissions;
 pub mod podindex;
 pub mod preflight;
 mod record;
-mod refusal;
+pub(crate) mod refusal;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};

@@ -145,8 +145,44 @@ pub(crate) struct Prediction {
     pub clean: bool,
     /// The concrete plan, with object names.
     pub plan: String,
+    /// What of the plan's permissions the live identity lacks, asked of the live cluster and
+    /// EC2 as the real run's preflight asks (the copy runs as its administrator, so it cannot
+    /// tell); only with `--predict-permissions`, when the identity given is the run's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub permissions: Option<PermissionsSeen>,
     /// What the copy was.
     pub copy: CopyFacts,
+}
+
+/// The live identity's permissions for the plan, as the real run's preflight would find them.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub(crate) struct PermissionsSeen {
+    /// `verb group/resource` the API server denies this identity.
+    pub missing_kubernetes: Vec<String>,
+    /// EC2 actions a dry run refused.
+    pub missing_ec2: Vec<String>,
+    /// Whether the API server answered access reviews at all (when it does not, the real run
+    /// goes on unchecked, and so does the prediction).
+    pub kubernetes_checked: bool,
+}
+
+impl Prediction {
+    /// The prediction once the real run's identity's permissions are known: a run missing any is
+    /// refused before its first write (exit 2), whatever the copy, run as administrator, did.
+    pub(crate) fn with_permissions(mut self, seen: PermissionsSeen) -> Prediction {
+        if !seen.missing_kubernetes.is_empty() || !seen.missing_ec2.is_empty() {
+            let refusal = crate::engine::refusal::Refusal::MissingPermissions {
+                kubernetes: seen.missing_kubernetes.clone(),
+                ec2: seen.missing_ec2.clone(),
+            };
+            self.outcome = Outcome::from_exit(refusal.exit());
+            self.exit_code = refusal.exit().code();
+            self.error = Some(refusal.to_string());
+            self.blockers.clear();
+        }
+        self.permissions = Some(seen);
+        self
+    }
 }
 
 /// The `rehearsal` section of a `rehearse` report.
@@ -219,6 +255,7 @@ pub(crate) async fn rehearse(
                 requests,
                 clean: run.leftovers.is_clean(),
                 plan: copy.to_live_ids(&run.plan_text),
+                permissions: None,
                 copy: facts,
             })
         }

@@ -467,6 +467,40 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
     assert!(p.karpenter.running());
     assert_eq!(p.karpenter.starts(), 1);
 
+    // a rehearsal with the run's own identity (given the rehearsal's reads too, as the README
+    // says) predicts the refusal the real authorizer made, though its copy runs as administrator
+    bind_rehearse_role(
+        &p,
+        json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": realstack::TOOL_GROUP}),
+        "tool-rehearses",
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let crd_list = json!({"spec": {"resourceAttributes": {"verb": "list", "group": "apiextensions.k8s.io", "resource": "customresourcedefinitions"}}});
+    let reviews: Api<k8s_openapi::api::authorization::v1::SelfSubjectAccessReview> = Api::all(tool.clone());
+    while !reviews
+        .create(&PostParams::default(), &serde_json::from_value(crd_list.clone()).unwrap())
+        .await
+        .unwrap()
+        .status
+        .is_some_and(|s| s.allowed)
+    {
+        assert!(Instant::now() < deadline, "the rehearse role is not bound to the tool after 30 s");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("rehearsal.json");
+    let mut cmd = p.tool("rehearse", p.s.tool_kubeconfig(), &report);
+    cmd.args(["--time-scale", "0.25", "--localstack", common::LOCALSTACK, "--predict-permissions"]);
+    let rehearsal = run_of(cmd, &report).await;
+    let prediction = &rehearsal.report["rehearsal"]["prediction"];
+    assert_eq!(rehearsal.code, 2, "rehearse exits with the predicted code:\n{}", rehearsal.dump());
+    assert_eq!(prediction["exit_code"], refused.report["exit_code"], "{}", rehearsal.dump());
+    assert_eq!(prediction["outcome"], refused.report["outcome"], "{}", rehearsal.dump());
+    assert_eq!(prediction["permissions"]["missing_kubernetes"], json!(["create pods/eviction (core)"]));
+    assert!(prediction["error"].as_str().is_some_and(|e| e.contains("create pods/eviction")), "{}", rehearsal.dump());
+    assert_eq!(fingerprint(&p).await, before, "the rehearsal changed the live cluster:\n{}", rehearsal.dump());
+
     // the fix the message names: the rule from deploy/rbac.yaml, bound to the tool's identity
     let role: k8s_openapi::api::rbac::v1::ClusterRole = serde_json::from_value(json!({
         "metadata": {"name": "karpenter-teardown-eviction"},
@@ -500,11 +534,8 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
     p.end().await;
 }
 
-/// A kubeconfig for a ServiceAccount bound to exactly `deploy/rbac-rehearse.yaml`'s ClusterRole:
-/// the server's authorizer refuses it every write, so a rehearsal that tried one would fail.
-async fn rehearser_kubeconfig(p: &Provisioned, dir: &std::path::Path) -> std::path::PathBuf {
-    use k8s_openapi::api::authentication::v1::TokenRequest;
-    use k8s_openapi::api::core::v1::ServiceAccount;
+/// Creates `deploy/rbac-rehearse.yaml`'s ClusterRole (once) and binds it to `subject`.
+async fn bind_rehearse_role(p: &Provisioned, subject: Value, binding_name: &str) {
     use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-rehearse.yaml")).unwrap();
     let docs: Vec<Value> = serde_saphyr::from_multiple(&text).unwrap();
@@ -512,17 +543,29 @@ async fn rehearser_kubeconfig(p: &Provisioned, dir: &std::path::Path) -> std::pa
     let role: ClusterRole = serde_json::from_value(role).unwrap();
     let role_name = role.metadata.name.clone().unwrap();
     let pp = PostParams::default();
-    Api::<ClusterRole>::all(p.admin.clone()).create(&pp, &role).await.unwrap();
-    let ns = "kube-system";
-    let sas: Api<ServiceAccount> = Api::namespaced(p.admin.clone(), ns);
-    sas.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "rehearser"}})).unwrap()).await.unwrap();
+    let roles = Api::<ClusterRole>::all(p.admin.clone());
+    if roles.get_opt(&role_name).await.unwrap().is_none() {
+        roles.create(&pp, &role).await.unwrap();
+    }
     let binding: ClusterRoleBinding = serde_json::from_value(json!({
-        "metadata": {"name": "rehearser"},
+        "metadata": {"name": binding_name},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
-        "subjects": [{"kind": "ServiceAccount", "name": "rehearser", "namespace": ns}],
+        "subjects": [subject],
     }))
     .unwrap();
     Api::<ClusterRoleBinding>::all(p.admin.clone()).create(&pp, &binding).await.unwrap();
+}
+
+/// A kubeconfig for a ServiceAccount bound to exactly `deploy/rbac-rehearse.yaml`'s ClusterRole:
+/// the server's authorizer refuses it every write, so a rehearsal that tried one would fail.
+async fn rehearser_kubeconfig(p: &Provisioned, dir: &std::path::Path) -> std::path::PathBuf {
+    use k8s_openapi::api::authentication::v1::TokenRequest;
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let pp = PostParams::default();
+    let ns = "kube-system";
+    let sas: Api<ServiceAccount> = Api::namespaced(p.admin.clone(), ns);
+    sas.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "rehearser"}})).unwrap()).await.unwrap();
+    bind_rehearse_role(p, json!({"kind": "ServiceAccount", "name": "rehearser", "namespace": ns}), "rehearser").await;
     let req: TokenRequest =
         serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}})).unwrap();
     let token = sas.create_token_request("rehearser", &pp, &req).await.unwrap().status.unwrap().token;
@@ -632,6 +675,8 @@ async fn a_rehearsals_prediction_matches_the_real_run_on_the_real_stack() {
 
     assert_eq!(prediction["outcome"], real.report["outcome"], "{}", explain());
     assert_eq!(prediction["exit_code"], real.report["exit_code"], "{}", explain());
+    // the read-only identity's permissions are not the run's: not asked, not predicted
+    assert!(prediction.get("permissions").is_none(), "{}", explain());
     let (predicted_steps, real_steps) = (steps_of_prediction(&prediction), steps_of_report(&real.report));
     eprintln!("predicted steps {predicted_steps:?}\nreal steps {real_steps:?}");
     assert_eq!(predicted_steps, real_steps, "{}", explain());
