@@ -478,6 +478,10 @@ async fn ask_eviction(
 /// its end almost always, so a run pays it only for nodes drained in an instant.
 pub(crate) const FENCE_SETTLE: Duration = Duration::from_secs(5);
 
+/// How long after putting a node's fence back the release waits for the node watch to show it
+/// before it reads the node again.
+const RELIFT_READ: Duration = Duration::from_secs(1);
+
 /// What waiting for a node's fence to hold decides now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Hold {
@@ -582,21 +586,24 @@ pub(super) async fn hold_before_release(
             note_lift(ctx, node, &who, "before its release");
             lifts.push(who);
         }
+        let asserted = Instant::now();
         let held = loop {
             let now = Instant::now();
             if now >= deadline {
                 return Ok(Release::Stop(TaskOutcome::Blocked(not_settled(node, &lifts))));
             }
-            match hold(ctx.pods.fenced(node), ctx.pods.fenced_since(node), now, FENCE_SETTLE) {
+            let wait = match hold(ctx.pods.fenced(node), ctx.pods.fenced_since(node), now, FENCE_SETTLE) {
                 Hold::Settled => break ctx.pods.fenced_since(node),
-                Hold::Lifted => continue 'check,
-                Hold::Wait(d) => {
-                    tokio::select! {
-                        _ = ctx.cancel.cancelled() => return Ok(Release::Stop(TaskOutcome::Interrupted)),
-                        _ = changes.changed() => {}
-                        _ = tokio::time::sleep_until(deadline.min(now + d)) => {}
-                    }
-                }
+                // the watch may not show the fence just put back yet (or may be relisting): read
+                // the node again only once it had a moment, not in a loop of reads
+                Hold::Lifted if now >= asserted + RELIFT_READ => continue 'check,
+                Hold::Lifted => asserted + RELIFT_READ - now,
+                Hold::Wait(d) => d,
+            };
+            tokio::select! {
+                _ = ctx.cancel.cancelled() => return Ok(Release::Stop(TaskOutcome::Interrupted)),
+                _ = changes.changed() => {}
+                _ = tokio::time::sleep_until(deadline.min(now + wait)) => {}
             }
         };
         let Some(held) = held else { continue };
