@@ -813,3 +813,59 @@ async fn pods_bound_while_a_machine_waits_its_turn_are_drained_not_killed_with_t
     proxy.shutdown().await;
     p.end().await;
 }
+
+/// The kinds and names of a report's blockers that a budget gate is about.
+fn budget_blockers(blockers: &Value) -> BTreeSet<String> {
+    blockers
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|b| b["kind"] == "pdb")
+        .filter_map(|b| b["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// The gate rehearse exists for, held to the real components: a budget that allows no
+/// disruption (computed by the real disruption controller, enforced by the real Eviction API)
+/// is predicted to block the run with exit 5, naming the budget, and the real run then ends
+/// exactly so. A rehearsal that promised more than the run does would let a CI job go ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_that_refuses_is_predicted_and_then_blocks_the_real_run_the_same_way() {
+    let p = provisioned("rsb", &super::shipped_rbac_yaml(), 2).await;
+    let pdbs: Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> = Api::namespaced(p.admin.clone(), "web");
+    pdbs.patch("web", &PatchParams::default(), &Patch::Merge(json!({"spec": {"maxUnavailable": 0}}))).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let status = pdbs.get("web").await.unwrap().status.unwrap_or_default();
+        if status.disruptions_allowed == 0 && status.observed_generation == Some(2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the disruption controller did not count the budget again: {status:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let rehearser = rehearser_kubeconfig(&p, dir.path()).await;
+    let report = dir.path().join("rehearsal.json");
+    let mut cmd = p.tool("rehearse", &rehearser, &report);
+    cmd.args(["--time-scale", "0.25", "--localstack", common::LOCALSTACK, "--drain-deadline", "20s"]);
+    let rehearsal = run_of(cmd, &report).await;
+    let prediction = rehearsal.report["rehearsal"]["prediction"].clone();
+    assert_eq!(rehearsal.code, 5, "a budget that allows nothing blocks the drain:\n{}", rehearsal.dump());
+    assert_eq!(prediction["exit_code"], 5, "{}", rehearsal.dump());
+
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = p.tool("run", p.s.tool_kubeconfig(), &report);
+    cmd.args(["--yes", "--drain-deadline", "20s"]);
+    let real = run_of(cmd, &report).await;
+    let explain = || format!("rehearsal:\n{}\n\nreal run:\n{}", rehearsal.dump(), real.dump());
+    assert_eq!(real.code, 5, "{}", explain());
+    assert_eq!(prediction["outcome"], real.report["outcome"], "{}", explain());
+    let (predicted, observed) = (budget_blockers(&prediction["blockers"]), budget_blockers(&real.report["blockers"]));
+    assert_eq!(predicted.len(), 1, "{}", explain());
+    assert_eq!(predicted, observed, "the same budget named: {}", explain());
+    // nothing of the blocked machines was released: their instances still run
+    let running = states(&p.aws, &p.instances).await.values().filter(|s| **s == InstanceState::Running).count();
+    assert_eq!(running, p.instances.len(), "{}", explain());
+    p.end().await;
+}
