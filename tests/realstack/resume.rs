@@ -467,7 +467,7 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
     assert!(p.karpenter.running());
     assert_eq!(p.karpenter.starts(), 1);
 
-    // a rehearsal with the run's own identity (given the rehearsal's reads too, as the README
+    // a rehearsal with the run's own identity (given the rehearsal's reads too, as docs/rehearse.md
     // says) predicts the refusal the real authorizer made, though its copy runs as administrator
     bind_rehearse_role(
         &p,
