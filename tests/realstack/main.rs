@@ -11,6 +11,7 @@
 mod common;
 mod control_plane;
 mod differential;
+mod evidence;
 mod gitops;
 mod karpenter;
 mod matrix;
