@@ -576,6 +576,8 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
     let mut ready: VecDeque<TaskId> = tracker.start(graph).into();
     let mut limits: HashMap<String, Arc<Semaphore>> = HashMap::new();
     let mut running: JoinSet<(TaskId, StepRecord, TaskOutcome)> = JoinSet::new();
+    // what each running task is, by tokio's id: a task that panics returns nothing of its own
+    let mut spawned: HashMap<tokio::task::Id, Spawned> = HashMap::new();
     let mut records = Vec::new();
     let mut exit = Exit::Clean;
     loop {
@@ -590,7 +592,9 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                 .clone();
             let ctx = ctx.clone();
             let span = tracing::info_span!("task", step = %node.step, object = node.object.as_deref().unwrap_or(""));
-            running.spawn(
+            let task = TaskRef { step: node.step.clone(), action: node.action, object: node.object.clone() };
+            let what = Spawned { id, task, started: SystemTime::now() };
+            let handle = running.spawn(
                 async move {
                     // closed only if the semaphore is dropped, which happens after every task ends
                     let _permit = limit.acquire_owned().await;
@@ -629,15 +633,32 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                 }
                 .instrument(span),
             );
+            spawned.insert(handle.id(), what);
         }
-        let Some(joined) = running.join_next().await else { break };
+        let Some(joined) = running.join_next_with_id().await else { break };
         let (id, record, outcome) = match joined {
-            Ok(r) => r,
-            Err(e) => {
-                exit = exit.worst(Exit::Failure);
-                tracing::error!(error = %e, "a task panicked or was aborted");
-                continue;
+            Ok((tid, r)) => {
+                spawned.remove(&tid);
+                r
             }
+            Err(e) => match spawned.remove(&e.id()) {
+                // the task's record and its end, as the task would have sent them: failed
+                Some(what) => {
+                    let (record, outcome) = panicked(&what, e);
+                    tracing::error!(task = %what.task.label(), detail = %outcome.detail(), "task ended");
+                    ctx.events.send(EngineEvent::TaskEnded {
+                        task: what.task.clone(),
+                        result: outcome.result(),
+                        detail: outcome.detail().to_string(),
+                    });
+                    (what.id, record, outcome)
+                }
+                None => {
+                    exit = exit.worst(Exit::Failure);
+                    tracing::error!(error = %e, "a task panicked or was aborted");
+                    continue;
+                }
+            },
         };
         records.push(record);
         exit = exit.worst(match &outcome {
@@ -666,6 +687,41 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
         exit = exit.worst(Exit::Interrupted);
     }
     (exit, records)
+}
+
+/// A task the executor started: what its record needs if it returns none.
+struct Spawned {
+    id: TaskId,
+    task: TaskRef,
+    started: SystemTime,
+}
+
+/// The record of a task that panicked (or was aborted): it ran and failed, and says so, rather
+/// than vanishing from the report; its dependents do not run.
+fn panicked(what: &Spawned, e: tokio::task::JoinError) -> (StepRecord, TaskOutcome) {
+    let detail = if e.is_panic() {
+        let payload = e.into_panic();
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|m| (*m).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        format!("the task panicked ({message}); this is a bug of the tool: please report it with the log")
+    } else {
+        "the task was aborted".to_string()
+    };
+    let outcome = TaskOutcome::Failed(detail);
+    let record = StepRecord {
+        step: what.task.step.clone(),
+        action: what.task.action.name().to_string(),
+        object: what.task.object.clone(),
+        started: rfc3339(what.started),
+        finished: rfc3339(SystemTime::now()),
+        attempts: 1,
+        result: outcome.result(),
+        detail: outcome.detail().to_string(),
+    };
+    (record, outcome)
 }
 
 /// Runs a task, and runs it again with exponential backoff (backon) while it fails on something
@@ -820,4 +876,32 @@ fn describe_plan(graph: &TaskGraph, inv: &Inventory, evidence: &preflight::Evide
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_task_that_panics_is_recorded_as_failed_with_its_message() {
+        let mut set: JoinSet<()> = JoinSet::new();
+        let handle = set.spawn(async { panic!("the claim had no status") });
+        let what = Spawned {
+            id: TaskId::new(7),
+            task: TaskRef {
+                step: "discharge-finalizers".into(),
+                action: Action::DischargeFinalizers,
+                object: Some("web-a".into()),
+            },
+            started: SystemTime::now(),
+        };
+        let Some(Err(e)) = set.join_next().await else { panic!("the task did not panic") };
+        assert_eq!(e.id(), handle.id());
+        let (record, outcome) = panicked(&what, e);
+        assert_eq!(record.result, TaskResult::Failed);
+        assert_eq!(record.step, "discharge-finalizers");
+        assert_eq!(record.object.as_deref(), Some("web-a"));
+        assert!(record.detail.contains("the task panicked (the claim had no status)"), "{}", record.detail);
+        assert!(!outcome.lets_dependents_run());
+    }
 }
