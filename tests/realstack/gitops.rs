@@ -113,6 +113,43 @@ async fn gitops_owners_with_the_real_crds_refuse_then_pause_on_the_real_server()
     assert_eq!(refused.report["gitops"]["other_clusters"].as_array().map(Vec::len), Some(remote.len()));
     assert_eq!(versions(&admin, &all).await, before_refusal, "a refused run wrote to an owner");
 
+    // rehearse, reading the same cluster as the run's identity, predicts that refusal, naming the
+    // same owners, and writes to none
+    let tool_group = json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": realstack::TOOL_GROUP});
+    crate::resume::bind_rehearse_role(&admin, tool_group, "tool-rehearses").await;
+    let reviews: Api<k8s_openapi::api::authorization::v1::SelfSubjectAccessReview> =
+        Api::all(s.tool_client().await.unwrap());
+    let crd_list: k8s_openapi::api::authorization::v1::SelfSubjectAccessReview = serde_json::from_value(json!({"spec":
+        {"resourceAttributes": {"verb": "list", "group": "apiextensions.k8s.io", "resource": "customresourcedefinitions"}}}))
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !reviews.create(&PostParams::default(), &crd_list).await.unwrap().status.is_some_and(|s| s.allowed) {
+        assert!(Instant::now() < deadline, "the rehearse role is not bound to the tool after 30 s");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("rehearsal.json");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    cmd.args(["rehearse", "--cluster", &world.cluster, "--region", REGION, "--kubeconfig"])
+        .arg(s.tool_kubeconfig())
+        .arg("--report")
+        .arg(&report)
+        .args(["--time-scale", "0.25", "--localstack", crate::common::LOCALSTACK])
+        .envs(crate::common::localstack_env());
+    let rehearsal = crate::common::e2e::run_of(cmd, &report).await;
+    let prediction = &rehearsal.report["rehearsal"]["prediction"];
+    assert_eq!(rehearsal.code, 3, "rehearse exits with the predicted refusal:\n{}", rehearsal.dump());
+    assert_eq!(prediction["exit_code"], refused.report["exit_code"], "{}", rehearsal.dump());
+    assert_eq!(prediction["outcome"], refused.report["outcome"], "{}", rehearsal.dump());
+    let predicted_error = prediction["error"].as_str().unwrap_or_default();
+    for owner in &g.owners {
+        assert!(predicted_error.contains(&owner.to_string()), "{owner} is named: {predicted_error}");
+    }
+    for owner in &foreign {
+        assert!(!predicted_error.contains(&owner.name), "{owner} does not refuse: {predicted_error}");
+    }
+    assert_eq!(versions(&admin, &all).await, before_refusal, "the rehearsal wrote to an owner");
+
     // paused: exactly this cluster's Karpenter owners, parents first, nothing put back
     let sim = SimController::start(
         admin.clone(),

@@ -470,7 +470,7 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
     // a rehearsal with the run's own identity (given the rehearsal's reads too, as docs/rehearse.md
     // says) predicts the refusal the real authorizer made, though its copy runs as administrator
     bind_rehearse_role(
-        &p,
+        &p.admin,
         json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": realstack::TOOL_GROUP}),
         "tool-rehearses",
     )
@@ -535,7 +535,7 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
 }
 
 /// Creates `deploy/rbac-rehearse.yaml`'s ClusterRole (once) and binds it to `subject`.
-async fn bind_rehearse_role(p: &Provisioned, subject: Value, binding_name: &str) {
+pub(crate) async fn bind_rehearse_role(admin: &kube::Client, subject: Value, binding_name: &str) {
     use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-rehearse.yaml")).unwrap();
     let docs: Vec<Value> = serde_saphyr::from_multiple(&text).unwrap();
@@ -543,7 +543,7 @@ async fn bind_rehearse_role(p: &Provisioned, subject: Value, binding_name: &str)
     let role: ClusterRole = serde_json::from_value(role).unwrap();
     let role_name = role.metadata.name.clone().unwrap();
     let pp = PostParams::default();
-    let roles = Api::<ClusterRole>::all(p.admin.clone());
+    let roles = Api::<ClusterRole>::all(admin.clone());
     if roles.get_opt(&role_name).await.unwrap().is_none() {
         roles.create(&pp, &role).await.unwrap();
     }
@@ -553,7 +553,7 @@ async fn bind_rehearse_role(p: &Provisioned, subject: Value, binding_name: &str)
         "subjects": [subject],
     }))
     .unwrap();
-    Api::<ClusterRoleBinding>::all(p.admin.clone()).create(&pp, &binding).await.unwrap();
+    Api::<ClusterRoleBinding>::all(admin.clone()).create(&pp, &binding).await.unwrap();
 }
 
 /// A kubeconfig for a ServiceAccount bound to exactly `deploy/rbac-rehearse.yaml`'s ClusterRole:
@@ -565,7 +565,8 @@ async fn rehearser_kubeconfig(p: &Provisioned, dir: &std::path::Path) -> std::pa
     let ns = "kube-system";
     let sas: Api<ServiceAccount> = Api::namespaced(p.admin.clone(), ns);
     sas.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "rehearser"}})).unwrap()).await.unwrap();
-    bind_rehearse_role(p, json!({"kind": "ServiceAccount", "name": "rehearser", "namespace": ns}), "rehearser").await;
+    bind_rehearse_role(&p.admin, json!({"kind": "ServiceAccount", "name": "rehearser", "namespace": ns}), "rehearser")
+        .await;
     let req: TokenRequest =
         serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}})).unwrap();
     let token = sas.create_token_request("rehearser", &pp, &req).await.unwrap().status.unwrap().token;
