@@ -234,22 +234,46 @@ pub(crate) async fn rehearse(
                         .and_then(|s| s.params.deadline)
                 })
                 .unwrap_or(Duration::from_secs(600));
-            let timing = predict::timing(
-                &waits,
-                &run.steps,
-                &predict::TimingInputs {
-                    time_scale: scale,
-                    drain_deadline,
-                    run_seconds,
-                    deadline_passed,
-                    order: predict::StepOrder::of(&settings.plan),
-                    fence_settle: crate::engine::drain::FENCE_SETTLE,
-                },
-            );
+            let inputs = predict::TimingInputs {
+                time_scale: scale,
+                drain_deadline,
+                run_seconds,
+                deadline_passed,
+                order: predict::StepOrder::of(&settings.plan),
+                fence_settle: crate::engine::drain::FENCE_SETTLE,
+            };
+            let timing = predict::timing(&waits, &run.steps, &inputs);
+            let (mut exit, mut error) = (run.exit, run.error.as_deref().map(|e| copy.to_live_ids(e)));
+            // A drain that ended in time only on the copy's clock would block the real run under
+            // policy fail: predicted so, pessimistic by design.
+            let policy_fails = settings.drain.policy.unwrap_or_else(|| {
+                crate::engine::drain::policy_of(
+                    settings
+                        .plan
+                        .steps()
+                        .iter()
+                        .find(|s| s.action == crate::plan::Action::Drain)
+                        .map_or(crate::plan::OnDeadline::Fail, |s| s.params.on_deadline),
+                )
+            }) == crate::config::DrainPolicy::Fail;
+            let late = predict::drains_past_deadline(&waits, &run.steps, &inputs);
+            if policy_fails && !late.is_empty() && exit.worst(Exit::Blocked) == Exit::Blocked {
+                let (machine, seconds) = &late[0];
+                let deadline = humantime::format_duration(drain_deadline);
+                exit = Exit::Blocked;
+                error.get_or_insert_with(|| {
+                    format!(
+                        "{} drain(s) are predicted to reach the {deadline} drain deadline on the real clock (the longest, \
+                         {machine}: its pods' evictions and grace periods, about {seconds:.0}s): the run would end blocked \
+                         with them; give it a longer --drain-deadline",
+                        late.len()
+                    )
+                });
+            }
             Ok(Prediction {
-                outcome: Outcome::from_exit(run.exit),
-                exit_code: run.exit.code(),
-                error: run.error.as_deref().map(|e| copy.to_live_ids(e)),
+                outcome: Outcome::from_exit(exit),
+                exit_code: exit.code(),
+                error,
                 blockers,
                 timing,
                 requests,

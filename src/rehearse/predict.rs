@@ -348,6 +348,31 @@ fn drain_step(
     }
 }
 
+/// The drains the rehearsal saw end in time that, on the real clock, would run into the drain
+/// deadline: (machine, predicted seconds from the drain task's start). The rehearsal's deadline
+/// counts from the first eviction wave and runs on the accelerated clock; the real run's counts
+/// from the task's start. A drain whose measured time plus the waits the acceleration took away
+/// reaches the real deadline would block the real run: a gate must not promise more than that.
+pub(crate) fn drains_past_deadline(waits: &Waits, records: &[StepRecord], inputs: &TimingInputs) -> Vec<(String, f64)> {
+    let scale = inputs.time_scale.clamp(0.0, 1.0);
+    let deadline = inputs.drain_deadline.as_secs_f64();
+    let mut out: Vec<(String, f64)> = records
+        .iter()
+        .filter(|r| r.action == crate::plan::Action::Drain.name() && r.result == TaskResult::Done)
+        .filter_map(|r| {
+            let machine = r.object.clone()?;
+            if inputs.deadline_passed.contains(&machine) {
+                return None;
+            }
+            let took = parse_time(&r.finished)?.duration_since(parse_time(&r.started)?).ok()?.as_secs_f64();
+            let predicted = took + (1.0 - scale) * waits.drain.get(&machine).copied().unwrap_or(0.0);
+            (predicted >= deadline).then_some((machine, predicted))
+        })
+        .collect();
+    out.sort_by(|a, b| b.1.total_cmp(&a.1));
+    out
+}
+
 fn parse_time(s: &str) -> Option<SystemTime> {
     humantime::parse_rfc3339_weak(s).ok()
 }
@@ -565,6 +590,32 @@ mod tests {
         let t = timing(&Waits::of(&s), &records, &with_settle);
         // node a's 57 s restored, less the 2 s pause the real run does not make
         assert!((t.predicted_seconds - (6.0 + 0.95 * 60.0 - 2.0)).abs() < 1e-9, "{t:?}");
+    }
+
+    /// Node a's 60 s of grace periods ended in time on the copy, but on the real clock they
+    /// run into a 30 s deadline: the run would block. Node b's 10 s do not.
+    #[test]
+    fn a_drain_that_the_real_deadline_would_cut_short_is_named() {
+        let s = snap(vec![pod("a", 60, false), pod("b", 10, false)]);
+        let records = [
+            record("drain", Some("node/a"), 0.0, 3.5, TaskResult::Done),
+            record("drain", Some("node/b"), 0.0, 1.0, TaskResult::Done),
+        ];
+        let tight = TimingInputs { drain_deadline: Duration::from_secs(30), ..inputs(4.0, &[]) };
+        let late = drains_past_deadline(&Waits::of(&s), &records, &tight);
+        assert_eq!(late.len(), 1, "{late:?}");
+        assert_eq!(late[0].0, "node/a");
+        assert!((late[0].1 - (3.5 + 0.95 * 60.0)).abs() < 1e-9, "{late:?}");
+        assert!(drains_past_deadline(&Waits::of(&s), &records, &inputs(4.0, &[])).is_empty(), "600 s is enough");
+        // a drain the rehearsal already saw hit its deadline is the run's own blocker, not this
+        assert!(
+            drains_past_deadline(
+                &Waits::of(&s),
+                &records,
+                &TimingInputs { drain_deadline: Duration::from_secs(30), ..inputs(4.0, &["node/a"]) }
+            )
+            .is_empty()
+        );
     }
 
     #[test]
