@@ -101,7 +101,8 @@ pub(crate) const EXIT_CODES_HELP: &str = "\
 Exit codes:
   0    clean: verification found nothing left
   1    failure (see the message and the report)
-  2    bad input or configuration (plan, flags, kubeconfig, credentials, endpoints); nothing changed
+  2    bad input or configuration (plan, flags, kubeconfig, credentials, endpoints, a missing
+       permission, a webhook or admission policy that would refuse a write); nothing changed
   3    refused by a safety guard (wrong cluster, too many nodes); nothing changed
   4    finished, but leftovers remain (listed in the report; --reclaim removes them)
   5    blocked past a deadline under --on-drain-deadline fail (the blockers are named)

@@ -118,6 +118,8 @@ pub enum BlockerKind {
     /// A pod a drain must move that was still bound to its node when the node's instance was
     /// terminated: it went down with it.
     PodLost,
+    /// A webhook or admission policy that refuses a write the run makes.
+    Admission,
 }
 
 impl BlockerKind {
@@ -132,6 +134,7 @@ impl BlockerKind {
             BlockerKind::PodGoesWithNode => "pod-goes-with-node",
             BlockerKind::GitopsOwner => "gitops-owner",
             BlockerKind::PodLost => "pod-lost",
+            BlockerKind::Admission => "admission",
         }
     }
 }

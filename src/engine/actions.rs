@@ -138,6 +138,23 @@ async fn pause(ctx: &Ctx, d: Duration) -> bool {
 
 // ---------------------------------------------------------------- fence
 
+/// The fence of one NodePool as a merge patch: limits and disruption budgets to zero, the
+/// originals in an annotation, conditioned on the resourceVersion read (the admission dry run
+/// sends the same body).
+pub(crate) fn fence_patch(current: &DynamicObject) -> Value {
+    let limits = current.data.pointer("/spec/limits").cloned().unwrap_or(Value::Null);
+    let budgets = current.data.pointer("/spec/disruption/budgets").cloned().unwrap_or(Value::Null);
+    let zero = karpenter::fence_limits(&current.data["spec"]);
+    let original = json!({"limits": limits, "budgets": budgets}).to_string();
+    json!({
+        "metadata": {
+            "resourceVersion": current.metadata.resource_version,
+            "annotations": {FENCE_ANNOTATION: original},
+        },
+        "spec": {"limits": zero, "disruption": {"budgets": [{"nodes": "0"}]}},
+    })
+}
+
 /// How often the fence reads and patches a NodePool that another writer keeps changing.
 const FENCE_ATTEMPTS: usize = 8;
 
@@ -163,17 +180,7 @@ pub async fn fence(ctx: &Ctx) -> Outcome {
             if current.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(FENCE_ANNOTATION)) {
                 break;
             }
-            let limits = current.data.pointer("/spec/limits").cloned().unwrap_or(Value::Null);
-            let budgets = current.data.pointer("/spec/disruption/budgets").cloned().unwrap_or(Value::Null);
-            let zero = karpenter::fence_limits(&current.data["spec"]);
-            let original = json!({"limits": limits, "budgets": budgets}).to_string();
-            let patch = json!({
-                "metadata": {
-                    "resourceVersion": current.metadata.resource_version,
-                    "annotations": {FENCE_ANNOTATION: original},
-                },
-                "spec": {"limits": zero, "disruption": {"budgets": [{"nodes": "0"}]}},
-            });
+            let patch = fence_patch(&current);
             match api.patch(&name, &patch_params(), &Patch::Merge(&patch)).await {
                 Ok(_) => {
                     fenced += 1;

@@ -4,6 +4,7 @@
 //! what it did becomes a record of the report.
 
 pub mod actions;
+mod admission;
 pub mod batcher;
 pub mod budgets;
 pub mod context;
@@ -159,6 +160,44 @@ async fn check_permissions(
     ))
 }
 
+/// Sends a dry run of each kind of write the plan makes through the API server's admission
+/// chain and reads the webhooks the drain would strand, before anything is changed (also in a
+/// dry run); a write that would be refused refuses the run with exit 2, each refusal a blocker.
+async fn check_admission(
+    kube: &Kube,
+    settings: &RunSettings,
+    inv: &Inventory,
+    plan_text: &mut String,
+) -> Result<(), RunResult> {
+    let started = Instant::now();
+    let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
+    let need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
+    let findings = match admission::check(&kube.client, inv, &need).await {
+        Ok(f) => f,
+        Err(e) => return Err(RunResult::early(Exit::Failure, e.to_string(), plan_text.clone())),
+    };
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
+        dry_runs = findings.dry_runs,
+        refused = findings.blocked.len(),
+        unchecked = findings.unchecked.len(),
+        "admission checked before any change"
+    );
+    for u in &findings.unchecked {
+        plan_text.push_str(&format!("admission not checked before the run: {u}\n"));
+    }
+    if findings.blocked.is_empty() {
+        return Ok(());
+    }
+    let blockers = findings
+        .blocked
+        .iter()
+        .map(|b| Blocker { kind: BlockerKind::Admission, name: b.who.clone(), reason: b.to_string() })
+        .collect();
+    let refusal = Refusal::Admission { blocked: findings.blocked.iter().map(ToString::to_string).collect() };
+    Err(RunResult { blockers, ..RunResult::refused(refusal, plan_text.clone()) })
+}
+
 /// Runs a teardown. Errors before the first write come back as `BadInput` or `Refused` with
 /// nothing changed; `cancel` is the Ctrl-C / SIGTERM signal.
 pub async fn run(
@@ -261,6 +300,9 @@ pub async fn run(
     }
     if let Some(refusal) = gitops.refusal(settings.gitops) {
         return RunResult { gitops, ..RunResult::refused(Refusal::GitOps(refusal), plan_text) };
+    }
+    if let Err(early) = check_admission(&kube, &settings, &inv, &mut plan_text).await {
+        return RunResult { gitops, ..early };
     }
     if settings.dry_run {
         return RunResult {

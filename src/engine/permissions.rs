@@ -75,6 +75,10 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
         p("list", "argoproj.io", "applications"),
         p("list", "kustomize.toolkit.fluxcd.io", "kustomizations"),
         p("list", "helm.toolkit.fluxcd.io", "helmreleases"),
+        // the admission check: the webhooks that may refuse a write, and where their services run
+        p("list", "admissionregistration.k8s.io", "validatingwebhookconfigurations"),
+        p("list", "admissionregistration.k8s.io", "mutatingwebhookconfigurations"),
+        p("list", "discovery.k8s.io", "endpointslices"),
     ]
     .into();
     if pause_gitops {

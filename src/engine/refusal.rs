@@ -26,6 +26,13 @@ pub(crate) enum Refusal {
         missing_parts(.kubernetes, .ec2)
     )]
     MissingPermissions { kubernetes: Vec<String>, ec2: Vec<String> },
+    /// The API server's admission chain (a webhook, an admission policy) would refuse writes
+    /// the run makes: it would stop half-way.
+    #[error(
+        "refusing: the API server's admission chain would refuse writes this run makes, and the run would stop half-way: {}. Nothing was changed; the tool never edits webhook configurations or admission policies",
+        .blocked.join("; ")
+    )]
+    Admission { blocked: Vec<String> },
     /// Active GitOps owners would put back what the run removes (the survey's own wording).
     #[error("{0}")]
     GitOps(String),
@@ -36,7 +43,7 @@ impl Refusal {
     /// caller's setup), the others are a guard's refusal.
     pub(crate) fn exit(&self) -> Exit {
         match self {
-            Refusal::MissingPermissions { .. } => Exit::BadInput,
+            Refusal::MissingPermissions { .. } | Refusal::Admission { .. } => Exit::BadInput,
             Refusal::WrongCluster { .. }
             | Refusal::WrongClusterStranded { .. }
             | Refusal::BlastRadius { .. }

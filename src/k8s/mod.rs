@@ -1,6 +1,7 @@
 //! The Kubernetes side: a client built from the standard kubeconfig rules (with kube's silent
 //! retries off, design §5), request accounting, and the conflict-safe writes the teardown makes.
 
+pub(crate) mod admission;
 pub(crate) mod apf;
 pub(crate) mod calls;
 pub(crate) mod gitops;
@@ -166,6 +167,13 @@ pub(crate) fn describe_error(e: &kube::Error) -> String {
         .collect();
     let causes = if causes.is_empty() { String::new() } else { format!(" [{}]", causes.join("; ")) };
     let status = if s.reason.is_empty() { format!("HTTP {}", s.code) } else { format!("HTTP {} {}", s.code, s.reason) };
+    // a write refused by the admission chain is no server failure and no missing permission:
+    // running again changes nothing until the webhook or policy does
+    if let Some(who) = admission::parse(message) {
+        return format!(
+            "{message} ({status}){causes}; refused by the admission chain: {who}. Running again will not help until that changes; the tool never edits webhook configurations or admission policies (`karpenter-teardown run` without --yes names the fix)"
+        );
+    }
     let todo = match s.code {
         401 => {
             "the kubeconfig's credentials were refused: refresh them (aws eks update-kubeconfig, aws sso login) and run again"
@@ -194,7 +202,8 @@ pub(crate) fn status_code(e: &kube::Error) -> Option<u16> {
 /// True for errors worth retrying: throttling, server errors, lost connections.
 pub(crate) fn is_transient(e: &kube::Error) -> bool {
     match e {
-        kube::Error::Api(s) => matches!(s.code, 429 | 500 | 502 | 503 | 504),
+        // a webhook that cannot be called answers 500 too, on every try
+        kube::Error::Api(s) => matches!(s.code, 429 | 500 | 502 | 503 | 504) && admission::parse(&s.message).is_none(),
         kube::Error::HyperError(_) | kube::Error::Service(_) => true,
         _ => false,
     }

@@ -199,6 +199,8 @@ fn group_of(resource: &str) -> Option<&'static str> {
         "kustomizations" => "kustomize.toolkit.fluxcd.io",
         "helmreleases" => "helm.toolkit.fluxcd.io",
         "ec2nodeclasses" => "karpenter.k8s.aws",
+        "validatingwebhookconfigurations" | "mutatingwebhookconfigurations" => "admissionregistration.k8s.io",
+        "endpointslices" => "discovery.k8s.io",
         _ => return None,
     })
 }
@@ -215,6 +217,8 @@ fn rbac_denies(
         let ok = urls.iter().any(|u| u == want || u.strip_suffix('*').is_some_and(|p| want.starts_with(p)));
         return (!ok).then(|| format!("GET {want} (non-resource URL)"));
     }
+    // a dry run (`dry-run patch`) needs the permission of the write it tries
+    let verb = verb.strip_prefix("dry-run ").unwrap_or(verb);
     // the server counts an eviction as verb `evict` on `pods`; RBAC calls it create pods/eviction
     let (verb, resource) = if verb == "evict" { ("create", "pods/eviction") } else { (verb, resource) };
     let Some(group) = group_of(resource) else {
@@ -230,6 +234,8 @@ fn the_policy_checks_can_fail() {
     let (rules, urls) = rbac_rules();
     assert_eq!(rbac_denies(&rules, &urls, "evict", "pods"), None);
     assert_eq!(rbac_denies(&rules, &urls, "patch", "deployments/scale"), None);
+    assert_eq!(rbac_denies(&rules, &urls, "dry-run evict", "pods"), None);
+    assert!(rbac_denies(&rules, &urls, "dry-run create", "nodes").is_some(), "a dry run needs the write's permission");
     assert!(rbac_denies(&rules, &urls, "create", "nodes").is_some(), "the tool never creates nodes");
     assert!(rbac_denies(&rules, &urls, "delete", "deployments").is_some());
     assert!(rbac_denies(&rules, &urls, "get", "secrets").is_some());

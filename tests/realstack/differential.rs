@@ -55,6 +55,11 @@ const KNOWN: &[(&str, &str)] = &[
          dependents and deletes at once, as a real cluster does moments later",
     ),
     (
+        "dry_runs/scale",
+        "Scale's spec.replicas is omitempty in Go: the real server's answer to a dry-run scale to 0 has no replicas \
+         field (as managed_fields/scale); both leave the Deployment's replicas as they were (dry_runs/replicas_after)",
+    ),
+    (
         "expiry/watch_after_compaction",
         "the real server serves a watch from its watch cache, which keeps at least 75 s of events whatever etcd has \
          compacted, so a watch from a version listed moments ago still replays; the emulator's forgotten history is \
@@ -964,18 +969,23 @@ macro_rules! describe {
     };
 }
 
+/// A NodeClaim held by Karpenter's termination finalizer.
+fn held_claim(name: &str) -> Value {
+    json!({
+        "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
+        "metadata": {"name": name, "finalizers": ["karpenter.sh/termination"]},
+        "spec": {"nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"},
+                 "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]},
+    })
+}
+
 /// Deletes: of objects with finalizers (Karpenter's termination finalizer), with propagation
 /// policies, of what is gone, and the writes a terminating object refuses.
 async fn deletes(s: &Side) -> Seen {
     let mut seen = Seen::new();
     let admin_claims: Api<DynamicObject> = Api::all_with(s.admin.clone(), &k8s::nodeclaim_resource());
     let claims: Api<DynamicObject> = Api::all_with(s.tool.clone(), &k8s::nodeclaim_resource());
-    let claim = json!({
-        "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
-        "metadata": {"name": "claim-0", "finalizers": ["karpenter.sh/termination"]},
-        "spec": {"nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"},
-                 "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]},
-    });
+    let claim = held_claim("claim-0");
     let created = admin_claims.create(&post("karpenter"), &serde_json::from_value(claim.clone()).unwrap()).await;
     seen.insert("nodeclaim_create".into(), answer(created, |v| v["spec"].clone()));
     let exists = admin_claims.create(&post("karpenter"), &serde_json::from_value(claim.clone()).unwrap()).await;
@@ -1136,6 +1146,99 @@ async fn expiry(s: &Side) -> Seen {
 }
 
 /// Every case on one server, in order.
+/// The admission check's dry runs (`dryRun=All`) of each kind of write, as the tool's identity:
+/// the answers, and that nothing changed (the objects, a budget's status, the replicas).
+async fn dry_runs(s: &Side) -> Seen {
+    let mut seen = Seen::new();
+    namespace(&s.admin, "dry").await;
+    let dry_patch = PatchParams { dry_run: true, ..pp("karpenter-teardown") };
+    let dry_delete = DeleteParams { dry_run: true, ..DeleteParams::default() };
+    // a node: cordoned, then deleted, both dry
+    let nodes: Api<Node> = Api::all(s.admin.clone());
+    nodes.create(&post("harness"), &node("dry-node", json!({"diff": "dry"}))).await.unwrap();
+    let tool_nodes: Api<Node> = Api::all(s.tool.clone());
+    let cordon = json_patch(json!([{"op": "add", "path": "/spec/unschedulable", "value": true}]));
+    let r = tool_nodes.patch("dry-node", &dry_patch, &cordon).await;
+    seen.insert("cordon".into(), answer(r, |v| pick(v, &["/spec/unschedulable", "/metadata/name"])));
+    let after = nodes.get("dry-node").await.unwrap();
+    seen.insert("cordon_stored".into(), json!(after.spec.and_then(|s| s.unschedulable)));
+    let r = tool_nodes.delete("dry-node", &dry_delete).await;
+    seen.insert("delete_node".into(), code(&r));
+    seen.insert("node_after_delete".into(), code(&nodes.get("dry-node").await));
+    // a NodeClaim with the termination finalizer: the release patch and the delete
+    let admin_claims: Api<DynamicObject> = Api::all_with(s.admin.clone(), &k8s::nodeclaim_resource());
+    let claims: Api<DynamicObject> = Api::all_with(s.tool.clone(), &k8s::nodeclaim_resource());
+    let claim = held_claim("dry-claim");
+    admin_claims.create(&post("karpenter"), &serde_json::from_value(claim).unwrap()).await.unwrap();
+    let release = json_patch(json!([
+        {"op": "test", "path": "/metadata/finalizers/0", "value": "karpenter.sh/termination"},
+        {"op": "remove", "path": "/metadata/finalizers/0"},
+    ]));
+    let r = claims.patch("dry-claim", &dry_patch, &release).await;
+    seen.insert("release".into(), answer(r, |v| pick(v, &["/metadata/finalizers"])));
+    let r = claims.delete("dry-claim", &dry_delete).await;
+    seen.insert("delete_claim".into(), describe!(r));
+    let stored = admin_claims.get("dry-claim").await.unwrap();
+    seen.insert(
+        "claim_stored".into(),
+        json!({"finalizers": stored.metadata.finalizers, "deleting": stored.metadata.deletion_timestamp.is_some()}),
+    );
+    // an eviction a budget allows, and one it refuses: the budget's status is not spent
+    let pods: Api<Pod> = Api::namespaced(s.admin.clone(), "dry");
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(s.admin.clone(), "dry");
+    let running = json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}});
+    let mut uids = BTreeMap::new();
+    for (name, app) in [("free", "f"), ("held", "h")] {
+        let p = pods.create(&post("harness"), &pod(name, "dry-node", json!({"app": app}))).await.unwrap();
+        uids.insert(name, p.metadata.uid.unwrap());
+        pods.patch_status(name, &pp("kubelet"), &Patch::Merge(&running)).await.unwrap();
+    }
+    for (name, app, allowed) in [("f", "f", 1), ("h", "h", 0)] {
+        let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {"minAvailable": 0, "selector": {"matchLabels": {"app": app}}},
+        }))
+        .unwrap();
+        let created = pdbs.create(&post("harness"), &pdb).await.unwrap();
+        let status = json!({"status": {
+            "observedGeneration": created.metadata.generation.unwrap_or(1),
+            "currentHealthy": 1, "desiredHealthy": 1 - allowed, "disruptionsAllowed": allowed, "expectedPods": 1,
+        }});
+        pdbs.patch_status(name, &pp("disruption-controller"), &Patch::Merge(status)).await.unwrap();
+    }
+    let tool_pods: Api<Pod> = Api::namespaced(s.tool.clone(), "dry");
+    for name in ["free", "held"] {
+        let eviction = Eviction {
+            metadata: ObjectMeta { name: Some(name.into()), namespace: Some("dry".into()), ..Default::default() },
+            delete_options: Some(DeleteOptions {
+                dry_run: Some(vec!["All".into()]),
+                preconditions: Some(Preconditions { uid: Some(uids[name].clone()), resource_version: None }),
+                ..Default::default()
+            }),
+        };
+        let params = PostParams { dry_run: true, ..PostParams::default() };
+        let r = tool_pods.create_subresource::<Eviction, Value>("eviction", name, &params, &eviction).await;
+        seen.insert(format!("evict_{name}"), answer(r, |v| pick(v, &["/kind", "/status", "/code"])));
+        let p = pods.get(name).await.unwrap();
+        seen.insert(format!("pod_{name}_after"), json!(p.metadata.deletion_timestamp.is_some()));
+    }
+    let budget = pdbs.get("f").await.unwrap().status.unwrap();
+    seen.insert(
+        "budget_after".into(),
+        json!({"disruptionsAllowed": budget.disruptions_allowed, "disrupted": budget.disrupted_pods.map_or(0, |d| d.len())}),
+    );
+    // the controller's scale to zero
+    let deployments: Api<Deployment> = Api::namespaced(s.admin.clone(), "dry");
+    deployments.create(&post("harness"), &deployment("karpenter", 2)).await.unwrap();
+    let tool_deployments: Api<Deployment> = Api::namespaced(s.tool.clone(), "dry");
+    let r =
+        tool_deployments.patch_scale("karpenter", &dry_patch, &Patch::Merge(json!({"spec": {"replicas": 0}}))).await;
+    seen.insert("scale".into(), answer(r, |v| pick(v, &["/kind", "/spec/replicas"])));
+    let d = deployments.get("karpenter").await.unwrap();
+    seen.insert("replicas_after".into(), json!(d.spec.and_then(|s| s.replicas)));
+    seen
+}
+
 async fn run_all(s: &Side) -> BTreeMap<&'static str, Seen> {
     let mut all = BTreeMap::new();
     all.insert("lists", lists(s).await);
@@ -1146,6 +1249,7 @@ async fn run_all(s: &Side) -> BTreeMap<&'static str, Seen> {
     all.insert("karpenter_crds", karpenter_crds(s).await);
     all.insert("gitops_crds", gitops_crds(s).await);
     all.insert("deletes", deletes(s).await);
+    all.insert("dry_runs", dry_runs(s).await);
     all.insert("watches", watches(s).await);
     // last: it makes the server forget its history
     all.insert("expiry", expiry(s).await);
@@ -1231,6 +1335,14 @@ async fn the_emulator_answers_the_tools_requests_as_the_real_server_does() {
     assert_eq!(real_fact("karpenter_crds", "static_fence_cpu")["code"], 422);
     assert_eq!(real_fact("patches", "cordon_stale")["code"], 422);
     assert_eq!(real_fact("expiry", "continue_after_compaction"), "ok");
+    // a dry run answers as the write would and stores nothing
+    assert_eq!(real_fact("dry_runs", "cordon")["ok"]["/spec/unschedulable"], true);
+    assert_eq!(real_fact("dry_runs", "cordon_stored"), Value::Null);
+    assert_eq!(real_fact("dry_runs", "node_after_delete"), "ok");
+    assert_eq!(real_fact("dry_runs", "evict_held")["error"]["code"], 429);
+    assert_eq!(real_fact("dry_runs", "evict_free")["ok"]["/status"], "Success");
+    assert_eq!(real_fact("dry_runs", "pod_free_after"), false);
+    assert_eq!(real_fact("dry_runs", "replicas_after"), 2);
 
     let found = differences(&seen_emulator, &seen_real);
     let known: BTreeMap<&str, &str> = KNOWN.iter().copied().collect();

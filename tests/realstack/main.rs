@@ -7,6 +7,7 @@
 //! pods must run, kube-controller-manager, kube-scheduler and kwok: `control_plane`) and kills
 //! them when it ends, failing or not.
 
+mod admission;
 #[path = "../common/mod.rs"]
 mod common;
 mod control_plane;

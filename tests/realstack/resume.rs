@@ -30,20 +30,20 @@ const LOG_LEVEL: &str = "info,karpenter_teardown=debug";
 /// A cluster the real Karpenter provisioned: `pods` pending pods of one CPU each in `web`, a
 /// budget that lets all of them go, and a system node (a managed node group's, with its EC2
 /// instance as the decoy) where the controller's own pod runs.
-struct Provisioned {
-    s: RealStack,
-    cluster: String,
-    admin: kube::Client,
-    ec2: aws_sdk_ec2::Client,
-    iam: aws_sdk_iam::Client,
-    aws: AwsClients,
-    karpenter: RealKarpenter,
+pub(super) struct Provisioned {
+    pub(super) s: RealStack,
+    pub(super) cluster: String,
+    pub(super) admin: kube::Client,
+    pub(super) ec2: aws_sdk_ec2::Client,
+    pub(super) iam: aws_sdk_iam::Client,
+    pub(super) aws: AwsClients,
+    pub(super) karpenter: RealKarpenter,
     /// Karpenter's instances, from its NodeClaims.
-    instances: Vec<String>,
-    decoy: String,
+    pub(super) instances: Vec<String>,
+    pub(super) decoy: String,
 }
 
-async fn provisioned(prefix: &str, rbac_yaml: &str, pods_wanted: usize) -> Provisioned {
+pub(super) async fn provisioned(prefix: &str, rbac_yaml: &str, pods_wanted: usize) -> Provisioned {
     let started = Instant::now();
     let cluster = common::unique_cluster(prefix);
     let s = RealStack::start_full(&cluster, rbac_yaml).await.unwrap_or_else(|e| panic!("{e}"));
@@ -182,7 +182,7 @@ async fn provisioned(prefix: &str, rbac_yaml: &str, pods_wanted: usize) -> Provi
 impl Provisioned {
     /// A command of the binary against the stack as the tool's identity, writing its report to
     /// `report`.
-    fn tool(
+    pub(super) fn tool(
         &self,
         subcommand: &str,
         kubeconfig: &std::path::Path,
@@ -202,7 +202,7 @@ impl Provisioned {
     }
 
     /// Every instance LocalStack holds with this cluster's Karpenter tag, by id.
-    async fn karpenter_instances(&self) -> BTreeSet<String> {
+    pub(super) async fn karpenter_instances(&self) -> BTreeSet<String> {
         let out = self
             .ec2
             .describe_instances()
@@ -227,7 +227,7 @@ impl Provisioned {
     /// What every successful teardown of this cluster leaves: Karpenter's instances terminated,
     /// its launch templates and instance profile gone, its objects and nodes gone; the decoy,
     /// the node role and the system node untouched.
-    async fn assert_torn_down(&self, instances: &[String]) {
+    pub(super) async fn assert_torn_down(&self, instances: &[String]) {
         assert!(!self.karpenter.running(), "Karpenter still runs after the teardown");
         let ours = states(&self.aws, instances).await;
         assert!(ours.values().all(|s| *s == InstanceState::Terminated), "Karpenter's instances: {ours:?}");
@@ -248,7 +248,7 @@ impl Provisioned {
         assert_ne!(system.spec.and_then(|s| s.unschedulable), Some(true), "the system node was cordoned");
     }
 
-    async fn end(self) {
+    pub(super) async fn end(self) {
         self.ec2.terminate_instances().instance_ids(&self.decoy).send().await.unwrap();
     }
 }

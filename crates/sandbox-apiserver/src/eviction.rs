@@ -177,7 +177,7 @@ pub(crate) fn refresh_pdb(
 const MAX_DISRUPTED_PODS: usize = 2000;
 
 /// POST pods/NAME/eviction.
-pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> Result<Value, ApiError> {
+pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value, dry_run: bool) -> Result<Value, ApiError> {
     if let Some(n) = eviction["metadata"]["name"].as_str()
         && n != name
     {
@@ -187,6 +187,8 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
     }
     let dopts_json = eviction.get("deleteOptions").cloned().unwrap_or(json!({}));
     let mut dopts = DeleteOptions::from_json(&dopts_json)?;
+    // the query's dryRun is carried into the delete (eviction.go's propagateDryRun)
+    dopts.dry_run |= dry_run;
     if dopts_json["propagationPolicy"].is_null() {
         dopts.propagation = Propagation::Background;
     }
@@ -276,11 +278,20 @@ pub(crate) fn evict(shared: &Shared, ns: &str, name: &str, eviction: &Value) -> 
                     let mut o = pdb.clone();
                     o["status"] = st;
                     let key = ObjectKey { gr: pdb_gr(), namespace: ns.into(), name: pdb_name.as_str().into() };
-                    inner.put(&key, o, "kube-apiserver", "status");
+                    // a dry run checks the budget and leaves it as it is (eviction.go skips its
+                    // status update), then the delete's preconditions below
+                    if !dopts.dry_run {
+                        inner.put(&key, o, "kube-apiserver", "status");
+                    }
                 }
             }
         }
         inner.delete(&pods_gr(), ns, name, &dopts)?;
-        Ok(json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}))
+        Ok(evicted())
     })
+}
+
+/// What an accepted eviction answers.
+fn evicted() -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})
 }

@@ -263,7 +263,13 @@ pub(crate) async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> R
         (Some(s), v) if v != "evict" => format!("{}/{s}", t.resource),
         _ => t.resource.clone(),
     };
-    shared.stats.record(verb, &stat_resource);
+    // a dry run is counted apart: it writes nothing, and a count of evictions or patches is a
+    // count of the writes made
+    if q.contains_key("dryRun") {
+        shared.stats.record(&format!("dry-run {verb}"), &stat_resource);
+    } else {
+        shared.stats.record(verb, &stat_resource);
+    }
     // API Priority and Fairness, reduced to one priority level with a fixed number of seats and
     // no queue: a request beyond them is rejected the way APF rejects (watches hold no seat once
     // started, as in kube-apiserver)
@@ -355,9 +361,13 @@ pub(crate) async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> R
     if ct.contains("protobuf") {
         return error_response(&ApiError::unsupported_media_type(&ct));
     }
-    if q.contains_key("dryRun") {
-        return error_response(&ApiError::bad_request("dryRun is not supported by the sandbox API server"));
-    }
+    let dry_run = match crate::store::dry_run_value(
+        &q.get("dryRun").map_or(Value::Null, |v| json!(v)),
+        if parts.method == Method::DELETE { "DeleteOptions" } else { "CreateOptions" },
+    ) {
+        Ok(d) => d,
+        Err(e) => return error_response(&e),
+    };
     let body = match axum::body::to_bytes(body, 64 << 20).await {
         Ok(b) => b,
         Err(e) => return error_response(&ApiError::bad_request(format!("reading the body: {e}"))),
@@ -366,6 +376,7 @@ pub(crate) async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> R
         field_manager: field_manager(&q, &parts.headers),
         force: truthy(&q, "force"),
         api_version: t.api_version(),
+        dry_run,
     };
     let table = wants_table(&parts.headers);
     if verb == "watch" {
@@ -425,7 +436,7 @@ fn serve_resource(
         }
         ("POST", Some(name), "eviction") if info.resource == "pods" && info.group.is_empty() => {
             let ev = parse_json(body)?;
-            eviction::evict(shared, t.ns(), name, &ev).map(|v| json_response(201, &v))
+            eviction::evict(shared, t.ns(), name, &ev, opts.dry_run).map(|v| json_response(201, &v))
         }
         ("POST", Some(name), "binding") if info.resource == "pods" && info.group.is_empty() => {
             let b = parse_json(body)?;
@@ -433,14 +444,14 @@ fn serve_resource(
         }
         ("PUT", Some(name), "scale") => {
             let v = parse_json(body)?;
-            scale::update(store, info, t.ns(), name, &v, &opts.field_manager).map(|v| json_response(200, &v))
+            scale::update(store, info, t.ns(), name, &v, opts).map(|v| json_response(200, &v))
         }
         ("PATCH", Some(name), "scale") => {
             let ty = PatchType::from_content_type(ct).ok_or_else(|| ApiError::unsupported_media_type(ct))?;
             let p = patch::parse_body(ty, body)?;
             let cur = scale::get(store, info, t.ns(), name)?;
             let next = patch::apply_patch(if ty == PatchType::Apply { PatchType::Merge } else { ty }, &cur, &p)?;
-            scale::update(store, info, t.ns(), name, &next, &opts.field_manager).map(|v| json_response(200, &v))
+            scale::update(store, info, t.ns(), name, &next, opts).map(|v| json_response(200, &v))
         }
         ("PUT", Some(name), "" | "status") => {
             let obj = parse_json(body)?;
@@ -463,7 +474,8 @@ fn serve_resource(
             if let Some(p) = q.get("propagationPolicy") {
                 dopts["propagationPolicy"] = json!(p);
             }
-            let d = DeleteOptions::from_json(&dopts)?;
+            let mut d = DeleteOptions::from_json(&dopts)?;
+            d.dry_run |= opts.dry_run;
             let (obj, gone) = store.delete(&gr, t.ns(), name, &d)?;
             if gone && !returns_deleted_object(&gr) {
                 return Ok(json_response(200, &deleted_status(&gr, name, &obj)));

@@ -5,7 +5,7 @@ use serde_json::{Value, json};
 use super::kinds::ResourceInfo;
 use super::select::LabelSelector;
 use super::status::ApiError;
-use super::store::{GroupResource, ObjectKey, Store};
+use super::store::{GroupResource, ObjectKey, Store, WriteOptions};
 use super::table::json_path;
 
 fn set_path(obj: &mut Value, path: &str, v: Value) {
@@ -54,7 +54,7 @@ pub(crate) fn update(
     ns: &str,
     name: &str,
     scale: &Value,
-    manager: &str,
+    opts: &WriteOptions,
 ) -> Result<Value, ApiError> {
     let gr = GroupResource::new(&info.group, &info.resource);
     let replicas = scale["spec"]["replicas"].as_i64().ok_or_else(|| {
@@ -81,6 +81,9 @@ pub(crate) fn update(
         let paths = info.scale.as_ref().ok_or_else(|| ApiError::no_route("scale"))?;
         let mut o = (*cur).clone();
         set_path(&mut o, &paths.spec_replicas, json!(replicas));
+        if o != *cur && opts.dry_run {
+            return to_scale(info, &o);
+        }
         if o != *cur {
             let g = o["metadata"]["generation"].as_i64().unwrap_or(1);
             o["metadata"]["generation"] = json!(g + 1);
@@ -89,7 +92,7 @@ pub(crate) fn update(
                 namespace: if info.namespaced { ns.into() } else { "".into() },
                 name: name.into(),
             };
-            let out = inner.put(&key, o, manager, "scale");
+            let out = inner.put(&key, o, &opts.field_manager, "scale");
             return to_scale(info, &out);
         }
         to_scale(info, &cur)

@@ -118,6 +118,20 @@ impl Inner {
         {
             fins.push(f.to_string());
         }
+        if opts.dry_run {
+            // what the delete would answer, nothing changed: gone at once without finalizers
+            // or a grace period, else marked for deletion
+            if deleting || !fins.is_empty() || grace > 0 {
+                let mut o = (*obj).clone();
+                if !deleting {
+                    o["metadata"]["deletionTimestamp"] = json!(rfc3339_in(grace));
+                    o["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
+                }
+                set_finalizers(&mut o, &fins);
+                return Ok((o, false));
+            }
+            return Ok(((*obj).clone(), true));
+        }
         if *gr == ns_gr() && !deleting {
             let mut o = (*obj).clone();
             o["metadata"]["deletionTimestamp"] = json!(now_rfc3339());

@@ -131,6 +131,8 @@ pub struct WriteOptions {
     pub force: bool,
     /// The apiVersion the client used (recorded in managedFields); storage version if empty.
     pub api_version: String,
+    /// `dryRun=All`: admitted and answered as if written, nothing stored.
+    pub dry_run: bool,
 }
 
 impl WriteOptions {
@@ -163,6 +165,8 @@ pub struct DeleteOptions {
     pub precondition_uid: Option<String>,
     /// `preconditions.resourceVersion`.
     pub precondition_rv: Option<String>,
+    /// `dryRun: ["All"]`: checked and answered as if deleted, nothing changed.
+    pub dry_run: bool,
 }
 
 impl DeleteOptions {
@@ -190,7 +194,31 @@ impl DeleteOptions {
             propagation,
             precondition_uid: v["preconditions"]["uid"].as_str().map(str::to_string),
             precondition_rv: v["preconditions"]["resourceVersion"].as_str().map(str::to_string),
+            dry_run: dry_run_value(&v["dryRun"], "DeleteOptions")?,
         })
+    }
+}
+
+/// Reads a `dryRun` list as kube-apiserver validates it: absent or empty is a real write, `All`
+/// is the only other value it accepts (apimachinery's `ValidateDryRun`).
+pub fn dry_run_value(v: &Value, options_kind: &str) -> Result<bool, ApiError> {
+    let values: Vec<&str> = match v {
+        Value::Null => return Ok(false),
+        Value::String(s) => vec![s.as_str()],
+        Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+        _ => vec![""],
+    };
+    match values.as_slice() {
+        [] => Ok(false),
+        ["All"] => Ok(true),
+        other => Err(ApiError::invalid(
+            "meta.k8s.io",
+            options_kind,
+            "",
+            "dryRun",
+            "FieldValueNotSupported",
+            &format!("Unsupported value: {other:?}: supported values: \"All\""),
+        )),
     }
 }
 

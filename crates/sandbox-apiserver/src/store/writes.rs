@@ -101,6 +101,9 @@ impl Inner {
         opts: &WriteOptions,
     ) -> Result<Value, ApiError> {
         let (key, obj) = self.new_object(gr, ns, obj, opts, true)?;
+        if opts.dry_run {
+            return Ok(obj);
+        }
         Ok(self.commit(key, obj, None))
     }
 
@@ -191,7 +194,8 @@ impl Inner {
         // on reading it (an object stored before its CRD's schema changed stays readable)
         let admission = if record { Admission::Validate } else { Admission::DefaultOnly };
         self.admit_custom(&info, &name, &mut obj, None, admission)?;
-        if *gr == crd_gr() {
+        // a dry run leaves the served kinds as they are, so a CRD's write is admitted only
+        if *gr == crd_gr() && !opts.dry_run {
             let registered = self.registry.register_crd(&obj)?;
             let mut f = finalizers(&obj);
             if !f.iter().any(|x| x == CRD_CLEANUP) {
@@ -368,7 +372,7 @@ impl Inner {
                 applied: None,
             },
         );
-        if obj == *old {
+        if obj == *old || opts.dry_run {
             return Ok(obj);
         }
         let key = ObjectKey { gr: gr.clone(), namespace: ns.into(), name: name.into() };
@@ -493,6 +497,9 @@ impl Inner {
                 let mut obj = body.clone();
                 obj["metadata"]["name"] = json!(name);
                 let mut created = self.create(gr, ns, obj, opts)?;
+                if opts.dry_run {
+                    return Ok(created);
+                }
                 // Re-record as an Apply so the manager owns what it applied.
                 let key = ObjectKey { gr: gr.clone(), namespace: ns.into(), name: name.into() };
                 let mut paths = Vec::new();
@@ -576,6 +583,9 @@ impl Inner {
                 merged["metadata"]["resourceVersion"] = json!(rv);
             }
             let out = self.update(gr, ns, name, merged, subresource, opts, "Apply")?;
+            if opts.dry_run {
+                return Ok(out);
+            }
             // Apply replaces the manager's field set with what it applied.
             let key = ObjectKey { gr: gr.clone(), namespace: ns.into(), name: name.into() };
             if let Some(slot) =

@@ -1,0 +1,626 @@
+//! Admission before the first write (design §2.1). RBAC saying yes is not the API server saying
+//! yes: webhooks and admission policies refuse writes RBAC allows, and a refusal half-way leaves
+//! NodePools fenced and nodes cordoned with the run stopped. Before the first write the tool
+//! sends one server-side dry run (`dryRun=All`: the whole admission chain, nothing stored) of
+//! each kind of write the plan makes, on a representative object, and reads every webhook
+//! configuration for those whose only backends the drain itself will take away.
+//!
+//! What a refusal means and what to do about it is decided here, purely ([`blocked_by`],
+//! [`stranded`]); [`check`] is the thin loop that asks the server. The tool never edits or
+//! deletes a webhook configuration or a policy: it names them and the fix.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::policy::v1::Eviction;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::ApiResource;
+use serde_json::{Value, json};
+
+use super::inventory::Inventory;
+use super::permissions::KubePermission;
+use crate::k8s::admission::{Admitter, Webhook};
+use crate::k8s::objects::patch_params;
+use crate::k8s::{self, KubeError, status_code};
+use crate::karpenter;
+
+/// The admission operation of a verb.
+fn operation(verb: &str) -> Option<&'static str> {
+    match verb {
+        "create" => Some("CREATE"),
+        "patch" | "update" => Some("UPDATE"),
+        "delete" => Some("DELETE"),
+        _ => None,
+    }
+}
+
+/// The writes among what a plan needs. The CRD patch is left out: it is the named repair of a
+/// 1.0.x conversion webhook, made only when that webhook is configured.
+pub(crate) fn writes(need: &BTreeSet<KubePermission>) -> Vec<&KubePermission> {
+    need.iter()
+        .filter(|p| operation(p.verb).is_some() && p.resource != "customresourcedefinitions")
+        // one per kind, verb and subresource: rules by resource name are asked by RBAC
+        .fold(Vec::<&KubePermission>::new(), |mut out, p| {
+            if !out
+                .iter()
+                .any(|q| (q.verb, q.group, q.resource, q.subresource) == (p.verb, p.group, p.resource, p.subresource))
+            {
+                out.push(p);
+            }
+            out
+        })
+}
+
+/// A write the admission chain would refuse, with who refuses it and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Blocked {
+    /// The write, as `patch nodes` with the object tried.
+    pub(crate) write: String,
+    /// The webhook or policy (for the report's blocker name).
+    pub(crate) who: String,
+    /// What the server said, with the configuration found.
+    pub(crate) cause: String,
+    /// What to do.
+    pub(crate) fix: String,
+    /// The webhook, when the server could not call it.
+    pub(crate) unreachable: Option<String>,
+}
+
+impl std::fmt::Display for Blocked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} is refused: {}; {}", self.write, self.cause, self.fix)
+    }
+}
+
+/// What the admission check found.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Findings {
+    /// Dry runs sent.
+    pub(crate) dry_runs: usize,
+    /// Writes that would be refused.
+    pub(crate) blocked: Vec<Blocked>,
+    /// Writes that could not be tried (a webhook with side effects refuses dry runs).
+    pub(crate) unchecked: Vec<String>,
+}
+
+/// A webhook Karpenter's own releases before v1 installed (`validation.webhook.karpenter.sh`,
+/// `defaulting.webhook.karpenter.k8s.aws`, ...): v1 serves none of them, and its upgrade guide
+/// says to delete them.
+pub(crate) fn is_karpenter_webhook(name: &str) -> bool {
+    name.ends_with(".karpenter.sh") || name.ends_with(".karpenter.k8s.aws")
+}
+
+fn kubectl_kind(kind: &str) -> String {
+    kind.to_ascii_lowercase()
+}
+
+/// Who refused `write`, with the configuration of the webhook it names (when found), and the fix.
+pub(crate) fn blocked_by(write: String, admitter: &Admitter, webhooks: &[Webhook]) -> Blocked {
+    let config = admitter.webhook().and_then(|name| webhooks.iter().find(|w| w.name == name));
+    let seen = config.map(|w| format!(" [{}]", w.describe())).unwrap_or_default();
+    let cause = format!("{admitter}{seen}");
+    let fix = match (admitter, config) {
+        (Admitter::Unreachable { webhook, .. }, Some(w)) if is_karpenter_webhook(webhook) => format!(
+            "it is a webhook of a Karpenter release before v1, which Karpenter v1 no longer serves: delete it as Karpenter's v1 upgrade guide says (kubectl delete {} {}), then run again",
+            kubectl_kind(w.config_kind),
+            w.config
+        ),
+        (Admitter::Unreachable { webhook, .. }, None) if is_karpenter_webhook(webhook) => format!(
+            "it is a webhook of a Karpenter release before v1, which Karpenter v1 no longer serves: delete the webhook configuration that holds {webhook} as Karpenter's v1 upgrade guide says, then run again"
+        ),
+        (Admitter::Unreachable { .. }, Some(w)) => format!(
+            "bring its backend back, or, if its controller is gone for good, have its owner remove {} {}; then run again",
+            w.config_kind, w.config
+        ),
+        (Admitter::Unreachable { .. }, None) => {
+            "bring the webhook's backend back, or have its owner remove its configuration; then run again".into()
+        }
+        (Admitter::DeniedByWebhook { webhook, .. }, _) => format!(
+            "exempt this identity or these objects from webhook {webhook} for the teardown (its objectSelector or its controller's own policy), then run again"
+        ),
+        (Admitter::DeniedByPolicy { policy, .. }, _) => format!(
+            "exempt this identity or these objects from ValidatingAdmissionPolicy {policy} for the teardown (its binding's matchResources or the policy's matchConditions), then run again"
+        ),
+        (Admitter::NoDryRun { .. }, _) => "nothing is known of it before the real write".into(),
+    };
+    let who = match admitter {
+        Admitter::DeniedByPolicy { policy, .. } => format!("ValidatingAdmissionPolicy/{policy}"),
+        other => match config {
+            Some(w) => format!("{}/{}", w.config_kind, w.config),
+            None => format!("webhook/{}", other.webhook().unwrap_or_default()),
+        },
+    };
+    let unreachable = match admitter {
+        Admitter::Unreachable { webhook, .. } => Some(webhook.clone()),
+        _ => None,
+    };
+    Blocked { write, who, cause, fix, unreachable }
+}
+
+/// The webhooks that refuse closed, match a write the plan makes, and whose every ready backend
+/// runs on a Karpenter node: a dry run passes now, but once the drain has taken those nodes'
+/// pods away every write they match fails. `backends` holds the nodes of each service's ready
+/// endpoints (`None`: an endpoint with no node, which no drain removes).
+pub(crate) fn stranded(
+    webhooks: &[Webhook],
+    writes: &[&KubePermission],
+    backends: &BTreeMap<(String, String), Vec<Option<String>>>,
+    karpenter_nodes: &BTreeSet<String>,
+) -> Vec<Blocked> {
+    let mut out = Vec::new();
+    for w in webhooks.iter().filter(|w| w.fails_closed) {
+        let Some((ns, name, _)) = &w.service else { continue };
+        let matched = matched_writes(w, writes);
+        if matched.is_empty() {
+            continue;
+        }
+        let Some(nodes) = backends.get(&(ns.clone(), name.clone())) else { continue };
+        let on_karpenter: Vec<&str> =
+            nodes.iter().filter_map(|n| n.as_deref()).filter(|n| karpenter_nodes.contains(*n)).collect();
+        if nodes.is_empty() || on_karpenter.len() < nodes.len() {
+            continue;
+        }
+        let mut on: Vec<&str> = on_karpenter.clone();
+        on.sort_unstable();
+        on.dedup();
+        out.push(Blocked {
+            write: matched.join(", "),
+            who: format!("{}/{}", w.config_kind, w.config),
+            cause: format!(
+                "webhook {} ({}) is served only from Karpenter nodes ({}): the drain takes its backend away, and every later write it matches would fail",
+                w.name,
+                w.describe(),
+                on.join(", ")
+            ),
+            fix: format!(
+                "run service {ns}/{name}'s pods on capacity this run keeps (a managed node group or Fargate){}, then run again",
+                if is_karpenter_webhook(&w.name) {
+                    format!(
+                        "; or, as a webhook of a Karpenter release before v1, delete it as the v1 upgrade guide says (kubectl delete {} {})",
+                        kubectl_kind(w.config_kind),
+                        w.config
+                    )
+                } else {
+                    String::new()
+                }
+            ),
+            unreachable: None,
+        });
+    }
+    out
+}
+
+/// The other webhooks that call the backend of a webhook found unreachable, refuse closed,
+/// and match a write of the plan: the server names only the first webhook a write fails on
+/// (mutating before validating), and a run that stopped at each in turn would need one run per
+/// stale webhook to name them all.
+pub(crate) fn same_backend(
+    blocked: &[Blocked],
+    unreachable: &[&str],
+    webhooks: &[Webhook],
+    writes: &[&KubePermission],
+) -> Vec<Blocked> {
+    let dead: Vec<&Webhook> = webhooks.iter().filter(|w| unreachable.contains(&w.name.as_str())).collect();
+    let mut out = Vec::new();
+    for w in webhooks.iter().filter(|w| w.fails_closed && !unreachable.contains(&w.name.as_str())) {
+        let who = format!("{}/{}", w.config_kind, w.config);
+        let Some(first) = dead.iter().find(|d| d.service.is_some() && d.service == w.service) else { continue };
+        if blocked.iter().any(|b| b.who == who) {
+            continue;
+        }
+        let matched = matched_writes(w, writes);
+        if matched.is_empty() {
+            continue;
+        }
+        let admitter = Admitter::Unreachable {
+            webhook: w.name.clone(),
+            detail: format!("it calls the same backend as webhook {}, which cannot be called", first.name),
+        };
+        out.push(blocked_by(matched.join(", "), &admitter, webhooks));
+    }
+    out
+}
+
+/// The plan's writes a webhook's rules match, in words.
+fn matched_writes(w: &Webhook, writes: &[&KubePermission]) -> Vec<String> {
+    writes
+        .iter()
+        .filter(|p| {
+            let op = operation(p.verb).unwrap_or_default();
+            w.rules.iter().any(|r| r.matches(op, p.group, p.resource, p.subresource))
+        })
+        .map(|p| permission_words(p))
+        .collect()
+}
+
+fn permission_words(p: &KubePermission) -> String {
+    let group = if p.group.is_empty() { String::new() } else { format!(".{}", p.group) };
+    let sub = if p.subresource.is_empty() { String::new() } else { format!("/{}", p.subresource) };
+    format!("{} {}{group}{sub}", p.verb, p.resource)
+}
+
+/// Asks the server, before the first write: the webhook configurations, the nodes their
+/// services run on, and one dry run per kind of write on a representative object.
+pub(crate) async fn check(
+    client: &kube::Client,
+    inv: &Inventory,
+    need: &BTreeSet<KubePermission>,
+) -> Result<Findings, KubeError> {
+    let writes = writes(need);
+    let webhooks = k8s::retry_transient(|| k8s::admission::webhooks(client)).await?;
+    let karpenter_nodes: BTreeSet<String> = inv.machines.values().filter_map(|m| m.node.clone()).collect();
+    let mut backends = BTreeMap::new();
+    for w in webhooks.iter().filter(|w| w.fails_closed) {
+        if let Some((ns, name, _)) = &w.service
+            && !backends.contains_key(&(ns.clone(), name.clone()))
+        {
+            let nodes = k8s::retry_transient(|| k8s::admission::service_nodes(client, ns, name)).await?;
+            backends.insert((ns.clone(), name.clone()), nodes);
+        }
+    }
+    let mut findings =
+        Findings { blocked: stranded(&webhooks, &writes, &backends, &karpenter_nodes), ..Findings::default() };
+    let pod = representative_pod(client, inv).await?;
+    for p in writes.iter().copied() {
+        let Some((target, answer)) = dry_run(client, inv, p, pod.as_ref()).await? else { continue };
+        findings.dry_runs += 1;
+        let write = format!("{} ({target})", permission_words(p));
+        match answer {
+            Ok(()) => {}
+            Err(e) => match k8s::admission::admitter(&e) {
+                Some(Admitter::NoDryRun { webhook }) => {
+                    tracing::warn!(write = %write, webhook = %webhook, "a webhook with side effects refuses dry runs: this write is not checked before the run");
+                    findings.unchecked.push(format!("{write}: webhook {webhook} does not support dry runs"));
+                }
+                Some(a) => findings.blocked.push(blocked_by(write, &a, &webhooks)),
+                None => match status_code(&e) {
+                    // gone or changed since it was read: the next kind's probe goes on
+                    Some(404 | 409) => tracing::debug!(write = %write, "the object tried changed under the dry run"),
+                    // a budget that allows no eviction now: admitted, the drain's business
+                    Some(429) if p.subresource == "eviction" => {}
+                    _ if k8s::is_transient(&e) => return Err(KubeError::api(format!("dry run of {write}"), e)),
+                    _ => findings.blocked.push(Blocked {
+                        write,
+                        who: "kube-apiserver".into(),
+                        cause: k8s::describe_error(&e),
+                        fix: "the server refuses this write as the run would make it".into(),
+                        unreachable: None,
+                    }),
+                },
+            },
+        }
+    }
+    let unreachable: Vec<String> = findings.blocked.iter().filter_map(|b| b.unreachable.clone()).collect();
+    let names: Vec<&str> = unreachable.iter().map(String::as_str).collect();
+    let more = same_backend(&findings.blocked, &names, &webhooks, &writes);
+    findings.blocked.extend(more);
+    Ok(findings)
+}
+
+/// A pod a drain would evict, from the first Karpenter nodes that hold one.
+async fn representative_pod(client: &kube::Client, inv: &Inventory) -> Result<Option<Pod>, KubeError> {
+    let api: Api<Pod> = Api::all(client.clone());
+    // a few nodes at most: the check costs the same on ten nodes as on ten thousand
+    for node in inv.machines.values().filter_map(|m| m.node.as_deref()).take(3) {
+        let lp = ListParams::default().fields(&format!("spec.nodeName={node}"));
+        let pods = k8s::retry_transient(|| async {
+            api.list(&lp).await.map_err(|e| KubeError::api(format!("list the pods of node {node}"), e))
+        })
+        .await?;
+        if let Some(p) = pods
+            .items
+            .into_iter()
+            .find(|p| k8s::pods::drainable(p).is_some_and(|r| !r.terminating && r.rides_with_node.is_none()))
+        {
+            return Ok(Some(p));
+        }
+    }
+    Ok(None)
+}
+
+fn dry_patch() -> PatchParams {
+    PatchParams { dry_run: true, ..patch_params() }
+}
+
+fn dry_delete() -> DeleteParams {
+    DeleteParams { dry_run: true, ..DeleteParams::default() }
+}
+
+type Answer = Result<(), kube::Error>;
+
+/// One dry run of `p`'s kind of write on a representative object: the object tried and the
+/// server's answer, or `None` when the cluster holds no object of that kind to try it on (then
+/// the run has nothing of that kind to write either).
+async fn dry_run(
+    client: &kube::Client,
+    inv: &Inventory,
+    p: &KubePermission,
+    pod: Option<&Pod>,
+) -> Result<Option<(String, Answer)>, KubeError> {
+    let first_node = inv.machines.values().find_map(|m| m.node.clone());
+    let first_claim = inv.machines.values().find_map(|m| m.nodeclaim.clone());
+    let dynamic = |ar: &ApiResource| Api::<DynamicObject>::all_with(client.clone(), ar);
+    let read = |api: Api<DynamicObject>, name: String| async move {
+        k8s::retry_transient(|| async {
+            api.get_opt(&name).await.map_err(|e| KubeError::api(format!("read {name} for a dry run"), e))
+        })
+        .await
+    };
+    let answer: (String, Answer) = match (p.group, p.resource, p.subresource, p.verb) {
+        ("karpenter.sh", "nodepools", "", "patch") => {
+            let Some(name) = inv.nodepools.first() else { return Ok(None) };
+            let api = dynamic(&k8s::nodepool_resource());
+            let Some(pool) = read(api.clone(), name.clone()).await? else { return Ok(None) };
+            let body = super::actions::fence_patch(&pool);
+            (format!("fence NodePool {name}"), api.patch(name, &dry_patch(), &Patch::Merge(&body)).await.map(drop))
+        }
+        ("", "nodes", "", "patch") => {
+            let Some(name) = first_node else { return Ok(None) };
+            let api: Api<Node> = Api::all(client.clone());
+            let Some(node) = k8s::retry_transient(|| async {
+                api.get_opt(&name).await.map_err(|e| KubeError::api(format!("read node {name} for a dry run"), e))
+            })
+            .await?
+            else {
+                return Ok(None);
+            };
+            let rv = node.metadata.resource_version.clone().unwrap_or_default();
+            let mut ops = vec![json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv})];
+            ops.extend(k8s::nodes::fence_ops(&node));
+            let patch = json_patch(ops)?;
+            (format!("cordon node {name}"), api.patch(&name, &dry_patch(), &Patch::<()>::Json(patch)).await.map(drop))
+        }
+        ("", "nodes", "", "delete") => {
+            let Some(name) = first_node else { return Ok(None) };
+            let api: Api<Node> = Api::all(client.clone());
+            (format!("delete node {name}"), api.delete(&name, &dry_delete()).await.map(drop))
+        }
+        ("karpenter.sh", "nodeclaims", "", verb) => {
+            let Some(name) = first_claim else { return Ok(None) };
+            let api = dynamic(&k8s::nodeclaim_resource());
+            release_or_delete(api, read, "NodeClaim", name, karpenter::FINALIZER_TERMINATION, verb).await?
+        }
+        ("karpenter.k8s.aws", "ec2nodeclasses", "", verb) => {
+            let Some(name) = inv.nodeclasses.first().cloned() else { return Ok(None) };
+            let api = dynamic(&k8s::nodeclass_resource());
+            release_or_delete(api, read, "EC2NodeClass", name, karpenter::FINALIZER_NODECLASS, verb).await?
+        }
+        ("karpenter.sh", "nodepools", "", "delete") => {
+            let Some(name) = inv.nodepools.first() else { return Ok(None) };
+            let api = dynamic(&k8s::nodepool_resource());
+            (format!("delete NodePool {name}"), api.delete(name, &dry_delete()).await.map(drop))
+        }
+        ("", "pods", "eviction", "create") => {
+            let Some(pod) = pod else { return Ok(None) };
+            let (ns, name) = pod_names(pod);
+            let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+            let eviction = Eviction {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(name.clone()),
+                    namespace: Some(ns.clone()),
+                    ..Default::default()
+                },
+                delete_options: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::DeleteOptions {
+                    dry_run: Some(vec!["All".into()]),
+                    preconditions: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Preconditions {
+                        uid: pod.metadata.uid.clone(),
+                        resource_version: None,
+                    }),
+                    ..Default::default()
+                }),
+            };
+            let pp = PostParams { dry_run: true, ..PostParams::default() };
+            (
+                format!("evict pod {ns}/{name}"),
+                api.create_subresource::<Eviction, Value>("eviction", &name, &pp, &eviction).await.map(drop),
+            )
+        }
+        ("", "pods", "", "delete") => {
+            let Some(pod) = pod else { return Ok(None) };
+            let (ns, name) = pod_names(pod);
+            let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+            (format!("delete pod {ns}/{name}"), api.delete(&name, &dry_delete()).await.map(drop))
+        }
+        ("apps", "deployments", "scale", "patch") => {
+            let Some(c) = &inv.controller else { return Ok(None) };
+            let api: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(client.clone(), &c.namespace);
+            let body = json!({"spec": {"replicas": 0}});
+            (
+                format!("scale deployment {}/{} to 0", c.namespace, c.name),
+                api.patch_scale(&c.name, &dry_patch(), &Patch::Merge(&body)).await.map(drop),
+            )
+        }
+        // the GitOps owners' pause patches: not tried here (the owners are paused before the
+        // first write and a refusal there stops the run before any other write)
+        _ => return Ok(None),
+    };
+    Ok(Some(answer))
+}
+
+fn pod_names(pod: &Pod) -> (String, String) {
+    (pod.metadata.namespace.clone().unwrap_or_default(), pod.metadata.name.clone().unwrap_or_default())
+}
+
+fn json_patch(ops: Vec<Value>) -> Result<json_patch::Patch, KubeError> {
+    serde_json::from_value(Value::Array(ops))
+        .map_err(|e| KubeError::api("build a dry-run patch", kube::Error::SerdeError(e)))
+}
+
+/// The release's finalizer patch (`patch`) or the delete (`delete`) of `name`, as a dry run.
+async fn release_or_delete<R, F>(
+    api: Api<DynamicObject>,
+    read: R,
+    kind: &str,
+    name: String,
+    finalizer: &str,
+    verb: &str,
+) -> Result<(String, Answer), KubeError>
+where
+    R: FnOnce(Api<DynamicObject>, String) -> F,
+    F: std::future::Future<Output = Result<Option<DynamicObject>, KubeError>>,
+{
+    if verb == "delete" {
+        return Ok((format!("delete {kind} {name}"), api.delete(&name, &dry_delete()).await.map(drop)));
+    }
+    let Some(obj) = read(api.clone(), name.clone()).await? else {
+        return Ok((format!("release {kind} {name}"), Ok(())));
+    };
+    let uid = obj.metadata.uid.clone().unwrap_or_default();
+    let mut ops = vec![json!({"op": "test", "path": "/metadata/uid", "value": uid})];
+    let finalizers = obj.metadata.finalizers.clone().unwrap_or_default();
+    if let Some(idx) = finalizers.iter().position(|f| f == finalizer) {
+        ops.push(json!({"op": "test", "path": format!("/metadata/finalizers/{idx}"), "value": finalizer}));
+        ops.push(json!({"op": "remove", "path": format!("/metadata/finalizers/{idx}")}));
+    }
+    let patch = json_patch(ops)?;
+    Ok((
+        format!("remove finalizer {finalizer} from {kind} {name}"),
+        api.patch(&name, &dry_patch(), &Patch::<()>::Json(patch)).await.map(drop),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::k8s::admission::Rule;
+    use crate::plan::Plan;
+
+    fn webhook(name: &str, config: &str, resources: &[&str], group: &str, fails_closed: bool) -> Webhook {
+        Webhook {
+            config_kind: "ValidatingWebhookConfiguration",
+            config: config.into(),
+            name: name.into(),
+            fails_closed,
+            service: Some(("kube-system".into(), "hook".into(), 8443)),
+            url: None,
+            rules: vec![Rule {
+                operations: vec!["*".into()],
+                groups: vec![group.into()],
+                resources: resources.iter().map(|s| s.to_string()).collect(),
+            }],
+            selective: false,
+        }
+    }
+
+    #[test]
+    fn one_write_per_kind_verb_and_subresource_of_the_default_plan_and_no_crd_repair() {
+        let need = super::super::permissions::kubernetes_needs(&Plan::builtin_default(), false, false);
+        let w = writes(&need);
+        let words: Vec<String> = w.iter().map(|p| permission_words(p)).collect();
+        for expected in [
+            "patch nodepools.karpenter.sh",
+            "patch nodes",
+            "create pods/eviction",
+            "patch deployments.apps/scale",
+            "patch nodeclaims.karpenter.sh",
+            "delete nodeclaims.karpenter.sh",
+            "delete nodes",
+            "delete nodepools.karpenter.sh",
+            "patch ec2nodeclasses.karpenter.k8s.aws",
+            "delete ec2nodeclasses.karpenter.k8s.aws",
+        ] {
+            assert!(words.contains(&expected.to_string()), "{expected} missing from {words:?}");
+        }
+        assert_eq!(words.len(), 10, "{words:?}");
+        assert!(!words.iter().any(|w| w.contains("customresourcedefinitions")));
+    }
+
+    #[test]
+    fn a_stale_karpenter_webhook_is_named_with_the_upgrade_guides_fix() {
+        let hooks = [webhook(
+            "validation.webhook.karpenter.sh",
+            "validation.webhook.karpenter.sh",
+            &["nodepools"],
+            "karpenter.sh",
+            true,
+        )];
+        let a = Admitter::Unreachable {
+            webhook: "validation.webhook.karpenter.sh".into(),
+            detail: "service \"karpenter\" not found".into(),
+        };
+        let b = blocked_by("patch nodepools.karpenter.sh (fence NodePool default)".into(), &a, &hooks);
+        assert_eq!(b.who, "ValidatingWebhookConfiguration/validation.webhook.karpenter.sh");
+        let text = b.to_string();
+        assert!(
+            text.contains("kubectl delete validatingwebhookconfiguration validation.webhook.karpenter.sh")
+                && text.contains("service kube-system/hook port 8443, failurePolicy Fail")
+                && text.contains("service \"karpenter\" not found"),
+            "{text}"
+        );
+        let other = blocked_by(
+            "delete nodes".into(),
+            &Admitter::Unreachable { webhook: "x.example.com".into(), detail: "timeout".into() },
+            &[],
+        );
+        assert!(!other.fix.contains("kubectl delete") && other.fix.contains("backend"), "{other}");
+        let policy = Admitter::DeniedByPolicy { policy: "no-cordon".into(), binding: None, detail: "no".into() };
+        let p = blocked_by("patch nodes (cordon node n1)".into(), &policy, &hooks);
+        assert_eq!(p.who, "ValidatingAdmissionPolicy/no-cordon");
+        assert!(p.fix.contains("matchResources"), "{p}");
+    }
+
+    #[test]
+    fn the_webhooks_sharing_a_dead_backend_are_named_together() {
+        let need = super::super::permissions::kubernetes_needs(&Plan::builtin_default(), false, false);
+        let w = writes(&need);
+        let hooks = [
+            webhook(
+                "defaulting.webhook.karpenter.k8s.aws",
+                "defaulting.webhook.karpenter.k8s.aws",
+                &["ec2nodeclasses"],
+                "karpenter.k8s.aws",
+                true,
+            ),
+            webhook(
+                "validation.webhook.karpenter.k8s.aws",
+                "validation.webhook.karpenter.k8s.aws",
+                &["ec2nodeclasses"],
+                "karpenter.k8s.aws",
+                true,
+            ),
+            webhook("ignored.example.com", "ignored", &["ec2nodeclasses"], "karpenter.k8s.aws", false),
+            webhook("unrelated.example.com", "unrelated", &["services"], "", true),
+        ];
+        let first = blocked_by(
+            "patch ec2nodeclasses.karpenter.k8s.aws".into(),
+            &Admitter::Unreachable {
+                webhook: "defaulting.webhook.karpenter.k8s.aws".into(),
+                detail: "no service".into(),
+            },
+            &hooks,
+        );
+        let more = same_backend(std::slice::from_ref(&first), &["defaulting.webhook.karpenter.k8s.aws"], &hooks, &w);
+        assert_eq!(more.len(), 1, "{more:?}");
+        assert_eq!(more[0].who, "ValidatingWebhookConfiguration/validation.webhook.karpenter.k8s.aws");
+        assert!(
+            more[0].fix.contains("kubectl delete validatingwebhookconfiguration validation.webhook.karpenter.k8s.aws"),
+            "{:?}",
+            more[0]
+        );
+    }
+
+    #[test]
+    fn a_webhook_served_only_from_karpenter_nodes_is_stranded_by_the_drain() {
+        let need = super::super::permissions::kubernetes_needs(&Plan::builtin_default(), false, false);
+        let w = writes(&need);
+        let nodes: BTreeSet<String> = ["k1".to_string(), "k2".to_string()].into();
+        let on = |list: &[Option<&str>]| {
+            BTreeMap::from([(
+                ("kube-system".to_string(), "hook".to_string()),
+                list.iter().map(|n| n.map(str::to_string)).collect(),
+            )])
+        };
+        let hook = webhook("policy.example.com", "policy", &["nodes"], "", true);
+        let found = stranded(std::slice::from_ref(&hook), &w, &on(&[Some("k1"), Some("k2")]), &nodes);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].write.contains("patch nodes") && found[0].write.contains("delete nodes"), "{found:?}");
+        assert!(found[0].cause.contains("k1, k2"), "{found:?}");
+        // one backend elsewhere keeps it served; Ignore never refuses; no match, no matter
+        assert!(stranded(std::slice::from_ref(&hook), &w, &on(&[Some("k1"), Some("managed-1")]), &nodes).is_empty());
+        assert!(stranded(std::slice::from_ref(&hook), &w, &on(&[Some("k1"), None]), &nodes).is_empty());
+        assert!(stranded(&[webhook("p", "p", &["nodes"], "", false)], &w, &on(&[Some("k1")]), &nodes).is_empty());
+        assert!(stranded(&[webhook("p", "p", &["services"], "", true)], &w, &on(&[Some("k1")]), &nodes).is_empty());
+        // no ready endpoint at all is the dry run's to find (the call fails now)
+        assert!(stranded(std::slice::from_ref(&hook), &w, &on(&[]), &nodes).is_empty());
+    }
+}
