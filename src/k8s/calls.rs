@@ -47,6 +47,10 @@ pub(crate) fn verb(method: &Method, path: &str, query: &str) -> &'static str {
     let rest = if rest.len() >= 3 && rest[0] == "namespaces" { &rest[2..] } else { rest };
     let named = rest.len() >= 2;
     let sub = rest.get(2).copied();
+    // the admission check's dry runs write nothing: they are counted apart from the writes
+    if query.split('&').any(|kv| kv.starts_with("dryRun=")) {
+        return "dry-run";
+    }
     match *method {
         Method::GET if query.split('&').any(|kv| kv == "watch=true" || kv == "watch=1") => "watch",
         Method::GET if named => "get",
@@ -77,5 +81,7 @@ mod tests {
         assert_eq!(verb(&Method::DELETE, "/apis/karpenter.sh/v1/nodepools/p", ""), "delete");
         assert_eq!(verb(&Method::GET, "/apis/karpenter.sh/v1/nodepools", ""), "list");
         assert_eq!(verb(&Method::GET, "/version", ""), "other");
+        assert_eq!(verb(&Method::POST, "/api/v1/namespaces/a/pods/p/eviction", "dryRun=All"), "dry-run");
+        assert_eq!(verb(&Method::PATCH, "/api/v1/nodes/n", "fieldManager=x&dryRun=All"), "dry-run");
     }
 }

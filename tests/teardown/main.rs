@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod admission;
 mod default_plan;
 mod ec2_time;
 mod evidence;

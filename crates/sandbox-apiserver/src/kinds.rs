@@ -171,6 +171,28 @@ impl Registry {
                 all(builtin("apps", "v1", "daemonsets", "DaemonSet", true, &["ds"], true, false)),
                 all(builtin("apps", "v1", "statefulsets", "StatefulSet", true, &["sts"], true, true)),
                 builtin("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", true, &["pdb"], true, false),
+                // stored and listed, never called: the sandbox runs no admission webhooks
+                builtin(
+                    "admissionregistration.k8s.io",
+                    "v1",
+                    "validatingwebhookconfigurations",
+                    "ValidatingWebhookConfiguration",
+                    false,
+                    &[],
+                    false,
+                    false,
+                ),
+                builtin(
+                    "admissionregistration.k8s.io",
+                    "v1",
+                    "mutatingwebhookconfigurations",
+                    "MutatingWebhookConfiguration",
+                    false,
+                    &[],
+                    false,
+                    false,
+                ),
+                builtin("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", true, &[], false, false),
                 crd,
             ],
         }
