@@ -310,8 +310,7 @@ fn nodeclaims() -> ApiResource {
 }
 
 fn free_port() -> Result<u16, KarpenterError> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io("finding a free loopback port"))?;
-    Ok(l.local_addr().map_err(io("finding a free loopback port"))?.port())
+    crate::free_port().map_err(io("finding a free port"))
 }
 
 /// The process and what the supervisor needs to restart it.

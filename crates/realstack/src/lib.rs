@@ -489,9 +489,23 @@ fn token() -> String {
     format!("{:016x}{:016x}", s.hash_one(1u8), s.hash_one(2u8))
 }
 
-fn free_port() -> Result<u16, RealStackError> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io("finding a free loopback port"))?;
-    Ok(l.local_addr().map_err(io("finding a free loopback port"))?.port())
+/// A port free on every interface, below the kernel's ephemeral range (32768 and up on Linux).
+/// A port the kernel hands out for `bind(0)` comes from that range, where every outgoing
+/// connection also takes its source port: between this check and the component's own bind, a
+/// client connection of another test could take it (Karpenter's metrics server then fails to
+/// start, `address already in use`). Below the range only listeners compete.
+pub(crate) fn free_port() -> std::io::Result<u16> {
+    use std::hash::{BuildHasher, RandomState};
+    const LOW: u64 = 20_000;
+    const SPAN: u64 = 12_000;
+    let seed = RandomState::new();
+    for attempt in 0u64..200 {
+        let port = (LOW + seed.hash_one(attempt) % SPAN) as u16;
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "no free port below the ephemeral range"))
 }
 
 fn openssl(dir: &Path, what: &'static str, args: &[&str]) -> Result<(), RealStackError> {
@@ -676,12 +690,12 @@ impl RealStack {
         let dir = tempfile::Builder::new().prefix("realstack-").tempdir().map_err(io("making a temp dir"))?;
         let layout = Layout {
             dir: dir.path().to_path_buf(),
-            etcd_client_port: free_port()?,
-            etcd_peer_port: free_port()?,
-            apiserver_port: free_port()?,
-            controller_manager_port: free_port()?,
-            scheduler_port: free_port()?,
-            kwok_port: free_port()?,
+            etcd_client_port: free_port().map_err(io("finding a free port"))?,
+            etcd_peer_port: free_port().map_err(io("finding a free port"))?,
+            apiserver_port: free_port().map_err(io("finding a free port"))?,
+            controller_manager_port: free_port().map_err(io("finding a free port"))?,
+            scheduler_port: free_port().map_err(io("finding a free port"))?,
+            kwok_port: free_port().map_err(io("finding a free port"))?,
         };
         make_certs(&layout.dir)?;
         let (admin_token, tool_token) = (token(), token());
