@@ -103,7 +103,8 @@ Exit codes:
   1    failure (see the message and the report)
   2    bad input or configuration (plan, flags, kubeconfig, credentials, endpoints, a missing
        permission, a webhook or admission policy that would refuse a write); nothing changed
-  3    refused by a safety guard (wrong cluster, too many nodes); nothing changed
+  3    refused by a safety guard (wrong cluster, too many nodes, a GitOps owner, a load balancer
+       or volume controller the drain would strand); nothing changed
   4    finished, but leftovers remain (listed in the report; --reclaim removes them)
   5    blocked past a deadline under --on-drain-deadline fail (the blockers are named)
   6    unverified: the plan has no verify step, so nothing proves what is left

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod aws;
+pub(crate) mod cleanup;
 pub mod cli;
 pub mod commands;
 pub(crate) mod config;

@@ -120,6 +120,8 @@ pub enum BlockerKind {
     PodLost,
     /// A webhook or admission policy that refuses a write the run makes.
     Admission,
+    /// An object a cleanup controller holds, which the drain would strand.
+    Stranded,
 }
 
 impl BlockerKind {
@@ -135,6 +137,7 @@ impl BlockerKind {
             BlockerKind::GitopsOwner => "gitops-owner",
             BlockerKind::PodLost => "pod-lost",
             BlockerKind::Admission => "admission",
+            BlockerKind::Stranded => "stranded",
         }
     }
 }

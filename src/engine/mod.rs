@@ -198,6 +198,49 @@ async fn check_admission(
     Err(RunResult { blockers, ..RunResult::refused(refusal, plan_text.clone()) })
 }
 
+/// Finds the controllers that clean up in AWS behind finalizers (load balancers, volumes) and
+/// still hold objects, before anything is changed (also in a dry run): one the drain would leave
+/// nowhere to run refuses the run with exit 3, one blocker per object it holds.
+async fn check_cleanup(
+    kube: &Kube,
+    settings: &RunSettings,
+    inv: &Inventory,
+    plan_text: &mut String,
+) -> Result<(), RunResult> {
+    if !settings.plan.steps().iter().any(|s| permissions::drains(s.action)) {
+        return Ok(());
+    }
+    let karpenter_nodes: std::collections::BTreeSet<String> =
+        inv.machines.values().filter_map(|m| m.node.clone()).collect();
+    let seen = match crate::k8s::retry_transient(|| crate::k8s::cleanup::read(&kube.client, &karpenter_nodes)).await {
+        Ok(s) => s,
+        Err(e) => return Err(RunResult::early(Exit::Failure, e.to_string(), plan_text.clone())),
+    };
+    let nodes: Vec<String> = karpenter_nodes.into_iter().collect();
+    let verdicts = crate::cleanup::survey(&seen.held, &seen.running, &nodes, &seen.other_nodes);
+    for v in &verdicts {
+        plan_text.push_str(&v.plan_line());
+        plan_text.push('\n');
+    }
+    let stranded: Vec<&crate::cleanup::Verdict> = verdicts.iter().filter(|v| v.stranded).collect();
+    if stranded.is_empty() {
+        return Ok(());
+    }
+    let blockers: Vec<Blocker> = stranded
+        .iter()
+        .flat_map(|v| v.blockers())
+        .map(|(name, reason)| Blocker { kind: BlockerKind::Stranded, name, reason })
+        .collect();
+    let refusal = Refusal::Stranded {
+        cleaners: stranded.iter().map(|v| format!("{} ({})", v.cleaner, v.runs.join(", "))).collect(),
+        objects: stranded
+            .iter()
+            .flat_map(|v| v.held.iter().map(|h| format!("{} {} (finalizer {})", h.kind, h.name, h.finalizer)))
+            .collect(),
+    };
+    Err(RunResult { blockers, ..RunResult::refused(refusal, plan_text.clone()) })
+}
+
 /// Runs a teardown. Errors before the first write come back as `BadInput` or `Refused` with
 /// nothing changed; `cancel` is the Ctrl-C / SIGTERM signal.
 pub async fn run(
@@ -302,6 +345,9 @@ pub async fn run(
         return RunResult { gitops, ..RunResult::refused(Refusal::GitOps(refusal), plan_text) };
     }
     if let Err(early) = check_admission(&kube, &settings, &inv, &mut plan_text).await {
+        return RunResult { gitops, ..early };
+    }
+    if let Err(early) = check_cleanup(&kube, &settings, &inv, &mut plan_text).await {
         return RunResult { gitops, ..early };
     }
     if settings.dry_run {

@@ -81,6 +81,19 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
         p("list", "discovery.k8s.io", "endpointslices"),
     ]
     .into();
+    // what the cleanup controllers (load balancers, volumes) still hold, and where they run,
+    // for a plan whose nodes go away
+    if plan.steps().iter().any(|s| drains(s.action)) {
+        need.extend([
+            p("list", "", "services"),
+            p("list", "networking.k8s.io", "ingresses"),
+            p("list", "elbv2.k8s.aws", "targetgroupbindings"),
+            p("list", "", "persistentvolumes"),
+            p("list", "storage.k8s.io", "volumeattachments"),
+            p("list", "coordination.k8s.io", "leases"),
+            p("get", "", "pods"),
+        ]);
+    }
     if pause_gitops {
         for (group, resource) in [
             ("argoproj.io", "applications"),
@@ -136,6 +149,11 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
         }
     }
     need
+}
+
+/// Whether a step takes Karpenter's nodes away (its own drain, or Karpenter's once the pools go).
+pub(crate) fn drains(action: Action) -> bool {
+    matches!(action, Action::Drain | Action::DischargeFinalizers | Action::DeleteNodepools | Action::DeleteNodeclasses)
 }
 
 /// What a drain does: read and fence the node, read its pods and budgets, evict.

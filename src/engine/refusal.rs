@@ -33,6 +33,13 @@ pub(crate) enum Refusal {
         .blocked.join("; ")
     )]
     Admission { blocked: Vec<String> },
+    /// The drain would strand a controller that still has objects to clean up in AWS.
+    #[error(
+        "refusing: the drain would strand {}: {}. Nothing was changed; delete those objects first while the controller still runs (it then deletes what it made in AWS), or run the controller on capacity this run keeps (a managed node group or Fargate), then run again",
+        .cleaners.join(" and "),
+        .objects.join("; ")
+    )]
+    Stranded { cleaners: Vec<String>, objects: Vec<String> },
     /// Active GitOps owners would put back what the run removes (the survey's own wording).
     #[error("{0}")]
     GitOps(String),
@@ -47,6 +54,7 @@ impl Refusal {
             Refusal::WrongCluster { .. }
             | Refusal::WrongClusterStranded { .. }
             | Refusal::BlastRadius { .. }
+            | Refusal::Stranded { .. }
             | Refusal::GitOps(_) => Exit::Refused,
         }
     }

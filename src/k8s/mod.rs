@@ -4,6 +4,7 @@
 pub(crate) mod admission;
 pub(crate) mod apf;
 pub(crate) mod calls;
+pub(crate) mod cleanup;
 pub(crate) mod gitops;
 pub mod nodes;
 pub mod objects;

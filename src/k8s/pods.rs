@@ -147,7 +147,7 @@ pub(crate) fn tolerated_fence(tolerations: &[Toleration]) -> Option<&'static str
 /// Kubernetes' toleration matching (`Toleration.ToleratesTaint`): the effect matches when the
 /// toleration names none; an empty key with `Exists` matches every key; `Exists` matches any
 /// value, `Equal` (the default) the same value.
-fn tolerates(t: &Toleration, key: &str, effect: &str, value: &str) -> bool {
+pub(crate) fn tolerates(t: &Toleration, key: &str, effect: &str, value: &str) -> bool {
     let effect_ok = t.effect.as_deref().is_none_or(|e| e.is_empty() || e == effect);
     let exists = t.operator.as_deref() == Some("Exists");
     let key_ok = match t.key.as_deref() {

@@ -177,6 +177,23 @@ pub async fn count(client: &Client, ar: &kube::core::ApiResource) -> usize {
 }
 
 /// Labels, taints and schedulability of the nodes the tool must never touch.
+/// The blockers of `kind` in a run's report.
+pub fn blockers_of<'a>(run: &'a Run, kind: &str) -> Vec<&'a Value> {
+    run.report["blockers"].as_array().into_iter().flatten().filter(|b| b["kind"] == kind).collect()
+}
+
+/// A run refused before its first write left every Karpenter node of the world there and
+/// uncordoned.
+pub async fn assert_no_node_fenced(client: &Client, world: &World) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let karpenter = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
+    assert_eq!(karpenter.items.len(), world.nodes.len());
+    assert!(
+        karpenter.items.iter().all(|n| n.spec.as_ref().and_then(|s| s.unschedulable) != Some(true)),
+        "a node was cordoned"
+    );
+}
+
 /// Names of the nodes the tool must never touch: the managed node group and the control plane.
 pub fn untouchable_names(world: &World) -> Vec<String> {
     let mut names: Vec<String> = world.managed_nodes.iter().map(|m| m.node.clone()).collect();

@@ -201,6 +201,11 @@ fn group_of(resource: &str) -> Option<&'static str> {
         "ec2nodeclasses" => "karpenter.k8s.aws",
         "validatingwebhookconfigurations" | "mutatingwebhookconfigurations" => "admissionregistration.k8s.io",
         "endpointslices" => "discovery.k8s.io",
+        "persistentvolumes" => "",
+        "ingresses" => "networking.k8s.io",
+        "targetgroupbindings" => "elbv2.k8s.aws",
+        "volumeattachments" => "storage.k8s.io",
+        "leases" => "coordination.k8s.io",
         _ => return None,
     })
 }

@@ -139,7 +139,7 @@ async fn untouched(p: &Provisioned, run: &Run) {
 }
 
 /// `run` against the stack as the tool's identity, with `--yes` or without.
-async fn teardown(p: &Provisioned, yes: bool) -> Run {
+pub(super) async fn teardown(p: &Provisioned, yes: bool) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let mut cmd = p.tool("run", p.s.tool_kubeconfig(), &report);

@@ -8,6 +8,7 @@
 //! them when it ends, failing or not.
 
 mod admission;
+mod cleanup;
 #[path = "../common/mod.rs"]
 mod common;
 mod control_plane;

@@ -8,13 +8,12 @@
 //! webhooks and policies are in `tests/realstack/admission.rs`.
 
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, PostParams};
 use sandbox_sim::generate;
 use serde_json::json;
 
-use crate::common::e2e::{Consent, bed, small_world, teardown};
+use crate::common::e2e::{Consent, assert_no_node_fenced, bed, blockers_of, small_world, teardown};
 
 fn endpoint(ip: &str, node: &str) -> serde_json::Value {
     json!({"addresses": [ip], "nodeName": node, "conditions": {"ready": true}})
@@ -64,18 +63,11 @@ async fn a_webhook_served_only_from_karpenter_nodes_refuses_the_run_before_the_d
                 && error.contains("Nothing was changed"),
             "{error}"
         );
-        let blockers: Vec<&serde_json::Value> =
-            run.report["blockers"].as_array().unwrap().iter().filter(|b| b["kind"] == "admission").collect();
+        let blockers = blockers_of(&run, "admission");
         assert_eq!(blockers.len(), 1, "{}", run.dump());
         assert_eq!(blockers[0]["name"], "ValidatingWebhookConfiguration/node-policy");
     }
-    let nodes: Api<Node> = Api::all(b.client.clone());
-    let karpenter = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
-    assert_eq!(karpenter.items.len(), world.nodes.len());
-    assert!(
-        karpenter.items.iter().all(|n| n.spec.as_ref().and_then(|s| s.unschedulable) != Some(true)),
-        "a node was cordoned"
-    );
+    assert_no_node_fenced(&b.client, &world).await;
 
     // one backend on a managed node keeps it served through the drain: nothing to refuse
     let managed = &world.managed_nodes[0].node;

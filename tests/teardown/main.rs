@@ -8,6 +8,7 @@
 mod common;
 
 mod admission;
+mod cleanup;
 mod default_plan;
 mod ec2_time;
 mod evidence;

@@ -1,0 +1,151 @@
+//! Reading what the cleanup controllers hold and where they run (the judgement is in
+//! `crate::cleanup`). Objects are read first; the controllers and the other nodes only when some
+//! object is held, so a cluster without them pays five lists.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, Pod, Service};
+use k8s_openapi::api::networking::v1::Ingress;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::api::{Api, DynamicObject, ListParams};
+use kube::core::{ApiResource, GroupVersionKind};
+
+use super::{KubeError, list_pages, status_code};
+use crate::cleanup::{Cleaner, Held, Running, cleaner_of};
+
+/// What the survey needs, as read.
+#[derive(Debug, Default)]
+pub(crate) struct Seen {
+    pub(crate) held: Vec<Held>,
+    pub(crate) running: BTreeMap<Cleaner, Running>,
+    /// Every node the run keeps (not a Karpenter node).
+    pub(crate) other_nodes: Vec<Node>,
+}
+
+/// A list of every object of a kind, keeping what `keep` makes of each; a kind the server does
+/// not serve is none.
+async fn all<K, T>(api: Api<K>, what: &str, keep: impl FnMut(K) -> Option<T>) -> Result<Vec<T>, KubeError>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match list_pages(&api, &ListParams::default(), keep).await {
+        Ok(v) => Ok(v),
+        Err(e) if status_code(&e) == Some(404) => Ok(Vec::new()),
+        Err(e) => Err(KubeError::api(format!("list {what}"), e)),
+    }
+}
+
+fn held_by(kind: &'static str, meta: &kube::api::ObjectMeta, driver: Option<&str>, reclaim: Option<&str>) -> Vec<Held> {
+    let name = match &meta.namespace {
+        Some(ns) => format!("{ns}/{}", meta.name.as_deref().unwrap_or_default()),
+        None => meta.name.clone().unwrap_or_default(),
+    };
+    meta.finalizers
+        .iter()
+        .flatten()
+        .filter_map(|f| {
+            cleaner_of(kind, f, driver, reclaim).map(|cleaner| Held {
+                kind,
+                name: name.clone(),
+                finalizer: f.clone(),
+                cleaner,
+            })
+        })
+        .collect()
+}
+
+/// Reads the objects the cleaners hold, then, if any, where the cleaners run and the nodes the
+/// run keeps. `karpenter_nodes` are the nodes the run drains.
+pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<String>) -> Result<Seen, KubeError> {
+    let mut held = Vec::new();
+    let services =
+        all(Api::<Service>::all(client.clone()), "services", |s| Some(held_by("Service", &s.metadata, None, None)));
+    let ingresses =
+        all(Api::<Ingress>::all(client.clone()), "ingresses", |i| Some(held_by("Ingress", &i.metadata, None, None)));
+    let tgb = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("elbv2.k8s.aws", "v1beta1", "TargetGroupBinding"),
+        "targetgroupbindings",
+    );
+    let bindings = all(Api::<DynamicObject>::all_with(client.clone(), &tgb), "targetgroupbindings", |b| {
+        Some(held_by("TargetGroupBinding", &b.metadata, None, None))
+    });
+    let volumes = all(Api::<PersistentVolume>::all(client.clone()), "persistentvolumes", |pv| {
+        let spec = pv.spec.as_ref();
+        let driver = spec.and_then(|s| s.csi.as_ref()).map(|c| c.driver.clone());
+        let reclaim = spec.and_then(|s| s.persistent_volume_reclaim_policy.clone());
+        Some(held_by("PersistentVolume", &pv.metadata, driver.as_deref(), reclaim.as_deref()))
+    });
+    let attachments = all(Api::<VolumeAttachment>::all(client.clone()), "volumeattachments", |va| {
+        Some(held_by("VolumeAttachment", &va.metadata, None, None))
+    });
+    let (s, i, b, v, a) = futures::try_join!(services, ingresses, bindings, volumes, attachments)?;
+    for found in [s, i, b, v, a] {
+        held.extend(found.into_iter().flatten());
+    }
+    if held.is_empty() {
+        return Ok(Seen::default());
+    }
+    let mut running = BTreeMap::new();
+    let wanted: BTreeSet<Cleaner> = held.iter().map(|h| h.cleaner).collect();
+    for cleaner in wanted {
+        running.insert(cleaner, Running { pods: pods_of(client, cleaner).await? });
+    }
+    let nodes: Api<Node> = Api::all(client.clone());
+    let lp = ListParams::default().labels(&format!("!{}", crate::karpenter::LABEL_NODEPOOL));
+    let other_nodes = list_pages(&nodes, &lp, |n: Node| {
+        (!karpenter_nodes.contains(n.metadata.name.as_deref().unwrap_or_default())).then_some(n)
+    })
+    .await
+    .map_err(|e| KubeError::api("list the nodes that are not Karpenter's", e))?;
+    Ok(Seen { held, running, other_nodes })
+}
+
+/// The pods of a cleaner: those of the Deployments its chart labels, and the holder of its
+/// leader Lease (found however it was installed).
+async fn pods_of(client: &kube::Client, cleaner: Cleaner) -> Result<Vec<Pod>, KubeError> {
+    let mut pods: BTreeMap<(String, String), Pod> = BTreeMap::new();
+    let deployments: Api<Deployment> = Api::all(client.clone());
+    let lp = ListParams::default().labels(&format!("app.kubernetes.io/name={}", cleaner.chart_name()));
+    let found =
+        deployments.list(&lp).await.map_err(|e| KubeError::api(format!("list the Deployments of {cleaner}"), e))?;
+    for d in found.items {
+        let ns = d.metadata.namespace.clone().unwrap_or_default();
+        let Some(selector) = d.spec.as_ref().and_then(|s| s.selector.match_labels.clone()) else { continue };
+        let labels: Vec<String> = selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let list = api
+            .list(&ListParams::default().labels(&labels.join(",")))
+            .await
+            .map_err(|e| KubeError::api(format!("list the pods of {cleaner}"), e))?;
+        for p in list.items {
+            pods.insert((ns.clone(), p.metadata.name.clone().unwrap_or_default()), p);
+        }
+    }
+    let leases: Api<Lease> = Api::all(client.clone());
+    let lp = ListParams::default().fields(&format!("metadata.name={}", cleaner.lease()));
+    let found = match leases.list(&lp).await {
+        Ok(l) => l.items,
+        Err(e) if status_code(&e) == Some(404) => Vec::new(),
+        Err(e) => return Err(KubeError::api(format!("list the leader Lease of {cleaner}"), e)),
+    };
+    for lease in found {
+        let ns = lease.metadata.namespace.clone().unwrap_or_default();
+        // controller-runtime's identity is `<pod>_<uuid>`, client-go's the pod's host name
+        let Some(holder) = lease.spec.and_then(|s| s.holder_identity) else { continue };
+        let pod = holder.split('_').next().unwrap_or_default().to_string();
+        if pod.is_empty() || pods.contains_key(&(ns.clone(), pod.clone())) {
+            continue;
+        }
+        let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        match api.get_opt(&pod).await {
+            Ok(Some(p)) => {
+                pods.insert((ns, pod), p);
+            }
+            Ok(None) => {}
+            Err(e) => return Err(KubeError::api(format!("read the leader pod {ns}/{pod} of {cleaner}"), e)),
+        }
+    }
+    Ok(pods.into_values().filter(|p| p.metadata.deletion_timestamp.is_none()).collect())
+}

@@ -1,0 +1,148 @@
+//! The controllers the rest of a destroy depends on, on the real control plane (design §2.1):
+//! stand-ins of the AWS Load Balancer Controller and the EBS CSI controller (pods with the
+//! charts' `app.kubernetes.io/name` labels, placed by the real scheduler), and objects held by
+//! their real finalizers (`service.k8s.aws/resources` and `ingress.k8s.aws/resources` of the
+//! Load Balancer Controller's `controllers/service` and `controllers/ingress`; csi-provisioner's
+//! `external-provisioner.volume.kubernetes.io/finalizer` on a volume it deletes). The stand-ins
+//! clean up nothing in AWS; what is tested is where they run and what they hold.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, Pod, Service};
+use k8s_openapi::api::networking::v1::Ingress;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+use super::admission::teardown;
+use super::karpenter::{node_of, phase};
+use super::resume::provisioned;
+
+fn stand_in(name: &str, chart: &str, placement: Value) -> Deployment {
+    let labels = json!({"app.kubernetes.io/name": chart, "app.kubernetes.io/instance": name});
+    let mut pod_spec = json!({"containers": [{"name": "controller", "image": "registry.k8s.io/pause:3.10"}]});
+    for (k, v) in placement.as_object().unwrap() {
+        pod_spec[k] = v.clone();
+    }
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "kube-system", "labels": labels},
+        "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                 "template": {"metadata": {"labels": labels}, "spec": pod_spec}},
+    }))
+    .unwrap()
+}
+
+/// Waits until the Deployment's one pod runs, and returns its node.
+async fn running_on(admin: &kube::Client, chart: &str) -> String {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "kube-system");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = pods.list(&ListParams::default().labels(&format!("app.kubernetes.io/name={chart}"))).await.unwrap();
+        if let [p] = list.items.as_slice()
+            && phase(p) == "Running"
+            && let Some(n) = node_of(p)
+        {
+            return n.to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{chart}'s pod is not running: {:?}",
+            list.items.iter().map(phase).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real_server() {
+    let t = Instant::now();
+    let p = provisioned("rcln", &super::shipped_rbac_yaml(), 2).await;
+    let pp = PostParams::default();
+    let deployments: Api<Deployment> = Api::namespaced(p.admin.clone(), "kube-system");
+    let on_karpenter = json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}});
+    deployments
+        .create(&pp, &stand_in("aws-load-balancer-controller", "aws-load-balancer-controller", on_karpenter))
+        .await
+        .unwrap();
+    let on_system =
+        json!({"nodeSelector": {"kubernetes.io/hostname": "system-0"}, "tolerations": [{"operator": "Exists"}]});
+    deployments.create(&pp, &stand_in("ebs-csi-controller", "aws-ebs-csi-driver", on_system)).await.unwrap();
+    let lbc_node = running_on(&p.admin, "aws-load-balancer-controller").await;
+    assert_ne!(lbc_node, "system-0");
+    assert_eq!(running_on(&p.admin, "aws-ebs-csi-driver").await, "system-0");
+
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
+    Api::<Namespace>::all(p.admin.clone()).create(&pp, &ns).await.unwrap();
+    let services: Api<Service> = Api::namespaced(p.admin.clone(), "shop");
+    let svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": "front", "finalizers": ["service.k8s.aws/resources"]},
+        "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]},
+    }))
+    .unwrap();
+    services.create(&pp, &svc).await.unwrap();
+    let ingresses: Api<Ingress> = Api::namespaced(p.admin.clone(), "shop");
+    let ing: Ingress = serde_json::from_value(json!({
+        "metadata": {"name": "front", "finalizers": ["ingress.k8s.aws/resources"]},
+        "spec": {"defaultBackend": {"service": {"name": "front", "port": {"number": 80}}}},
+    }))
+    .unwrap();
+    ingresses.create(&pp, &ing).await.unwrap();
+    let pv: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": "data-0", "finalizers": ["external-provisioner.volume.kubernetes.io/finalizer"]},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Delete",
+                 "csi": {"driver": "ebs.csi.aws.com", "volumeHandle": "vol-0123456789abcdef0"}},
+    }))
+    .unwrap();
+    Api::<PersistentVolume>::all(p.admin.clone()).create(&pp, &pv).await.unwrap();
+
+    // refused before any write, dry or not, one blocker per object the stranded controller holds
+    for yes in [false, true] {
+        let r = teardown(&p, yes).await;
+        assert_eq!(r.code, 3, "--yes {yes}: {}", r.dump());
+        let error = r.report["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains("the AWS Load Balancer Controller (kube-system/aws-load-balancer-controller-")
+                && error.contains(&format!(" on {lbc_node})"))
+                && error.contains("Service shop/front (finalizer service.k8s.aws/resources)")
+                && error.contains("Ingress shop/front (finalizer ingress.k8s.aws/resources)")
+                && !error.contains("EBS"),
+            "{error}"
+        );
+        let mut names: Vec<String> = r.report["blockers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["kind"] == "stranded")
+            .map(|b| b["name"].as_str().unwrap().to_string())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["Ingress/shop/front", "Service/shop/front"], "{}", r.dump());
+        assert!(p.karpenter.running(), "the controller was removed");
+        let ours = super::common::e2e::states(&p.aws, &p.instances).await;
+        assert!(ours.values().all(|s| *s == karpenter_teardown::aws::InstanceState::Running), "{ours:?}");
+    }
+
+    // the user deletes what the controller holds while it still runs (its cleanup done, here by
+    // hand): the run goes ahead, the volume's controller named as staying
+    let unhold = Patch::Merge(json!({"metadata": {"finalizers": null}}));
+    services.delete("front", &DeleteParams::default()).await.unwrap();
+    services.patch("front", &PatchParams::default(), &unhold).await.unwrap();
+    ingresses.delete("front", &DeleteParams::default()).await.unwrap();
+    ingresses.patch("front", &PatchParams::default(), &unhold).await.unwrap();
+    let dry = teardown(&p, false).await;
+    assert_eq!(dry.code, 0, "{}", dry.dump());
+    assert!(
+        dry.stdout.contains("cleanup: the EBS CSI controller (kube-system/ebs-csi-controller-")
+            && dry
+                .stdout
+                .contains("on system-0) holds 1 object(s) for their EBS volumes; it keeps running through the drain"),
+        "{}",
+        dry.dump()
+    );
+    let clean = teardown(&p, true).await;
+    assert_eq!(clean.code, 0, "{}", clean.dump());
+    p.assert_torn_down(&p.instances).await;
+    eprintln!("cleanup cases took {:?}", t.elapsed());
+    p.end().await;
+}
