@@ -13,7 +13,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::Eviction;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::Resource;
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
 use serde_json::{Value, json};
 
@@ -322,8 +323,18 @@ fn dry_patch() -> PatchParams {
     PatchParams { dry_run: true, ..patch_params() }
 }
 
-fn dry_delete() -> DeleteParams {
-    DeleteParams { dry_run: true, ..DeleteParams::default() }
+/// A delete of `name` in the collection at `collection` (a URL path), as a dry run. kube sends a
+/// delete's `dryRun` in its body only; here the query carries it too (the server reads both), so
+/// whoever counts requests by their URL (the tool's own accounting, an audit log's reader)
+/// counts a dry run, not a delete.
+async fn dry_delete(client: &kube::Client, collection: String, name: &str) -> Answer {
+    let body = serde_json::to_vec(&json!({"kind": "DeleteOptions", "apiVersion": "v1", "dryRun": ["All"]}))
+        .map_err(kube::Error::SerdeError)?;
+    let req = http::Request::delete(format!("{collection}/{name}?dryRun=All"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .map_err(kube::Error::HttpError)?;
+    client.request_text(req).await.map(drop)
 }
 
 type Answer = Result<(), kube::Error>;
@@ -372,23 +383,22 @@ async fn dry_run(
         }
         ("", "nodes", "", "delete") => {
             let Some(name) = first_node else { return Ok(None) };
-            let api: Api<Node> = Api::all(client.clone());
-            (format!("delete node {name}"), api.delete(&name, &dry_delete()).await.map(drop))
+            (format!("delete node {name}"), dry_delete(client, Node::url_path(&(), None), &name).await)
         }
         ("karpenter.sh", "nodeclaims", "", verb) => {
             let Some(name) = first_claim else { return Ok(None) };
-            let api = dynamic(&k8s::nodeclaim_resource());
-            release_or_delete(api, read, "NodeClaim", name, karpenter::FINALIZER_TERMINATION, verb).await?
+            let ar = k8s::nodeclaim_resource();
+            release_or_delete(client, &ar, read, "NodeClaim", name, karpenter::FINALIZER_TERMINATION, verb).await?
         }
         ("karpenter.k8s.aws", "ec2nodeclasses", "", verb) => {
             let Some(name) = inv.nodeclasses.first().cloned() else { return Ok(None) };
-            let api = dynamic(&k8s::nodeclass_resource());
-            release_or_delete(api, read, "EC2NodeClass", name, karpenter::FINALIZER_NODECLASS, verb).await?
+            let ar = k8s::nodeclass_resource();
+            release_or_delete(client, &ar, read, "EC2NodeClass", name, karpenter::FINALIZER_NODECLASS, verb).await?
         }
         ("karpenter.sh", "nodepools", "", "delete") => {
             let Some(name) = inv.nodepools.first() else { return Ok(None) };
-            let api = dynamic(&k8s::nodepool_resource());
-            (format!("delete NodePool {name}"), api.delete(name, &dry_delete()).await.map(drop))
+            let collection = DynamicObject::url_path(&k8s::nodepool_resource(), None);
+            (format!("delete NodePool {name}"), dry_delete(client, collection, name).await)
         }
         ("", "pods", "eviction", "create") => {
             let Some(pod) = pod else { return Ok(None) };
@@ -418,8 +428,7 @@ async fn dry_run(
         ("", "pods", "", "delete") => {
             let Some(pod) = pod else { return Ok(None) };
             let (ns, name) = pod_names(pod);
-            let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
-            (format!("delete pod {ns}/{name}"), api.delete(&name, &dry_delete()).await.map(drop))
+            (format!("delete pod {ns}/{name}"), dry_delete(client, Pod::url_path(&(), Some(&ns)), &name).await)
         }
         ("apps", "deployments", "scale", "patch") => {
             let Some(c) = &inv.controller else { return Ok(None) };
@@ -448,7 +457,8 @@ fn json_patch(ops: Vec<Value>) -> Result<json_patch::Patch, KubeError> {
 
 /// The release's finalizer patch (`patch`) or the delete (`delete`) of `name`, as a dry run.
 async fn release_or_delete<R, F>(
-    api: Api<DynamicObject>,
+    client: &kube::Client,
+    ar: &ApiResource,
     read: R,
     kind: &str,
     name: String,
@@ -460,8 +470,10 @@ where
     F: std::future::Future<Output = Result<Option<DynamicObject>, KubeError>>,
 {
     if verb == "delete" {
-        return Ok((format!("delete {kind} {name}"), api.delete(&name, &dry_delete()).await.map(drop)));
+        let collection = DynamicObject::url_path(ar, None);
+        return Ok((format!("delete {kind} {name}"), dry_delete(client, collection, &name).await));
     }
+    let api = Api::<DynamicObject>::all_with(client.clone(), ar);
     let Some(obj) = read(api.clone(), name.clone()).await? else {
         return Ok((format!("release {kind} {name}"), Ok(())));
     };

@@ -372,4 +372,35 @@ mod tests {
         let text = KubeError::api("fence NodePool p", kube::Error::Api(invalid.boxed())).to_string();
         assert!(text.contains("spec: only 'limits.nodes' is supported on static NodePools"), "{text}");
     }
+
+    #[test]
+    fn a_write_the_admission_chain_refuses_mid_run_is_named_and_never_retried_as_a_server_failure() {
+        let webhook = Status::failure(
+            "Internal error occurred: failed calling webhook \"validation.webhook.karpenter.sh\": failed to call webhook: Post \"https://karpenter.kube-system.svc:8443/validate/karpenter.sh?timeout=10s\": service \"karpenter\" not found",
+            "InternalError",
+        )
+        .with_code(500);
+        let e = KubeError::api("fence NodePool default", kube::Error::Api(webhook.boxed()));
+        assert!(!e.is_transient(), "a webhook that cannot be called fails every retry the same way");
+        let text = e.to_string();
+        assert!(
+            text.contains(
+                "refused by the admission chain: admission webhook \"validation.webhook.karpenter.sh\" cannot be called"
+            ) && !text.contains("the API server failed: run again"),
+            "{text}"
+        );
+        let policy = Status::failure(
+            "nodes \"n1\" is forbidden: ValidatingAdmissionPolicy 'no-cordons' with binding 'no-cordons' denied request: no one cordons production",
+            "Forbidden",
+        )
+        .with_code(403);
+        let text = KubeError::api("cordon node n1", kube::Error::Api(policy.boxed())).to_string();
+        assert!(
+            text.contains("ValidatingAdmissionPolicy 'no-cordons'") && !text.contains("deploy/rbac.yaml"),
+            "{text}"
+        );
+        // a plain server failure is still retried
+        let etcd = Status::failure("etcdserver: request timed out", "InternalError").with_code(500);
+        assert!(KubeError::api("x", kube::Error::Api(etcd.boxed())).is_transient());
+    }
 }
