@@ -1,5 +1,6 @@
-//! The README's `terraform_data` recipe, verbatim but for the three references to resources of
-//! providers this test does not build (the Helm release and the kubectl manifests), run by
+//! The README's `terraform_data` recipe, verbatim but for the references to resources of
+//! providers this test does not build (the Helm releases, the EKS add-on and the kubectl
+//! manifests), run by
 //! OpenTofu: `init`, `apply`, an `apply` that changes `input`, a `destroy` the tool refuses, and
 //! the `destroy` that tears the cluster's Karpenter compute down.
 
@@ -14,8 +15,10 @@ use sandbox_sim::generate;
 /// test does not build becomes a `terraform_data` of the same role, so the recipe's `depends_on`
 /// keeps its shape and its ordering is checked the same way.
 const SECTION: &str = "### Terraform";
-const STAND_INS: [(&str, &str); 3] = [
+const STAND_INS: [(&str, &str); 5] = [
     ("helm_release.karpenter", "terraform_data.helm_release_karpenter"),
+    ("helm_release.aws_load_balancer_controller", "terraform_data.helm_release_aws_load_balancer_controller"),
+    ("aws_eks_addon.aws_ebs_csi_driver", "terraform_data.aws_eks_addon_aws_ebs_csi_driver"),
     ("kubectl_manifest.karpenter_node_pool", "terraform_data.kubectl_manifest_karpenter_node_pool"),
     ("kubectl_manifest.karpenter_node_class", "terraform_data.kubectl_manifest_karpenter_node_class"),
 ];
