@@ -240,12 +240,20 @@ fn permission_words(p: &KubePermission) -> String {
     format!("{} {}{group}{sub}", p.verb, p.resource)
 }
 
+/// The GitOps owners a run pauses: one of each kind is tried, with the listing they came from.
+pub(crate) struct Pausing<'a> {
+    pub(crate) owners: &'a crate::k8s::gitops::Owners,
+    pub(crate) active: Vec<crate::gitops::OwnerId>,
+}
+
 /// Asks the server, before the first write: the webhook configurations, the nodes their
-/// services run on, and one dry run per kind of write on a representative object.
+/// services run on, and one dry run per kind of write on a representative object (and of the
+/// pause of each kind of GitOps owner the run pauses).
 pub(crate) async fn check(
     client: &kube::Client,
     inv: &Inventory,
     need: &BTreeSet<KubePermission>,
+    pausing: Option<Pausing<'_>>,
 ) -> Result<Findings, KubeError> {
     let writes = writes(need);
     let webhooks = k8s::retry_transient(|| k8s::admission::webhooks(client)).await?;
@@ -280,15 +288,30 @@ pub(crate) async fn check(
                     // a budget that allows no eviction now: admitted, the drain's business
                     Some(429) if p.subresource == "eviction" => {}
                     _ if k8s::is_transient(&e) => return Err(KubeError::api(format!("dry run of {write}"), e)),
-                    _ => findings.blocked.push(Blocked {
-                        write,
-                        who: "kube-apiserver".into(),
-                        cause: k8s::describe_error(&e),
-                        fix: "the server refuses this write as the run would make it".into(),
-                        unreachable: None,
-                    }),
+                    _ => findings.blocked.push(refused_as_invalid(write, &e)),
                 },
             },
+        }
+    }
+    if let Some(pausing) = &pausing {
+        let mut kinds_tried = BTreeSet::new();
+        for id in pausing.active.iter().filter(|id| kinds_tried.insert(id.kind)) {
+            let answer = k8s::retry_transient(|| k8s::gitops::pause_dry_run(client, pausing.owners, id)).await?;
+            let Some(Err(e)) = answer else {
+                findings.dry_runs += usize::from(answer.is_some());
+                continue;
+            };
+            findings.dry_runs += 1;
+            let write = format!("pause {id}");
+            match k8s::admission::admitter(&e) {
+                Some(Admitter::NoDryRun { webhook }) => {
+                    findings.unchecked.push(format!("{write}: webhook {webhook} does not support dry runs"));
+                }
+                Some(a) => findings.blocked.push(blocked_by(write, &a, &webhooks)),
+                None if matches!(status_code(&e), Some(404 | 409)) => {}
+                None if k8s::is_transient(&e) => return Err(KubeError::api(format!("dry run of {write}"), e)),
+                None => findings.blocked.push(refused_as_invalid(write, &e)),
+            }
         }
     }
     let unreachable: Vec<String> = findings.blocked.iter().filter_map(|b| b.unreachable.clone()).collect();
@@ -296,6 +319,18 @@ pub(crate) async fn check(
     let more = same_backend(&findings.blocked, &names, &webhooks, &writes);
     findings.blocked.extend(more);
     Ok(findings)
+}
+
+/// A write the server itself refuses (not a webhook or policy): as the run would make it, it
+/// would fail the same way.
+fn refused_as_invalid(write: String, e: &kube::Error) -> Blocked {
+    Blocked {
+        write,
+        who: "kube-apiserver".into(),
+        cause: k8s::describe_error(e),
+        fix: "the server refuses this write as the run would make it".into(),
+        unreachable: None,
+    }
 }
 
 /// A pod a drain would evict, from the first Karpenter nodes that hold one.
@@ -439,8 +474,7 @@ async fn dry_run(
                 api.patch_scale(&c.name, &dry_patch(), &Patch::Merge(&body)).await.map(drop),
             )
         }
-        // the GitOps owners' pause patches: not tried here (the owners are paused before the
-        // first write and a refusal there stops the run before any other write)
+        // the GitOps owners' pauses are tried on the owners themselves (`Pausing`)
         _ => return Ok(None),
     };
     Ok(Some(answer))

@@ -167,12 +167,13 @@ async fn check_admission(
     kube: &Kube,
     settings: &RunSettings,
     inv: &Inventory,
+    pausing: Option<admission::Pausing<'_>>,
     plan_text: &mut String,
 ) -> Result<(), RunResult> {
     let started = Instant::now();
     let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
     let need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
-    let findings = match admission::check(&kube.client, inv, &need).await {
+    let findings = match admission::check(&kube.client, inv, &need, pausing).await {
         Ok(f) => f,
         Err(e) => return Err(RunResult::early(Exit::Failure, e.to_string(), plan_text.clone())),
     };
@@ -344,7 +345,12 @@ pub async fn run(
     if let Some(refusal) = gitops.refusal(settings.gitops) {
         return RunResult { gitops, ..RunResult::refused(Refusal::GitOps(refusal), plan_text) };
     }
-    if let Err(early) = check_admission(&kube, &settings, &inv, &mut plan_text).await {
+    // the owners a run with --pause-gitops pauses (a dry run predicts that run)
+    let pausing = settings
+        .gitops
+        .pause
+        .then(|| admission::Pausing { owners: &owners, active: gitops.active().map(|f| f.owner.clone()).collect() });
+    if let Err(early) = check_admission(&kube, &settings, &inv, pausing, &mut plan_text).await {
         return RunResult { gitops, ..early };
     }
     if let Err(early) = check_cleanup(&kube, &settings, &inv, &mut plan_text).await {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kube::api::{Api, ListParams, Patch};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::objects::patch_params;
 use super::{KubeError, status_code};
@@ -96,25 +96,7 @@ pub(crate) async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) 
         if !OwnerObject::from_json(id.kind, &value).state.is_active() {
             return Ok(PauseOutcome::AlreadyPaused);
         }
-        let rv = obj.metadata.resource_version.clone().unwrap_or_default();
-        let mut request = None;
-        let patch = match id.kind {
-            OwnerKind::Application => {
-                let original = value["spec"]["syncPolicy"]["automated"].to_string();
-                json!({
-                    "metadata": {"resourceVersion": rv, "annotations": {PAUSED_AUTOMATED_ANNOTATION: original}},
-                    "spec": {"syncPolicy": {"automated": null}},
-                })
-            }
-            OwnerKind::Kustomization | OwnerKind::HelmRelease => {
-                // any value other than the last handled one is a new request; the time makes it so
-                let token = crate::report::rfc3339(std::time::SystemTime::now());
-                let patch = json!({"metadata": {"resourceVersion": rv, "annotations": {FLUX_RECONCILE_REQUEST: token}},
-                                   "spec": {"suspend": true}});
-                request = Some(token);
-                patch
-            }
-        };
+        let (patch, request) = pause_patch(id.kind, &value, obj.metadata.resource_version.as_deref());
         // the patch answers with the object as written: judged again, it says whether the pause held
         let written = match api.patch(&id.name, &patch_params(), &Patch::Merge(patch)).await {
             Ok(o) => o,
@@ -141,6 +123,50 @@ pub(crate) async fn pause(client: &kube::Client, owners: &Owners, id: &OwnerId) 
         owner: id.to_string(),
         detail: "it kept changing under the tool (8 conflicts in a row); run again".into(),
     })
+}
+
+/// The pause of one owner as a merge patch, conditioned on `rv`, and the Flux reconcile
+/// request it writes (the admission check's dry run sends the same body).
+fn pause_patch(kind: OwnerKind, value: &Value, rv: Option<&str>) -> (Value, Option<String>) {
+    match kind {
+        OwnerKind::Application => {
+            let original = value["spec"]["syncPolicy"]["automated"].to_string();
+            let patch = json!({
+                "metadata": {"resourceVersion": rv, "annotations": {PAUSED_AUTOMATED_ANNOTATION: original}},
+                "spec": {"syncPolicy": {"automated": null}},
+            });
+            (patch, None)
+        }
+        OwnerKind::Kustomization | OwnerKind::HelmRelease => {
+            // any value other than the last handled one is a new request; the time makes it so
+            let token = crate::report::rfc3339(std::time::SystemTime::now());
+            let patch = json!({"metadata": {"resourceVersion": rv, "annotations": {FLUX_RECONCILE_REQUEST: token}},
+                               "spec": {"suspend": true}});
+            (patch, Some(token))
+        }
+    }
+}
+
+/// The pause of `id` as a server-side dry run, through the admission chain: the server's answer,
+/// or `None` when the owner is gone or already paused (then the run writes nothing to it).
+pub(crate) async fn pause_dry_run(
+    client: &kube::Client,
+    owners: &Owners,
+    id: &OwnerId,
+) -> Result<Option<Result<(), kube::Error>>, KubeError> {
+    let Some(version) = owners.versions.get(&id.kind) else { return Ok(None) };
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &id.namespace, &resource(id.kind, version));
+    let Some(obj) = api.get_opt(&id.name).await.map_err(|e| KubeError::api(format!("read {id}"), e))? else {
+        return Ok(None);
+    };
+    let value =
+        serde_json::to_value(&obj).map_err(|e| KubeError::api(format!("read {id}"), kube::Error::SerdeError(e)))?;
+    if !OwnerObject::from_json(id.kind, &value).state.is_active() {
+        return Ok(None);
+    }
+    let (patch, _) = pause_patch(id.kind, &value, obj.metadata.resource_version.as_deref());
+    let params = kube::api::PatchParams { dry_run: true, ..patch_params() };
+    Ok(Some(api.patch(&id.name, &params, &Patch::Merge(patch)).await.map(drop)))
 }
 
 /// Waits until `id` has nothing in flight (see [`crate::gitops::in_flight`]) or `deadline`

@@ -17,6 +17,41 @@ use serde_json::{Value, json};
 use crate::common::e2e::{REGION, assert_torn_down_on, gitops_crds, small_world, untouchable_nodes};
 use crate::{control_plane, teardown_with};
 
+/// Puts in place (or takes away) a ValidatingAdmissionPolicy that forbids the tool's identity to
+/// update Flux Kustomizations, and waits until the server applies it (or no longer does) to a
+/// dry-run suspend of one, as the tool.
+async fn suspends_forbidden(s: &realstack::RealStack, admin: &Client, owners: &[OwnerId], on: bool) {
+    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
+    let policies: Api<ValidatingAdmissionPolicy> = Api::all(admin.clone());
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(admin.clone());
+    if on {
+        let policy = json!({
+            "metadata": {"name": "no-suspends"},
+            "spec": {"failurePolicy": "Fail",
+                     "matchConstraints": {"resourceRules": [{"apiGroups": ["kustomize.toolkit.fluxcd.io"], "apiVersions": ["*"],
+                         "operations": ["UPDATE"], "resources": ["kustomizations"]}]},
+                     "validations": [{"expression": format!("request.userInfo.username != '{}'", realstack::TOOL_USER),
+                         "message": "suspending a Kustomization needs a change request"}]},
+        });
+        policies.create(&PostParams::default(), &serde_json::from_value(policy).unwrap()).await.unwrap();
+        let binding = json!({"metadata": {"name": "no-suspends"},
+                             "spec": {"policyName": "no-suspends", "validationActions": ["Deny"]}});
+        bindings.create(&PostParams::default(), &serde_json::from_value(binding).unwrap()).await.unwrap();
+    } else {
+        bindings.delete("no-suspends", &Default::default()).await.unwrap();
+        policies.delete("no-suspends", &Default::default()).await.unwrap();
+    }
+    let k = owners.iter().find(|o| o.kind == OwnerKind::Kustomization).expect("a Kustomization owner");
+    let tool = owner_api(&s.tool_client().await.unwrap(), k);
+    let dry = kube::api::PatchParams { dry_run: true, ..Default::default() };
+    let touch = kube::api::Patch::Merge(json!({"metadata": {"annotations": {"admission-test": "dry"}}}));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tool.patch(&k.name, &dry, &touch).await.is_ok() == on {
+        assert!(Instant::now() < deadline, "the policy is not {} after 30 s", if on { "applied" } else { "gone" });
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 fn owner_api(client: &Client, owner: &OwnerId) -> Api<DynamicObject> {
     let ar = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk(owner.kind.group(), owner.kind.version(), owner.kind.kind()),
@@ -149,6 +184,19 @@ async fn gitops_owners_with_the_real_crds_refuse_then_pause_on_the_real_server()
         assert!(!predicted_error.contains(&owner.name), "{owner} does not refuse: {predicted_error}");
     }
     assert_eq!(versions(&admin, &all).await, before_refusal, "the rehearsal wrote to an owner");
+
+    // an admission policy that forbids this identity to suspend Kustomizations: the pause is
+    // tried as a dry run before the first write, and the run refuses (exit 2), naming it
+    suspends_forbidden(&s, &admin, &g.owners, true).await;
+    let forbidden = teardown_with(&s, &world.cluster, &["--pause-gitops"]).await;
+    assert_eq!(forbidden.code, 2, "{}", forbidden.dump());
+    let error = forbidden.report["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("pause Flux Kustomization ") && error.contains("ValidatingAdmissionPolicy 'no-suspends'"),
+        "{error}"
+    );
+    assert_eq!(versions(&admin, &all).await, before_refusal, "a run refused by admission wrote to an owner");
+    suspends_forbidden(&s, &admin, &g.owners, false).await;
 
     // paused: exactly this cluster's Karpenter owners, parents first, nothing put back
     let sim = SimController::start(
