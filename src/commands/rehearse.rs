@@ -91,9 +91,24 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
         },
         None => None,
     };
-    let played = crate::rehearse::rehearse(snap, &settings, cancel.clone()).await.map(|p| match permissions {
-        Some(seen) => p.with_permissions(seen),
-        None => p,
+    // and what the live admission chain and cleanup controllers would refuse: dry runs and
+    // reads, which store nothing
+    let refused = match live.as_ref().filter(|_| args.predict_permissions) {
+        Some((kube, _)) => match live_refusal(kube, &settings).await {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return Exit::Failure;
+            }
+        },
+        None => None,
+    };
+    let played = crate::rehearse::rehearse(snap, &settings, cancel.clone()).await.map(|p| {
+        let p = match permissions {
+            Some(seen) => p.with_permissions(seen),
+            None => p,
+        };
+        p.with_live_refusal(refused)
     });
     signals.abort();
     let exit = match played {
@@ -190,6 +205,25 @@ async fn live_permissions(
         missing_kubernetes: k8s.unwrap_or_default().iter().map(ToString::to_string).collect(),
         missing_ec2: ec2.iter().map(ToString::to_string).collect(),
     })
+}
+
+/// What the real run's checks before its first write would refuse on the live cluster: one
+/// server-side dry run per kind of write through its admission chain, and the cleanup
+/// controllers the drain would strand. Nothing is stored.
+async fn live_refusal(kube: &Kube, settings: &RehearsalSettings) -> Result<Option<crate::engine::Refused>, String> {
+    use crate::engine::inventory::Inventory;
+    use crate::engine::{admission_verdict, cleanup_verdict};
+    let inv = crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await.map_err(|e| e.to_string())?;
+    let delete_pods = settings.drain.policy == Some(crate::config::DrainPolicy::Delete);
+    let mut text = String::new();
+    let admission =
+        admission_verdict(&kube.client, &settings.plan, delete_pods, settings.gitops.pause, &inv, None, &mut text)
+            .await
+            .map_err(|e| e.to_string())?;
+    if admission.is_some() {
+        return Ok(admission);
+    }
+    cleanup_verdict(&kube.client, &settings.plan, &inv, &mut text).await.map_err(|e| e.to_string())
 }
 
 /// The snapshot: from a file, or read from the live cluster (lists and describes only), with the

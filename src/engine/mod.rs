@@ -160,23 +160,33 @@ async fn check_permissions(
     ))
 }
 
+/// A refusal decided before the first write, with the blockers that explain it.
+pub(crate) struct Refused {
+    pub(crate) refusal: Refusal,
+    pub(crate) blockers: Vec<Blocker>,
+}
+
+impl Refused {
+    fn into_result(self, plan_text: &str) -> RunResult {
+        RunResult { blockers: self.blockers, ..RunResult::refused(self.refusal, plan_text.to_string()) }
+    }
+}
+
 /// Sends a dry run of each kind of write the plan makes through the API server's admission
-/// chain and reads the webhooks the drain would strand, before anything is changed (also in a
-/// dry run); a write that would be refused refuses the run with exit 2, each refusal a blocker.
-async fn check_admission(
-    kube: &Kube,
-    settings: &RunSettings,
+/// chain and reads the webhooks the drain would strand; a write that would be refused is the
+/// run's refusal (exit 2), each refusal a blocker. `rehearse` asks the live cluster the same.
+pub(crate) async fn admission_verdict(
+    client: &kube::Client,
+    plan: &Plan,
+    delete_pods: bool,
+    pause_gitops: bool,
     inv: &Inventory,
     pausing: Option<admission::Pausing<'_>>,
     plan_text: &mut String,
-) -> Result<(), RunResult> {
+) -> Result<Option<Refused>, crate::k8s::KubeError> {
     let started = Instant::now();
-    let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
-    let need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
-    let findings = match admission::check(&kube.client, inv, &need, pausing).await {
-        Ok(f) => f,
-        Err(e) => return Err(RunResult::early(Exit::Failure, e.to_string(), plan_text.clone())),
-    };
+    let need = permissions::kubernetes_needs(plan, delete_pods, pause_gitops);
+    let findings = admission::check(client, inv, &need, pausing).await?;
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
         dry_runs = findings.dry_runs,
@@ -188,7 +198,7 @@ async fn check_admission(
         plan_text.push_str(&format!("admission not checked before the run: {u}\n"));
     }
     if findings.blocked.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     let blockers = findings
         .blocked
@@ -196,27 +206,24 @@ async fn check_admission(
         .map(|b| Blocker { kind: BlockerKind::Admission, name: b.who.clone(), reason: b.to_string() })
         .collect();
     let refusal = Refusal::Admission { blocked: findings.blocked.iter().map(ToString::to_string).collect() };
-    Err(RunResult { blockers, ..RunResult::refused(refusal, plan_text.clone()) })
+    Ok(Some(Refused { refusal, blockers }))
 }
 
 /// Finds the controllers that clean up in AWS behind finalizers (load balancers, volumes) and
-/// still hold objects, before anything is changed (also in a dry run): one the drain would leave
-/// nowhere to run refuses the run with exit 3, one blocker per object it holds.
-async fn check_cleanup(
-    kube: &Kube,
-    settings: &RunSettings,
+/// still hold objects: one the drain would leave nowhere to run is the run's refusal (exit 3),
+/// one blocker per object it holds. `rehearse` asks the live cluster the same.
+pub(crate) async fn cleanup_verdict(
+    client: &kube::Client,
+    plan: &Plan,
     inv: &Inventory,
     plan_text: &mut String,
-) -> Result<(), RunResult> {
-    if !settings.plan.steps().iter().any(|s| permissions::drains(s.action)) {
-        return Ok(());
+) -> Result<Option<Refused>, crate::k8s::KubeError> {
+    if !plan.steps().iter().any(|s| permissions::drains(s.action)) {
+        return Ok(None);
     }
     let karpenter_nodes: std::collections::BTreeSet<String> =
         inv.machines.values().filter_map(|m| m.node.clone()).collect();
-    let seen = match crate::k8s::retry_transient(|| crate::k8s::cleanup::read(&kube.client, &karpenter_nodes)).await {
-        Ok(s) => s,
-        Err(e) => return Err(RunResult::early(Exit::Failure, e.to_string(), plan_text.clone())),
-    };
+    let seen = crate::k8s::retry_transient(|| crate::k8s::cleanup::read(client, &karpenter_nodes)).await?;
     let nodes: Vec<String> = karpenter_nodes.into_iter().collect();
     let verdicts = crate::cleanup::survey(&seen.held, &seen.running, &nodes, &seen.other_nodes);
     for v in &verdicts {
@@ -225,7 +232,7 @@ async fn check_cleanup(
     }
     let stranded: Vec<&crate::cleanup::Verdict> = verdicts.iter().filter(|v| v.stranded).collect();
     if stranded.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     let blockers: Vec<Blocker> = stranded
         .iter()
@@ -239,7 +246,32 @@ async fn check_cleanup(
             .flat_map(|v| v.held.iter().map(|h| format!("{} {} (finalizer {})", h.kind, h.name, h.finalizer)))
             .collect(),
     };
-    Err(RunResult { blockers, ..RunResult::refused(refusal, plan_text.clone()) })
+    Ok(Some(Refused { refusal, blockers }))
+}
+
+/// [`admission_verdict`] and [`cleanup_verdict`] for a run: before anything is changed (also in
+/// a dry run), a refusal or a failure to ask ends the run here.
+async fn check_before_writes(
+    kube: &Kube,
+    settings: &RunSettings,
+    inv: &Inventory,
+    pausing: Option<admission::Pausing<'_>>,
+    plan_text: &mut String,
+) -> Result<(), RunResult> {
+    let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
+    let fail = |e: crate::k8s::KubeError, text: &str| RunResult::early(Exit::Failure, e.to_string(), text.to_string());
+    match admission_verdict(&kube.client, &settings.plan, delete_pods, settings.gitops.pause, inv, pausing, plan_text)
+        .await
+    {
+        Ok(Some(r)) => return Err(r.into_result(plan_text)),
+        Ok(None) => {}
+        Err(e) => return Err(fail(e, plan_text)),
+    }
+    match cleanup_verdict(&kube.client, &settings.plan, inv, plan_text).await {
+        Ok(Some(r)) => Err(r.into_result(plan_text)),
+        Ok(None) => Ok(()),
+        Err(e) => Err(fail(e, plan_text)),
+    }
 }
 
 /// Runs a teardown. Errors before the first write come back as `BadInput` or `Refused` with
@@ -350,10 +382,7 @@ pub async fn run(
         .gitops
         .pause
         .then(|| admission::Pausing { owners: &owners, active: gitops.active().map(|f| f.owner.clone()).collect() });
-    if let Err(early) = check_admission(&kube, &settings, &inv, pausing, &mut plan_text).await {
-        return RunResult { gitops, ..early };
-    }
-    if let Err(early) = check_cleanup(&kube, &settings, &inv, &mut plan_text).await {
+    if let Err(early) = check_before_writes(&kube, &settings, &inv, pausing, &mut plan_text).await {
         return RunResult { gitops, ..early };
     }
     if settings.dry_run {

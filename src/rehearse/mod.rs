@@ -185,6 +185,29 @@ impl Prediction {
     }
 }
 
+impl Prediction {
+    /// The prediction once the live cluster's admission chain and cleanup controllers have been
+    /// asked as the real run's preflight asks them: a refusal there is the run's refusal (unless
+    /// a missing permission refuses it first, as the run's order has it), with its blockers.
+    pub(crate) fn with_live_refusal(mut self, refused: Option<crate::engine::Refused>) -> Prediction {
+        let permission_refused =
+            self.permissions.as_ref().is_some_and(|p| !p.missing_kubernetes.is_empty() || !p.missing_ec2.is_empty());
+        if let Some(r) = refused
+            && !permission_refused
+        {
+            self.outcome = Outcome::from_exit(r.refusal.exit());
+            self.exit_code = r.refusal.exit().code();
+            self.error = Some(r.refusal.to_string());
+            self.blockers = r
+                .blockers
+                .into_iter()
+                .map(|b| PredictedBlocker { kind: b.kind, name: b.name, reason: b.reason, budget: None })
+                .collect();
+        }
+        self
+    }
+}
+
 /// The `rehearsal` section of a `rehearse` report.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub(crate) struct Rehearsal {

@@ -219,6 +219,22 @@ async fn the_admission_chain_is_asked_before_the_first_write_and_names_who_refus
             run.dump()
         );
         untouched(&p, &run).await;
+        if !yes {
+            // a rehearsal with the run's identity predicts the same refusal, naming the same
+            // webhooks, from the live cluster's own admission chain (its copy has none)
+            let rehearsal = super::resume::rehearse_as_the_run(&p).await;
+            let prediction = &rehearsal.report["rehearsal"]["prediction"];
+            assert_eq!(rehearsal.code, 2, "{}", rehearsal.dump());
+            let predicted: std::collections::BTreeSet<&str> = prediction["blockers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|b| b["kind"] == "admission")
+                .filter_map(|b| b["name"].as_str())
+                .collect();
+            assert_eq!(predicted, names, "{}", rehearsal.dump());
+            untouched(&p, &rehearsal).await;
+        }
     }
     remove_stale(&p.admin).await;
     settled(&p, (false, false)).await;

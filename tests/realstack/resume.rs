@@ -469,30 +469,7 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
 
     // a rehearsal with the run's own identity (given the rehearsal's reads too, as docs/rehearse.md
     // says) predicts the refusal the real authorizer made, though its copy runs as administrator
-    bind_rehearse_role(
-        &p.admin,
-        json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": realstack::TOOL_GROUP}),
-        "tool-rehearses",
-    )
-    .await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let crd_list = json!({"spec": {"resourceAttributes": {"verb": "list", "group": "apiextensions.k8s.io", "resource": "customresourcedefinitions"}}});
-    let reviews: Api<k8s_openapi::api::authorization::v1::SelfSubjectAccessReview> = Api::all(tool.clone());
-    while !reviews
-        .create(&PostParams::default(), &serde_json::from_value(crd_list.clone()).unwrap())
-        .await
-        .unwrap()
-        .status
-        .is_some_and(|s| s.allowed)
-    {
-        assert!(Instant::now() < deadline, "the rehearse role is not bound to the tool after 30 s");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let report = dir.path().join("rehearsal.json");
-    let mut cmd = p.tool("rehearse", p.s.tool_kubeconfig(), &report);
-    cmd.args(["--time-scale", "0.25", "--localstack", common::LOCALSTACK, "--predict-permissions"]);
-    let rehearsal = run_of(cmd, &report).await;
+    let rehearsal = rehearse_as_the_run(&p).await;
     let prediction = &rehearsal.report["rehearsal"]["prediction"];
     assert_eq!(rehearsal.code, 2, "rehearse exits with the predicted code:\n{}", rehearsal.dump());
     assert_eq!(prediction["exit_code"], refused.report["exit_code"], "{}", rehearsal.dump());
@@ -532,6 +509,37 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
     p.assert_torn_down(&p.instances).await;
     eprintln!("permission preflight on the real stack: {:?} in all", t.elapsed());
     p.end().await;
+}
+
+/// `rehearse --predict-permissions` as the run's own identity, given the rehearsal's reads too
+/// (`deploy/rbac-rehearse.yaml` bound to it, as docs/rehearse.md says), once the authorizer
+/// applies that binding. Call it once per cluster.
+pub(super) async fn rehearse_as_the_run(p: &Provisioned) -> Run {
+    bind_rehearse_role(
+        &p.admin,
+        json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": realstack::TOOL_GROUP}),
+        "tool-rehearses",
+    )
+    .await;
+    let tool = p.s.tool_client().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let crd_list = json!({"spec": {"resourceAttributes": {"verb": "list", "group": "apiextensions.k8s.io", "resource": "customresourcedefinitions"}}});
+    let reviews: Api<k8s_openapi::api::authorization::v1::SelfSubjectAccessReview> = Api::all(tool);
+    while !reviews
+        .create(&PostParams::default(), &serde_json::from_value(crd_list.clone()).unwrap())
+        .await
+        .unwrap()
+        .status
+        .is_some_and(|s| s.allowed)
+    {
+        assert!(Instant::now() < deadline, "the rehearse role is not bound to the tool after 30 s");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("rehearsal.json");
+    let mut cmd = p.tool("rehearse", p.s.tool_kubeconfig(), &report);
+    cmd.args(["--time-scale", "0.25", "--localstack", common::LOCALSTACK, "--predict-permissions"]);
+    run_of(cmd, &report).await
 }
 
 /// Creates `deploy/rbac-rehearse.yaml`'s ClusterRole (once) and binds it to `subject`.
