@@ -270,47 +270,37 @@ pub(crate) async fn check(
     let mut findings =
         Findings { blocked: stranded(&webhooks, &writes, &backends, &karpenter_nodes), ..Findings::default() };
     let pod = representative_pod(client, inv).await?;
-    for p in writes.iter().copied() {
-        let Some((target, answer)) = dry_run(client, inv, p, pod.as_ref()).await? else { continue };
-        findings.dry_runs += 1;
-        let write = format!("{} ({target})", permission_words(p));
-        match answer {
-            Ok(()) => {}
-            Err(e) => match k8s::admission::admitter(&e) {
-                Some(Admitter::NoDryRun { webhook }) => {
-                    tracing::warn!(write = %write, webhook = %webhook, "a webhook with side effects refuses dry runs: this write is not checked before the run");
-                    findings.unchecked.push(format!("{write}: webhook {webhook} does not support dry runs"));
+    'writes: for p in writes.iter().copied() {
+        let eviction = p.subresource == "eviction";
+        // a dry run that fails transiently (throttled, a server error that is no webhook's) is
+        // sent again, a few times: nothing is learnt of admission from it
+        let mut tries = 0u32;
+        let (target, answer) = loop {
+            let Some((target, answer)) = dry_run(client, inv, p, pod.as_ref()).await? else { continue 'writes };
+            findings.dry_runs += 1;
+            match &answer {
+                Err(e) if tries < 4 && k8s::is_transient(e) && !(eviction && held_back(e)) => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(250 << tries)).await;
                 }
-                Some(a) => findings.blocked.push(blocked_by(write, &a, &webhooks)),
-                None => match status_code(&e) {
-                    // gone or changed since it was read: the next kind's probe goes on
-                    Some(404 | 409) => tracing::debug!(write = %write, "the object tried changed under the dry run"),
-                    // a budget that allows no eviction now: admitted, the drain's business
-                    Some(429) if p.subresource == "eviction" => {}
-                    _ if k8s::is_transient(&e) => return Err(KubeError::api(format!("dry run of {write}"), e)),
-                    _ => findings.blocked.push(refused_as_invalid(write, &e)),
-                },
-            },
+                _ => break (target, answer),
+            }
+        };
+        if let Err(e) = answer {
+            let write = format!("{} ({target})", permission_words(p));
+            judge(&mut findings, write, e, &webhooks, eviction)?;
         }
     }
     if let Some(pausing) = &pausing {
         let mut kinds_tried = BTreeSet::new();
         for id in pausing.active.iter().filter(|id| kinds_tried.insert(id.kind)) {
-            let answer = k8s::retry_transient(|| k8s::gitops::pause_dry_run(client, pausing.owners, id)).await?;
-            let Some(Err(e)) = answer else {
-                findings.dry_runs += usize::from(answer.is_some());
+            let Some(answer) = k8s::retry_transient(|| k8s::gitops::pause_dry_run(client, pausing.owners, id)).await?
+            else {
                 continue;
             };
             findings.dry_runs += 1;
-            let write = format!("pause {id}");
-            match k8s::admission::admitter(&e) {
-                Some(Admitter::NoDryRun { webhook }) => {
-                    findings.unchecked.push(format!("{write}: webhook {webhook} does not support dry runs"));
-                }
-                Some(a) => findings.blocked.push(blocked_by(write, &a, &webhooks)),
-                None if matches!(status_code(&e), Some(404 | 409)) => {}
-                None if k8s::is_transient(&e) => return Err(KubeError::api(format!("dry run of {write}"), e)),
-                None => findings.blocked.push(refused_as_invalid(write, &e)),
+            if let Err(e) = answer {
+                judge(&mut findings, format!("pause {id}"), e, &webhooks, false)?;
             }
         }
     }
@@ -319,6 +309,39 @@ pub(crate) async fn check(
     let more = same_backend(&findings.blocked, &names, &webhooks, &writes);
     findings.blocked.extend(more);
     Ok(findings)
+}
+
+/// What a refused dry run of `write` means: a refusal by the admission chain (blocked, or
+/// unchecked for a webhook that takes no dry runs), nothing (the object changed under it; an
+/// eviction its budget holds back, which is the drain's business), a failure to retry, or a
+/// refusal by the server itself.
+fn judge(
+    findings: &mut Findings,
+    write: String,
+    e: kube::Error,
+    webhooks: &[Webhook],
+    eviction: bool,
+) -> Result<(), KubeError> {
+    match k8s::admission::admitter(&e) {
+        Some(Admitter::NoDryRun { webhook }) => {
+            tracing::warn!(write = %write, webhook = %webhook, "a webhook with side effects refuses dry runs: this write is not checked before the run");
+            findings.unchecked.push(format!("{write}: webhook {webhook} does not support dry runs"));
+        }
+        Some(a) => findings.blocked.push(blocked_by(write, &a, webhooks)),
+        None => match status_code(&e) {
+            Some(404 | 409) => tracing::debug!(write = %write, "the object tried changed under the dry run"),
+            _ if eviction && held_back(&e) => {}
+            _ if k8s::is_transient(&e) => return Err(KubeError::api(format!("dry run of {write}"), e)),
+            _ => findings.blocked.push(refused_as_invalid(write, &e)),
+        },
+    }
+    Ok(())
+}
+
+/// An eviction its budget holds back (429 with a budget's cause, or 500 for a pod two budgets
+/// select): admitted by the admission chain, and the drain's business.
+fn held_back(e: &kube::Error) -> bool {
+    k8s::apf::is_disruption_budget_refusal(e) || k8s::pods::is_multiple_budgets(e)
 }
 
 /// A write the server itself refuses (not a webhook or policy): as the run would make it, it
@@ -603,6 +626,67 @@ mod tests {
         let p = blocked_by("patch nodes (cordon node n1)".into(), &policy, &hooks);
         assert_eq!(p.who, "ValidatingAdmissionPolicy/no-cordon");
         assert!(p.fix.contains("matchResources"), "{p}");
+    }
+
+    fn api_error(code: u16, reason: &str, message: &str, cause: Option<&str>) -> kube::Error {
+        let mut s = kube::core::Status::failure(message, reason).with_code(code);
+        if let Some(c) = cause {
+            s.details = Some(kube::core::response::StatusDetails {
+                name: String::new(),
+                group: String::new(),
+                kind: String::new(),
+                uid: String::new(),
+                causes: vec![kube::core::response::StatusCause {
+                    reason: c.into(),
+                    message: "m".into(),
+                    field: String::new(),
+                }],
+                retry_after_seconds: 0,
+            });
+        }
+        kube::Error::Api(s.boxed())
+    }
+
+    #[test]
+    fn a_refused_dry_run_is_judged_by_who_refused_it() {
+        let mut f = Findings::default();
+        let budget = api_error(
+            429,
+            "TooManyRequests",
+            "Cannot evict pod as it would violate the pod's disruption budget.",
+            Some("DisruptionBudget"),
+        );
+        judge(&mut f, "evict".into(), budget, &[], true).unwrap();
+        let two = api_error(
+            500,
+            "",
+            "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.",
+            None,
+        );
+        judge(&mut f, "evict".into(), two, &[], true).unwrap();
+        judge(&mut f, "patch".into(), api_error(409, "Conflict", "changed", None), &[], false).unwrap();
+        assert!(
+            f.blocked.is_empty() && f.unchecked.is_empty(),
+            "a budget's answer and a conflict say nothing of admission"
+        );
+        let hook = api_error(
+            500,
+            "InternalError",
+            "Internal error occurred: failed calling webhook \"x.example.com\": timeout",
+            None,
+        );
+        judge(&mut f, "patch nodes".into(), hook, &[], false).unwrap();
+        let side = api_error(400, "BadRequest", "admission webhook \"y.example.com\" does not support dry run", None);
+        judge(&mut f, "delete nodes".into(), side, &[], false).unwrap();
+        let invalid = api_error(422, "Invalid", "NodePool.karpenter.sh \"p\" is invalid", None);
+        judge(&mut f, "patch nodepools".into(), invalid, &[], false).unwrap();
+        assert_eq!(
+            f.blocked.iter().map(|b| b.who.as_str()).collect::<Vec<_>>(),
+            ["webhook/x.example.com", "kube-apiserver"]
+        );
+        assert_eq!(f.unchecked.len(), 1);
+        let etcd = api_error(500, "InternalError", "etcdserver: request timed out", None);
+        assert!(judge(&mut f, "patch".into(), etcd, &[], false).is_err(), "a server failure is no verdict");
     }
 
     #[test]

@@ -189,6 +189,11 @@ pub enum EvictionOutcome {
 /// kube-apiserver's message for a pod that more than one PodDisruptionBudget selects.
 const MULTIPLE_PDBS: &str = "more than one PodDisruptionBudget";
 
+/// The eviction API's refusal of a pod that two PodDisruptionBudgets select (HTTP 500).
+pub(crate) fn is_multiple_budgets(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 500 && s.message.contains(MULTIPLE_PDBS))
+}
+
 /// Evicts one pod with a UID precondition, so a replacement with the same name is never hit.
 pub async fn evict(client: &kube::Client, pod: &PodRef) -> Result<EvictionOutcome, KubeError> {
     let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);

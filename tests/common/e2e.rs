@@ -177,6 +177,23 @@ pub async fn count(client: &Client, ar: &kube::core::ApiResource) -> usize {
 }
 
 /// Labels, taints and schedulability of the nodes the tool must never touch.
+/// A ValidatingWebhookConfiguration `node-policy`: one fail-closed webhook on node updates and
+/// deletes, called through service `default/node-policy`, giving up after a second.
+pub fn node_policy_webhook() -> Value {
+    json!({
+        "metadata": {"name": "node-policy"},
+        "webhooks": [{
+            "name": "nodes.policy.example.com",
+            "admissionReviewVersions": ["v1"],
+            "clientConfig": {"service": {"namespace": "default", "name": "node-policy", "port": 443}},
+            "failurePolicy": "Fail",
+            "sideEffects": "None",
+            "timeoutSeconds": 1,
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE", "DELETE"], "resources": ["nodes"]}],
+        }],
+    })
+}
+
 /// The blockers of `kind` in a run's report.
 pub fn blockers_of<'a>(run: &'a Run, kind: &str) -> Vec<&'a Value> {
     run.report["blockers"].as_array().into_iter().flatten().filter(|b| b["kind"] == kind).collect()

@@ -104,6 +104,36 @@ async fn settled(p: &Provisioned, refused: (bool, bool)) {
     }
 }
 
+/// A fail-closed webhook on node updates and deletes, called through service `default/node-policy`,
+/// whose one ready endpoint (an EndpointSlice of the service, as the EndpointSlice controller
+/// writes them) runs on `node`; or, with `on` false, none of it.
+async fn served_from(admin: &kube::Client, node: &str, on: bool) {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let hooks: Api<ValidatingWebhookConfiguration> = Api::all(admin.clone());
+    let services: Api<Service> = Api::namespaced(admin.clone(), "default");
+    let slices: Api<EndpointSlice> = Api::namespaced(admin.clone(), "default");
+    if !on {
+        let dp = DeleteParams::default();
+        hooks.delete("node-policy", &dp).await.unwrap();
+        slices.delete("node-policy-1", &dp).await.unwrap();
+        services.delete("node-policy", &dp).await.unwrap();
+        return;
+    }
+    let pp = PostParams::default();
+    let svc = json!({"metadata": {"name": "node-policy"}, "spec": {"ports": [{"port": 443, "targetPort": 8443}]}});
+    services.create(&pp, &serde_json::from_value(svc).unwrap()).await.unwrap();
+    let slice = json!({
+        "metadata": {"name": "node-policy-1", "labels": {"kubernetes.io/service-name": "node-policy"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["10.77.0.50"], "nodeName": node, "conditions": {"ready": true}}],
+        "ports": [{"port": 8443, "protocol": "TCP"}],
+    });
+    slices.create(&pp, &serde_json::from_value(slice).unwrap()).await.unwrap();
+    let hook = super::common::e2e::node_policy_webhook();
+    hooks.create(&pp, &serde_json::from_value(hook).unwrap()).await.unwrap();
+}
+
 async fn karpenter_nodes(admin: &kube::Client) -> Vec<String> {
     let nodes: Api<Node> = Api::all(admin.clone());
     let list = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
@@ -237,6 +267,28 @@ async fn the_admission_chain_is_asked_before_the_first_write_and_names_who_refus
         }
     }
     remove_stale(&p.admin).await;
+    settled(&p, (false, false)).await;
+
+    // 2b. A fail-closed webhook on node writes whose service's only endpoint runs on a
+    //     Karpenter node: the drain would take its backend away, so it refuses the run before
+    //     any write, named as served only from Karpenter nodes. (Nothing answers at that address
+    //     here, so the server cannot call it now either, and it is named for that too.)
+    let karpenter_node = karpenter_nodes(&p.admin).await.into_iter().next().expect("a Karpenter node");
+    served_from(&p.admin, &karpenter_node, true).await;
+    settled(&p, (false, true)).await;
+    let run = teardown(&p, false).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    let hook: Vec<(String, String)> = admission_blockers(&run)
+        .into_iter()
+        .filter(|(n, _)| n == "ValidatingWebhookConfiguration/node-policy")
+        .collect();
+    assert!(
+        hook.iter().any(|(_, r)| r.contains(&format!("is served only from Karpenter nodes ({karpenter_node})"))),
+        "{}",
+        run.dump()
+    );
+    untouched(&p, &run).await;
+    served_from(&p.admin, &karpenter_node, false).await;
     settled(&p, (false, false)).await;
 
     // 3. A ValidatingAdmissionPolicy that forbids this identity to update nodes ("no one

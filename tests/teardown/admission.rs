@@ -13,7 +13,9 @@ use kube::api::{Api, PostParams};
 use sandbox_sim::generate;
 use serde_json::json;
 
-use crate::common::e2e::{Consent, assert_no_node_fenced, bed, blockers_of, small_world, teardown};
+use crate::common::e2e::{
+    Consent, assert_no_node_fenced, bed, blockers_of, node_policy_webhook, small_world, teardown,
+};
 
 fn endpoint(ip: &str, node: &str) -> serde_json::Value {
     json!({"addresses": [ip], "nodeName": node, "conditions": {"ready": true}})
@@ -25,18 +27,7 @@ async fn a_webhook_served_only_from_karpenter_nodes_refuses_the_run_before_the_d
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let pp = PostParams::default();
-    let hook: ValidatingWebhookConfiguration = serde_json::from_value(json!({
-        "metadata": {"name": "node-policy"},
-        "webhooks": [{
-            "name": "nodes.policy.example.com",
-            "admissionReviewVersions": ["v1"],
-            "clientConfig": {"service": {"namespace": "default", "name": "node-policy", "port": 443}},
-            "failurePolicy": "Fail",
-            "sideEffects": "None",
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE", "DELETE"], "resources": ["nodes"]}],
-        }],
-    }))
-    .unwrap();
+    let hook: ValidatingWebhookConfiguration = serde_json::from_value(node_policy_webhook()).unwrap();
     Api::<ValidatingWebhookConfiguration>::all(b.client.clone()).create(&pp, &hook).await.unwrap();
     let karpenter_node = &world.nodes[0].node;
     let slices: Api<EndpointSlice> = Api::namespaced(b.client.clone(), "default");
