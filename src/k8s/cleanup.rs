@@ -92,13 +92,22 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
     for cleaner in wanted {
         running.insert(cleaner, Running { pods: pods_of(client, cleaner).await? });
     }
+    // the nodes the run keeps: those without Karpenter's label, and EKS Auto Mode's, which
+    // carry it but are not this controller's (two lists, so thousands of Karpenter nodes are
+    // not read again)
     let nodes: Api<Node> = Api::all(client.clone());
-    let lp = ListParams::default().labels(&format!("!{}", crate::karpenter::LABEL_NODEPOOL));
-    let other_nodes = list_pages(&nodes, &lp, |n: Node| {
-        (!karpenter_nodes.contains(n.metadata.name.as_deref().unwrap_or_default())).then_some(n)
-    })
-    .await
-    .map_err(|e| KubeError::api("list the nodes that are not Karpenter's", e))?;
+    let mut other_nodes = Vec::new();
+    for selector in [
+        format!("!{}", crate::karpenter::LABEL_NODEPOOL),
+        format!("{},{}=auto", crate::karpenter::LABEL_NODEPOOL, crate::karpenter::LABEL_COMPUTE_TYPE),
+    ] {
+        let kept = list_pages(&nodes, &ListParams::default().labels(&selector), |n: Node| {
+            (!karpenter_nodes.contains(n.metadata.name.as_deref().unwrap_or_default())).then_some(n)
+        })
+        .await
+        .map_err(|e| KubeError::api("list the nodes the run keeps", e))?;
+        other_nodes.extend(kept);
+    }
     Ok(Seen { held, running, other_nodes })
 }
 

@@ -193,6 +193,7 @@ impl Registry {
                     false,
                 ),
                 builtin("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", true, &[], false, false),
+                builtin("coordination.k8s.io", "v1", "leases", "Lease", true, &[], false, false),
                 crd,
             ],
         }
