@@ -424,6 +424,16 @@ async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> 
         }
     };
     let generate_s = t.elapsed().as_secs_f64();
+    // EKS knows the cluster as the bed's API server, as the tool's identity proof asks of it
+    let eks = match &server {
+        Server::Sandbox(api) => sandbox_sim::cloud::EksSpec { endpoint: api.url(), ca_pem: None, auto_mode: false },
+        Server::Real(stack) => {
+            sandbox_sim::cloud::EksSpec { endpoint: stack.server(), ca_pem: Some(stack.ca_pem()?), auto_mode: false }
+        }
+    };
+    Cloud::from_config(&localstack::config_as(REGION, &account).await)
+        .register_eks_cluster(&world.cluster, &eks)
+        .await?;
     // kube-apiserver does not scale time: on the real bed a grace period is its seconds
     let grace_scale = if args.bed == Bed::Real { 1.0 } else { args.time_scale };
     let (critical_s, pods) = critical_path(&client, &world, grace_scale).await?;
