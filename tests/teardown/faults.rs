@@ -75,12 +75,18 @@ async fn ec2_throttling_and_errors() {
     assert_eq!(run.report["outcome"], "clean");
     assert!(counts.throttled + counts.failed > 0, "the proxy injected nothing: {counts:?}");
     assert_eq!(counts.upstream_errors, 0, "{counts:?}");
-    // what the report says about it: calls by operation, retries not told apart (see the notes)
-    let ec2_calls: u64 = run.report["api_calls"]
+    // The report counts every attempt the tool sent (a throttled call and its retry are two
+    // calls, as AWS bills and throttles them), and every AWS call of the run goes through the
+    // proxy: the report's figure is the proxy's, to the call.
+    let aws_calls: u64 = run.report["api_calls"]
         .as_object()
-        .map(|m| m.iter().filter(|(k, _)| k.starts_with("ec2:")).filter_map(|(_, v)| v.as_u64()).sum())
-        .unwrap_or(0);
-    eprintln!("proxy {counts:?}; report ec2 calls {ec2_calls}");
+        .expect("api_calls in the report")
+        .iter()
+        .filter(|(k, _)| !k.starts_with("kubernetes:"))
+        .filter_map(|(_, v)| v.as_u64())
+        .sum();
+    let seen = counts.forwarded + counts.throttled + counts.failed + counts.refused + counts.over_budget;
+    assert_eq!(aws_calls, seen, "the report's AWS calls are not the proxy's: {counts:?}\n{}", run.report["api_calls"]);
     assert_torn_down(&b, &world, &before).await;
     proxy.shutdown().await;
     b.server.shutdown().await;
@@ -110,4 +116,68 @@ async fn the_ec2_proxy_forwards_and_throttles_through_the_sdk() {
     assert_eq!(c.throttled, 1, "{c:?}");
     assert!(c.forwarded >= 1, "{c:?}");
     proxy.shutdown().await;
+}
+
+/// A drain that a budget holds until its deadline, under `--on-drain-deadline delete`, whose pod
+/// deletes fail (503) for a while: each failure ends the drain's task as transient and the task
+/// runs again. The deadline counts from the first attempt, so the restarts add only their
+/// backoff; were each attempt to start a deadline of its own, the drain would last a deadline per
+/// restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_deadline_holds_across_restarts() {
+    const DEADLINE: u64 = 6;
+    const FAILED_DELETES: u64 = 6;
+    let mut s = two_pool_world("faults-deadline", 2);
+    s.strict_pdb = true;
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let before = untouchable_nodes(&b.client, &world).await;
+    let stats = b.server.requests();
+    let (evictions_before, deletes_before) = (stats.count("evict", "pods"), stats.count("delete", "pods"));
+
+    let deadline = format!("{DEADLINE}s");
+    let args = ["--drain-deadline", deadline.as_str(), "--on-drain-deadline", "delete"];
+    // Once the drains evict (the admission dry runs are behind), pod deletes fail until this many
+    // have; then the server answers them again.
+    let faults = async {
+        while stats.count("evict", "pods") == evictions_before {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let failing = ErrorRule { verb: Some("delete".into()), resource: Some("pods".into()), code: 503, rate: 1.0 };
+        b.server.set_faults(FaultConfig { errors: vec![failing], ..FaultConfig::default() });
+        while stats.count("delete", "pods") < deletes_before + FAILED_DELETES {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        b.server.set_faults(FaultConfig::default());
+        // the run ends on its own
+        std::future::pending::<()>().await
+    };
+    let run = tokio::select! {
+        run = teardown(&b, &world.cluster, Consent::Yes, &args) => run,
+        _ = faults => unreachable!("the fault schedule never ends"),
+    };
+    b.server.set_faults(FaultConfig::default());
+    assert_eq!(run.code, 0, "{}", run.dump());
+    assert_eq!(run.report["outcome"], "clean");
+    assert!(stats.count("delete", "pods") >= deletes_before + FAILED_DELETES, "fewer deletes than failures");
+
+    let steps = run.report["steps"].as_array().expect("steps in the report");
+    let drains: Vec<&Value> = steps.iter().filter(|st| st["step"] == "drain").collect();
+    assert_eq!(drains.len(), world.nodes.len(), "one drain per node: {}", run.dump());
+    let restarted: Vec<&&Value> = drains.iter().filter(|d| d["attempts"].as_u64().unwrap_or(1) > 1).collect();
+    assert!(!restarted.is_empty(), "no drain was restarted by the failed deletes: {}", run.dump());
+    let restarts: u64 = restarted.iter().map(|d| d["attempts"].as_u64().unwrap_or(1) - 1).sum();
+    assert!(restarts >= FAILED_DELETES, "{restarts} restarts for {FAILED_DELETES} failed deletes: {}", run.dump());
+    for d in restarted {
+        let at = |k: &str| humantime::parse_rfc3339_weak(d[k].as_str().expect("a time")).expect("RFC 3339");
+        let took = at("finished").duration_since(at("started")).expect("finished after started");
+        // a deadline per attempt would be at least twice the deadline from the second on
+        assert!(
+            took < Duration::from_secs(2 * DEADLINE),
+            "a drain restarted {} times took {took:?} against a deadline of {DEADLINE}s: {d}",
+            d["attempts"]
+        );
+    }
+    assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
 }
