@@ -9,6 +9,16 @@ pub(crate) const KARPENTER_GROUP: &str = "karpenter.sh";
 pub(crate) const AWS_GROUP: &str = "karpenter.k8s.aws";
 /// The version all three kinds are served at since Karpenter 1.0.
 pub(crate) const VERSION: &str = "v1";
+/// The CustomResourceDefinitions of the three kinds.
+pub(crate) const CRDS: [&str; 3] =
+    ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"];
+/// The label the controller's chart puts on its Deployment and pods, and its value.
+pub(crate) const CONTROLLER_LABEL: (&str, &str) = ("app.kubernetes.io/name", "karpenter");
+
+/// The controller's label as a label selector.
+pub(crate) fn controller_selector() -> String {
+    format!("{}={}", CONTROLLER_LABEL.0, CONTROLLER_LABEL.1)
+}
 
 /// Label on every Karpenter node naming its NodePool; nodes without it are never touched.
 pub const LABEL_NODEPOOL: &str = "karpenter.sh/nodepool";

@@ -599,7 +599,7 @@ fn karpenter_facts(k: &KubeObjects) -> KarpenterFacts {
         .deployments
         .iter()
         .map(RawObject::value)
-        .filter(|d| d["metadata"]["labels"]["app.kubernetes.io/name"] == "karpenter")
+        .filter(|d| d["metadata"]["labels"][karpenter::CONTROLLER_LABEL.0] == karpenter::CONTROLLER_LABEL.1)
         .collect();
     // the same preference as the teardown's own inventory: kube-system, then the name karpenter
     let controller = controllers

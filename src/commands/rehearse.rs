@@ -215,11 +215,9 @@ async fn live_refusal(kube: &Kube, settings: &RehearsalSettings) -> Result<Optio
     use crate::engine::{admission_verdict, cleanup_verdict};
     let inv = crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await.map_err(|e| e.to_string())?;
     let delete_pods = settings.drain.policy == Some(crate::config::DrainPolicy::Delete);
+    let need = crate::engine::permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
     let mut text = String::new();
-    let admission =
-        admission_verdict(&kube.client, &settings.plan, delete_pods, settings.gitops.pause, &inv, None, &mut text)
-            .await
-            .map_err(|e| e.to_string())?;
+    let admission = admission_verdict(&kube.client, &need, &inv, None, &mut text).await.map_err(|e| e.to_string())?;
     if admission.is_some() {
         return Ok(admission);
     }

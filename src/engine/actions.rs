@@ -394,7 +394,7 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> Outcome {
             .as_ref()
             .and_then(|s| s.selector.match_labels.as_ref())
             .map(|m| m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","))
-            .unwrap_or_else(|| "app.kubernetes.io/name=karpenter".into());
+            .unwrap_or_else(crate::karpenter::controller_selector);
         let running = pods
             .list(&ListParams::default().labels(&selector))
             .await
@@ -423,7 +423,7 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> Outcome {
 pub async fn drop_conversion_webhooks(client: &kube::Client) -> Result<usize, KubeError> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let mut changed = 0;
-    for name in ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"] {
+    for name in crate::karpenter::CRDS {
         let crd = match crds.get_opt(name).await {
             Ok(Some(c)) => c,
             Ok(None) => continue,
@@ -679,7 +679,7 @@ pub async fn wait_nodeclaims_gone(ctx: &Ctx, params: &Params) -> Outcome {
                 .iter()
                 .filter(|c| {
                     let labels = c.metadata.labels.clone().unwrap_or_default();
-                    claim_owner(c, &labels, &std::collections::BTreeMap::new()).is_ok()
+                    claim_owner(c, &labels, &ctx.foreign_pools).is_ok()
                 })
                 .count(),
             // a passing error must not restart the wait (and its deadline): look again shortly

@@ -256,8 +256,12 @@ pub(crate) async fn check(
     pausing: Option<Pausing<'_>>,
 ) -> Result<Findings, KubeError> {
     let writes = writes(need);
+    // a plan that writes nothing (a verify-only plan) has nothing for admission to refuse
+    if writes.is_empty() && pausing.as_ref().is_none_or(|p| p.active.is_empty()) {
+        return Ok(Findings::default());
+    }
     let webhooks = k8s::retry_transient(|| k8s::admission::webhooks(client)).await?;
-    let karpenter_nodes: BTreeSet<String> = inv.machines.values().filter_map(|m| m.node.clone()).collect();
+    let karpenter_nodes = inv.karpenter_nodes();
     let mut backends = BTreeMap::new();
     for w in webhooks.iter().filter(|w| w.fails_closed) {
         if let Some((ns, name, _)) = &w.service

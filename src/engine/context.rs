@@ -1,7 +1,7 @@
 //! What every task can reach: the clients, the shared pod index and EC2 batcher, the run's
 //! settings and a sink for what it observed.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -55,6 +55,9 @@ pub struct Ctx {
     /// launched during the run (by a controller that was not fenced); no task of the graph
     /// handles it, so the step that would otherwise wait for it forever sweeps it up.
     pub inventoried: BTreeSet<String>,
+    /// The NodePools the inventory found another controller's, and whose: their NodeClaims are
+    /// not this run's to wait for or act on, whatever their own labels say.
+    pub(crate) foreign_pools: BTreeMap<String, crate::karpenter::NotOurs>,
     /// Instance profiles the inventory's EC2NodeClasses name in `spec.instanceProfile`: the
     /// user's, never reported or deleted.
     pub user_instance_profiles: BTreeSet<String>,

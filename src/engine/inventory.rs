@@ -87,6 +87,16 @@ pub struct Inventory {
 }
 
 impl Inventory {
+    /// The NodePools set aside as another controller's, and whose.
+    pub(crate) fn foreign_pools(&self) -> BTreeMap<String, karpenter::NotOurs> {
+        self.not_ours.iter().filter(|f| f.kind == "NodePool").map(|f| (f.name.clone(), f.why.clone())).collect()
+    }
+
+    /// The nodes of this controller's machines: what the drain empties.
+    pub(crate) fn karpenter_nodes(&self) -> BTreeSet<String> {
+        self.machines.values().filter_map(|m| m.node.clone()).collect()
+    }
+
     /// Reads the inventory through the API (three Karpenter lists, one node list by label, one
     /// deployment list by label). A Karpenter CRD that is not installed reads as empty.
     pub async fn read(client: &kube::Client) -> Result<Inventory, KubeError> {
@@ -405,7 +415,7 @@ pub async fn list_dynamic(
 pub async fn find_controller(client: &kube::Client) -> Result<Option<Controller>, KubeError> {
     let api: Api<Deployment> = Api::all(client.clone());
     let list = api
-        .list(&ListParams::default().labels("app.kubernetes.io/name=karpenter"))
+        .list(&ListParams::default().labels(&karpenter::controller_selector()))
         .await
         .map_err(|e| KubeError::api("list the Karpenter controller Deployment", e))?;
     let mut found: Vec<Controller> = list

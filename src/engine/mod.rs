@@ -13,6 +13,7 @@ pub mod events;
 mod gate;
 pub mod inventory;
 pub mod permissions;
+mod phases;
 pub mod podindex;
 pub mod preflight;
 mod record;
@@ -32,6 +33,7 @@ use self::actions::TaskOutcome;
 use self::context::{Ctx, DrainOverrides};
 use self::events::{EngineEvent, TaskRef};
 use self::inventory::Inventory;
+use self::phases::{Ended, Learnt, Phase, Stop};
 use self::refusal::Refusal;
 use crate::aws::AwsClients;
 use crate::config::DrainPolicy;
@@ -92,84 +94,10 @@ pub struct RunResult {
     pub not_ours: Vec<inventory::Foreign>,
 }
 
-impl RunResult {
-    fn refused(refusal: Refusal, plan_text: String) -> RunResult {
-        RunResult::early(refusal.exit(), refusal.to_string(), plan_text)
-    }
-
-    fn early(exit: Exit, error: String, plan_text: String) -> RunResult {
-        RunResult {
-            gitops: Survey::default(),
-            exit,
-            steps: Vec::new(),
-            blockers: Vec::new(),
-            leftovers: Leftovers::default(),
-            reclaimed: Vec::new(),
-            pods_rebound: 0,
-            pods_lost: 0,
-            error: Some(error),
-            plan_text,
-            not_ours: Vec::new(),
-        }
-    }
-}
-
-/// Asks Kubernetes and EC2, before anything is changed (also in a dry run, which then says what
-/// a real run would be refused for), whether the identity may do everything the plan does.
-async fn check_permissions(
-    kube: &Kube,
-    aws: &AwsClients,
-    settings: &RunSettings,
-    inv: &Inventory,
-    plan_text: &str,
-) -> Result<(), RunResult> {
-    let started = Instant::now();
-    let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
-    let k8s_need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
-    let fail = |e: String| RunResult::early(Exit::Failure, e, plan_text.to_string());
-    let k8s_missing = match permissions::missing_kubernetes(&kube.client, &k8s_need).await {
-        Ok(m) => m.unwrap_or_default(),
-        Err(e) => return Err(fail(e.to_string())),
-    };
-    let instances: Vec<String> =
-        inv.machines.values().filter_map(|m| m.provider_id.as_ref().map(|p| p.instance_id.clone())).collect();
-    let ec2_need = permissions::ec2_needs(&settings.plan, settings.reclaim);
-    let ec2_missing = match permissions::missing_ec2(aws, &settings.cluster, &ec2_need, &instances).await {
-        Ok(m) => m,
-        Err(e) => {
-            let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
-            return Err(RunResult::early(exit, e.to_string(), plan_text.to_string()));
-        }
-    };
-    tracing::info!(
-        seconds = started.elapsed().as_secs_f64(),
-        kubernetes = k8s_need.len(),
-        ec2 = ec2_need.len(),
-        missing = k8s_missing.len() + ec2_missing.len(),
-        "permissions checked before any change"
-    );
-    if k8s_missing.is_empty() && ec2_missing.is_empty() {
-        return Ok(());
-    }
-    Err(RunResult::refused(
-        Refusal::MissingPermissions {
-            kubernetes: k8s_missing.iter().map(ToString::to_string).collect(),
-            ec2: ec2_missing.iter().map(ToString::to_string).collect(),
-        },
-        plan_text.to_string(),
-    ))
-}
-
 /// A refusal decided before the first write, with the blockers that explain it.
 pub(crate) struct Refused {
     pub(crate) refusal: Refusal,
     pub(crate) blockers: Vec<Blocker>,
-}
-
-impl Refused {
-    fn into_result(self, plan_text: &str) -> RunResult {
-        RunResult { blockers: self.blockers, ..RunResult::refused(self.refusal, plan_text.to_string()) }
-    }
 }
 
 /// Sends a dry run of each kind of write the plan makes through the API server's admission
@@ -177,16 +105,13 @@ impl Refused {
 /// run's refusal (exit 2), each refusal a blocker. `rehearse` asks the live cluster the same.
 pub(crate) async fn admission_verdict(
     client: &kube::Client,
-    plan: &Plan,
-    delete_pods: bool,
-    pause_gitops: bool,
+    need: &std::collections::BTreeSet<permissions::KubePermission>,
     inv: &Inventory,
     pausing: Option<admission::Pausing<'_>>,
     plan_text: &mut String,
 ) -> Result<Option<Refused>, crate::k8s::KubeError> {
     let started = Instant::now();
-    let need = permissions::kubernetes_needs(plan, delete_pods, pause_gitops);
-    let findings = admission::check(client, inv, &need, pausing).await?;
+    let findings = admission::check(client, inv, need, pausing).await?;
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
         dry_runs = findings.dry_runs,
@@ -221,8 +146,7 @@ pub(crate) async fn cleanup_verdict(
     if !plan.steps().iter().any(|s| permissions::drains(s.action)) {
         return Ok(None);
     }
-    let karpenter_nodes: std::collections::BTreeSet<String> =
-        inv.machines.values().filter_map(|m| m.node.clone()).collect();
+    let karpenter_nodes = inv.karpenter_nodes();
     let seen = crate::k8s::retry_transient(|| crate::k8s::cleanup::read(client, &karpenter_nodes)).await?;
     let nodes: Vec<String> = karpenter_nodes.into_iter().collect();
     let verdicts = crate::cleanup::survey(&seen.held, &seen.running, &nodes, &seen.other_nodes);
@@ -249,33 +173,9 @@ pub(crate) async fn cleanup_verdict(
     Ok(Some(Refused { refusal, blockers }))
 }
 
-/// [`admission_verdict`] and [`cleanup_verdict`] for a run: before anything is changed (also in
-/// a dry run), a refusal or a failure to ask ends the run here.
-async fn check_before_writes(
-    kube: &Kube,
-    settings: &RunSettings,
-    inv: &Inventory,
-    pausing: Option<admission::Pausing<'_>>,
-    plan_text: &mut String,
-) -> Result<(), RunResult> {
-    let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
-    let fail = |e: crate::k8s::KubeError, text: &str| RunResult::early(Exit::Failure, e.to_string(), text.to_string());
-    match admission_verdict(&kube.client, &settings.plan, delete_pods, settings.gitops.pause, inv, pausing, plan_text)
-        .await
-    {
-        Ok(Some(r)) => return Err(r.into_result(plan_text)),
-        Ok(None) => {}
-        Err(e) => return Err(fail(e, plan_text)),
-    }
-    match cleanup_verdict(&kube.client, &settings.plan, inv, plan_text).await {
-        Ok(Some(r)) => Err(r.into_result(plan_text)),
-        Ok(None) => Ok(()),
-        Err(e) => Err(fail(e, plan_text)),
-    }
-}
-
-/// Runs a teardown. Errors before the first write come back as `BadInput` or `Refused` with
-/// nothing changed; `cancel` is the Ctrl-C / SIGTERM signal.
+/// Runs a teardown: the phases that only read ([`phases::prepare`]), then, with consent, the
+/// GitOps pause and the task graph. A run that stops before its first write changes nothing;
+/// `cancel` is the Ctrl-C / SIGTERM signal.
 pub async fn run(
     kube: Kube,
     aws: AwsClients,
@@ -286,255 +186,125 @@ pub async fn run(
     // The reads before the first write are timed in the log: at thousands of nodes they are
     // minutes, and which of them is slow tells a user whether to look at the API server or EC2.
     let started = Instant::now();
-    if let Err(e) = crate::k8s::retry_transient(|| kube.check_reachable()).await {
-        let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
-        return RunResult::early(exit, e.to_string(), String::new());
-    }
-    let phase = Instant::now();
-    let inv = match crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await {
-        Ok(i) => i,
-        // Karpenter 1.0.x after `helm uninstall`: objects stored at v1beta1 are unreachable
-        // through the dead conversion webhook. With consent, and once identity is proven from
-        // what can still be read, turn the webhook off (as remove-controller would have) and
-        // read again; a dry run only says so.
-        Err(e @ crate::k8s::KubeError::ConversionWebhook { .. }) => match unstrand(&kube, &aws, &settings).await {
-            Ok(Some(inv)) => inv,
-            Ok(None) => return RunResult::early(Exit::Failure, e.to_string(), String::new()),
-            Err(early) => return early,
-        },
-        Err(e) => return RunResult::early(Exit::Failure, e.to_string(), String::new()),
+    let mut learnt = Learnt::default();
+    let ended = match phases::prepare(&kube, &aws, &settings, &mut learnt).await {
+        Err((phase, stop)) => Ended::Stopped { phase, stop },
+        Ok(_) if settings.dry_run => Ended::DryRun,
+        Ok(prepared) => {
+            let launch = Launch { kube, aws, settings: &settings, started, cancel, events };
+            launch.run(prepared, &mut learnt).await
+        }
     };
-    tracing::info!(
-        seconds = phase.elapsed().as_secs_f64(),
-        machines = inv.machines.len(),
-        nodepools = inv.nodepools.len(),
-        nodeclasses = inv.nodeclasses.len(),
-        "inventory read"
-    );
-    let phase = Instant::now();
-    let evidence =
-        match preflight::identity(&kube, &aws, &settings.cluster, &settings.region, settings.account.as_deref(), &inv)
-            .await
-        {
-            Ok(ev) => ev,
-            Err(e) if e.is_access_denied() => {
-                tracing::error!(error = %e, "identity evidence");
-                let refusal =
-                    Refusal::MissingPermissions { kubernetes: Vec::new(), ec2: e.action().into_iter().collect() };
-                return RunResult::refused(refusal, String::new());
+    phases::conclude(ended, learnt)
+}
+
+/// What the phases that write need beyond what the phases that read prepared.
+struct Launch<'a> {
+    kube: Kube,
+    aws: AwsClients,
+    settings: &'a RunSettings,
+    started: Instant,
+    cancel: CancellationToken,
+    events: events::Events,
+}
+
+impl Launch<'_> {
+    /// Pauses the GitOps owners, then runs the task graph with its watches and batcher.
+    async fn run(self, prepared: phases::Prepared, learnt: &mut Learnt) -> Ended {
+        let Launch { kube, aws, settings, started, cancel, events } = self;
+        let phases::Prepared { inv, graph, owners } = prepared;
+        // owners already paused count too: a sync or reconcile they started may still be applying
+        if !learnt.gitops.owners.is_empty() {
+            let (record, stop) = pause_gitops(&kube, &owners, &mut learnt.gitops).await;
+            learnt.steps.push(record);
+            if let Some(stop) = stop {
+                return Ended::Stopped { phase: Phase::PauseGitops, stop };
             }
-            Err(e) => {
-                let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
-                return RunResult::early(exit, e.to_string(), String::new());
+        }
+        tracing::info!(
+            tasks = graph.task_count(),
+            machines = inv.machines.len(),
+            preflight_seconds = started.elapsed().as_secs_f64(),
+            "starting the teardown"
+        );
+        events.send(EngineEvent::RunStarted {
+            tasks: graph.task_count() as u64,
+            steps: graph.summary().steps.into_iter().map(|s| (s.step, s.tasks as u64)).collect(),
+        });
+
+        let mut background = JoinSet::new();
+        let (pods, pod_watch) = podindex::PodIndex::start(kube.client.clone());
+        background.spawn(pod_watch.instrument(tracing::info_span!("pod-watch")));
+        let (budgets, budget_watch) = budgets::Budgets::start(kube.client.clone());
+        background.spawn(budget_watch.instrument(tracing::info_span!("pdb-watch")));
+        let (ec2, batcher) = batcher::Ec2Batcher::start(aws.ec2.clone(), settings.cluster.clone());
+        background.spawn(batcher.instrument(tracing::info_span!("ec2-batcher")));
+        // The tasks report what they find as events; the run's record is a fold over them, which
+        // passes each on to the caller's readers (the live view, the interrupt handler).
+        let (task_events, mut task_rx) = events::Events::channel();
+        let (flush, flushed) = tokio::sync::oneshot::channel::<()>();
+        let readers = events.clone();
+        let recorder = tokio::spawn(async move {
+            let mut record = record::RunRecord::default();
+            let pass = |ev: EngineEvent, record: &mut record::RunRecord| {
+                if record.apply(&ev) {
+                    readers.send(ev);
+                }
+            };
+            tokio::pin!(flushed);
+            loop {
+                tokio::select! {
+                    ev = task_rx.recv() => match ev {
+                        Some(ev) => pass(ev, &mut record),
+                        None => break,
+                    },
+                    _ = &mut flushed => {
+                        // every task is over: what they sent is already queued
+                        while let Ok(ev) = task_rx.try_recv() {
+                            pass(ev, &mut record);
+                        }
+                        break;
+                    }
+                }
             }
-        };
-    tracing::info!(seconds = phase.elapsed().as_secs_f64(), "identity evidence gathered");
-    for f in &evidence.facts {
-        tracing::info!(evidence = %f, "identity");
-    }
-    if !evidence.contradictions.is_empty() {
-        let refusal = Refusal::WrongCluster {
+            record
+        });
+        let ctx = Arc::new(Ctx {
+            kube,
+            aws,
             cluster: settings.cluster.clone(),
             region: settings.region.clone(),
-            contradictions: evidence.contradictions,
-        };
-        return RunResult::refused(refusal, String::new());
-    }
-    if let Some(max) = settings.max_nodes {
-        // what EC2 holds counts as much as what the cluster shows: a machine whose Node is gone
-        // (or never joined) is terminated too, and `--reclaim` takes every live one
-        let live =
-            match aws.ec2.cluster_instances(&settings.cluster, crate::aws::ec2::InstanceScope::KarpenterLive).await {
-                Ok(l) => l,
-                Err(e) => {
-                    let exit = if e.is_configuration() { Exit::BadInput } else { Exit::Failure };
-                    return RunResult::early(exit, e.to_string(), String::new());
-                }
-            };
-        let nodes = blast_radius(&inv, &live);
-        if nodes > max as usize {
-            return RunResult::refused(Refusal::BlastRadius { nodes, max }, String::new());
-        }
-    }
-    let graph = settings.plan.expand(&inv.object_sets());
-    let mut plan_text = describe_plan(&graph, &inv, &evidence);
-    if let Some(line) = drain_consent(&settings) {
-        plan_text.push_str(&line);
-        plan_text.push('\n');
-    }
-    if let Err(early) = check_permissions(&kube, &aws, &settings, &inv, &plan_text).await {
-        return early;
-    }
-    let owners = match crate::k8s::retry_transient(|| crate::k8s::gitops::list_owners(&kube.client)).await {
-        Ok(o) => o,
-        Err(e) => return RunResult::early(Exit::Failure, e.to_string(), plan_text),
-    };
-    let mut gitops = crate::gitops::survey(&inv.gitops_subjects(), &owners.objects, &kube.server);
-    for line in gitops.plan_lines(settings.gitops) {
-        plan_text.push_str(&line);
-        plan_text.push('\n');
-    }
-    if let Some(refusal) = gitops.refusal(settings.gitops) {
-        return RunResult { gitops, ..RunResult::refused(Refusal::GitOps(refusal), plan_text) };
-    }
-    // the owners a run with --pause-gitops pauses (a dry run predicts that run)
-    let pausing = settings
-        .gitops
-        .pause
-        .then(|| admission::Pausing { owners: &owners, active: gitops.active().map(|f| f.owner.clone()).collect() });
-    if let Err(early) = check_before_writes(&kube, &settings, &inv, pausing, &mut plan_text).await {
-        return RunResult { gitops, ..early };
-    }
-    if settings.dry_run {
-        return RunResult {
-            exit: Exit::Clean,
-            steps: Vec::new(),
-            blockers: Vec::new(),
-            leftovers: Leftovers::default(),
-            reclaimed: Vec::new(),
-            pods_rebound: 0,
-            pods_lost: 0,
-            error: None,
-            plan_text,
-            gitops,
-            not_ours: inv.not_ours.clone(),
-        };
-    }
-    let mut early_steps = Vec::new();
-    // owners already paused count too: a sync or reconcile they started may still be applying
-    if !gitops.owners.is_empty() {
-        let (record, failed) = pause_gitops(&kube, &owners, &mut gitops).await;
-        early_steps.push(record);
-        if let Some(stop) = failed {
-            return RunResult {
-                steps: early_steps,
-                gitops,
-                blockers: stop.blockers,
-                ..RunResult::early(stop.exit, stop.error, plan_text)
-            };
-        }
-    }
-    tracing::info!(
-        tasks = graph.task_count(),
-        machines = inv.machines.len(),
-        preflight_seconds = started.elapsed().as_secs_f64(),
-        "starting the teardown"
-    );
-    events.send(EngineEvent::RunStarted {
-        tasks: graph.task_count() as u64,
-        steps: graph.summary().steps.into_iter().map(|s| (s.step, s.tasks as u64)).collect(),
-    });
-
-    let mut background = JoinSet::new();
-    let (pods, pod_watch) = podindex::PodIndex::start(kube.client.clone());
-    background.spawn(pod_watch.instrument(tracing::info_span!("pod-watch")));
-    let (budgets, budget_watch) = budgets::Budgets::start(kube.client.clone());
-    background.spawn(budget_watch.instrument(tracing::info_span!("pdb-watch")));
-    let (ec2, batcher) = batcher::Ec2Batcher::start(aws.ec2.clone(), settings.cluster.clone());
-    background.spawn(batcher.instrument(tracing::info_span!("ec2-batcher")));
-    // The tasks report what they find as events; the run's record is a fold over them, which
-    // passes each on to the caller's readers (the live view, the interrupt handler).
-    let (task_events, mut task_rx) = events::Events::channel();
-    let (flush, flushed) = tokio::sync::oneshot::channel::<()>();
-    let readers = events.clone();
-    let recorder = tokio::spawn(async move {
-        let mut record = record::RunRecord::default();
-        let pass = |ev: EngineEvent, record: &mut record::RunRecord| {
-            if record.apply(&ev) {
-                readers.send(ev);
-            }
-        };
-        tokio::pin!(flushed);
-        loop {
-            tokio::select! {
-                ev = task_rx.recv() => match ev {
-                    Some(ev) => pass(ev, &mut record),
-                    None => break,
-                },
-                _ = &mut flushed => {
-                    // every task is over: what they sent is already queued
-                    while let Ok(ev) = task_rx.try_recv() {
-                        pass(ev, &mut record);
-                    }
-                    break;
-                }
-            }
-        }
-        record
-    });
-    let ctx = Arc::new(Ctx {
-        kube,
-        aws,
-        cluster: settings.cluster.clone(),
-        region: settings.region.clone(),
-        pods,
-        budgets,
-        ec2,
-        evictions: gate::PriorityGate::new(crate::k8s::MAX_REQUESTS_IN_FLIGHT),
-        drain: settings.drain,
-        reclaim: settings.reclaim,
-        inventoried: inv.machines.keys().cloned().collect(),
-        user_instance_profiles: inv.user_instance_profiles.clone(),
-        cancel,
-        events: task_events,
-        controller_gone_at: std::sync::OnceLock::new(),
-        abandoned: Mutex::new(HashSet::new()),
-        drain_clocks: Mutex::new(HashMap::new()),
-    });
-    let (mut exit, mut steps) = execute(&graph, ctx.clone()).await;
-    // clean is what verification proves: a plan without it ends unverified, never clean
-    if exit == Exit::Clean && !settings.plan.steps().iter().any(|s| s.action == Action::Verify) {
-        exit = Exit::Unverified;
-    }
-    steps.splice(0..0, early_steps);
-    background.shutdown().await;
-    drop(ctx);
-    let _ = flush.send(());
-    // the recorder only ends by this signal or with its senders gone; a panic in it loses the
-    // record, not the run's exit status
-    let record = recorder.await.unwrap_or_default();
-    let blockers = record.blockers;
-    let leftovers = record.leftovers;
-    let reclaimed = record.reclaimed;
-    let pods_rebound = record.rebound.len() as u64;
-    let pods_lost = record.lost.len() as u64;
-    let mut error =
-        steps.iter().find(|s| s.result == TaskResult::Failed).map(|s| format!("{}: {}", label(s), s.detail));
-    // a pod that went down with its node is a failure of the run, however clean the end state
-    if pods_lost > 0 {
-        exit = exit.worst(Exit::Failure);
-        error.get_or_insert_with(|| {
-            format!(
-                "{pods_lost} pod(s) went down with their node: bound to it after it was checked empty, while something \
-                 lifted its fence (blockers of kind pod-lost name them; the field managers in the report name who)"
-            )
+            pods,
+            budgets,
+            ec2,
+            evictions: gate::PriorityGate::new(crate::k8s::MAX_REQUESTS_IN_FLIGHT),
+            drain: settings.drain,
+            reclaim: settings.reclaim,
+            inventoried: inv.machines.keys().cloned().collect(),
+            foreign_pools: inv.foreign_pools(),
+            user_instance_profiles: inv.user_instance_profiles.clone(),
+            cancel,
+            events: task_events,
+            controller_gone_at: std::sync::OnceLock::new(),
+            abandoned: Mutex::new(HashSet::new()),
+            drain_clocks: Mutex::new(HashMap::new()),
         });
-    }
-    RunResult {
-        exit,
-        steps,
-        blockers,
-        leftovers,
-        reclaimed,
-        pods_rebound,
-        pods_lost,
-        error,
-        plan_text,
-        gitops,
-        not_ours: inv.not_ours,
+
+        let (exit, steps) = execute(&graph, ctx.clone()).await;
+        background.shutdown().await;
+        drop(ctx);
+        let _ = flush.send(());
+        // the recorder only ends by this signal or with its senders gone; a panic in it loses the
+        // record, not the run's exit status
+        let record = Box::new(recorder.await.unwrap_or_default());
+        let verifies = settings.plan.steps().iter().any(|s| s.action == Action::Verify);
+        Ended::Executed { exit, steps, record, verifies }
     }
 }
 
 /// How long the GitOps owners' work in flight (an Argo CD sync, a Flux reconcile) may take to
 /// end once they are paused, all owners together.
 const GITOPS_SETTLE_WAIT: Duration = Duration::from_secs(120);
-
-/// Why the GitOps step stops the run.
-struct GitopsStop {
-    exit: Exit,
-    error: String,
-    blockers: Vec<Blocker>,
-}
 
 /// Pauses every active GitOps owner, parents first, then waits until no owner found (paused by
 /// the run or before it) has a sync or reconcile in flight; returns the step record and what
@@ -544,7 +314,7 @@ async fn pause_gitops(
     kube: &Kube,
     owners: &crate::k8s::gitops::Owners,
     survey: &mut Survey,
-) -> (StepRecord, Option<GitopsStop>) {
+) -> (StepRecord, Option<Stop>) {
     use crate::k8s::gitops::{PauseOutcome, mark_paused, pause, wait_settled};
     let started = SystemTime::now();
     let active: Vec<crate::gitops::OwnerId> = survey.active().map(|f| f.owner.clone()).collect();
@@ -564,7 +334,7 @@ async fn pause_gitops(
             }
             Ok(o) => tracing::info!(owner = %id, outcome = ?o, "GitOps owner needed no pause"),
             Err(e) => {
-                stop = Some(GitopsStop {
+                stop = Some(Stop {
                     exit: Exit::Failure,
                     error: format!("pause-gitops: {e}. The owners paused so far stay paused: {}", paused.join(", ")),
                     blockers: Vec::new(),
@@ -591,7 +361,7 @@ async fn pause_gitops(
                 Ok(None) => {}
                 Ok(Some(busy)) => unsettled.push((id.clone(), busy)),
                 Err(e) => {
-                    stop = Some(GitopsStop {
+                    stop = Some(Stop {
                         exit: Exit::Failure,
                         error: format!(
                             "pause-gitops: {e}. The owners paused so far stay paused: {}",
@@ -605,7 +375,7 @@ async fn pause_gitops(
         }
         if stop.is_none() && !unsettled.is_empty() {
             let list: Vec<String> = unsettled.iter().map(|(id, busy)| format!("{id}: {busy}")).collect();
-            stop = Some(GitopsStop {
+            stop = Some(Stop {
                 exit: Exit::Blocked,
                 error: format!(
                     "pause-gitops: still in flight after {}s, and it would apply the Karpenter objects as Git has \
@@ -652,45 +422,6 @@ async fn pause_gitops(
         detail,
     };
     (record, stop)
-}
-
-/// Proves identity from the nodes and controller alone, then sets the Karpenter CRDs' conversion
-/// to `None` and reads the inventory again. `Ok(None)` in a dry run (nothing may be written).
-async fn unstrand(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Result<Option<Inventory>, RunResult> {
-    if settings.dry_run {
-        return Ok(None);
-    }
-    let core = crate::k8s::retry_transient(|| Inventory::read_core(&kube.client))
-        .await
-        .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))?;
-    let evidence =
-        preflight::identity(kube, aws, &settings.cluster, &settings.region, settings.account.as_deref(), &core)
-            .await
-            .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))?;
-    if !evidence.contradictions.is_empty() {
-        return Err(RunResult::refused(
-            Refusal::WrongClusterStranded { contradictions: evidence.contradictions },
-            String::new(),
-        ));
-    }
-    let changed = actions::drop_conversion_webhooks(&kube.client)
-        .await
-        .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))?;
-    tracing::warn!(
-        crds = changed,
-        "the Karpenter CRDs' conversion webhook had no controller behind it; set their conversion to None to reach the objects"
-    );
-    crate::k8s::retry_transient(|| Inventory::read(&kube.client))
-        .await
-        .map(Some)
-        .map_err(|e| RunResult::early(Exit::Failure, e.to_string(), String::new()))
-}
-
-fn label(s: &StepRecord) -> String {
-    match &s.object {
-        Some(o) => format!("{}[{o}]", s.step),
-        None => s.step.clone(),
-    }
 }
 
 /// Runs the graph; returns the exit status and the records.

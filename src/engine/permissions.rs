@@ -16,6 +16,7 @@ use kube::api::{Api, PostParams};
 use crate::aws::AwsClients;
 use crate::aws::ec2::DryRun;
 use crate::k8s::{KubeError, status_code};
+use crate::karpenter;
 use crate::plan::{Action, OnDeadline, Plan};
 
 /// One Kubernetes permission, in RBAC's terms.
@@ -51,9 +52,6 @@ const fn p(verb: &'static str, group: &'static str, resource: &'static str) -> K
     KubePermission { verb, group, resource, subresource: "", name: "" }
 }
 
-const KARPENTER_CRDS: [&str; 3] =
-    ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"];
-
 /// Every Kubernetes permission a run of `plan` uses. `delete_pods` says whether pods may be
 /// deleted at the drain deadline (`--on-drain-deadline delete` or a plan's `on_deadline`);
 /// `pause_gitops` whether GitOps owners may be paused (`--pause-gitops`).
@@ -67,9 +65,9 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
         p("list", "policy", "poddisruptionbudgets"),
         p("watch", "policy", "poddisruptionbudgets"),
         p("list", "apps", "deployments"),
-        p("list", "karpenter.sh", "nodeclaims"),
-        p("list", "karpenter.sh", "nodepools"),
-        p("list", "karpenter.k8s.aws", "ec2nodeclasses"),
+        p("list", karpenter::KARPENTER_GROUP, "nodeclaims"),
+        p("list", karpenter::KARPENTER_GROUP, "nodepools"),
+        p("list", karpenter::AWS_GROUP, "ec2nodeclasses"),
         // the GitOps owners of the Karpenter objects, whatever the plan: without them a run
         // cannot tell whether Argo CD or Flux will put back what it removes
         p("list", "argoproj.io", "applications"),
@@ -106,9 +104,10 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
     for step in plan.steps() {
         match step.action {
             Action::Preflight | Action::Verify | Action::WaitNodeclaimsGone => {}
-            Action::Fence => {
-                need.extend([p("get", "karpenter.sh", "nodepools"), p("patch", "karpenter.sh", "nodepools")])
-            }
+            Action::Fence => need.extend([
+                p("get", karpenter::KARPENTER_GROUP, "nodepools"),
+                p("patch", karpenter::KARPENTER_GROUP, "nodepools"),
+            ]),
             Action::Cordon => need.extend([p("get", "", "nodes"), p("patch", "", "nodes")]),
             Action::Drain => {
                 need.extend(drain_needs());
@@ -121,7 +120,7 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
                     p("get", "apps", "deployments"),
                     KubePermission { subresource: "scale", ..p("patch", "apps", "deployments") },
                 ]);
-                for name in KARPENTER_CRDS {
+                for name in karpenter::CRDS {
                     need.insert(KubePermission {
                         name,
                         ..p("get", "apiextensions.k8s.io", "customresourcedefinitions")
@@ -134,13 +133,13 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
             }
             // the release check drains what was bound since the drain (`release-check`)
             Action::DischargeFinalizers => need.extend(release_needs().into_iter().chain(drain_needs())),
-            Action::DeleteNodepools => need.extend([p("delete", "karpenter.sh", "nodepools")]),
+            Action::DeleteNodepools => need.extend([p("delete", karpenter::KARPENTER_GROUP, "nodepools")]),
             // a NodeClaim launched during the run is drained and released here (`sweep`)
             Action::DeleteNodeclasses => need.extend(
                 [
-                    p("get", "karpenter.k8s.aws", "ec2nodeclasses"),
-                    p("patch", "karpenter.k8s.aws", "ec2nodeclasses"),
-                    p("delete", "karpenter.k8s.aws", "ec2nodeclasses"),
+                    p("get", karpenter::AWS_GROUP, "ec2nodeclasses"),
+                    p("patch", karpenter::AWS_GROUP, "ec2nodeclasses"),
+                    p("delete", karpenter::AWS_GROUP, "ec2nodeclasses"),
                 ]
                 .into_iter()
                 .chain(release_needs())
@@ -161,7 +160,7 @@ fn drain_needs() -> [KubePermission; 6] {
     [
         p("get", "", "nodes"),
         p("patch", "", "nodes"),
-        p("get", "karpenter.sh", "nodeclaims"),
+        p("get", karpenter::KARPENTER_GROUP, "nodeclaims"),
         p("get", "", "pods"),
         p("list", "policy", "poddisruptionbudgets"),
         KubePermission { subresource: "eviction", ..p("create", "", "pods") },
@@ -172,9 +171,9 @@ fn drain_needs() -> [KubePermission; 6] {
 /// remove their finalizer.
 fn release_needs() -> [KubePermission; 6] {
     [
-        p("get", "karpenter.sh", "nodeclaims"),
-        p("patch", "karpenter.sh", "nodeclaims"),
-        p("delete", "karpenter.sh", "nodeclaims"),
+        p("get", karpenter::KARPENTER_GROUP, "nodeclaims"),
+        p("patch", karpenter::KARPENTER_GROUP, "nodeclaims"),
+        p("delete", karpenter::KARPENTER_GROUP, "nodeclaims"),
         p("get", "", "nodes"),
         p("patch", "", "nodes"),
         p("delete", "", "nodes"),
@@ -338,7 +337,7 @@ mod tests {
         assert!(!has(&need, "delete", "pods", ""), "pods are deleted only with --on-drain-deadline delete");
         assert!(has(&kubernetes_needs(&Plan::builtin_default(), true, false), "delete", "pods", ""));
         let crd = need.iter().find(|p| p.resource == "customresourcedefinitions" && p.verb == "patch").unwrap();
-        assert!(KARPENTER_CRDS.contains(&crd.name), "CRD writes are asked by name: {crd}");
+        assert!(karpenter::CRDS.contains(&crd.name), "CRD writes are asked by name: {crd}");
     }
 
     #[test]

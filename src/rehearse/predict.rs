@@ -418,7 +418,8 @@ fn controller_grace(snap: &Snapshot) -> f64 {
         .iter()
         .map(RawObject::value)
         .filter(|p| {
-            p["metadata"]["namespace"] == ns && p["metadata"]["labels"]["app.kubernetes.io/name"] == "karpenter"
+            p["metadata"]["namespace"] == ns
+                && p["metadata"]["labels"][crate::karpenter::CONTROLLER_LABEL.0] == crate::karpenter::CONTROLLER_LABEL.1
         })
         .map(|p| grace(&p))
         .max()
