@@ -14,8 +14,8 @@ use karpenter_teardown::engine::permissions;
 use karpenter_teardown::k8s;
 use karpenter_teardown::plan::Plan;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
-use realstack::RealStack;
 use realstack::karpenter::{KarpenterSettings, RealKarpenter};
+use realstack::{PodExit, RealStack};
 use sandbox_sim::KarpenterVersion;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -44,9 +44,21 @@ pub(super) struct Provisioned {
 }
 
 pub(super) async fn provisioned(prefix: &str, rbac_yaml: &str, pods_wanted: usize) -> Provisioned {
+    provisioned_with(prefix, rbac_yaml, pods_wanted, PodExit::AtOnce, 1).await
+}
+
+/// [`provisioned`] with kwok ending deleted pods as `pod_exit` says, and the workload's pods
+/// given `grace_seconds` to end.
+pub(super) async fn provisioned_with(
+    prefix: &str,
+    rbac_yaml: &str,
+    pods_wanted: usize,
+    pod_exit: PodExit,
+    grace_seconds: u32,
+) -> Provisioned {
     let started = Instant::now();
     let cluster = common::unique_cluster(prefix);
-    let s = RealStack::start_full(&cluster, rbac_yaml).await.unwrap_or_else(|e| panic!("{e}"));
+    let s = RealStack::start_full_with(&cluster, rbac_yaml, pod_exit).await.unwrap_or_else(|e| panic!("{e}"));
     super::register_eks(&s, &cluster).await;
     let admin = s.admin_client().await.unwrap();
     let config = sandbox_sim::localstack::config_as(REGION, "test").await;
@@ -93,7 +105,7 @@ pub(super) async fn provisioned(prefix: &str, rbac_yaml: &str, pods_wanted: usiz
             &pp,
             &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": pods_wanted,
                 "selector": {"matchLabels": labels},
-                "template": {"metadata": {"labels": labels}, "spec": {"terminationGracePeriodSeconds": 1,
+                "template": {"metadata": {"labels": labels}, "spec": {"terminationGracePeriodSeconds": grace_seconds,
                     "containers": [{"name": "web", "image": "registry.k8s.io/pause:3.10",
                         "resources": {"requests": {"cpu": "1"}}}]}}}}))
             .unwrap(),
@@ -255,10 +267,15 @@ impl Provisioned {
 
 /// `run --yes` against the stack, with its report.
 async fn run(p: &Provisioned) -> Run {
+    run_with(p, &[]).await
+}
+
+/// `run --yes` with more arguments.
+async fn run_with(p: &Provisioned, extra: &[&str]) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("report.json");
     let mut cmd = p.tool("run", p.s.tool_kubeconfig(), &report);
-    cmd.arg("--yes");
+    cmd.arg("--yes").args(extra);
     run_of(cmd, &report).await
 }
 
@@ -515,6 +532,11 @@ async fn a_missing_rbac_rule_is_refused_before_any_write_by_the_real_authorizer(
 /// (`deploy/rbac-rehearse.yaml` bound to it, as docs/rehearse.md says), once the authorizer
 /// applies that binding. Call it once per cluster.
 pub(super) async fn rehearse_as_the_run(p: &Provisioned) -> Run {
+    rehearse_as_the_run_with(p, &[]).await
+}
+
+/// [`rehearse_as_the_run`] with more arguments (the run's own, for the rehearsal to predict it).
+pub(super) async fn rehearse_as_the_run_with(p: &Provisioned, extra: &[&str]) -> Run {
     bind_rehearse_role(
         &p.admin,
         json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": realstack::TOOL_GROUP}),
@@ -538,7 +560,7 @@ pub(super) async fn rehearse_as_the_run(p: &Provisioned) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("rehearsal.json");
     let mut cmd = p.tool("rehearse", p.s.tool_kubeconfig(), &report);
-    cmd.args(["--time-scale", "0.25", "--localstack", common::LOCALSTACK, "--predict-permissions"]);
+    cmd.args(["--time-scale", "0.25", "--localstack", common::LOCALSTACK, "--predict-permissions"]).args(extra);
     run_of(cmd, &report).await
 }
 
@@ -637,6 +659,81 @@ fn steps_of_prediction(prediction: &Value) -> Steps {
         out.push((step, objects));
     }
     out
+}
+
+/// A rehearsal and the real run of a drain whose pods take `grace` seconds to end (kwok ends an
+/// evicted pod when its grace period is over, as a kubelet ends a container that ignores
+/// SIGTERM) against a drain deadline of `deadline` seconds, on the real stack with the real
+/// Karpenter. Returns the rehearsal, then the run.
+async fn rehearse_then_run_against_the_deadline(prefix: &str, grace: u32, deadline: u32) -> (Run, Run, Provisioned) {
+    let p = provisioned_with(prefix, &super::shipped_rbac_yaml(), 2, PodExit::AfterGracePeriod, grace).await;
+    let deadline = format!("{deadline}s");
+    let args = ["--drain-deadline", deadline.as_str()];
+    let rehearsal = rehearse_as_the_run_with(&p, &args).await;
+    let real = run_with(&p, &args).await;
+    (rehearsal, real, p)
+}
+
+/// The rehearsal exited with `code` and predicted the real run's exit code and outcome.
+fn assert_predicted(rehearsal: &Run, real: &Run, code: i32) {
+    let explain = || format!("rehearsal:\n{}\n\nreal run:\n{}", rehearsal.dump(), real.dump());
+    let prediction = &rehearsal.report["rehearsal"]["prediction"];
+    assert_eq!(rehearsal.code, code, "rehearse exits with the predicted code:\n{}", explain());
+    assert_eq!(prediction["exit_code"], real.report["exit_code"], "{}", explain());
+    assert_eq!(prediction["outcome"], real.report["outcome"], "{}", explain());
+}
+
+/// A blocked drain releases nothing: every instance of Karpenter's still runs.
+async fn assert_nothing_released(p: &Provisioned) {
+    let ours = states(&p.aws, &p.instances).await;
+    assert_eq!(ours.len(), p.instances.len(), "{ours:?}");
+    assert!(ours.values().all(|s| *s == InstanceState::Running), "{ours:?}");
+}
+
+/// Seconds each drain task of a report took, by machine.
+fn drain_seconds(steps: &Value) -> BTreeMap<String, f64> {
+    let at = |r: &Value, k: &str| humantime::parse_rfc3339_weak(r[k].as_str().unwrap_or_default()).ok();
+    steps
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["step"] == "drain")
+        .filter_map(|r| {
+            let took = at(r, "finished")?.duration_since(at(r, "started")?).ok()?;
+            Some((r["object"].as_str()?.to_string(), took.as_secs_f64()))
+        })
+        .collect()
+}
+
+/// Pods that take 5 s of a 9 s drain deadline to end: the real drains end in time, but close to
+/// it; the rehearsal, whose clock runs four times faster, must still predict the clean end the
+/// real run has, not a block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_close_to_its_deadline_is_predicted_as_the_real_run_ends_it() {
+    let (rehearsal, real, p) = rehearse_then_run_against_the_deadline("rsn", 5, 9).await;
+    let explain = || format!("rehearsal:\n{}\n\nreal run:\n{}", rehearsal.dump(), real.dump());
+    assert_eq!(real.code, 0, "{}\nKarpenter:\n{}", explain(), p.karpenter.log_tail(40));
+    p.assert_torn_down(&p.instances).await;
+    // close: every real drain waited out most of its pods' grace period
+    let drains = drain_seconds(&real.report["steps"]);
+    assert_eq!(drains.len(), p.instances.len(), "{}", explain());
+    assert!(drains.values().all(|s| (4.0..9.0).contains(s)), "drains {drains:?}: {}", explain());
+    assert_predicted(&rehearsal, &real, 0);
+    p.end().await;
+}
+
+/// The same drain with pods that take 12 s against the 9 s deadline: the real run is blocked at
+/// the deadline (exit 5) with no instance terminated, and the rehearsal, whose deadline and grace
+/// periods run on the accelerated clock, predicts that block rather than a clean end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_past_its_deadline_is_predicted_blocked_as_the_real_run_is() {
+    let (rehearsal, real, p) = rehearse_then_run_against_the_deadline("rsl", 12, 9).await;
+    let explain = || format!("rehearsal:\n{}\n\nreal run:\n{}", rehearsal.dump(), real.dump());
+    assert_eq!(real.code, 5, "{}", explain());
+    assert_eq!(real.report["outcome"], "blocked", "{}", explain());
+    assert_nothing_released(&p).await;
+    assert_predicted(&rehearsal, &real, 5);
+    p.end().await;
 }
 
 /// `rehearse` with a read-only identity against the cluster the real Karpenter provisioned, then
