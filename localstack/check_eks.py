@@ -1,7 +1,8 @@
-"""Checks that the LocalStack `localstack/up` starts serves EKS, the test bed's hook included.
+"""Checks that the LocalStack `localstack/up` starts serves EKS (the test bed's hook included),
+classic ELB and ELBv2.
 
 Runs in LocalStack's own virtualenv, in one process and without a server: it registers EKS as
-launch.py does (`serve_eks`), builds LocalStack's gateway (the handler chain its server runs: the
+launch.py does (`serve_from_moto`), builds LocalStack's gateway (the handler chain its server runs: the
 service found from the request's signature, SERVICES, the provider, moto behind it) and sends it
 boto3's requests, signed and serialized by boto3, in-process. It checks:
 
@@ -11,6 +12,10 @@ boto3's requests, signed and serialized by boto3, in-process. It checks:
   the status is ACTIVE; without the tags, moto's own; per region;
 - a name in use is ResourceInUseException (409); DeleteCluster, then DescribeCluster is
   ResourceNotFoundException (404), and the name can be created again;
+- ELBv2 and classic ELB: load balancers and target groups with their tags, found by name and by
+  tag in batches of 20 as the tool reads them; an unknown name is LoadBalancerNotFound (400);
+  deletion protection read back from the attributes, and DeleteLoadBalancer refused with
+  OperationNotPermitted while it is on (as ELBv2 does), allowed once it is off;
 - that EC2 still answers, and that LocalStack running launch.py as an init script (how the Docker
   image gets EKS) serves EKS too.
 
@@ -113,8 +118,8 @@ def check_scripts() -> None:
     awaited = re.search(r"for svc in ([\w -]+); do", read("up"))
     composed = re.search(r"SERVICES: ([\w,-]+)", read("docker-compose.yml"))
     check(
-        "up enables EKS, waits for every service it enables, and docker-compose.yml enables the same",
-        "eks" in enabled
+        "up enables EKS, ELB and ELBv2, waits for every service it enables, and docker-compose.yml enables the same",
+        {"eks", "elb", "elbv2"} <= enabled
         and awaited is not None
         and set(awaited.group(1).split()) == enabled
         and composed is not None
@@ -223,6 +228,57 @@ def check_clusters(gateway: LocalstackAwsGateway) -> None:
     )
 
 
+def check_load_balancers(gateway: LocalstackAwsGateway) -> None:
+    ec2 = client(gateway, "ec2", "us-west-2")
+    subnets = [s["SubnetId"] for s in ec2.describe_subnets()["Subnets"]][:2]
+    vpc = ec2.describe_vpcs()["Vpcs"][0]["VpcId"]
+    v2 = client(gateway, "elbv2", "us-west-2")
+    tags = [{"Key": "elbv2.k8s.aws/cluster", "Value": "bed"}, {"Key": "service.k8s.aws/stack", "Value": "default/web"}]
+    arns = [
+        v2.create_load_balancer(Name=f"k8s-default-web{n}", Subnets=subnets, Type="network", Tags=tags)["LoadBalancers"][0][
+            "LoadBalancerArn"
+        ]
+        for n in range(25)
+    ]
+    listed = [lb["LoadBalancerArn"] for lb in v2.describe_load_balancers()["LoadBalancers"]]
+    check("ELBv2: 25 load balancers listed", sorted(listed) == sorted(arns), listed)
+    described = v2.describe_tags(ResourceArns=arns[:20])["TagDescriptions"]
+    check(
+        "ELBv2: tags of 20 load balancers in one DescribeTags",
+        len(described) == 20 and all(d["Tags"] == tags for d in described),
+        described[:2],
+    )
+    status, code = error(lambda: v2.describe_load_balancers(Names=["nope"]))
+    check("ELBv2: an unknown name is LoadBalancerNotFound (400)", (status, code) == (400, "LoadBalancerNotFound"), (status, code))
+    tg = v2.create_target_group(Name="k8s-default-web", Protocol="TCP", Port=80, VpcId=vpc, Tags=tags)["TargetGroups"][0]
+    found = v2.describe_tags(ResourceArns=[tg["TargetGroupArn"]])["TagDescriptions"]
+    check("ELBv2: a target group's tags", [d["Tags"] for d in found] == [tags], found)
+    protect = [{"Key": "deletion_protection.enabled", "Value": "true"}]
+    v2.modify_load_balancer_attributes(LoadBalancerArn=arns[0], Attributes=protect)
+    attributes = v2.describe_load_balancer_attributes(LoadBalancerArn=arns[0])["Attributes"]
+    check("ELBv2: deletion protection read back", {"Key": "deletion_protection.enabled", "Value": "true"} in attributes, attributes)
+    status, code = error(lambda: v2.delete_load_balancer(LoadBalancerArn=arns[0]))
+    check("ELBv2: a protected load balancer is not deleted (OperationNotPermitted)", (status, code) == (400, "OperationNotPermitted"), (status, code))
+    still = v2.describe_load_balancers(LoadBalancerArns=[arns[0]])["LoadBalancers"]
+    check("ELBv2: and it is still there", len(still) == 1, still)
+    protect[0]["Value"] = "false"
+    v2.modify_load_balancer_attributes(LoadBalancerArn=arns[0], Attributes=protect)
+    v2.delete_load_balancer(LoadBalancerArn=arns[0])
+    status, code = error(lambda: v2.describe_load_balancers(LoadBalancerArns=[arns[0]]))
+    check("ELBv2: unprotected, it is deleted", (status, code) == (400, "LoadBalancerNotFound"), (status, code))
+
+    elb = client(gateway, "elb", "us-west-2")
+    legacy = [{"Key": "kubernetes.io/cluster/bed", "Value": "owned"}, {"Key": "kubernetes.io/service-name", "Value": "default/web"}]
+    listener = [{"Protocol": "TCP", "LoadBalancerPort": 80, "InstancePort": 30080}]
+    elb.create_load_balancer(LoadBalancerName="a0123456789", Listeners=listener, Subnets=subnets[:1], Tags=legacy)
+    names = [d["LoadBalancerName"] for d in elb.describe_load_balancers()["LoadBalancerDescriptions"]]
+    check("ELB: the classic load balancer listed", names == ["a0123456789"], names)
+    found = elb.describe_tags(LoadBalancerNames=names)["TagDescriptions"]
+    check("ELB: its tags", [d["Tags"] for d in found] == [legacy], found)
+    status, code = error(lambda: elb.describe_tags(LoadBalancerNames=["nope"]))
+    check("ELB: an unknown name is LoadBalancerNotFound (400)", (status, code) == (400, "LoadBalancerNotFound"), (status, code))
+
+
 def check_init_script() -> None:
     """The Docker image runs launch.py as LocalStack runs its init scripts, once it has listed its services."""
     program = (
@@ -232,30 +288,35 @@ def check_init_script() -> None:
         "before = SERVICE_PLUGINS.exists('eks')\n"
         "SERVICE_PLUGINS.list_available()\n"
         f"PythonScriptRunner().run({os.path.join(here, 'launch.py')!r})\n"
-        "print(before, SERVICE_PLUGINS.get_state('eks').value, SERVICE_PLUGINS.get_service('eks') is not None)\n"
+        "print(before, *(SERVICE_PLUGINS.get_state(s).value for s in ('eks', 'elb', 'elbv2')), SERVICE_PLUGINS.get_service('eks') is not None)\n"
     )
     run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=os.environ.copy())
     check(
-        "launch.py as LocalStack's init script (the Docker image): EKS available",
-        run.returncode == 0 and run.stdout.split() == ["False", "available", "True"],
+        "launch.py as LocalStack's init script (the Docker image): EKS, ELB and ELBv2 available",
+        run.returncode == 0 and run.stdout.split() == ["False", "available", "available", "available", "True"],
         run.stdout + run.stderr[-600:],
     )
 
 
 def main() -> int:
     check_scripts()
-    check("without launch.py, LocalStack has no EKS", not SERVICE_PLUGINS.exists("eks"))
-    launch.serve_eks()
-    check("with it, EKS is available (as the health endpoint reports)", SERVICE_PLUGINS.get_state("eks") == ServiceState.AVAILABLE, SERVICE_PLUGINS.get_state("eks"))
+    for service in launch.MOTO_BACKENDS:
+        check(f"without launch.py, LocalStack has no {service}", not SERVICE_PLUGINS.exists(service))
+    launch.serve_from_moto()
+    launch.fix_answers()
+    for service in launch.MOTO_BACKENDS:
+        state = SERVICE_PLUGINS.get_state(service)
+        check(f"with it, {service} is available (as the health endpoint reports)", state == ServiceState.AVAILABLE, state)
     gateway = LocalstackAwsGateway(SERVICE_PLUGINS)
     check_clusters(gateway)
+    check_load_balancers(gateway)
     check("after requests, EKS is running", SERVICE_PLUGINS.get_state("eks") == ServiceState.RUNNING, SERVICE_PLUGINS.get_state("eks"))
     reservations = client(gateway, "ec2", "us-west-2").describe_instances()
     check("EC2 still answers", reservations["ResponseMetadata"]["HTTPStatusCode"] == 200, reservations)
     check_init_script()
 
     if failures:
-        print("\n".join(["", "LocalStack does not serve EKS as the test bed needs:", *failures]), file=sys.stderr)
+        print("\n".join(["", "LocalStack does not serve EKS, ELB and ELBv2 as the test bed needs:", *failures]), file=sys.stderr)
         return 1
     return 0
 

@@ -40,7 +40,7 @@ model what LocalStack sent before.
 
 LocalStack's community edition has no EKS, and the tool asks EKS (DescribeCluster) which cluster
 a kubeconfig reaches: it compares the kubeconfig's server URL and CA with the cluster's `endpoint`
-and `certificateAuthority.data`. moto has an EKS backend, so `serve_eks` registers a provider for
+and `certificateAuthority.data`. moto has an EKS backend, so `serve_from_moto` registers a provider for
 "eks" with LocalStack's service plugins (the `localstack.aws.provider` namespace its other services
 come from; `SERVICES` in `localstack/up` enables it, and the health endpoint reports it) whose every
 operation goes to moto, as `MotoFallbackDispatcher` sends those a provider leaves to moto. Clusters
@@ -62,6 +62,11 @@ provider adds to CreateCluster:
   default CIDR;
 - DeleteCluster answers with the cluster `DELETING`, as EKS does (moto deletes it at once, so a
   DescribeCluster right after is already ResourceNotFoundException).
+
+moto serves classic ELB and ELBv2 (load balancers, target groups, their tags and attributes) the
+same way, with one difference from ELBv2 mended: moto deletes a load balancer whose
+`deletion_protection.enabled` is `true`, where ELBv2 refuses with OperationNotPermitted; the
+patch refuses as ELBv2 does, so no test passes because the emulator deleted what AWS keeps.
 
 `localstack/check_eks.py` proves these through LocalStack's gateway. In the Docker image, which
 starts LocalStack its own way, `localstack/docker-compose.yml` mounts this file as an init script
@@ -311,25 +316,35 @@ def _patch_eks_clusters() -> bool:
     return True
 
 
-def _eks_service():  # type: ignore[no-untyped-def]
-    """EKS as LocalStack serves it, built on its first EKS request: moto behind every operation."""
+MOTO_BACKENDS = {
+    "eks": ("moto.eks.models", "eks_backends"),
+    "elb": ("moto.elb.models", "elb_backends"),
+    "elbv2": ("moto.elbv2.models", "elbv2_backends"),
+}
+
+
+def _moto_service(name):  # type: ignore[no-untyped-def]
+    """A service LocalStack's community edition lacks, built on its first request: moto behind
+    every operation."""
+    import importlib
+
     from localstack.aws.forwarder import dispatch_to_backend
     from localstack.aws.spec import load_service
     from localstack.services import moto as localstack_moto
     from localstack.services.plugins import Service
 
-    class EksProvider:
-        service = "eks"
+    module, backends = MOTO_BACKENDS[name]
+
+    class MotoProvider:
+        service = name
 
         def accept_state_visitor(self, visitor):  # type: ignore[no-untyped-def]
-            from moto.eks.models import eks_backends
+            visitor.visit(getattr(importlib.import_module(module), backends))
 
-            visitor.visit(eks_backends)
-
-    def moto_eks(context):  # type: ignore[no-untyped-def]
+    def to_moto_backend(context):  # type: ignore[no-untyped-def]
         response = localstack_moto.dispatch_to_moto(context)
         # LocalStack parses moto's answer with headers in a plain dict, where botocore looks for
-        # the error code under this name in lower case
+        # a REST-JSON error's code (EKS's) under this name in lower case
         error_type = response.headers.pop("X-Amzn-ErrorType", None)
         if error_type is not None:
             response.headers["x-amzn-errortype"] = error_type
@@ -337,45 +352,69 @@ def _eks_service():  # type: ignore[no-untyped-def]
 
     def to_moto(context, request):  # type: ignore[no-untyped-def]
         # moto raises NotImplementedError for what it lacks: LocalStack's 501, as for its others
-        return dispatch_to_backend(context, moto_eks)
+        return dispatch_to_backend(context, to_moto_backend)
 
-    table = {operation: to_moto for operation in load_service("eks").operation_names}
-    return Service.for_provider(EksProvider(), dispatch_table_factory=lambda _: table)
+    table = {operation: to_moto for operation in load_service(name).operation_names}
+    return Service.for_provider(MotoProvider(), dispatch_table_factory=lambda _: table)
 
 
-def serve_eks() -> None:
-    """Registers EKS with LocalStack's service plugins (before or after it has listed them)."""
+def serve_from_moto() -> None:
+    """Registers EKS, ELB and ELBv2 with LocalStack's service plugins (before or after it has
+    listed them)."""
     try:
         from localstack.services.plugins import SERVICE_PLUGINS, aws_provider
         from localstack.utils.bootstrap import get_enabled_apis, get_preloaded_services
     except ImportError as e:
-        print(f"localstack/launch.py: not serving EKS ({e})", file=sys.stderr)
+        print(f"localstack/launch.py: not serving {', '.join(MOTO_BACKENDS)} ({e})", file=sys.stderr)
         return
     # resolves LocalStack's own providers, as its first request or health check would
     providers = SERVICE_PLUGINS.api_provider_specs
-    if "eks" in providers:
-        print("localstack/launch.py: LocalStack has an EKS provider of its own; not adding moto's", file=sys.stderr)
-        return
     plugins = SERVICE_PLUGINS.plugin_manager
     plugins.list_plugin_specs()  # the plugin index, built
     index = getattr(plugins, "_plugin_index", None)
     create_container = getattr(plugins, "_create_container", None)
     if not isinstance(index, dict) or create_container is None:
-        print("localstack/launch.py: not serving EKS (the plugin manager's layout changed)", file=sys.stderr)
+        print("localstack/launch.py: not serving moto's services (the plugin manager's layout changed)", file=sys.stderr)
         return
-    if not _patch_eks_clusters():
-        return
-    spec = aws_provider(api="eks")(_eks_service)
-    index[spec.name] = create_container(spec)
-    providers["eks"] = ["default"]
-    # SERVICES is read against the providers that exist: again, now that EKS does
+    for name in MOTO_BACKENDS:
+        if name in providers:
+            print(f"localstack/launch.py: LocalStack has a {name} provider of its own; not adding moto's", file=sys.stderr)
+            continue
+        if name == "eks" and not _patch_eks_clusters():
+            continue
+        spec = aws_provider(api=name)(lambda name=name: _moto_service(name))
+        index[spec.name] = create_container(spec)
+        providers[name] = ["default"]
+    # SERVICES is read against the providers that exist: again, now that these do
     get_enabled_apis.cache_clear()
     get_preloaded_services.cache_clear()
 
 
+def _patch_elbv2_deletion_protection() -> None:
+    try:
+        from moto.elbv2.exceptions import ELBClientError
+        from moto.elbv2.models import ELBv2Backend
+    except ImportError as e:  # a different moto: run it as it is
+        print(f"localstack/launch.py: not patching moto's ELBv2 deletion protection ({e})", file=sys.stderr)
+        return
+    delete_load_balancer = ELBv2Backend.delete_load_balancer
+
+    def delete(self, arn):  # type: ignore[no-untyped-def]
+        lb = self.load_balancers.get(arn)
+        if lb is not None and getattr(lb, "attrs", {}).get("deletion_protection.enabled") == "true":
+            raise ELBClientError(
+                "OperationNotPermitted",
+                f"Load balancer '{arn}' cannot be deleted because deletion protection is enabled",
+            )
+        return delete_load_balancer(self, arn)
+
+    ELBv2Backend.delete_load_balancer = delete
+
+
 def fix_answers() -> None:
-    """The patches that make LocalStack answer as EC2 does."""
+    """The patches that make LocalStack answer as EC2 and ELBv2 do."""
     _patch_repeated_filters()
+    _patch_elbv2_deletion_protection()
 
 
 def speed_up() -> None:
@@ -388,11 +427,11 @@ def speed_up() -> None:
 
 if __name__ == "builtins":
     # LocalStack's init scripts (the Docker image's start.d) are run with `exec(script, {})`
-    serve_eks()
+    serve_from_moto()
 
 if __name__ == "__main__":
     fix_answers()
     speed_up()
-    serve_eks()
+    serve_from_moto()
     sys.argv = ["localstack.runtime.main"]
     runpy.run_module("localstack.runtime.main", run_name="__main__", alter_sys=True)
