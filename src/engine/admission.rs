@@ -25,6 +25,9 @@ use crate::k8s::objects::patch_params;
 use crate::k8s::{self, KubeError, status_code};
 use crate::karpenter;
 
+/// How often the cordon's dry run is asked again of a node written in between (see there).
+const CORDON_DRY_RUN_TRIES: u32 = 5;
+
 /// The admission operation of a verb.
 fn operation(verb: &str) -> Option<&'static str> {
     match verb {
@@ -430,18 +433,37 @@ async fn dry_run(
         ("", "nodes", "", "patch") => {
             let Some(name) = first_node else { return Ok(None) };
             let api: Api<Node> = Api::all(client.clone());
-            let Some(node) = k8s::retry_transient(|| async {
-                api.get_opt(&name).await.map_err(|e| KubeError::api(format!("read node {name} for a dry run"), e))
-            })
-            .await?
-            else {
-                return Ok(None);
+            let read_node = || async {
+                k8s::retry_transient(|| async {
+                    api.get_opt(&name).await.map_err(|e| KubeError::api(format!("read node {name} for a dry run"), e))
+                })
+                .await
             };
-            let rv = node.metadata.resource_version.clone().unwrap_or_default();
-            let mut ops = vec![json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv})];
-            ops.extend(k8s::nodes::fence_ops(&node));
-            let patch = json_patch(ops)?;
-            (format!("cordon node {name}"), api.patch(&name, &dry_patch(), &Patch::<()>::Json(patch)).await.map(drop))
+            let Some(mut node) = read_node().await? else { return Ok(None) };
+            // The patch tests the resourceVersion it was computed from, as the cordon does: a
+            // node written in between (its kubelet, the node lifecycle controller) fails the test
+            // with 422, which is not the admission chain's answer. Such a failure is told apart
+            // by the node's version having moved on, and asked again of the new version.
+            let mut tries = 0;
+            loop {
+                let rv = node.metadata.resource_version.clone().unwrap_or_default();
+                let mut ops = vec![json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv})];
+                ops.extend(k8s::nodes::fence_ops(&node));
+                let patch = json_patch(ops)?;
+                let answer = api.patch(&name, &dry_patch(), &Patch::<()>::Json(patch)).await.map(drop);
+                tries += 1;
+                if tries < CORDON_DRY_RUN_TRIES
+                    && let Err(e) = &answer
+                    && matches!(status_code(e), Some(409 | 422))
+                {
+                    let Some(now) = read_node().await? else { return Ok(None) };
+                    if now.metadata.resource_version.as_deref() != Some(rv.as_str()) {
+                        node = now;
+                        continue;
+                    }
+                }
+                break (format!("cordon node {name}"), answer);
+            }
         }
         ("", "nodes", "", "delete") => {
             let Some(name) = first_node else { return Ok(None) };
