@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, Pod};
 use serde::Serialize;
 
+use crate::aws::elb::LbKind;
 use crate::k8s::pods::tolerates;
 
 /// A controller that cleans up in AWS behind a finalizer.
@@ -88,6 +89,62 @@ pub(crate) const FINALIZER_PROVISIONER: &str = "external-provisioner.volume.kube
 /// csi-attacher's on a VolumeAttachment of the EBS driver.
 pub(crate) const FINALIZER_EBS_ATTACHER: &str = "external-attacher/ebs-csi-aws-com";
 
+/// The tag the Load Balancer Controller puts on every load balancer, target group, listener and
+/// security group it makes, valued with the cluster's name (`pkg/deploy/tracking/provider.go`:
+/// the cluster is the tag's value, not its key).
+pub(crate) const TAG_LBC_CLUSTER: &str = "elbv2.k8s.aws/cluster";
+/// The prefixes of its `<prefix>/stack` tag, one per kind of owner (Service, Ingress, the
+/// Gateway API's NLB and ALB), naming the Kubernetes object the AWS object is for.
+const LBC_STACK_PREFIXES: [&str; 4] =
+    ["service.k8s.aws", "ingress.k8s.aws", "gateway.k8s.aws.nlb", "gateway.k8s.aws.alb"];
+/// Its tag on the one security group it shares between load balancers (`k8s-traffic-…`).
+const TAG_LBC_RESOURCE: &str = "elbv2.k8s.aws/resource";
+const LBC_BACKEND_SG: &str = "backend-sg";
+/// The in-tree service controller's (cloud-provider-aws) tag on a load balancer and its target
+/// groups, next to the cluster's `kubernetes.io/cluster/<name>=owned`.
+pub(crate) const TAG_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// The name of the security group it makes for a classic load balancer (`k8s-elb-<lb name>`).
+const INTREE_SG_PREFIX: &str = "k8s-elb-";
+
+/// Whose an AWS load-balancing object of this cluster is, and what for, or `None` when nothing
+/// on it proves it is this cluster's cleanup controllers': the Load Balancer Controller's carry
+/// this cluster's name as the value of [`TAG_LBC_CLUSTER`] and its stack tag (or, the shared
+/// backend security group, its resource tag); the in-tree controller's carry
+/// `kubernetes.io/cluster/<cluster>=owned` and the Service's name (or, a security group, its
+/// `k8s-elb-` name). The cluster tag alone proves nothing: Terraform's own security groups and
+/// any user's objects carry it too.
+pub(crate) fn judge_load_balancing(
+    what: LbKind,
+    name: &str,
+    tags: &BTreeMap<String, String>,
+    cluster: &str,
+) -> Option<(&'static str, String)> {
+    let tag = |k: &str| tags.get(k).map(String::as_str);
+    if tag(TAG_LBC_CLUSTER) == Some(cluster) && what != LbKind::ClassicLoadBalancer {
+        for prefix in LBC_STACK_PREFIXES {
+            if let Some(stack) = tag(&format!("{prefix}/stack")) {
+                return Some(("the AWS Load Balancer Controller", format!("{prefix}/stack {stack}")));
+            }
+        }
+        if what == LbKind::SecurityGroup && tag(TAG_LBC_RESOURCE) == Some(LBC_BACKEND_SG) {
+            return Some((
+                "the AWS Load Balancer Controller",
+                "the backend security group its load balancers share".into(),
+            ));
+        }
+    }
+    if tag(&crate::karpenter::cluster_tag_key(cluster)) != Some("owned") {
+        return None;
+    }
+    match what {
+        LbKind::SecurityGroup => name
+            .strip_prefix(INTREE_SG_PREFIX)
+            .filter(|lb| !lb.is_empty())
+            .map(|lb| ("the in-tree service controller", format!("load balancer {lb}"))),
+        _ => tag(TAG_SERVICE_NAME).map(|svc| ("the in-tree service controller", format!("Service {svc}"))),
+    }
+}
+
 /// An object held by a cleaner's finalizer.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 pub(crate) struct Held {
@@ -99,6 +156,57 @@ pub(crate) struct Held {
     pub(crate) finalizer: String,
     /// Who removes it.
     pub(crate) cleaner: Cleaner,
+    /// The object's own annotation turns deletion protection on for its load balancer
+    /// ([`annotated_protection`]).
+    pub(crate) protected: bool,
+}
+
+/// What the user consented to release before the drain (`--release`): the objects its cleaner
+/// holds are deleted while the cleaner still runs, and the run waits until they and what they
+/// stand for in AWS are gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Release {
+    /// The Services, Ingresses and TargetGroupBindings the Load Balancer Controller holds, and
+    /// so their load balancers, target groups and security groups.
+    LoadBalancers,
+}
+
+impl Release {
+    /// Whether the consent covers what `cleaner` holds.
+    pub(crate) fn covers(self, cleaner: Cleaner) -> bool {
+        match self {
+            Release::LoadBalancers => cleaner == Cleaner::LoadBalancerController,
+        }
+    }
+}
+
+/// The annotations that set a load balancer's attributes: the Service's (Load Balancer
+/// Controller and in-tree) and the Ingress's.
+const ATTRIBUTE_ANNOTATIONS: [&str; 2] =
+    ["service.beta.kubernetes.io/aws-load-balancer-attributes", "alb.ingress.kubernetes.io/load-balancer-attributes"];
+
+/// True when an object's annotations turn deletion protection on for its load balancer: the
+/// controller then refuses to delete it and keeps its finalizer.
+pub(crate) fn annotated_protection(annotations: &BTreeMap<String, String>) -> bool {
+    ATTRIBUTE_ANNOTATIONS.iter().filter_map(|a| annotations.get(*a)).any(|v| {
+        v.split(',').any(|kv| {
+            kv.split_once('=').is_some_and(|(k, v)| k.trim() == "deletion_protection.enabled" && v.trim() == "true")
+        })
+    })
+}
+
+/// What the Load Balancer Controller's objects for a held object are tagged with, as
+/// [`judge_load_balancing`] names it: its stack (`service.k8s.aws/stack <ns>/<name>`,
+/// `ingress.k8s.aws/stack <ns>/<name>`, or the IngressGroup's name for a member of an explicit
+/// group). A TargetGroupBinding makes nothing of its own.
+pub(crate) fn stack_of(held: &Held) -> Option<String> {
+    match (held.kind, held.finalizer.as_str()) {
+        ("Service", FINALIZER_SERVICE) => Some(format!("service.k8s.aws/stack {}", held.name)),
+        ("Ingress", FINALIZER_INGRESS) => Some(format!("ingress.k8s.aws/stack {}", held.name)),
+        ("Ingress", f) => f.strip_prefix(FINALIZER_INGRESS_GROUP).map(|g| format!("ingress.k8s.aws/stack {g}")),
+        _ => None,
+    }
 }
 
 /// Which cleaner a finalizer of an object of `kind` belongs to. `csi_driver` is a
@@ -315,8 +423,92 @@ mod tests {
         serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}, "spec": spec})).unwrap()
     }
 
+    #[test]
+    fn a_release_covers_its_cleaners_objects_and_names_their_stacks() {
+        assert!(Release::LoadBalancers.covers(Cleaner::LoadBalancerController));
+        assert!(!Release::LoadBalancers.covers(Cleaner::EbsCsi));
+        let svc = held("Service", "shop/front", FINALIZER_SERVICE, Cleaner::LoadBalancerController);
+        assert_eq!(stack_of(&svc).as_deref(), Some("service.k8s.aws/stack shop/front"));
+        let ing = held("Ingress", "shop/front", FINALIZER_INGRESS, Cleaner::LoadBalancerController);
+        assert_eq!(stack_of(&ing).as_deref(), Some("ingress.k8s.aws/stack shop/front"));
+        let grouped = held("Ingress", "shop/front", "group.ingress.k8s.aws/public", Cleaner::LoadBalancerController);
+        assert_eq!(stack_of(&grouped).as_deref(), Some("ingress.k8s.aws/stack public"));
+        let tgb =
+            held("TargetGroupBinding", "shop/tgb", FINALIZER_TARGET_GROUP_BINDING, Cleaner::LoadBalancerController);
+        assert_eq!(stack_of(&tgb), None);
+        // the stack names what judge_load_balancing reports for the controller's objects
+        let tags: BTreeMap<String, String> = [(TAG_LBC_CLUSTER, "prod"), ("service.k8s.aws/stack", "shop/front")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let (_, made_for) = judge_load_balancing(LbKind::LoadBalancer, "k8s-shop-front", &tags, "prod").unwrap();
+        assert_eq!(Some(made_for), stack_of(&svc));
+    }
+
+    #[test]
+    fn deletion_protection_is_read_from_either_annotation() {
+        let a = |k: &str, v: &str| BTreeMap::from([(k.to_string(), v.to_string())]);
+        let svc = "service.beta.kubernetes.io/aws-load-balancer-attributes";
+        assert!(annotated_protection(&a(svc, "deletion_protection.enabled=true")));
+        assert!(annotated_protection(&a(
+            svc,
+            "load_balancing.cross_zone.enabled=true, deletion_protection.enabled = true"
+        )));
+        assert!(!annotated_protection(&a(svc, "deletion_protection.enabled=false")));
+        assert!(annotated_protection(&a(
+            "alb.ingress.kubernetes.io/load-balancer-attributes",
+            "deletion_protection.enabled=true"
+        )));
+        assert!(!annotated_protection(&a("other", "deletion_protection.enabled=true")));
+        assert!(!annotated_protection(&BTreeMap::new()));
+    }
+
     fn held(kind: &'static str, name: &str, finalizer: &str, cleaner: Cleaner) -> Held {
-        Held { kind, name: name.into(), finalizer: finalizer.into(), cleaner }
+        Held { kind, name: name.into(), finalizer: finalizer.into(), cleaner, protected: false }
+    }
+
+    #[test]
+    fn only_this_clusters_controllers_load_balancing_objects_are_taken() {
+        let t = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
+        let lbc = t(&[
+            (TAG_LBC_CLUSTER, "prod"),
+            ("service.k8s.aws/stack", "default/web"),
+            ("service.k8s.aws/resource", "LoadBalancer"),
+        ]);
+        let judge = |what, name, tags: &BTreeMap<String, String>| judge_load_balancing(what, name, tags, "prod");
+        assert_eq!(
+            judge(LbKind::LoadBalancer, "k8s-default-web-1", &lbc),
+            Some(("the AWS Load Balancer Controller", "service.k8s.aws/stack default/web".into()))
+        );
+        assert!(judge(LbKind::TargetGroup, "k8s-default-web-2", &lbc).is_some());
+        // another cluster's, a prefix of this one's name, and the cluster tag without the stack
+        assert_eq!(judge_load_balancing(LbKind::LoadBalancer, "x", &lbc, "prod-eu"), None);
+        assert_eq!(judge_load_balancing(LbKind::LoadBalancer, "x", &lbc, "pro"), None);
+        assert_eq!(judge(LbKind::LoadBalancer, "x", &t(&[(TAG_LBC_CLUSTER, "prod")])), None);
+        let gateway = t(&[(TAG_LBC_CLUSTER, "prod"), ("gateway.k8s.aws.alb/stack", "default/gw")]);
+        assert!(judge(LbKind::LoadBalancer, "x", &gateway).is_some());
+        let backend = t(&[(TAG_LBC_CLUSTER, "prod"), (TAG_LBC_RESOURCE, LBC_BACKEND_SG)]);
+        assert!(judge(LbKind::SecurityGroup, "k8s-traffic-prod-1a2b", &backend).is_some());
+        assert_eq!(judge(LbKind::LoadBalancer, "x", &backend), None);
+        // the in-tree controller's: the cluster owned and the Service's name, or the SG's name
+        let intree = t(&[("kubernetes.io/cluster/prod", "owned"), (TAG_SERVICE_NAME, "default/web")]);
+        assert_eq!(
+            judge(LbKind::ClassicLoadBalancer, "a1b2", &intree),
+            Some(("the in-tree service controller", "Service default/web".into()))
+        );
+        assert!(judge(LbKind::LoadBalancer, "a1b2", &intree).is_some());
+        let owned = t(&[("kubernetes.io/cluster/prod", "owned")]);
+        assert_eq!(judge(LbKind::ClassicLoadBalancer, "a1b2", &owned), None);
+        assert!(judge(LbKind::SecurityGroup, "k8s-elb-a1b2", &owned).is_some());
+        // Terraform's cluster and node security groups carry the cluster tag too
+        assert_eq!(judge(LbKind::SecurityGroup, "prod-node-2026", &owned), None);
+        assert_eq!(judge(LbKind::SecurityGroup, "k8s-elb-", &owned), None);
+        let shared = t(&[("kubernetes.io/cluster/prod", "shared"), (TAG_SERVICE_NAME, "default/web")]);
+        assert_eq!(judge(LbKind::ClassicLoadBalancer, "a1b2", &shared), None);
+        let other = t(&[("kubernetes.io/cluster/staging", "owned"), (TAG_SERVICE_NAME, "default/web")]);
+        assert_eq!(judge(LbKind::ClassicLoadBalancer, "a1b2", &other), None);
     }
 
     #[test]

@@ -263,6 +263,14 @@ pub struct RunArgs {
     #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
     pub yes: bool,
 
+    /// Before the drain, while the controllers that clean up in AWS still run, delete what they
+    /// hold and wait until it and its AWS objects are gone: `load-balancers` (the Services,
+    /// Ingresses and TargetGroupBindings the AWS Load Balancer Controller holds, and so their
+    /// load balancers, target groups and security groups). Refused (exit 3) for a load balancer
+    /// with deletion protection. Finalizers are never removed.
+    #[arg(long, env = "KARPENTER_TEARDOWN_RELEASE", value_enum, value_delimiter = ',', value_name = "WHAT")]
+    pub release: Vec<ReleaseArg>,
+
     /// Without a terminal (a CI log), how often to log what the run is waiting for: tasks
     /// running, pods left on how many nodes, the budgets holding them, time to the deadline.
     #[arg(long, env = "KARPENTER_TEARDOWN_PROGRESS_EVERY", value_name = "DURATION", default_value = "30s")]
@@ -311,6 +319,14 @@ pub struct TeardownArgs {
     /// manager no owner here accounts for) are paused: go on. Without it such objects refuse the run.
     #[arg(long, env = "KARPENTER_TEARDOWN_GITOPS_PAUSED_ELSEWHERE")]
     pub gitops_paused_elsewhere: bool,
+}
+
+/// `--release`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReleaseArg {
+    /// The Load Balancer Controller's Services, Ingresses and TargetGroupBindings, and so their
+    /// load balancers, target groups and security groups.
+    LoadBalancers,
 }
 
 /// `--on-drain-deadline`.

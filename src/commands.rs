@@ -467,6 +467,7 @@ async fn run_command(args: &RunArgs) -> Exit {
             max_nodes: config.max_nodes,
             reclaim: target.reclaim,
             gitops: config.gitops,
+            release: config.release.clone(),
         };
         let cancel = CancellationToken::new();
         let in_flight = InFlight::default();

@@ -134,6 +134,8 @@ pub(crate) struct RunConfig {
     pub gitops: crate::gitops::GitopsConsent,
     /// Without a terminal, how often the run logs what it waits for.
     pub progress_every: Duration,
+    /// What the cleanup controllers hold that the run may release before the drain.
+    pub release: std::collections::BTreeSet<crate::cleanup::Release>,
 }
 
 impl Target {
@@ -176,6 +178,13 @@ impl RunConfig {
             on_drain_deadline: t.on_drain_deadline,
             max_nodes: t.max_nodes,
             gitops: t.gitops,
+            release: a
+                .release
+                .iter()
+                .map(|r| match r {
+                    crate::cli::ReleaseArg::LoadBalancers => crate::cleanup::Release::LoadBalancers,
+                })
+                .collect(),
             progress_every: match parse_duration("progress-every", &a.progress_every)? {
                 d if d.is_zero() => {
                     return Err(ConfigError::BadDuration {

@@ -122,6 +122,9 @@ pub enum BlockerKind {
     Admission,
     /// An object a cleanup controller holds, which the drain would strand.
     Stranded,
+    /// An object `--release` deletes that cannot be released (deletion protection, its
+    /// controller not running) or was not gone by the deadline.
+    Release,
 }
 
 impl BlockerKind {
@@ -138,6 +141,7 @@ impl BlockerKind {
             BlockerKind::PodLost => "pod-lost",
             BlockerKind::Admission => "admission",
             BlockerKind::Stranded => "stranded",
+            BlockerKind::Release => "release",
         }
     }
 }

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use crate::aws::ec2::{DetachedResource, InstanceScope, LaunchTemplateInfo};
-use crate::aws::{AwsClients, AwsError, InstanceInfo, InstanceProfileInfo};
+use crate::aws::{AwsClients, AwsError, InstanceInfo, InstanceProfileInfo, LoadBalancing};
 
 /// What AWS still holds of the cluster's Karpenter.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -26,6 +26,11 @@ pub struct Leftovers {
     /// Detached volumes tagged for the cluster: reported, never deleted (they may hold data),
     /// and not counted against a clean result.
     pub volumes: Vec<DetachedResource>,
+    /// Load balancers, target groups and security groups this cluster's cleanup controllers
+    /// made ([`crate::cleanup::judge_load_balancing`]): reported, never deleted, and not counted
+    /// against a clean result (their controllers delete them with their Services and Ingresses,
+    /// which outlive the compute this tool removes).
+    pub load_balancing: Vec<LoadBalancing>,
     /// Karpenter objects still in the cluster (`NodeClaim/x`, `Node/y`, ...); filled by `run`.
     pub objects: Vec<String>,
 }
@@ -44,8 +49,14 @@ impl Leftovers {
     /// What [`reclaim`] would remove, one line per kind (everything but volumes, the interfaces
     /// left alone and the cluster's objects, which only a teardown removes).
     pub fn reclaimable(&self) -> Vec<String> {
-        Leftovers { volumes: Vec::new(), network_interfaces_left: Vec::new(), objects: Vec::new(), ..self.clone() }
-            .describe()
+        Leftovers {
+            volumes: Vec::new(),
+            network_interfaces_left: Vec::new(),
+            load_balancing: Vec::new(),
+            objects: Vec::new(),
+            ..self.clone()
+        }
+        .describe()
     }
 
     /// One line per kind with the ids, for the human summary.
@@ -66,6 +77,10 @@ impl Leftovers {
             self.network_interfaces_left.iter().map(|n| n.id.as_str()).collect(),
         );
         line("detached volume(s) (reported only, never deleted)", self.volumes.iter().map(|v| v.id.as_str()).collect());
+        line(
+            "load balancer(s), target group(s) and security group(s) of the cluster's cleanup controllers (reported only, never deleted)",
+            self.load_balancing.iter().map(|l| l.name.as_str()).collect(),
+        );
         out
     }
 }
@@ -87,6 +102,8 @@ pub(crate) struct Described {
     pub network_interfaces_left: Vec<DetachedResource>,
     /// The cluster's detached volumes.
     pub volumes: Vec<DetachedResource>,
+    /// The cluster's cleanup controllers' load balancers, target groups and security groups.
+    pub load_balancing: Vec<LoadBalancing>,
 }
 
 /// What of a read counts as left of the cluster's Karpenter: the instances Karpenter's own
@@ -102,6 +119,7 @@ pub(crate) fn leftovers(described: Described, cluster: &str, user_profiles: &BTr
         network_interfaces,
         network_interfaces_left,
         volumes,
+        load_balancing,
     } = described;
     Leftovers {
         instances: instances.into_iter().filter(|i| InstanceScope::KarpenterLive.admits(i, cluster)).collect(),
@@ -110,18 +128,27 @@ pub(crate) fn leftovers(described: Described, cluster: &str, user_profiles: &BTr
         network_interfaces,
         network_interfaces_left,
         volumes,
+        load_balancing,
         objects: Vec::new(),
     }
 }
 
 /// Reads everything once and judges it with [`leftovers`].
 pub async fn collect(aws: &AwsClients, cluster: &str, user_profiles: &BTreeSet<String>) -> Result<Leftovers, AwsError> {
-    let (instances, launch_templates, instance_profiles, (network_interfaces, network_interfaces_left), volumes) = tokio::try_join!(
+    let (
+        instances,
+        launch_templates,
+        instance_profiles,
+        (network_interfaces, network_interfaces_left),
+        volumes,
+        load_balancing,
+    ) = tokio::try_join!(
         aws.ec2.cluster_instances(cluster, InstanceScope::KarpenterLive),
         aws.ec2.launch_templates(cluster),
         aws.iam.cluster_instance_profiles(aws.region(), cluster),
         aws.ec2.detached_network_interfaces(cluster),
         aws.ec2.detached_volumes(cluster),
+        load_balancing(aws, cluster),
     )?;
     let described = Described {
         instances,
@@ -130,8 +157,21 @@ pub async fn collect(aws: &AwsClients, cluster: &str, user_profiles: &BTreeSet<S
         network_interfaces,
         network_interfaces_left,
         volumes,
+        load_balancing,
     };
     Ok(leftovers(described, cluster, user_profiles))
+}
+
+/// What this cluster's cleanup controllers left in Elastic Load Balancing and EC2: ELBv2 load
+/// balancers and target groups, classic load balancers, and their security groups.
+pub async fn load_balancing(aws: &AwsClients, cluster: &str) -> Result<Vec<LoadBalancing>, AwsError> {
+    let (lbs, tgs, classic, sgs) = tokio::try_join!(
+        aws.elb.load_balancers(cluster),
+        aws.elb.target_groups(cluster),
+        aws.elb.classic_load_balancers(cluster),
+        aws.ec2.load_balancing_security_groups(cluster),
+    )?;
+    Ok([lbs, tgs, classic, sgs].concat())
 }
 
 /// Verifies: two reads must both be clean, the second `settle` after the last moment a launch

@@ -31,9 +31,13 @@ impl AwsCalls {
 }
 
 /// The IAM action prefix of an SDK service name (`EC2` → `ec2`), so a report key is the IAM
-/// action the call needs.
+/// action the call needs: ELBv2 and classic ELB share `elasticloadbalancing`.
 fn iam_prefix(service: &str) -> String {
-    service.to_ascii_lowercase()
+    let lower = service.to_ascii_lowercase();
+    match lower.as_str() {
+        "elastic load balancing v2" | "elastic load balancing" => "elasticloadbalancing".to_string(),
+        _ => lower,
+    }
 }
 
 impl Intercept for AwsCalls {
@@ -71,5 +75,9 @@ mod tests {
         let s = c.snapshot();
         assert_eq!(s.get("ec2:DescribeInstances"), Some(&2));
         assert_eq!(s.get("iam:ListInstanceProfiles"), Some(&1));
+        c.record("Elastic Load Balancing v2", "DescribeTags");
+        c.record("Elastic Load Balancing", "DescribeTags");
+        assert_eq!(s.len() + 1, c.snapshot().len());
+        assert_eq!(c.snapshot().get("elasticloadbalancing:DescribeTags"), Some(&2));
     }
 }

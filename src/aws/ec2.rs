@@ -16,13 +16,17 @@ pub(crate) const TERMINATE_BATCH: usize = 500;
 /// maximum number of filter values specified on a single call is 200").
 pub(crate) const FILTER_VALUES_MAX: usize = 200;
 /// Page sizes: the largest `MaxResults` each call accepts (DescribeInstances and
-/// DescribeNetworkInterfaces 5–1000, DescribeVolumes 5–500, DescribeLaunchTemplates 1–200).
+/// DescribeNetworkInterfaces 5–1000, DescribeVolumes 5–500, DescribeLaunchTemplates 1–200,
+/// DescribeSecurityGroups 5–1000).
 /// Always paging with filters also keeps the calls out of EC2's smaller throttling bucket for
 /// unfiltered, unpaginated Describe calls.
 const DESCRIBE_INSTANCES_PAGE: i32 = 1000;
 const DESCRIBE_NETWORK_INTERFACES_PAGE: i32 = 1000;
 const DESCRIBE_VOLUMES_PAGE: i32 = 500;
 const DESCRIBE_LAUNCH_TEMPLATES_PAGE: i32 = 200;
+const DESCRIBE_SECURITY_GROUPS_PAGE: i32 = 1000;
+/// The EBS CSI driver's tag naming the cluster (v1.58 on, with `--k8s-tag-cluster-id`).
+const TAG_EBS_CSI_CLUSTER_NAME: &str = "ebs.csi.aws.com/cluster-name";
 /// Calls of 200 ids each that a lookup by id keeps in flight: 5,000 instances are 25 calls, one
 /// after another a good part of a minute before the first write. Four stay well inside the
 /// token bucket EC2 gives each Describe action (100 requests, refilled at 20 a second, per EC2's
@@ -471,25 +475,63 @@ impl Ec2 {
         }
     }
 
-    /// The cluster's detached (`available`) volumes. Reported, never deleted: they may hold data.
+    /// The cluster's detached (`available`) volumes, by the tags that name this cluster: its
+    /// `kubernetes.io/cluster/<name>` and the EBS CSI driver's `ebs.csi.aws.com/cluster-name`
+    /// (never by `ebs.csi.aws.com/cluster=true`, which every cluster's driver writes). Reported,
+    /// never deleted: they may hold data.
     pub(crate) async fn detached_volumes(&self, cluster: &str) -> Result<Vec<DetachedResource>, AwsError> {
+        let mut found = BTreeMap::new();
+        for selector in
+            [tag_key_filter(&karpenter::cluster_tag_key(cluster)), tag_filter(TAG_EBS_CSI_CLUSTER_NAME, cluster)]
+        {
+            let mut pages = self
+                .client
+                .describe_volumes()
+                .filters(Filter::builder().name("status").values("available").build())
+                .filters(selector)
+                .max_results(DESCRIBE_VOLUMES_PAGE)
+                .into_paginator()
+                .send();
+            while let Some(page) = pages.next().await {
+                let page = page.map_err(|e| self.err("DescribeVolumes", e))?;
+                for v in page.volumes() {
+                    let id = v.volume_id().unwrap_or_default().to_string();
+                    let status = v.state().map(|s| s.as_str().to_string()).unwrap_or_default();
+                    found.insert(id.clone(), DetachedResource { id, status, reason: None });
+                }
+            }
+        }
+        Ok(found.into_values().collect())
+    }
+}
+
+impl Ec2 {
+    /// The security groups tagged `key=value`, each as (id, name, tags), all pages.
+    pub(crate) async fn security_groups_tagged(
+        &self,
+        key: &str,
+        value: &str,
+    ) -> Result<Vec<(String, String, BTreeMap<String, String>)>, AwsError> {
         let mut pages = self
             .client
-            .describe_volumes()
-            .filters(Filter::builder().name("status").values("available").build())
-            .filters(tag_key_filter(&karpenter::cluster_tag_key(cluster)))
-            .max_results(DESCRIBE_VOLUMES_PAGE)
+            .describe_security_groups()
+            .filters(tag_filter(key, value))
+            .max_results(DESCRIBE_SECURITY_GROUPS_PAGE)
             .into_paginator()
             .send();
         let mut out = Vec::new();
         while let Some(page) = pages.next().await {
-            let page = page.map_err(|e| self.err("DescribeVolumes", e))?;
-            for v in page.volumes() {
-                out.push(DetachedResource {
-                    id: v.volume_id().unwrap_or_default().to_string(),
-                    status: v.state().map(|s| s.as_str().to_string()).unwrap_or_default(),
-                    reason: None,
-                });
+            let page = page.map_err(|e| self.err("DescribeSecurityGroups", e))?;
+            for g in page.security_groups() {
+                let tags = g
+                    .tags()
+                    .iter()
+                    .filter_map(|t| Some((t.key()?.to_string(), t.value().unwrap_or_default().to_string())));
+                out.push((
+                    g.group_id().unwrap_or_default().to_string(),
+                    g.group_name().unwrap_or_default().to_string(),
+                    tags.collect(),
+                ));
             }
         }
         Ok(out)

@@ -1,6 +1,7 @@
-//! The AWS side: EC2 (instances, launch templates, network interfaces, volumes), IAM (instance
-//! profiles), STS (account identity) and EKS (which API server the named cluster is), through the
-//! real SDK.
+//! The AWS side: EC2 (instances, launch templates, network interfaces, volumes, security
+//! groups), IAM (instance profiles), STS (account identity), EKS (which API server the named
+//! cluster is) and Elastic Load Balancing (what the cleanup controllers left), through the real
+//! SDK.
 //!
 //! Endpoints come from the SDK's standard environment (`AWS_ENDPOINT_URL`, `AWS_ENDPOINT_URL_EC2`,
 //! ...), credentials from its default chain; LocalStack needs no special flags.
@@ -8,6 +9,7 @@
 pub(crate) mod calls;
 pub mod ec2;
 pub mod eks;
+pub mod elb;
 pub(crate) mod iam;
 pub(crate) mod pacing;
 
@@ -17,6 +19,7 @@ use aws_credential_types::provider::ProvideCredentials;
 pub(crate) use calls::AwsCalls;
 pub use ec2::{Ec2, InstanceInfo, InstanceState};
 pub use eks::{Eks, EksCluster, EksLookup};
+pub use elb::{Elb, LbKind, LoadBalancing};
 pub use iam::{Iam, InstanceProfileInfo};
 
 /// Failures of the AWS side, with what the user can do about them.
@@ -196,6 +199,7 @@ fn upper(service: &'static str) -> &'static str {
         "iam" => "IAM",
         "sts" => "STS",
         "eks" => "EKS",
+        "elasticloadbalancing" => "ELASTIC_LOAD_BALANCING_V2",
         _ => "<SERVICE>",
     }
 }
@@ -209,6 +213,8 @@ pub struct AwsClients {
     pub iam: Iam,
     /// EKS in the cluster's region.
     pub eks: Eks,
+    /// ELBv2 and classic ELB in the cluster's region.
+    pub elb: Elb,
     /// Every request the clients sent, by `service:Operation`.
     pub calls: AwsCalls,
     sts: aws_sdk_sts::Client,
@@ -253,10 +259,17 @@ impl AwsClients {
         let iam = aws_sdk_iam::config::Builder::from(config).interceptor(calls.clone()).build();
         let sts = aws_sdk_sts::config::Builder::from(config).interceptor(calls.clone()).build();
         let eks = aws_sdk_eks::config::Builder::from(config).interceptor(calls.clone()).build();
+        let elbv2 = aws_sdk_elasticloadbalancingv2::config::Builder::from(config).interceptor(calls.clone()).build();
+        let elb = aws_sdk_elasticloadbalancing::config::Builder::from(config).interceptor(calls.clone()).build();
         Ok(AwsClients {
             ec2: Ec2::new(aws_sdk_ec2::Client::from_conf(ec2), endpoint("ec2")),
             iam: Iam::new(aws_sdk_iam::Client::from_conf(iam), endpoint("iam")),
             eks: Eks::new(aws_sdk_eks::Client::from_conf(eks), endpoint("eks")),
+            elb: Elb::new(
+                aws_sdk_elasticloadbalancingv2::Client::from_conf(elbv2),
+                aws_sdk_elasticloadbalancing::Client::from_conf(elb),
+                endpoint("elastic_load_balancing_v2"),
+            ),
             sts: aws_sdk_sts::Client::from_conf(sts),
             sts_endpoint: endpoint("sts"),
             calls,

@@ -221,7 +221,10 @@ async fn live_refusal(kube: &Kube, settings: &RehearsalSettings) -> Result<Optio
     if admission.is_some() {
         return Ok(admission);
     }
-    cleanup_verdict(&kube.client, &settings.plan, &inv, &mut text).await.map_err(|e| e.to_string())
+    let verdict = cleanup_verdict(&kube.client, &settings.plan, &inv, &Default::default(), &mut text)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(verdict.refused)
 }
 
 /// The snapshot: from a file, or read from the live cluster (lists and describes only), with the

@@ -18,6 +18,7 @@ pub mod podindex;
 pub mod preflight;
 mod record;
 pub(crate) mod refusal;
+mod release;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -65,6 +66,8 @@ pub struct RunSettings {
     pub reclaim: bool,
     /// `--pause-gitops`, `--gitops-paused-elsewhere`.
     pub gitops: GitopsConsent,
+    /// `--release`: what the cleanup controllers hold that is deleted before the drain.
+    pub release: std::collections::BTreeSet<crate::cleanup::Release>,
 }
 
 /// What a run produced, for the report and the exit code.
@@ -95,6 +98,7 @@ pub struct RunResult {
 }
 
 /// A refusal decided before the first write, with the blockers that explain it.
+#[derive(Debug)]
 pub(crate) struct Refused {
     pub(crate) refusal: Refusal,
     pub(crate) blockers: Vec<Blocker>,
@@ -134,29 +138,84 @@ pub(crate) async fn admission_verdict(
     Ok(Some(Refused { refusal, blockers }))
 }
 
+/// What the survey of the cleanup controllers decided for a run.
+#[derive(Debug, Default)]
+pub(crate) struct CleanupVerdict {
+    /// Why the run may not go on, if so.
+    pub(crate) refused: Option<Refused>,
+    /// What `--release` deletes before the drain.
+    pub(crate) release: Vec<crate::cleanup::Held>,
+}
+
 /// Finds the controllers that clean up in AWS behind finalizers (load balancers, volumes) and
 /// still hold objects: one the drain would leave nowhere to run is the run's refusal (exit 3),
-/// one blocker per object it holds. `rehearse` asks the live cluster the same.
+/// one blocker per object it holds, unless `release` covers it (its objects are then deleted
+/// before the drain, while it runs: it must run now). `rehearse` asks the live cluster the same.
 pub(crate) async fn cleanup_verdict(
     client: &kube::Client,
     plan: &Plan,
     inv: &Inventory,
+    release: &std::collections::BTreeSet<crate::cleanup::Release>,
     plan_text: &mut String,
-) -> Result<Option<Refused>, crate::k8s::KubeError> {
+) -> Result<CleanupVerdict, crate::k8s::KubeError> {
     if !plan.steps().iter().any(|s| permissions::drains(s.action)) {
-        return Ok(None);
+        return Ok(CleanupVerdict::default());
     }
     let karpenter_nodes = inv.karpenter_nodes();
     let seen = crate::k8s::retry_transient(|| crate::k8s::cleanup::read(client, &karpenter_nodes)).await?;
     let nodes: Vec<String> = karpenter_nodes.into_iter().collect();
     let verdicts = crate::cleanup::survey(&seen.held, &seen.running, &nodes, &seen.other_nodes);
+    let covered = |c: crate::cleanup::Cleaner| release.iter().any(|r| r.covers(c));
+    let mut out = CleanupVerdict::default();
+    let mut idle = Vec::new();
     for v in &verdicts {
         plan_text.push_str(&v.plan_line());
         plan_text.push('\n');
+        if !covered(v.cleaner) {
+            continue;
+        }
+        if v.runs.is_empty() {
+            idle.push(v);
+            continue;
+        }
+        for h in &v.held {
+            plan_text.push_str(&format!(
+                "release: delete {} {} while {} runs, and wait until it and what it stands for in AWS are gone\n",
+                h.kind, h.name, v.cleaner
+            ));
+        }
+        out.release.extend(v.held.iter().cloned());
     }
-    let stranded: Vec<&crate::cleanup::Verdict> = verdicts.iter().filter(|v| v.stranded).collect();
+    if !idle.is_empty() {
+        let objects: Vec<String> = idle
+            .iter()
+            .flat_map(|v| v.held.iter().map(move |h| (v.cleaner, h)))
+            .map(|(c, h)| {
+                format!(
+                    "{} {} (finalizer {}): no pod of {c} runs, so nothing would delete it",
+                    h.kind, h.name, h.finalizer
+                )
+            })
+            .collect();
+        let blockers = idle
+            .iter()
+            .flat_map(|v| v.held.iter().map(move |h| (v.cleaner, h)))
+            .map(|(c, h)| Blocker {
+                kind: BlockerKind::Release,
+                name: format!("{}/{}", h.kind, h.name),
+                reason: format!(
+                    "held by {} until {c} deletes what it made in AWS, and no pod of {c} runs",
+                    h.finalizer
+                ),
+            })
+            .collect();
+        out.refused = Some(Refused { refusal: Refusal::Unreleasable { objects }, blockers });
+        return Ok(out);
+    }
+    let stranded: Vec<&crate::cleanup::Verdict> =
+        verdicts.iter().filter(|v| v.stranded && !covered(v.cleaner)).collect();
     if stranded.is_empty() {
-        return Ok(None);
+        return Ok(out);
     }
     let blockers: Vec<Blocker> = stranded
         .iter()
@@ -170,7 +229,50 @@ pub(crate) async fn cleanup_verdict(
             .flat_map(|v| v.held.iter().map(|h| format!("{} {} (finalizer {})", h.kind, h.name, h.finalizer)))
             .collect(),
     };
-    Ok(Some(Refused { refusal, blockers }))
+    out.refused = Some(Refused { refusal, blockers });
+    Ok(out)
+}
+
+/// The load balancers of what `release` deletes that have deletion protection on, by the
+/// object's annotation or by the load balancer's attribute in AWS: each is a refusal (exit 3),
+/// consent or not. The controller would keep its finalizer (annotation) or switch protection
+/// off (attribute alone); the tool does neither for the user.
+pub(crate) async fn protected(
+    aws: &AwsClients,
+    cluster: &str,
+    release: &[crate::cleanup::Held],
+) -> Result<Option<Refused>, crate::aws::AwsError> {
+    if release.is_empty() {
+        return Ok(None);
+    }
+    let found = crate::verify::load_balancing(aws, cluster).await?;
+    let mut blockers = Vec::new();
+    for h in release {
+        let stack = crate::cleanup::stack_of(h);
+        let mut why = Vec::new();
+        if h.protected {
+            why.push("its annotation turns deletion protection on".to_string());
+        }
+        for lb in
+            found.iter().filter(|l| l.kind == crate::aws::LbKind::LoadBalancer && Some(&l.made_for) == stack.as_ref())
+        {
+            if aws.elb.deletion_protection(&lb.id).await? {
+                why.push(format!("load balancer {} has deletion protection on in AWS", lb.name));
+            }
+        }
+        if !why.is_empty() {
+            blockers.push(Blocker {
+                kind: BlockerKind::Release,
+                name: format!("{}/{}", h.kind, h.name),
+                reason: format!("{}: deleting it would leave it held by {} for ever", why.join("; "), h.finalizer),
+            });
+        }
+    }
+    if blockers.is_empty() {
+        return Ok(None);
+    }
+    let objects = blockers.iter().map(|b| format!("{} ({})", b.name, b.reason)).collect();
+    Ok(Some(Refused { refusal: Refusal::Protected { objects }, blockers }))
 }
 
 /// Runs a teardown: the phases that only read ([`phases::prepare`]), then, with consent, the
@@ -212,13 +314,26 @@ impl Launch<'_> {
     /// Pauses the GitOps owners, then runs the task graph with its watches and batcher.
     async fn run(self, prepared: phases::Prepared, learnt: &mut Learnt) -> Ended {
         let Launch { kube, aws, settings, started, cancel, events } = self;
-        let phases::Prepared { inv, graph, owners } = prepared;
+        let phases::Prepared { inv, graph, owners, release } = prepared;
         // owners already paused count too: a sync or reconcile they started may still be applying
         if !learnt.gitops.owners.is_empty() {
             let (record, stop) = pause_gitops(&kube, &owners, &mut learnt.gitops).await;
             learnt.steps.push(record);
             if let Some(stop) = stop {
                 return Ended::Stopped { phase: Phase::PauseGitops, stop };
+            }
+        }
+        // before the fence and the drain: the controllers that delete in AWS must still run
+        if !release.is_empty() {
+            let deadline = settings
+                .drain
+                .deadline
+                .or_else(|| settings.plan.ordered_steps().find(|s| s.action == Action::Drain)?.params.deadline)
+                .unwrap_or(Duration::from_secs(600));
+            let (record, stop) = release::release(&kube, &aws, &settings.cluster, &release, deadline, &cancel).await;
+            learnt.steps.push(record);
+            if let Some(stop) = stop {
+                return Ended::Stopped { phase: Phase::Release, stop };
             }
         }
         tracing::info!(
@@ -407,21 +522,26 @@ async fn pause_gitops(
             d
         }
     };
-    let record = StepRecord {
-        step: "pause-gitops".into(),
-        action: "pause-gitops".into(),
+    (phase_record("pause-gitops", started, stop.as_ref(), detail), stop)
+}
+
+/// The step record of a phase run before the graph (the GitOps pause, the release): done, or
+/// blocked or failed as its stop says.
+fn phase_record(step: &str, started: SystemTime, stop: Option<&Stop>, detail: String) -> StepRecord {
+    StepRecord {
+        step: step.into(),
+        action: step.into(),
         object: None,
         started: rfc3339(started),
         finished: rfc3339(SystemTime::now()),
         attempts: 1,
-        result: match stop.as_ref().map(|s| s.exit) {
+        result: match stop.map(|s| s.exit) {
             None => TaskResult::Done,
             Some(Exit::Blocked) => TaskResult::Blocked,
             Some(_) => TaskResult::Failed,
         },
         detail,
-    };
-    (record, stop)
+    }
 }
 
 /// Runs the graph; returns the exit status and the records.

@@ -37,6 +37,9 @@ pub(crate) enum Phase {
     /// Pause the active GitOps owners: the first write. (The task graph's end is
     /// [`Ended::Executed`], told by its steps.)
     PauseGitops,
+    /// Delete what `--release` covers while its controllers run, and wait until it is gone
+    /// with what it stands for in AWS.
+    Release,
 }
 
 impl Phase {
@@ -49,6 +52,7 @@ impl Phase {
             Phase::Gitops => "gitops",
             Phase::Admission => "admission",
             Phase::PauseGitops => "pause-gitops",
+            Phase::Release => "release",
         }
     }
 }
@@ -97,7 +101,7 @@ pub(crate) struct Learnt {
     pub(crate) gitops: Survey,
     /// Karpenter-kind objects that are not this controller's, left alone.
     pub(crate) not_ours: Vec<Foreign>,
-    /// Steps run before the graph (the GitOps pause).
+    /// Steps run before the graph (the GitOps pause, the release).
     pub(crate) steps: Vec<StepRecord>,
 }
 
@@ -350,15 +354,18 @@ pub(crate) async fn gitops(
 }
 
 /// [`super::admission_verdict`] and [`super::cleanup_verdict`] for a run: before anything is
-/// changed (also in a dry run), a refusal or a failure to ask ends the run here.
+/// changed (also in a dry run), a refusal or a failure to ask ends the run here; returns what
+/// `--release` deletes, its load balancers checked for deletion protection
+/// ([`super::protected`]).
 pub(crate) async fn admission(
     kube: &Kube,
+    aws: &AwsClients,
     settings: &RunSettings,
     inv: &Inventory,
     need: &BTreeSet<KubePermission>,
     owners: &crate::k8s::gitops::Owners,
     learnt: &mut Learnt,
-) -> Result<(), Stop> {
+) -> Result<Vec<crate::cleanup::Held>, Stop> {
     // the owners a run with --pause-gitops pauses (a dry run predicts that run)
     let pausing = settings
         .gitops
@@ -369,10 +376,16 @@ pub(crate) async fn admission(
     {
         return Err(refused.into());
     }
-    match super::cleanup_verdict(&kube.client, &settings.plan, inv, &mut learnt.plan_text).await {
+    let verdict = super::cleanup_verdict(&kube.client, &settings.plan, inv, &settings.release, &mut learnt.plan_text)
+        .await
+        .map_err(Stop::failed)?;
+    if let Some(refused) = verdict.refused {
+        return Err(refused.into());
+    }
+    match super::protected(aws, &settings.cluster, &verdict.release).await {
         Ok(Some(refused)) => Err(refused.into()),
-        Ok(None) => Ok(()),
-        Err(e) => Err(Stop::failed(e)),
+        Ok(None) => Ok(verdict.release),
+        Err(e) => Err(Stop::of(&e, e.is_configuration())),
     }
 }
 
@@ -381,6 +394,8 @@ pub(crate) struct Prepared {
     pub(crate) inv: Inventory,
     pub(crate) graph: TaskGraph,
     pub(crate) owners: crate::k8s::gitops::Owners,
+    /// What `--release` deletes before the graph.
+    pub(crate) release: Vec<crate::cleanup::Held>,
 }
 
 /// Runs the phases that only read, in order; the first that stops ends the run here, before a
@@ -401,10 +416,15 @@ pub(crate) async fn prepare(
     }
     let delete_pods = settings.drain.policy == Some(DrainPolicy::Delete);
     let need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
-    permissions(kube, aws, settings, &inv, &need).await.map_err(|s| (Phase::Permissions, s))?;
+    let mut asked = need.clone();
+    if !settings.release.is_empty() {
+        asked.extend(permissions::cleanup_release_needs());
+    }
+    permissions(kube, aws, settings, &inv, &asked).await.map_err(|s| (Phase::Permissions, s))?;
     let owners = gitops(kube, settings, &inv, learnt).await.map_err(|s| (Phase::Gitops, s))?;
-    admission(kube, settings, &inv, &need, &owners, learnt).await.map_err(|s| (Phase::Admission, s))?;
-    Ok(Prepared { inv, graph, owners })
+    let release =
+        admission(kube, aws, settings, &inv, &need, &owners, learnt).await.map_err(|s| (Phase::Admission, s))?;
+    Ok(Prepared { inv, graph, owners, release })
 }
 
 #[cfg(test)]

@@ -35,11 +35,23 @@ pub(crate) enum Refusal {
     Admission { blocked: Vec<String> },
     /// The drain would strand a controller that still has objects to clean up in AWS.
     #[error(
-        "refusing: the drain would strand {}: {}. Nothing was changed; delete those objects first while the controller still runs (it then deletes what it made in AWS), or run the controller on capacity this run keeps (a managed node group or Fargate), then run again",
+        "refusing: the drain would strand {}: {}. Nothing was changed; pass --release load-balancers to have this run delete those objects while the controller still runs (it then deletes what it made in AWS), or delete them yourself, or run the controller on capacity this run keeps (a managed node group or Fargate), then run again",
         .cleaners.join(" and "),
         .objects.join("; ")
     )]
     Stranded { cleaners: Vec<String>, objects: Vec<String> },
+    /// `--release` covers objects whose controller does not run: nothing would delete them.
+    #[error(
+        "refusing to release: {}. Nothing was changed; start the controller again (or delete the objects' AWS resources and then their finalizers yourself), then run again",
+        .objects.join("; ")
+    )]
+    Unreleasable { objects: Vec<String> },
+    /// `--release` covers objects whose load balancer has deletion protection on.
+    #[error(
+        "refusing to release: {}. Nothing was changed; turn deletion protection off (the annotation, or the load balancer's attribute in AWS) if the load balancer is meant to go, or delete the object yourself and keep its load balancer, then run again",
+        .objects.join("; ")
+    )]
+    Protected { objects: Vec<String> },
     /// Active GitOps owners would put back what the run removes (the survey's own wording).
     #[error("{0}")]
     GitOps(String),
@@ -55,6 +67,8 @@ impl Refusal {
             | Refusal::WrongClusterStranded { .. }
             | Refusal::BlastRadius { .. }
             | Refusal::Stranded { .. }
+            | Refusal::Unreleasable { .. }
+            | Refusal::Protected { .. }
             | Refusal::GitOps(_) => Exit::Refused,
         }
     }

@@ -42,6 +42,7 @@ fn held_by(kind: &'static str, meta: &kube::api::ObjectMeta, driver: Option<&str
         Some(ns) => format!("{ns}/{}", meta.name.as_deref().unwrap_or_default()),
         None => meta.name.clone().unwrap_or_default(),
     };
+    let protected = meta.annotations.as_ref().is_some_and(crate::cleanup::annotated_protection);
     meta.finalizers
         .iter()
         .flatten()
@@ -51,6 +52,7 @@ fn held_by(kind: &'static str, meta: &kube::api::ObjectMeta, driver: Option<&str
                 name: name.clone(),
                 finalizer: f.clone(),
                 cleaner,
+                protected,
             })
         })
         .collect()
@@ -157,4 +159,42 @@ async fn pods_of(client: &kube::Client, cleaner: Cleaner) -> Result<Vec<Pod>, Ku
         }
     }
     Ok(pods.into_values().filter(|p| p.metadata.deletion_timestamp.is_none()).collect())
+}
+
+/// The API of a held object's kind, in its namespace, and its name.
+fn api_of(client: &kube::Client, held: &Held) -> (Api<DynamicObject>, String) {
+    let resource = match held.kind {
+        "Service" => ApiResource::erase::<Service>(&()),
+        "Ingress" => ApiResource::erase::<Ingress>(&()),
+        "PersistentVolume" => ApiResource::erase::<PersistentVolume>(&()),
+        "VolumeAttachment" => ApiResource::erase::<VolumeAttachment>(&()),
+        _ => ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("elbv2.k8s.aws", "v1beta1", "TargetGroupBinding"),
+            "targetgroupbindings",
+        ),
+    };
+    match held.name.split_once('/') {
+        Some((ns, name)) => (Api::namespaced_with(client.clone(), ns, &resource), name.to_string()),
+        None => (Api::all_with(client.clone(), &resource), held.name.clone()),
+    }
+}
+
+/// Deletes a held object (its finalizer stays: its controller removes it once it has cleaned
+/// up in AWS). Already gone is done.
+pub(crate) async fn delete(client: &kube::Client, held: &Held) -> Result<(), KubeError> {
+    let (api, name) = api_of(client, held);
+    match api.delete(&name, &kube::api::DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(e) if status_code(&e) == Some(404) => Ok(()),
+        Err(e) => Err(KubeError::api(format!("delete {} {}", held.kind, held.name), e)),
+    }
+}
+
+/// True once a held object is gone from the API.
+pub(crate) async fn gone(client: &kube::Client, held: &Held) -> Result<bool, KubeError> {
+    let (api, name) = api_of(client, held);
+    api.get_opt(&name)
+        .await
+        .map(|o| o.is_none())
+        .map_err(|e| KubeError::api(format!("read {} {}", held.kind, held.name), e))
 }

@@ -35,7 +35,7 @@ pub(crate) enum RehearseError {
     /// The LocalStack that holds the copy's AWS side does not answer.
     #[error(
         "the rehearsal needs a LocalStack for its copy of the cluster's AWS side, and {endpoint} does not answer ({detail}); \
-         start one (`localstack/up` in this repository, or `localstack start`) or pass --localstack URL"
+         start one with `localstack/up` of this repository (a plain `localstack start` serves no EKS or ELB, which the copy needs) or pass --localstack URL"
     )]
     LocalStack {
         /// The endpoint asked.
@@ -368,6 +368,8 @@ async fn play(
         max_nodes: settings.max_nodes,
         reclaim: settings.reclaim,
         gitops: settings.gitops,
+        // `rehearse` has no --release: the copy holds no Service or Ingress to release
+        release: Default::default(),
     };
     let started = Instant::now();
     // every log line of the copy's run says so: it must never read as a change to the live cluster

@@ -6,5 +6,6 @@
 mod common;
 
 mod emulator;
+mod load_balancing;
 mod localstack;
 mod policy;

@@ -68,6 +68,11 @@ fn the_tools_calls() -> Vec<Call> {
         "ec2:DescribeLaunchTemplates",
         "ec2:DescribeNetworkInterfaces",
         "ec2:DescribeVolumes",
+        "ec2:DescribeSecurityGroups",
+        "elasticloadbalancing:DescribeLoadBalancers",
+        "elasticloadbalancing:DescribeTargetGroups",
+        "elasticloadbalancing:DescribeTags",
+        "elasticloadbalancing:DescribeLoadBalancerAttributes",
         "iam:ListInstanceProfiles",
         "iam:ListInstanceProfileTags",
     ]
@@ -149,6 +154,21 @@ fn never() -> Vec<Call> {
         ),
         call("a volume", "ec2:DeleteVolume", arn("volume", "vol-1"), &[(karpenter::TAG_EKS_CLUSTER, CLUSTER)]),
         call("a launch", "ec2:RunInstances", arn("instance", "*"), &[]),
+        call(
+            "a load balancer of this cluster",
+            "elasticloadbalancing:DeleteLoadBalancer",
+            format!(
+                "arn:aws:elasticloadbalancing:{REGION}:{}:loadbalancer/net/k8s-default-web/1",
+                common::LOCALSTACK_ACCOUNT
+            ),
+            &[("elbv2.k8s.aws/cluster", CLUSTER), ("service.k8s.aws/stack", "default/web")],
+        ),
+        call(
+            "a security group",
+            "ec2:DeleteSecurityGroup",
+            arn("security-group", "sg-1"),
+            &[("elbv2.k8s.aws/cluster", CLUSTER)],
+        ),
         call("a role", "iam:DeleteRole", "*".into(), &[]),
         call("another cluster", "eks:DescribeCluster", eks_arn("staging"), &[]),
         call("a cluster's deletion", "eks:DeleteCluster", eks_arn(CLUSTER), &[]),

@@ -193,3 +193,21 @@ pub fn unique_cluster(prefix: &str) -> String {
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     format!("{prefix}-{}-{nanos:x}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
 }
+
+/// Two subnets of LocalStack's default VPC in the config's region, and the VPC: where the test
+/// bed makes load balancers and security groups.
+pub async fn default_subnets(config: &aws_config::SdkConfig) -> (Vec<String>, String) {
+    let ec2 = aws_sdk_ec2::Client::new(config);
+    let subnets: Vec<String> = ec2
+        .describe_subnets()
+        .send()
+        .await
+        .unwrap()
+        .subnets()
+        .iter()
+        .filter_map(|s| s.subnet_id().map(str::to_string))
+        .take(2)
+        .collect();
+    let vpc = ec2.describe_vpcs().send().await.unwrap().vpcs()[0].vpc_id().unwrap().to_string();
+    (subnets, vpc)
+}

@@ -100,7 +100,15 @@ fn a_report_with_every_kind_of_leftover_matches_the_schema() {
     report.leftovers.network_interfaces = vec![eni("eni-1", "the VPC CNI's")];
     report.leftovers.network_interfaces_left = vec![eni("eni-2", "the VPC resource controller's")];
     report.leftovers.objects = vec!["NodeClaim/x".into()];
+    report.leftovers.load_balancing = vec![karpenter_teardown::aws::LoadBalancing {
+        kind: karpenter_teardown::aws::LbKind::ClassicLoadBalancer,
+        id: "a1b2".into(),
+        name: "a1b2".into(),
+        owner: "the in-tree service controller".into(),
+        made_for: "Service default/web".into(),
+    }];
     report.would_reclaim = report.leftovers.reclaimable();
+    assert!(!report.would_reclaim.iter().any(|l| l.contains("a1b2")), "the tool never deletes a load balancer");
     report.gitops = gitops_survey();
     report.finish(started, Exit::Leftovers, false);
     let v = serde_json::to_value(&report).unwrap();
@@ -114,7 +122,7 @@ fn the_validator_rejects_what_the_schema_forbids() {
         "plan": "", "outcome": "clean", "exit_code": 0, "started": "t", "finished": "t",
         "wall_seconds": 0.5, "steps": [], "blockers": [],
         "leftovers": {"instances": [], "launch_templates": [], "instance_profiles": [],
-                      "network_interfaces": [], "volumes": [], "objects": []},
+                      "network_interfaces": [], "volumes": [], "load_balancing": [], "objects": []},
         "reclaimed": [], "api_calls": {"ec2:DescribeInstances": 2}
     });
     assert_eq!(schema_errors(&good), Vec::<String>::new());

@@ -146,3 +146,85 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     eprintln!("cleanup cases took {:?}", t.elapsed());
     p.end().await;
 }
+
+/// `--release load-balancers` on the real control plane: the stand-in Load Balancer Controller
+/// (`sandbox_sim::lbc`, its pod placed by the real scheduler on a Karpenter node and run by
+/// kwok) holds a Service of type LoadBalancer with its real finalizer, and its load balancer,
+/// target group and security group are in LocalStack. The real kube-apiserver keeps the deleted
+/// Service until the controller removes its finalizer; the run, held to `deploy/rbac.yaml` and
+/// `deploy/rbac-release.yaml`, deletes it before the drain evicts the controller and waits until
+/// it and its AWS objects are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_consent_the_real_server_sees_the_controllers_service_released_before_the_drain() {
+    let rbac = format!(
+        "{}---\n{}",
+        super::shipped_rbac_yaml(),
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml")).unwrap()
+    );
+    let p = provisioned("rrel", &rbac, 2).await;
+    let pp = PostParams::default();
+    let on_karpenter = json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}});
+    Api::<Deployment>::namespaced(p.admin.clone(), "kube-system")
+        .create(&pp, &stand_in("aws-load-balancer-controller", "aws-load-balancer-controller", on_karpenter))
+        .await
+        .unwrap();
+    let lbc_node = running_on(&p.admin, "aws-load-balancer-controller").await;
+    assert_ne!(lbc_node, "system-0");
+    let region = super::common::e2e::REGION;
+    let config = sandbox_sim::localstack::config_as(region, "test").await;
+    let lbc = sandbox_sim::lbc::StandInLbc::start(p.admin.clone(), &config, &p.cluster, Duration::from_millis(200));
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
+    Api::<Namespace>::all(p.admin.clone()).create(&pp, &ns).await.unwrap();
+    let services: Api<Service> = Api::namespaced(p.admin.clone(), "shop");
+    let svc: Service = serde_json::from_value(
+        json!({"metadata": {"name": "front"}, "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}}),
+    )
+    .unwrap();
+    services.create(&pp, &svc).await.unwrap();
+    let stack = "service.k8s.aws/stack shop/front";
+    let in_aws = || async {
+        karpenter_teardown::verify::load_balancing(&p.aws, &p.cluster)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|l| l.made_for == stack)
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while in_aws().await < 3 || services.get("front").await.unwrap().metadata.finalizers.is_none() {
+        assert!(Instant::now() < deadline, "the stand-in did not make the Service's load balancer");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // without consent the drain would strand the controller: refused
+    let refused = teardown(&p, true).await;
+    assert_eq!(refused.code, 3, "{}", refused.dump());
+    assert!(p.karpenter.running(), "a refused run removed the controller");
+
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = p.tool("run", p.s.tool_kubeconfig(), &report);
+    cmd.args(["--yes", "--release", "load-balancers"]);
+    let run = super::common::e2e::run_of(cmd, &report).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let steps = run.report["steps"].as_array().unwrap();
+    assert_eq!(
+        (steps[0]["step"].as_str(), steps[0]["result"].as_str()),
+        (Some("release"), Some("done")),
+        "{}",
+        run.dump()
+    );
+    let at = |r: &Value, field: &str| humantime::parse_rfc3339_weak(r[field].as_str().unwrap()).unwrap();
+    let drains: Vec<&Value> = steps.iter().filter(|r| r["step"] == "drain").collect();
+    assert!(
+        !drains.is_empty() && drains.iter().all(|d| at(d, "started") >= at(&steps[0], "finished")),
+        "{}",
+        run.dump()
+    );
+    assert!(services.get_opt("front").await.unwrap().is_none(), "the Service outlived its release");
+    assert_eq!(in_aws().await, 0, "the Service's load balancer, target group or security group is left");
+    p.assert_torn_down(&p.instances).await;
+    lbc.shutdown().await;
+    p.end().await;
+}

@@ -6,11 +6,14 @@
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use sandbox_sim::generate;
 use serde_json::json;
 
-use crate::common::e2e::{Consent, assert_no_node_fenced, bed, blockers_of, small_world, teardown};
+use crate::common::e2e::{
+    Consent, assert_no_node_fenced, assert_torn_down, bed, bed_with, blockers_of, scale_controller, small_world,
+    teardown, untouchable_nodes,
+};
 
 const LBC: &str = "aws-load-balancer-controller";
 
@@ -25,6 +28,22 @@ fn controller_pod(name: &str, node: &str, karpenter_only: bool) -> Pod {
         "spec": spec,
     }))
     .unwrap()
+}
+
+/// The chart's Deployment (its pods made by hand, placed where the test wants them).
+async fn lbc_deployment(client: &kube::Client) {
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": LBC, "namespace": "kube-system", "labels": {"app.kubernetes.io/name": LBC}},
+        "spec": {"replicas": 0,
+                 "selector": {"matchLabels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
+                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
+                              "spec": {"containers": [{"name": "controller", "image": "x"}]}}},
+    }))
+    .unwrap();
+    Api::<Deployment>::namespaced(client.clone(), "kube-system")
+        .create(&PostParams::default(), &deployment)
+        .await
+        .unwrap();
 }
 
 /// Service `shop/front` of type LoadBalancer, held by the Load Balancer Controller's finalizer.
@@ -46,16 +65,7 @@ async fn a_load_balancer_controller_only_on_karpenter_nodes_refuses_the_run_befo
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let pp = PostParams::default();
-    // the chart's Deployment (its pods made by hand, placed where the test wants them)
-    let deployment: Deployment = serde_json::from_value(json!({
-        "metadata": {"name": LBC, "namespace": "kube-system", "labels": {"app.kubernetes.io/name": LBC}},
-        "spec": {"replicas": 0,
-                 "selector": {"matchLabels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
-                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
-                              "spec": {"containers": [{"name": "controller", "image": "x"}]}}},
-    }))
-    .unwrap();
-    Api::<Deployment>::namespaced(b.client.clone(), "kube-system").create(&pp, &deployment).await.unwrap();
+    lbc_deployment(&b.client).await;
     let pods: Api<Pod> = Api::namespaced(b.client.clone(), "kube-system");
     let karpenter_node = &world.nodes[0].node;
     pods.create(&pp, &controller_pod("lbc-0", karpenter_node, true)).await.unwrap();
@@ -122,5 +132,169 @@ async fn a_controller_that_fits_eks_auto_modes_nodes_is_not_stranded() {
         "{}",
         run.dump()
     );
+    b.server.shutdown().await;
+}
+
+/// What the stand-in Load Balancer Controller made in AWS for `stack` (`<ns>/<name>`) of
+/// `cluster`, as verification reads it.
+async fn stack_in_aws(aws: &karpenter_teardown::aws::AwsClients, cluster: &str, stack: &str) -> Vec<String> {
+    let found = karpenter_teardown::verify::load_balancing(aws, cluster).await.unwrap();
+    let made_for = format!("service.k8s.aws/stack {stack}");
+    found.into_iter().filter(|l| l.made_for == made_for).map(|l| format!("{:?} {}", l.kind, l.name)).collect()
+}
+
+/// Waits until the stand-in has made the Service's load balancer, target group and security group.
+async fn made(aws: &karpenter_teardown::aws::AwsClients, cluster: &str, stack: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let found = stack_in_aws(aws, cluster, stack).await;
+        if found.len() == 3 {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "the stand-in made {found:?} for {stack}");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// With `--release load-balancers`, what the Load Balancer Controller holds is deleted while it
+/// still runs, before the fence and the drain, and the run waits until its load balancer,
+/// target group and security group are gone from AWS; deletion protection (by annotation or on
+/// the load balancer alone) refuses it, consent or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_consent_load_balancers_are_released_before_the_drain_and_verification_is_clean() {
+    let s = small_world("e2e-release-lbc", 3);
+    let mut rbac = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml")).unwrap();
+    rbac.push_str("---\n");
+    rbac.push_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml")).unwrap());
+    let opts = sandbox_apiserver::ServerOptions {
+        time_scale: 0.01,
+        rbac: Some(sandbox_apiserver::authz::Rbac::from_yaml(&rbac).unwrap()),
+        ..Default::default()
+    };
+    let b = bed_with(&s.cluster, opts).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    scale_controller(&b.client, 0).await;
+    let pp = PostParams::default();
+    lbc_deployment(&b.client).await;
+    let pods: Api<Pod> = Api::namespaced(b.client.clone(), "kube-system");
+    pods.create(&pp, &controller_pod("lbc-0", &world.nodes[0].node, true)).await.unwrap();
+    let config = sandbox_sim::localstack::config_as(crate::common::e2e::REGION, "test").await;
+    let lbc = sandbox_sim::lbc::StandInLbc::start(
+        b.client.clone(),
+        &config,
+        &world.cluster,
+        std::time::Duration::from_millis(100),
+    );
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
+    Api::<Namespace>::all(b.client.clone()).create(&pp, &ns).await.unwrap();
+    let services: Api<Service> = Api::namespaced(b.client.clone(), "shop");
+    let service = |name: &str, protected: bool| -> Service {
+        let mut svc = json!({"metadata": {"name": name, "namespace": "shop"},
+                             "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}});
+        if protected {
+            svc["metadata"]["annotations"] =
+                json!({(sandbox_sim::lbc::ATTRIBUTES_ANNOTATION): "deletion_protection.enabled=true"});
+        }
+        serde_json::from_value(svc).unwrap()
+    };
+    services.create(&pp, &service("front", false)).await.unwrap();
+    services.create(&pp, &service("locked", true)).await.unwrap();
+    made(&b.aws, &world.cluster, "shop/front").await;
+    made(&b.aws, &world.cluster, "shop/locked").await;
+    // another cluster's load balancer for a Service of the same name
+    let other = crate::common::unique_cluster("e2e-release-other");
+    let v2 = aws_sdk_elasticloadbalancingv2::Client::new(&config);
+    let (subnets, _) = crate::common::default_subnets(&config).await;
+    let tag = |k: &str, v: &str| aws_sdk_elasticloadbalancingv2::types::Tag::builder().key(k).value(v).build();
+    let decoy = v2
+        .create_load_balancer()
+        .name(format!("k8s-shop-front-{}", &other[other.len() - 6..]))
+        .set_subnets(Some(subnets))
+        .tags(tag("elbv2.k8s.aws/cluster", &other))
+        .tags(tag("service.k8s.aws/stack", "shop/front"))
+        .send()
+        .await
+        .unwrap()
+        .load_balancers()[0]
+        .load_balancer_arn()
+        .unwrap()
+        .to_string();
+
+    // without consent: the stranded controller refuses the run, and the refusal names the flag
+    let run = teardown(&b, &world.cluster, Consent::DryRun, &[]).await;
+    assert_eq!(run.code, 3, "{}", run.dump());
+    assert!(run.report["error"].as_str().unwrap_or_default().contains("--release load-balancers"), "{}", run.dump());
+
+    // with consent, a load balancer with deletion protection refuses it, before any write
+    for consent in [Consent::DryRun, Consent::Yes] {
+        let run = teardown(&b, &world.cluster, consent, &["--release", "load-balancers"]).await;
+        assert_eq!(run.code, 3, "{consent:?}: {}", run.dump());
+        let refused = blockers_of(&run, "release");
+        assert_eq!(refused.len(), 1, "{}", run.dump());
+        assert_eq!(refused[0]["name"], "Service/shop/locked");
+        let reason = refused[0]["reason"].as_str().unwrap();
+        assert!(
+            reason.contains("its annotation turns deletion protection on") && reason.contains("in AWS"),
+            "{reason}"
+        );
+    }
+    assert_eq!(services.list(&Default::default()).await.unwrap().items.len(), 2, "a refused run deleted a Service");
+    assert_no_node_fenced(&b.client, &world).await;
+    // the annotation gone, the protection set on the load balancer alone still refuses
+    let unannotate = Patch::Merge(json!({"metadata": {"annotations": null}}));
+    services.patch("locked", &PatchParams::default(), &unannotate).await.unwrap();
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--release", "load-balancers"]).await;
+    assert_eq!(run.code, 3, "{}", run.dump());
+    let reason = blockers_of(&run, "release")[0]["reason"].as_str().unwrap().to_string();
+    assert!(!reason.contains("annotation") && reason.contains("has deletion protection on in AWS"), "{reason}");
+    // the user turns it off: a dry run plans the release of both, and changes nothing
+    let locked = karpenter_teardown::verify::load_balancing(&b.aws, &world.cluster)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|l| {
+            l.made_for == "service.k8s.aws/stack shop/locked" && l.kind == karpenter_teardown::aws::LbKind::LoadBalancer
+        })
+        .unwrap();
+    let off = aws_sdk_elasticloadbalancingv2::types::LoadBalancerAttribute::builder()
+        .key("deletion_protection.enabled")
+        .value("false")
+        .build();
+    v2.modify_load_balancer_attributes().load_balancer_arn(&locked.id).attributes(off).send().await.unwrap();
+    let dry = teardown(&b, &world.cluster, Consent::DryRun, &["--release", "load-balancers"]).await;
+    assert_eq!(dry.code, 0, "{}", dry.dump());
+    for name in ["front", "locked"] {
+        assert!(
+            dry.stdout
+                .contains(&format!("release: delete Service shop/{name} while the AWS Load Balancer Controller runs")),
+            "{}",
+            dry.dump()
+        );
+    }
+    assert_eq!(services.list(&Default::default()).await.unwrap().items.len(), 2, "a dry run deleted a Service");
+
+    let before = untouchable_nodes(&b.client, &world).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--release", "load-balancers"]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    // released first, while the controller ran (it is evicted by the drain, and only a running
+    // controller deletes in AWS and removes its finalizer)
+    let steps = run.report["steps"].as_array().unwrap();
+    assert_eq!(steps[0]["step"], "release", "{}", run.dump());
+    assert_eq!(steps[0]["result"], "done", "{}", run.dump());
+    let at = |r: &serde_json::Value, field: &str| humantime::parse_rfc3339_weak(r[field].as_str().unwrap()).unwrap();
+    let drains: Vec<&serde_json::Value> = steps.iter().filter(|r| r["step"] == "drain").collect();
+    assert_eq!(drains.len(), world.nodes.len(), "{}", run.dump());
+    assert!(drains.iter().all(|d| at(d, "started") >= at(&steps[0], "finished")), "{}", run.dump());
+    assert_eq!(services.list(&Default::default()).await.unwrap().items.len(), 0);
+    for stack in ["shop/front", "shop/locked"] {
+        assert_eq!(stack_in_aws(&b.aws, &world.cluster, stack).await, Vec::<String>::new());
+    }
+    assert_eq!(run.report["leftovers"]["load_balancing"].as_array().map(Vec::len), Some(0), "{}", run.dump());
+    assert_torn_down(&b, &world, &before).await;
+    // another cluster's load balancer of the same stack is untouched
+    let still = v2.describe_load_balancers().load_balancer_arns(&decoy).send().await.unwrap();
+    assert_eq!(still.load_balancers().len(), 1);
+    v2.delete_load_balancer().load_balancer_arn(&decoy).send().await.unwrap();
+    lbc.shutdown().await;
     b.server.shutdown().await;
 }

@@ -22,6 +22,7 @@ pub mod gitops_crds;
 pub mod iampolicy;
 pub mod karpenter;
 pub mod karpenter_crds;
+pub mod lbc;
 pub mod localstack;
 pub mod naming;
 pub mod objects;

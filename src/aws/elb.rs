@@ -1,0 +1,217 @@
+//! Elastic Load Balancing (ELBv2 and classic) and the security groups the cleanup controllers
+//! make: read for verification, each object judged this cluster's or not by
+//! [`crate::cleanup::judge_load_balancing`].
+
+use std::collections::BTreeMap;
+
+use super::AwsError;
+use super::ec2::Ec2;
+use crate::cleanup::{TAG_LBC_CLUSTER, judge_load_balancing};
+
+/// The most ARNs or names one `DescribeTags` takes (both APIs).
+const DESCRIBE_TAGS_MAX: usize = 20;
+/// The largest page `DescribeLoadBalancers` and `DescribeTargetGroups` return (both APIs).
+const DESCRIBE_PAGE: i32 = 400;
+
+/// A kind of load-balancing object in AWS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LbKind {
+    /// An ELBv2 load balancer (application, network, gateway).
+    LoadBalancer,
+    /// A classic load balancer.
+    ClassicLoadBalancer,
+    /// An ELBv2 target group.
+    TargetGroup,
+    /// An EC2 security group.
+    SecurityGroup,
+}
+
+/// A load balancer, target group or security group a cleanup controller made for this cluster.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct LoadBalancing {
+    /// What it is.
+    pub kind: LbKind,
+    /// Its ARN (ELBv2), name (classic) or `sg-…` id.
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// The controller that made it.
+    pub owner: String,
+    /// What it was made for (its stack tag, Service or load balancer).
+    pub made_for: String,
+}
+
+/// An object as read, before it is judged.
+struct Tagged {
+    id: String,
+    name: String,
+    tags: BTreeMap<String, String>,
+}
+
+fn judged(kind: LbKind, found: Vec<Tagged>, cluster: &str) -> Vec<LoadBalancing> {
+    let mut out: Vec<LoadBalancing> = found
+        .into_iter()
+        .filter_map(|t| {
+            judge_load_balancing(kind, &t.name, &t.tags, cluster).map(|(owner, made_for)| LoadBalancing {
+                kind,
+                id: t.id,
+                name: t.name,
+                owner: owner.to_string(),
+                made_for,
+            })
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The ELBv2 and classic ELB clients of one region.
+#[derive(Clone, Debug)]
+pub struct Elb {
+    v2: aws_sdk_elasticloadbalancingv2::Client,
+    classic: aws_sdk_elasticloadbalancing::Client,
+    endpoint: String,
+}
+
+impl Elb {
+    pub(crate) fn new(
+        v2: aws_sdk_elasticloadbalancingv2::Client,
+        classic: aws_sdk_elasticloadbalancing::Client,
+        endpoint: String,
+    ) -> Elb {
+        Elb { v2, classic, endpoint }
+    }
+
+    fn err<E, R>(&self, op: &'static str, e: aws_sdk_ec2::error::SdkError<E, R>) -> AwsError
+    where
+        E: aws_sdk_ec2::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+        R: std::fmt::Debug,
+    {
+        AwsError::from_sdk("elasticloadbalancing", op, &self.endpoint, e)
+    }
+
+    /// Tags of ELBv2 objects by ARN, 20 to a call.
+    async fn v2_tags(&self, arns: &[String]) -> Result<BTreeMap<String, BTreeMap<String, String>>, AwsError> {
+        let mut out = BTreeMap::new();
+        for chunk in arns.chunks(DESCRIBE_TAGS_MAX) {
+            let got = self
+                .v2
+                .describe_tags()
+                .set_resource_arns(Some(chunk.to_vec()))
+                .send()
+                .await
+                .map_err(|e| self.err("DescribeTags", e))?;
+            for d in got.tag_descriptions() {
+                let tags = d
+                    .tags()
+                    .iter()
+                    .map(|t| (t.key().unwrap_or_default().to_string(), t.value().unwrap_or_default().to_string()))
+                    .collect();
+                out.insert(d.resource_arn().unwrap_or_default().to_string(), tags);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn with_v2_tags(&self, named: Vec<(String, String)>) -> Result<Vec<Tagged>, AwsError> {
+        let arns: Vec<String> = named.iter().map(|(arn, _)| arn.clone()).collect();
+        let mut tags = self.v2_tags(&arns).await?;
+        Ok(named
+            .into_iter()
+            .map(|(id, name)| Tagged { tags: tags.remove(&id).unwrap_or_default(), id, name })
+            .collect())
+    }
+
+    /// This cluster's ELBv2 load balancers (every one of the region is read: ELBv2 cannot filter
+    /// by tag).
+    pub(crate) async fn load_balancers(&self, cluster: &str) -> Result<Vec<LoadBalancing>, AwsError> {
+        let mut pages = self.v2.describe_load_balancers().page_size(DESCRIBE_PAGE).into_paginator().send();
+        let mut named = Vec::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.err("DescribeLoadBalancers", e))?;
+            for lb in page.load_balancers() {
+                named.push((
+                    lb.load_balancer_arn().unwrap_or_default().to_string(),
+                    lb.load_balancer_name().unwrap_or_default().to_string(),
+                ));
+            }
+        }
+        Ok(judged(LbKind::LoadBalancer, self.with_v2_tags(named).await?, cluster))
+    }
+
+    /// This cluster's ELBv2 target groups.
+    pub(crate) async fn target_groups(&self, cluster: &str) -> Result<Vec<LoadBalancing>, AwsError> {
+        let mut pages = self.v2.describe_target_groups().page_size(DESCRIBE_PAGE).into_paginator().send();
+        let mut named = Vec::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.err("DescribeTargetGroups", e))?;
+            for tg in page.target_groups() {
+                named.push((
+                    tg.target_group_arn().unwrap_or_default().to_string(),
+                    tg.target_group_name().unwrap_or_default().to_string(),
+                ));
+            }
+        }
+        Ok(judged(LbKind::TargetGroup, self.with_v2_tags(named).await?, cluster))
+    }
+
+    /// Whether an ELBv2 load balancer has deletion protection on (`deletion_protection.enabled`).
+    /// One already gone has none.
+    pub(crate) async fn deletion_protection(&self, arn: &str) -> Result<bool, AwsError> {
+        match self.v2.describe_load_balancer_attributes().load_balancer_arn(arn).send().await {
+            Ok(out) => Ok(out
+                .attributes()
+                .iter()
+                .any(|a| a.key() == Some("deletion_protection.enabled") && a.value() == Some("true"))),
+            Err(e) => {
+                let e = self.err("DescribeLoadBalancerAttributes", e);
+                if e.code() == Some("LoadBalancerNotFound") { Ok(false) } else { Err(e) }
+            }
+        }
+    }
+
+    /// This cluster's classic load balancers.
+    pub(crate) async fn classic_load_balancers(&self, cluster: &str) -> Result<Vec<LoadBalancing>, AwsError> {
+        let mut pages = self.classic.describe_load_balancers().page_size(DESCRIBE_PAGE).into_paginator().send();
+        let mut names = Vec::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.err("DescribeLoadBalancers", e))?;
+            names.extend(
+                page.load_balancer_descriptions().iter().filter_map(|d| d.load_balancer_name()).map(str::to_string),
+            );
+        }
+        let mut found = Vec::new();
+        for chunk in names.chunks(DESCRIBE_TAGS_MAX) {
+            let got = self
+                .classic
+                .describe_tags()
+                .set_load_balancer_names(Some(chunk.to_vec()))
+                .send()
+                .await
+                .map_err(|e| self.err("DescribeTags", e))?;
+            for d in got.tag_descriptions() {
+                let name = d.load_balancer_name().unwrap_or_default().to_string();
+                let tags =
+                    d.tags().iter().map(|t| (t.key().to_string(), t.value().unwrap_or_default().to_string())).collect();
+                found.push(Tagged { id: name.clone(), name, tags });
+            }
+        }
+        Ok(judged(LbKind::ClassicLoadBalancer, found, cluster))
+    }
+}
+
+impl Ec2 {
+    /// This cluster's cleanup controllers' security groups: EC2 narrows them to those tagged
+    /// with the cluster by either controller, [`judge_load_balancing`] decides.
+    pub(crate) async fn load_balancing_security_groups(&self, cluster: &str) -> Result<Vec<LoadBalancing>, AwsError> {
+        let mut found: BTreeMap<String, Tagged> = BTreeMap::new();
+        let key = crate::karpenter::cluster_tag_key(cluster);
+        for (tag, value) in [(TAG_LBC_CLUSTER, cluster), (key.as_str(), "owned")] {
+            for (id, name, tags) in self.security_groups_tagged(tag, value).await? {
+                found.insert(id.clone(), Tagged { id, name, tags });
+            }
+        }
+        Ok(judged(LbKind::SecurityGroup, found.into_values().collect(), cluster))
+    }
+}
