@@ -86,6 +86,8 @@ const FINALIZER_INGRESS_GROUP: &str = "group.ingress.k8s.aws/";
 pub(crate) const FINALIZER_TARGET_GROUP_BINDING: &str = "elbv2.k8s.aws/resources";
 /// csi-provisioner's on a PersistentVolume it will delete.
 pub(crate) const FINALIZER_PROVISIONER: &str = "external-provisioner.volume.kubernetes.io/finalizer";
+/// The EBS CSI driver's name, a PersistentVolume's `spec.csi.driver`.
+pub(crate) const EBS_CSI_DRIVER: &str = "ebs.csi.aws.com";
 /// csi-attacher's on a VolumeAttachment of the EBS driver.
 pub(crate) const FINALIZER_EBS_ATTACHER: &str = "external-attacher/ebs-csi-aws-com";
 
@@ -225,7 +227,7 @@ pub(crate) fn cleaner_of(
         }
         ("TargetGroupBinding", FINALIZER_TARGET_GROUP_BINDING) => Some(Cleaner::LoadBalancerController),
         ("PersistentVolume", FINALIZER_PROVISIONER) if reclaim == Some("Delete") => match csi_driver {
-            Some("ebs.csi.aws.com") => Some(Cleaner::EbsCsi),
+            Some(EBS_CSI_DRIVER) => Some(Cleaner::EbsCsi),
             Some("efs.csi.aws.com") => Some(Cleaner::EfsCsi),
             _ => None,
         },

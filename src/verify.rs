@@ -59,6 +59,16 @@ impl Leftovers {
         .describe()
     }
 
+    /// Adds volumes found by id to those found by tag, once each.
+    pub(crate) fn add_volumes(&mut self, found: Vec<DetachedResource>) {
+        for v in found {
+            match self.volumes.iter_mut().find(|known| known.id == v.id) {
+                Some(known) => known.reason = known.reason.take().or(v.reason),
+                None => self.volumes.push(v),
+            }
+        }
+    }
+
     /// One line per kind with the ids, for the human summary.
     pub(crate) fn describe(&self) -> Vec<String> {
         let mut out = Vec::new();

@@ -506,6 +506,39 @@ impl Ec2 {
 }
 
 impl Ec2 {
+    /// Which of `volumes` (volume id, the PersistentVolume it was for) EC2 still has, in any
+    /// state: a volume the EBS CSI driver was to delete with its PV, read by the id the run found
+    /// on the PV (the driver tags a volume with its cluster only when told to).
+    pub(crate) async fn volumes_of_volume_claims(
+        &self,
+        volumes: &BTreeMap<String, String>,
+    ) -> Result<Vec<DetachedResource>, AwsError> {
+        let ids: Vec<String> = volumes.keys().cloned().collect();
+        let mut out = Vec::new();
+        for chunk in ids.chunks(FILTER_VALUES_MAX) {
+            let mut pages = self
+                .client
+                .describe_volumes()
+                .filters(Filter::builder().name("volume-id").set_values(Some(chunk.to_vec())).build())
+                .max_results(DESCRIBE_VOLUMES_PAGE)
+                .into_paginator()
+                .send();
+            while let Some(page) = pages.next().await {
+                let page = page.map_err(|e| self.err("DescribeVolumes", e))?;
+                for v in page.volumes() {
+                    let id = v.volume_id().unwrap_or_default().to_string();
+                    let pv = volumes.get(&id).cloned().unwrap_or_default();
+                    out.push(DetachedResource {
+                        status: v.state().map(|s| s.as_str().to_string()).unwrap_or_default(),
+                        reason: Some(format!("the EBS volume of PersistentVolume {pv} (reclaim policy Delete), still in EC2: the EBS CSI controller deletes it with the PV, if it runs then")),
+                        id,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The security groups tagged `key=value`, each as (id, name, tags), all pages.
     pub(crate) async fn security_groups_tagged(
         &self,

@@ -836,6 +836,7 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
         // what was just terminated must have had its time to show, whatever the controller did
         left = verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle, None).await?;
     }
+    left.add_volumes(ctx.aws.ec2.volumes_of_volume_claims(&ctx.volumes).await?);
     left.objects = Inventory::read_objects(&ctx.kube.client).await?.object_names();
     let clean = left.is_clean();
     let lines = left.describe();

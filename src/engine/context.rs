@@ -61,6 +61,9 @@ pub struct Ctx {
     /// Instance profiles the inventory's EC2NodeClasses name in `spec.instanceProfile`: the
     /// user's, never reported or deleted.
     pub user_instance_profiles: BTreeSet<String>,
+    /// The EBS volumes of the cluster's PersistentVolumes as the run found them (volume id, PV
+    /// name): verification reports those still in EC2.
+    pub volumes: std::collections::BTreeMap<String, String>,
     /// Set on Ctrl-C / SIGTERM: stop starting work, finish or abandon in-flight work safely.
     pub cancel: CancellationToken,
     /// Where the run's typed events go (the live view, the interrupt handler).

@@ -145,6 +145,8 @@ pub(crate) struct CleanupVerdict {
     pub(crate) refused: Option<Refused>,
     /// What `--release` deletes before the drain.
     pub(crate) release: Vec<crate::cleanup::Held>,
+    /// The EBS volumes of the cluster's PersistentVolumes, by id, each with its PV's name.
+    pub(crate) volumes: std::collections::BTreeMap<String, String>,
 }
 
 /// Finds the controllers that clean up in AWS behind finalizers (load balancers, volumes) and
@@ -166,7 +168,7 @@ pub(crate) async fn cleanup_verdict(
     let nodes: Vec<String> = karpenter_nodes.into_iter().collect();
     let verdicts = crate::cleanup::survey(&seen.held, &seen.running, &nodes, &seen.other_nodes);
     let covered = |c: crate::cleanup::Cleaner| release.iter().any(|r| r.covers(c));
-    let mut out = CleanupVerdict::default();
+    let mut out = CleanupVerdict { volumes: seen.volumes, ..CleanupVerdict::default() };
     let mut idle = Vec::new();
     for v in &verdicts {
         plan_text.push_str(&v.plan_line());
@@ -314,7 +316,7 @@ impl Launch<'_> {
     /// Pauses the GitOps owners, then runs the task graph with its watches and batcher.
     async fn run(self, prepared: phases::Prepared, learnt: &mut Learnt) -> Ended {
         let Launch { kube, aws, settings, started, cancel, events } = self;
-        let phases::Prepared { inv, graph, owners, release } = prepared;
+        let phases::Prepared { inv, graph, owners, release, volumes } = prepared;
         // owners already paused count too: a sync or reconcile they started may still be applying
         if !learnt.gitops.owners.is_empty() {
             let (record, stop) = pause_gitops(&kube, &owners, &mut learnt.gitops).await;
@@ -398,6 +400,7 @@ impl Launch<'_> {
             inventoried: inv.machines.keys().cloned().collect(),
             foreign_pools: inv.foreign_pools(),
             user_instance_profiles: inv.user_instance_profiles.clone(),
+            volumes,
             cancel,
             events: task_events,
             controller_gone_at: std::sync::OnceLock::new(),

@@ -2,7 +2,7 @@
 //! [`Stop`]; [`conclude`] is the one place where how a run ended becomes its exit status, its
 //! error and what its report shows, whichever phase it ended in.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use super::admission;
@@ -356,7 +356,7 @@ pub(crate) async fn gitops(
 /// [`super::admission_verdict`] and [`super::cleanup_verdict`] for a run: before anything is
 /// changed (also in a dry run), a refusal or a failure to ask ends the run here; returns what
 /// `--release` deletes, its load balancers checked for deletion protection
-/// ([`super::protected`]).
+/// ([`super::protected`]), and the EBS volumes of the cluster's PersistentVolumes.
 pub(crate) async fn admission(
     kube: &Kube,
     aws: &AwsClients,
@@ -365,7 +365,7 @@ pub(crate) async fn admission(
     need: &BTreeSet<KubePermission>,
     owners: &crate::k8s::gitops::Owners,
     learnt: &mut Learnt,
-) -> Result<Vec<crate::cleanup::Held>, Stop> {
+) -> Result<(Vec<crate::cleanup::Held>, BTreeMap<String, String>), Stop> {
     // the owners a run with --pause-gitops pauses (a dry run predicts that run)
     let pausing = settings
         .gitops
@@ -384,7 +384,7 @@ pub(crate) async fn admission(
     }
     match super::protected(aws, &settings.cluster, &verdict.release).await {
         Ok(Some(refused)) => Err(refused.into()),
-        Ok(None) => Ok(verdict.release),
+        Ok(None) => Ok((verdict.release, verdict.volumes)),
         Err(e) => Err(Stop::of(&e, e.is_configuration())),
     }
 }
@@ -396,6 +396,8 @@ pub(crate) struct Prepared {
     pub(crate) owners: crate::k8s::gitops::Owners,
     /// What `--release` deletes before the graph.
     pub(crate) release: Vec<crate::cleanup::Held>,
+    /// The EBS volumes of the cluster's PersistentVolumes, by id, each with its PV's name.
+    pub(crate) volumes: BTreeMap<String, String>,
 }
 
 /// Runs the phases that only read, in order; the first that stops ends the run here, before a
@@ -422,9 +424,9 @@ pub(crate) async fn prepare(
     }
     permissions(kube, aws, settings, &inv, &asked).await.map_err(|s| (Phase::Permissions, s))?;
     let owners = gitops(kube, settings, &inv, learnt).await.map_err(|s| (Phase::Gitops, s))?;
-    let release =
+    let (release, volumes) =
         admission(kube, aws, settings, &inv, &need, &owners, learnt).await.map_err(|s| (Phase::Admission, s))?;
-    Ok(Prepared { inv, graph, owners, release })
+    Ok(Prepared { inv, graph, owners, release, volumes })
 }
 
 #[cfg(test)]

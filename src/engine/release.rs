@@ -89,12 +89,11 @@ async fn run(
         tracing::warn!(object = %format!("{}/{}", h.kind, h.name), "deleted; its controller deletes what it made in AWS, then its finalizer");
     }
     loop {
-        let mut gone = BTreeSet::new();
-        for h in release {
-            if crate::k8s::retry_transient(|| crate::k8s::cleanup::gone(&kube.client, h)).await.map_err(Stop::failed)? {
-                gone.insert(format!("{}/{}", h.kind, h.name));
-            }
-        }
+        let there = crate::k8s::retry_transient(|| crate::k8s::cleanup::still_there(&kube.client, release))
+            .await
+            .map_err(Stop::failed)?;
+        let gone: BTreeSet<String> =
+            release.iter().map(|h| format!("{}/{}", h.kind, h.name)).filter(|o| !there.contains(o)).collect();
         let found =
             crate::verify::load_balancing(aws, cluster).await.map_err(|e| Stop::of(&e, e.is_configuration()))?;
         let left = pending(release, &gone, &found);

@@ -22,6 +22,10 @@ pub(crate) struct Seen {
     pub(crate) running: BTreeMap<Cleaner, Running>,
     /// Every node the run keeps (not a Karpenter node).
     pub(crate) other_nodes: Vec<Node>,
+    /// The EBS volumes of the PersistentVolumes the EBS CSI driver deletes (reclaim policy
+    /// `Delete`), by volume id, each with its PV's name: verification reads them by id, since the
+    /// driver tags a volume with its cluster only when told to.
+    pub(crate) volumes: BTreeMap<String, String>,
 }
 
 /// A list of every object of a kind, keeping what `keep` makes of each; a kind the server does
@@ -75,19 +79,28 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
     });
     let volumes = all(Api::<PersistentVolume>::all(client.clone()), "persistentvolumes", |pv| {
         let spec = pv.spec.as_ref();
-        let driver = spec.and_then(|s| s.csi.as_ref()).map(|c| c.driver.clone());
+        let csi = spec.and_then(|s| s.csi.as_ref());
+        let driver = csi.map(|c| c.driver.clone());
         let reclaim = spec.and_then(|s| s.persistent_volume_reclaim_policy.clone());
-        Some(held_by("PersistentVolume", &pv.metadata, driver.as_deref(), reclaim.as_deref()))
+        let ebs = (driver.as_deref() == Some(crate::cleanup::EBS_CSI_DRIVER) && reclaim.as_deref() == Some("Delete"))
+            .then(|| csi.map(|c| (c.volume_handle.clone(), pv.metadata.name.clone().unwrap_or_default())))
+            .flatten();
+        Some((held_by("PersistentVolume", &pv.metadata, driver.as_deref(), reclaim.as_deref()), ebs))
     });
     let attachments = all(Api::<VolumeAttachment>::all(client.clone()), "volumeattachments", |va| {
         Some(held_by("VolumeAttachment", &va.metadata, None, None))
     });
     let (s, i, b, v, a) = futures::try_join!(services, ingresses, bindings, volumes, attachments)?;
-    for found in [s, i, b, v, a] {
+    let mut ebs_volumes = BTreeMap::new();
+    for (h, ebs) in v {
+        held.extend(h);
+        ebs_volumes.extend(ebs);
+    }
+    for found in [s, i, b, a] {
         held.extend(found.into_iter().flatten());
     }
     if held.is_empty() {
-        return Ok(Seen::default());
+        return Ok(Seen { volumes: ebs_volumes, ..Seen::default() });
     }
     let mut running = BTreeMap::new();
     let wanted: BTreeSet<Cleaner> = held.iter().map(|h| h.cleaner).collect();
@@ -110,7 +123,7 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
         .map_err(|e| KubeError::api("list the nodes the run keeps", e))?;
         other_nodes.extend(kept);
     }
-    Ok(Seen { held, running, other_nodes })
+    Ok(Seen { held, running, other_nodes, volumes: ebs_volumes })
 }
 
 /// The pods of a cleaner: those of the Deployments its chart labels, and the holder of its
@@ -161,9 +174,9 @@ async fn pods_of(client: &kube::Client, cleaner: Cleaner) -> Result<Vec<Pod>, Ku
     Ok(pods.into_values().filter(|p| p.metadata.deletion_timestamp.is_none()).collect())
 }
 
-/// The API of a held object's kind, in its namespace, and its name.
-fn api_of(client: &kube::Client, held: &Held) -> (Api<DynamicObject>, String) {
-    let resource = match held.kind {
+/// The API resource of a held object's kind.
+fn resource_of(kind: &str) -> ApiResource {
+    match kind {
         "Service" => ApiResource::erase::<Service>(&()),
         "Ingress" => ApiResource::erase::<Ingress>(&()),
         "PersistentVolume" => ApiResource::erase::<PersistentVolume>(&()),
@@ -172,7 +185,12 @@ fn api_of(client: &kube::Client, held: &Held) -> (Api<DynamicObject>, String) {
             &GroupVersionKind::gvk("elbv2.k8s.aws", "v1beta1", "TargetGroupBinding"),
             "targetgroupbindings",
         ),
-    };
+    }
+}
+
+/// The API of a held object's kind, in its namespace, and its name.
+fn api_of(client: &kube::Client, held: &Held) -> (Api<DynamicObject>, String) {
+    let resource = resource_of(held.kind);
     match held.name.split_once('/') {
         Some((ns, name)) => (Api::namespaced_with(client.clone(), ns, &resource), name.to_string()),
         None => (Api::all_with(client.clone(), &resource), held.name.clone()),
@@ -190,11 +208,23 @@ pub(crate) async fn delete(client: &kube::Client, held: &Held) -> Result<(), Kub
     }
 }
 
-/// True once a held object is gone from the API.
-pub(crate) async fn gone(client: &kube::Client, held: &Held) -> Result<bool, KubeError> {
-    let (api, name) = api_of(client, held);
-    api.get_opt(&name)
+/// Which of `held` are still in the API, as `Kind/namespace/name`: one list per kind, however
+/// many objects are waited for.
+pub(crate) async fn still_there(client: &kube::Client, held: &[Held]) -> Result<BTreeSet<String>, KubeError> {
+    let mut there = BTreeSet::new();
+    let kinds: BTreeSet<&'static str> = held.iter().map(|h| h.kind).collect();
+    for kind in kinds {
+        let all: Api<DynamicObject> = Api::all_with(client.clone(), &resource_of(kind));
+        let names = list_pages(&all, &ListParams::default(), |o: DynamicObject| {
+            let name = o.metadata.name.clone().unwrap_or_default();
+            Some(match &o.metadata.namespace {
+                Some(ns) => format!("{kind}/{ns}/{name}"),
+                None => format!("{kind}/{name}"),
+            })
+        })
         .await
-        .map(|o| o.is_none())
-        .map_err(|e| KubeError::api(format!("read {} {}", held.kind, held.name), e))
+        .map_err(|e| KubeError::api(format!("list the {kind}s released"), e))?;
+        there.extend(names);
+    }
+    Ok(there)
 }

@@ -88,10 +88,23 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     }))
     .unwrap();
     ingresses.create(&pp, &ing).await.unwrap();
+    // the PV's volume in EC2, tagged as the EBS CSI driver tags it without --k8s-tag-cluster-id
+    // (its chart's default): nothing on it names the cluster; and another one so tagged
+    let volume = |pv: &str| {
+        use aws_sdk_ec2::types::{ResourceType, Tag, TagSpecification};
+        let tags = TagSpecification::builder()
+            .resource_type(ResourceType::Volume)
+            .tags(Tag::builder().key("ebs.csi.aws.com/cluster").value("true").build())
+            .tags(Tag::builder().key("CSIVolumeName").value(pv).build())
+            .build();
+        p.ec2.create_volume().availability_zone("us-west-2a").size(1).tag_specifications(tags).send()
+    };
+    let ours = volume("data-0").await.unwrap().volume_id().unwrap().to_string();
+    let theirs = volume("data-0").await.unwrap().volume_id().unwrap().to_string();
     let pv: PersistentVolume = serde_json::from_value(json!({
         "metadata": {"name": "data-0", "finalizers": ["external-provisioner.volume.kubernetes.io/finalizer"]},
         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Delete",
-                 "csi": {"driver": "ebs.csi.aws.com", "volumeHandle": "vol-0123456789abcdef0"}},
+                 "csi": {"driver": "ebs.csi.aws.com", "volumeHandle": ours}},
     }))
     .unwrap();
     Api::<PersistentVolume>::all(p.admin.clone()).create(&pp, &pv).await.unwrap();
@@ -143,6 +156,17 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     let clean = teardown(&p, true).await;
     assert_eq!(clean.code, 0, "{}", clean.dump());
     p.assert_torn_down(&p.instances).await;
+    // the PV's volume, still in EC2, is reported by the id the run read on the PV (not counted:
+    // the tool never deletes a volume); the other, tagged the same, is not this cluster's
+    let volumes = clean.report["leftovers"]["volumes"].as_array().unwrap();
+    assert_eq!(volumes.len(), 1, "{}", clean.dump());
+    assert_eq!(volumes[0]["id"], ours.as_str());
+    assert_eq!(volumes[0]["status"], "available");
+    assert!(volumes[0]["reason"].as_str().unwrap().contains("PersistentVolume data-0"), "{}", clean.dump());
+    assert!(!clean.stdout.contains(&theirs), "{}", clean.dump());
+    for id in [&ours, &theirs] {
+        p.ec2.delete_volume().volume_id(id).send().await.unwrap();
+    }
     eprintln!("cleanup cases took {:?}", t.elapsed());
     p.end().await;
 }

@@ -86,6 +86,15 @@ async fn a_load_balancer_controller_only_on_karpenter_nodes_refuses_the_run_befo
         assert_eq!(stranded[0]["name"], "Service/shop/front");
     }
     assert_no_node_fenced(&b.client, &world).await;
+    // --release without deploy/rbac-release.yaml: refused before any write, naming what is missing
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--release", "load-balancers"]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    let error = run.report["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("delete services (core)") && error.contains("delete ingresses (networking.k8s.io)"),
+        "{error}"
+    );
+    assert_no_node_fenced(&b.client, &world).await;
 
     // a second replica on the managed node group keeps it running through the drain
     pods.create(&pp, &controller_pod("lbc-1", &world.managed_nodes[0].node, false)).await.unwrap();
@@ -135,6 +144,19 @@ async fn a_controller_that_fits_eks_auto_modes_nodes_is_not_stranded() {
     b.server.shutdown().await;
 }
 
+/// A bed whose tool identity holds `deploy/rbac.yaml` and `deploy/rbac-release.yaml`.
+async fn release_bed(cluster: &str) -> crate::common::e2e::Bed {
+    let mut rbac = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml")).unwrap();
+    rbac.push_str("---\n");
+    rbac.push_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml")).unwrap());
+    let opts = sandbox_apiserver::ServerOptions {
+        time_scale: 0.01,
+        rbac: Some(sandbox_apiserver::authz::Rbac::from_yaml(&rbac).unwrap()),
+        ..Default::default()
+    };
+    bed_with(cluster, opts).await
+}
+
 /// What the stand-in Load Balancer Controller made in AWS for `stack` (`<ns>/<name>`) of
 /// `cluster`, as verification reads it.
 async fn stack_in_aws(aws: &karpenter_teardown::aws::AwsClients, cluster: &str, stack: &str) -> Vec<String> {
@@ -163,15 +185,7 @@ async fn made(aws: &karpenter_teardown::aws::AwsClients, cluster: &str, stack: &
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_consent_load_balancers_are_released_before_the_drain_and_verification_is_clean() {
     let s = small_world("e2e-release-lbc", 3);
-    let mut rbac = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml")).unwrap();
-    rbac.push_str("---\n");
-    rbac.push_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml")).unwrap());
-    let opts = sandbox_apiserver::ServerOptions {
-        time_scale: 0.01,
-        rbac: Some(sandbox_apiserver::authz::Rbac::from_yaml(&rbac).unwrap()),
-        ..Default::default()
-    };
-    let b = bed_with(&s.cluster, opts).await;
+    let b = release_bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     scale_controller(&b.client, 0).await;
     let pp = PostParams::default();
@@ -296,5 +310,29 @@ async fn with_consent_load_balancers_are_released_before_the_drain_and_verificat
     assert_eq!(still.load_balancers().len(), 1);
     v2.delete_load_balancer().load_balancer_arn(&decoy).send().await.unwrap();
     lbc.shutdown().await;
+    b.server.shutdown().await;
+}
+
+/// `--release` deletes objects only while their controller runs to finish them: with no pod of
+/// the Load Balancer Controller, a Service it holds could only hang in deletion, so the run is
+/// refused before any write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_whose_controller_does_not_run_is_refused() {
+    let s = small_world("e2e-release-idle", 2);
+    let b = release_bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    lbc_deployment(&b.client).await;
+    held_service(&b.client).await;
+    for consent in [Consent::DryRun, Consent::Yes] {
+        let run = teardown(&b, &world.cluster, consent, &["--release", "load-balancers"]).await;
+        assert_eq!(run.code, 3, "{consent:?}: {}", run.dump());
+        let refused = blockers_of(&run, "release");
+        assert_eq!(refused.len(), 1, "{}", run.dump());
+        assert_eq!(refused[0]["name"], "Service/shop/front");
+        assert!(refused[0]["reason"].as_str().unwrap().contains("no pod of the AWS Load Balancer Controller runs"));
+    }
+    let services: Api<Service> = Api::namespaced(b.client.clone(), "shop");
+    assert!(services.get("front").await.unwrap().metadata.deletion_timestamp.is_none(), "a refused run deleted it");
+    assert_no_node_fenced(&b.client, &world).await;
     b.server.shutdown().await;
 }
