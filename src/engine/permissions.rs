@@ -201,10 +201,6 @@ pub enum Ec2Need {
     DeleteLaunchTemplate,
     /// `ec2:DeleteNetworkInterface` (`--reclaim`: detached interfaces of the cluster's nodes).
     DeleteNetworkInterface,
-    /// The reads of what the cleanup controllers left (verify): `elasticloadbalancing:Describe*`
-    /// and `ec2:DescribeSecurityGroups`. Not a write, but a verification that fails on them
-    /// fails after the run has changed everything, so they are tried before.
-    ReadLoadBalancing,
 }
 
 /// The mutating EC2 calls a run of `plan` makes. (IAM's calls have no `DryRun`; they are covered
@@ -229,14 +225,6 @@ pub fn ec2_needs(plan: &Plan, reclaim: bool) -> BTreeSet<Ec2Need> {
             }
             _ => {}
         }
-    }
-    // a plan that only reads fails its verification before it has changed anything: no need
-    // to read twice
-    let verifies = plan.steps().iter().any(|s| s.action == Action::Verify);
-    if verifies
-        && (!need.is_empty() || plan.steps().iter().any(|s| !matches!(s.action, Action::Preflight | Action::Verify)))
-    {
-        need.insert(Ec2Need::ReadLoadBalancing);
     }
     need
 }
@@ -327,24 +315,6 @@ pub async fn missing_ec2(
                 Some(ni) => ("ec2:DeleteNetworkInterface", aws.ec2.delete_network_interface_dry_run(&ni.id).await?),
                 None => continue,
             },
-            Ec2Need::ReadLoadBalancing => match crate::verify::load_balancing(aws, cluster).await {
-                Ok(_) => continue,
-                Err(e) if e.is_access_denied() => {
-                    tracing::warn!(error = %e, "the reads of verification are refused");
-                    missing.push(match e.action().as_deref() {
-                        Some("elasticloadbalancing:DescribeLoadBalancers") => {
-                            "elasticloadbalancing:DescribeLoadBalancers"
-                        }
-                        Some("elasticloadbalancing:DescribeTargetGroups") => {
-                            "elasticloadbalancing:DescribeTargetGroups"
-                        }
-                        Some("elasticloadbalancing:DescribeTags") => "elasticloadbalancing:DescribeTags",
-                        _ => "ec2:DescribeSecurityGroups",
-                    });
-                    continue;
-                }
-                Err(e) => return Err(e),
-            },
             Ec2Need::TerminateInstances => continue,
         };
         match answer {
@@ -385,23 +355,14 @@ mod tests {
     #[test]
     fn ec2_calls_follow_the_plan_and_reclaim() {
         let plan = Plan::builtin_default();
-        assert_eq!(
-            ec2_needs(&plan, false),
-            [Ec2Need::TerminateInstances, Ec2Need::DeleteLaunchTemplate, Ec2Need::ReadLoadBalancing].into()
-        );
+        assert_eq!(ec2_needs(&plan, false), [Ec2Need::TerminateInstances, Ec2Need::DeleteLaunchTemplate].into());
         let text = "version = 1\nname = \"p\"\n[[step]]\nid = \"preflight\"\naction = \"preflight\"\n[[step]]\nid = \"verify\"\naction = \"verify\"\nafter = [\"preflight\"]\n";
         let verify_only = Plan::from_str(text, "test").unwrap();
         assert!(ec2_needs(&verify_only, false).is_empty());
         assert_eq!(
             ec2_needs(&verify_only, true),
-            [
-                Ec2Need::TerminateInstances,
-                Ec2Need::DeleteLaunchTemplate,
-                Ec2Need::DeleteNetworkInterface,
-                Ec2Need::ReadLoadBalancing
-            ]
-            .into(),
-            "--reclaim may delete detached interfaces: their permission is asked too, and the reads before them"
+            [Ec2Need::TerminateInstances, Ec2Need::DeleteLaunchTemplate, Ec2Need::DeleteNetworkInterface,].into(),
+            "--reclaim may delete detached interfaces: their permission is asked too"
         );
     }
 
