@@ -211,6 +211,13 @@ pub(crate) fn stack_of(held: &Held) -> Option<String> {
     }
 }
 
+impl Held {
+    /// `Kind/namespace/name` (or `Kind/name`): how blockers and the release name it.
+    pub(crate) fn object(&self) -> String {
+        format!("{}/{}", self.kind, self.name)
+    }
+}
+
 /// Which cleaner a finalizer of an object of `kind` belongs to. `csi_driver` is a
 /// PersistentVolume's `spec.csi.driver`; `reclaim` its reclaim policy (only `Delete` makes
 /// the driver delete a volume in AWS).
@@ -284,7 +291,7 @@ impl Verdict {
             .iter()
             .map(|h| {
                 (
-                    format!("{}/{}", h.kind, h.name),
+                    h.object(),
                     format!(
                         "{} {} is held by finalizer {} until {} has deleted its {} in AWS; {} runs only on Karpenter nodes ({}), so the drain would leave it nowhere to run and the object could never be deleted (removing the finalizer by hand leaks the AWS objects)",
                         h.kind,

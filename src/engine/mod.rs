@@ -204,7 +204,7 @@ pub(crate) async fn cleanup_verdict(
             .flat_map(|v| v.held.iter().map(move |h| (v.cleaner, h)))
             .map(|(c, h)| Blocker {
                 kind: BlockerKind::Release,
-                name: format!("{}/{}", h.kind, h.name),
+                name: h.object(),
                 reason: format!(
                     "held by {} until {c} deletes what it made in AWS, and no pod of {c} runs",
                     h.finalizer
@@ -265,7 +265,7 @@ pub(crate) async fn protected(
         if !why.is_empty() {
             blockers.push(Blocker {
                 kind: BlockerKind::Release,
-                name: format!("{}/{}", h.kind, h.name),
+                name: h.object(),
                 reason: format!("{}: deleting it would leave it held by {} for ever", why.join("; "), h.finalizer),
             });
         }

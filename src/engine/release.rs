@@ -36,7 +36,7 @@ pub(crate) fn pending(release: &[Held], gone: &BTreeSet<String>, found: &[crate:
     release
         .iter()
         .filter_map(|h| {
-            let object = format!("{}/{}", h.kind, h.name);
+            let object = h.object();
             let stack = stack_of(h);
             let in_aws: Vec<String> =
                 found.iter().filter(|l| Some(&l.made_for) == stack.as_ref()).map(|l| l.name.clone()).collect();
@@ -57,8 +57,7 @@ pub(crate) async fn release(
     cancel: &CancellationToken,
 ) -> (StepRecord, Option<Stop>) {
     let started = SystemTime::now();
-    let clock = Instant::now();
-    let (detail, stop) = match run(kube, aws, cluster, release, deadline, cancel, clock).await {
+    let (detail, stop) = match run(kube, aws, cluster, release, deadline, cancel).await {
         Ok(()) => (
             format!(
                 "released {} object(s) while their controllers ran; they and their load balancers, target groups and security groups are gone",
@@ -78,22 +77,21 @@ async fn run(
     release: &[Held],
     deadline: Duration,
     cancel: &CancellationToken,
-    clock: Instant,
 ) -> Result<(), Stop> {
+    let clock = Instant::now();
     for h in release {
-        let span = tracing::info_span!("task", step = "release", object = %format!("{}/{}", h.kind, h.name));
+        let span = tracing::info_span!("task", step = "release", object = %h.object());
         crate::k8s::retry_transient(|| crate::k8s::cleanup::delete(&kube.client, h))
             .instrument(span)
             .await
             .map_err(Stop::failed)?;
-        tracing::warn!(object = %format!("{}/{}", h.kind, h.name), "deleted; its controller deletes what it made in AWS, then its finalizer");
+        tracing::warn!(object = %h.object(), "deleted; its controller deletes what it made in AWS, then its finalizer");
     }
     loop {
         let there = crate::k8s::retry_transient(|| crate::k8s::cleanup::still_there(&kube.client, release))
             .await
             .map_err(Stop::failed)?;
-        let gone: BTreeSet<String> =
-            release.iter().map(|h| format!("{}/{}", h.kind, h.name)).filter(|o| !there.contains(o)).collect();
+        let gone: BTreeSet<String> = release.iter().map(|h| h.object()).filter(|o| !there.contains(o)).collect();
         let found =
             crate::verify::load_balancing(aws, cluster).await.map_err(|e| Stop::of(&e, e.is_configuration()))?;
         let left = pending(release, &gone, &found);
