@@ -172,6 +172,10 @@ pub enum Release {
     /// The Services, Ingresses and TargetGroupBindings the Load Balancer Controller holds, and
     /// so their load balancers, target groups and security groups.
     LoadBalancers,
+    /// The PersistentVolumes the EBS CSI controller deletes (reclaim policy `Delete`): the
+    /// StatefulSets whose pods use their claims are scaled to zero and the claims deleted, so
+    /// the controller deletes the volumes in EC2 and then the PVs.
+    Volumes,
 }
 
 impl Release {
@@ -179,8 +183,111 @@ impl Release {
     pub(crate) fn covers(self, cleaner: Cleaner) -> bool {
         match self {
             Release::LoadBalancers => cleaner == Cleaner::LoadBalancerController,
+            Release::Volumes => cleaner == Cleaner::EbsCsi,
         }
     }
+}
+
+/// A pod that mounts a claim, and what owns it (`Kind/name`), as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ClaimUser {
+    /// `namespace/name`.
+    pub(crate) pod: String,
+    /// Its controlling owner, `Kind/name` (the owner is in the pod's namespace).
+    pub(crate) owner: Option<String>,
+}
+
+/// What the EBS CSI driver's PersistentVolumes are bound to and attached as, as read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct VolumeFacts {
+    /// Each EBS PV with reclaim policy `Delete`: its claim (`namespace/name`), if bound to one.
+    pub(crate) claims: BTreeMap<String, Option<String>>,
+    /// Each PV's EBS volume id.
+    pub(crate) volume_ids: BTreeMap<String, String>,
+    /// Each VolumeAttachment the EBS driver's attacher holds: the PV it attaches.
+    pub(crate) attached: BTreeMap<String, String>,
+}
+
+/// How `--release volumes` releases the EBS CSI controller's volumes: what it scales to zero,
+/// what it deletes and what it then waits for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct VolumeRelease {
+    /// The StatefulSets (`namespace/name`) whose pods mount a released claim: scaled to zero
+    /// first, since a StatefulSet makes its pod's claim again for as long as it wants the pod.
+    pub(crate) statefulsets: std::collections::BTreeSet<String>,
+    /// The claims deleted (`namespace/name`); the PV controller then releases their PVs.
+    pub(crate) claims: std::collections::BTreeSet<String>,
+    /// The PVs waited for, each with its EBS volume id: the controller deletes the volume in EC2
+    /// and then the PV.
+    pub(crate) volumes: BTreeMap<String, String>,
+}
+
+/// How the EBS CSI controller's objects in `held` are released, or why some cannot be (each
+/// `(object, reason)`), from what was read. A claim mounted by a pod that no StatefulSet owns
+/// is refused: the release stops only StatefulSets, and deleting the claim under another
+/// workload leaves it terminating until that workload stops by other means. A PV bound to no
+/// claim is refused: no claim's deletion would release it. A VolumeAttachment is waited for
+/// when its PV is released (the attach-detach controller deletes it when the pod goes, and the
+/// attacher detaches the volume); one of another PV is refused only when the drain `stranded`
+/// the controller (otherwise the controller stays to detach it). Pure.
+pub(crate) fn plan_volume_release(
+    held: &[Held],
+    facts: &VolumeFacts,
+    users: &BTreeMap<String, Vec<ClaimUser>>,
+    stranded: bool,
+) -> (VolumeRelease, Vec<(String, String)>) {
+    let mut out = VolumeRelease::default();
+    let mut refused = Vec::new();
+    let mine = || held.iter().filter(|h| h.cleaner == Cleaner::EbsCsi);
+    for h in mine().filter(|h| h.kind == "PersistentVolume") {
+        let Some(id) = facts.volume_ids.get(&h.name) else {
+            refused.push((h.object(), "its EBS volume id is not on the PV (spec.csi.volumeHandle)".to_string()));
+            continue;
+        };
+        let Some(Some(claim)) = facts.claims.get(&h.name) else {
+            refused.push((
+                h.object(),
+                "it is bound to no claim, so deleting a claim cannot release it; delete the PV yourself if its volume is meant to go".to_string(),
+            ));
+            continue;
+        };
+        let ns = claim.split_once('/').map(|(ns, _)| ns).unwrap_or_default();
+        let mut ok = true;
+        for u in users.get(claim).into_iter().flatten() {
+            match u.owner.as_deref().and_then(|o| o.strip_prefix("StatefulSet/")) {
+                Some(sts) => {
+                    out.statefulsets.insert(format!("{ns}/{sts}"));
+                }
+                None => {
+                    ok = false;
+                    refused.push((
+                        h.object(),
+                        format!(
+                            "its claim {claim} is mounted by pod {} ({}), which no StatefulSet owns: the release stops only StatefulSets; scale that workload to zero first",
+                            u.pod,
+                            u.owner.as_deref().map_or("no owner".to_string(), |o| format!("owned by {o}"))
+                        ),
+                    ));
+                }
+            }
+        }
+        if ok {
+            out.claims.insert(claim.clone());
+            out.volumes.insert(h.name.clone(), id.clone());
+        }
+    }
+    for h in mine().filter(|h| h.kind == "VolumeAttachment") {
+        match facts.attached.get(&h.name) {
+            Some(pv) if out.volumes.contains_key(pv) || !stranded => {}
+            Some(pv) => refused.push((
+                h.object(),
+                format!("it attaches PersistentVolume {pv}, which this release does not delete, and only the EBS CSI controller can detach it"),
+            )),
+            None if !stranded => {}
+            None => refused.push((h.object(), "it names no PersistentVolume".to_string())),
+        }
+    }
+    (out, refused)
 }
 
 /// The annotations that set a load balancer's attributes: the Service's (Load Balancer
@@ -474,6 +581,65 @@ mod tests {
 
     fn held(kind: &'static str, name: &str, finalizer: &str, cleaner: Cleaner) -> Held {
         Held { kind, name: name.into(), finalizer: finalizer.into(), cleaner, protected: false }
+    }
+
+    #[test]
+    fn volumes_are_released_through_their_statefulsets_claims_and_others_are_refused() {
+        let pv = |name: &str| held("PersistentVolume", name, FINALIZER_PROVISIONER, Cleaner::EbsCsi);
+        let va = |name: &str| held("VolumeAttachment", name, FINALIZER_EBS_ATTACHER, Cleaner::EbsCsi);
+        let objects = [pv("pv-db-0"), pv("pv-db-1"), pv("pv-cache"), pv("pv-loose"), va("csi-db-0"), va("csi-other")];
+        let s = |v: &str| v.to_string();
+        let facts = VolumeFacts {
+            claims: [
+                (s("pv-db-0"), Some(s("shop/data-db-0"))),
+                (s("pv-db-1"), Some(s("shop/data-db-1"))),
+                (s("pv-cache"), Some(s("shop/cache"))),
+                (s("pv-loose"), None),
+            ]
+            .into(),
+            volume_ids: [
+                (s("pv-db-0"), s("vol-0")),
+                (s("pv-db-1"), s("vol-1")),
+                (s("pv-cache"), s("vol-c")),
+                (s("pv-loose"), s("vol-l")),
+            ]
+            .into(),
+            attached: [(s("csi-db-0"), s("pv-db-0")), (s("csi-other"), s("pv-retained"))].into(),
+        };
+        let user = |pod: &str, owner: Option<&str>| ClaimUser { pod: s(pod), owner: owner.map(s) };
+        let users: BTreeMap<String, Vec<ClaimUser>> = [
+            (s("shop/data-db-0"), vec![user("shop/db-0", Some("StatefulSet/db"))]),
+            (s("shop/cache"), vec![user("shop/cache-7d9-x", Some("ReplicaSet/cache-7d9"))]),
+        ]
+        .into();
+        let (plan, refused) = plan_volume_release(&objects, &facts, &users, true);
+        // the StatefulSet's claims (one mounted, one whose pod is already gone) are released
+        assert_eq!(plan.statefulsets, [s("shop/db")].into());
+        assert_eq!(plan.claims, [s("shop/data-db-0"), s("shop/data-db-1")].into());
+        assert_eq!(plan.volumes, [(s("pv-db-0"), s("vol-0")), (s("pv-db-1"), s("vol-1"))].into());
+        // a Deployment's claim, a PV bound to no claim and, the controller stranded, an
+        // attachment of a volume not released are refused, one reason each
+        assert_eq!(refused.len(), 3, "{refused:?}");
+        assert_eq!(refused[0].0, "PersistentVolume/pv-cache");
+        assert!(
+            refused[0].1.contains("mounted by pod shop/cache-7d9-x (owned by ReplicaSet/cache-7d9)"),
+            "{refused:?}"
+        );
+        assert_eq!(refused[1].0, "PersistentVolume/pv-loose");
+        assert!(refused[1].1.contains("bound to no claim"), "{refused:?}");
+        assert_eq!(refused[2].0, "VolumeAttachment/csi-other");
+        assert!(refused[2].1.contains("pv-retained"), "{refused:?}");
+        // the controller kept by the drain detaches what is not released: not refused
+        let (_, refused) = plan_volume_release(&objects, &facts, &users, false);
+        assert_eq!(
+            refused.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(),
+            ["PersistentVolume/pv-cache", "PersistentVolume/pv-loose"]
+        );
+        // the load balancers' objects are not this plan's
+        let lb = [held("Service", "shop/front", FINALIZER_SERVICE, Cleaner::LoadBalancerController)];
+        let (plan, refused) = plan_volume_release(&lb, &facts, &users, true);
+        assert!(plan == VolumeRelease::default() && refused.is_empty());
+        assert!(Release::Volumes.covers(Cleaner::EbsCsi) && !Release::Volumes.covers(Cleaner::EfsCsi));
     }
 
     #[test]

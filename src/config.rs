@@ -183,6 +183,7 @@ impl RunConfig {
                 .iter()
                 .map(|r| match r {
                     crate::cli::ReleaseArg::LoadBalancers => crate::cleanup::Release::LoadBalancers,
+                    crate::cli::ReleaseArg::Volumes => crate::cleanup::Release::Volumes,
                 })
                 .collect(),
             progress_every: match parse_duration("progress-every", &a.progress_every)? {

@@ -143,8 +143,11 @@ pub(crate) async fn admission_verdict(
 pub(crate) struct CleanupVerdict {
     /// Why the run may not go on, if so.
     pub(crate) refused: Option<Refused>,
-    /// What `--release` deletes before the drain.
+    /// What `--release` deletes (the Load Balancer Controller's objects) or waits for (the EBS
+    /// CSI controller's PVs and attachments) before the drain.
     pub(crate) release: Vec<crate::cleanup::Held>,
+    /// How `--release volumes` releases the PVs in `release`.
+    pub(crate) volume_release: crate::cleanup::VolumeRelease,
     /// The EBS volumes of the cluster's PersistentVolumes, by id, each with its PV's name.
     pub(crate) volumes: std::collections::BTreeMap<String, String>,
 }
@@ -170,6 +173,7 @@ pub(crate) async fn cleanup_verdict(
     let covered = |c: crate::cleanup::Cleaner| release.iter().any(|r| r.covers(c));
     let mut out = CleanupVerdict { volumes: seen.volumes, ..CleanupVerdict::default() };
     let mut idle = Vec::new();
+    let mut unreleasable: Vec<(String, String)> = Vec::new();
     for v in &verdicts {
         plan_text.push_str(&v.plan_line());
         plan_text.push('\n');
@@ -180,6 +184,35 @@ pub(crate) async fn cleanup_verdict(
             idle.push(v);
             continue;
         }
+        if v.cleaner == crate::cleanup::Cleaner::EbsCsi {
+            let claims = seen.facts.claims.values().flatten().cloned().collect();
+            let users = crate::k8s::retry_transient(|| crate::k8s::cleanup::claim_users(client, &claims)).await?;
+            let (plan, refused) = crate::cleanup::plan_volume_release(&v.held, &seen.facts, &users, v.stranded);
+            unreleasable.extend(refused);
+            for sts in &plan.statefulsets {
+                plan_text.push_str(&format!(
+                    "release: scale StatefulSet {sts} to zero (its pods mount claims released below; it would make them again)\n"
+                ));
+            }
+            for (pv, id) in &plan.volumes {
+                let claim = seen.facts.claims.get(pv).cloned().flatten().unwrap_or_default();
+                plan_text.push_str(&format!(
+                    "release: delete PersistentVolumeClaim {claim} while {} runs, and wait until PersistentVolume {pv} and EBS volume {id} are gone\n",
+                    v.cleaner
+                ));
+            }
+            out.release.extend(
+                v.held
+                    .iter()
+                    .filter(|h| match h.kind {
+                        "PersistentVolume" => plan.volumes.contains_key(&h.name),
+                        _ => seen.facts.attached.get(&h.name).is_some_and(|pv| plan.volumes.contains_key(pv)),
+                    })
+                    .cloned(),
+            );
+            out.volume_release = plan;
+            continue;
+        }
         for h in &v.held {
             plan_text.push_str(&format!(
                 "release: delete {} {} while {} runs, and wait until it and what it stands for in AWS are gone\n",
@@ -187,6 +220,15 @@ pub(crate) async fn cleanup_verdict(
             ));
         }
         out.release.extend(v.held.iter().cloned());
+    }
+    if !unreleasable.is_empty() {
+        let blockers = unreleasable
+            .iter()
+            .map(|(name, reason)| Blocker { kind: BlockerKind::Release, name: name.clone(), reason: reason.clone() })
+            .collect();
+        let objects = unreleasable.iter().map(|(name, reason)| format!("{name}: {reason}")).collect();
+        out.refused = Some(Refused { refusal: Refusal::VolumesInUse { objects }, blockers });
+        return Ok(out);
     }
     if !idle.is_empty() {
         let objects: Vec<String> = idle
@@ -316,7 +358,7 @@ impl Launch<'_> {
     /// Pauses the GitOps owners, then runs the task graph with its watches and batcher.
     async fn run(self, prepared: phases::Prepared, learnt: &mut Learnt) -> Ended {
         let Launch { kube, aws, settings, started, cancel, events } = self;
-        let phases::Prepared { inv, graph, owners, release, volumes } = prepared;
+        let phases::Prepared { inv, graph, owners, release, volume_release, volumes } = prepared;
         // owners already paused count too: a sync or reconcile they started may still be applying
         if !learnt.gitops.owners.is_empty() {
             let (record, stop) = pause_gitops(&kube, &owners, &mut learnt.gitops).await;
@@ -332,7 +374,8 @@ impl Launch<'_> {
                 .deadline
                 .or_else(|| settings.plan.ordered_steps().find(|s| s.action == Action::Drain)?.params.deadline)
                 .unwrap_or(Duration::from_secs(600));
-            let (record, stop) = release::release(&kube, &aws, &settings.cluster, &release, deadline, &cancel).await;
+            let (record, stop) =
+                release::release(&kube, &aws, &settings.cluster, &release, &volume_release, deadline, &cancel).await;
             learnt.steps.push(record);
             if let Some(stop) = stop {
                 return Ended::Stopped { phase: Phase::Release, stop };

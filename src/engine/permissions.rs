@@ -52,16 +52,28 @@ const fn p(verb: &'static str, group: &'static str, resource: &'static str) -> K
     KubePermission { verb, group, resource, subresource: "", name: "" }
 }
 
-/// What `--release` adds: deleting the objects the cleanup controllers hold
-/// (`deploy/rbac-release.yaml`; waiting until they are gone lists them, as the survey does). Not sent through the admission check's
+/// What `--release` adds (`deploy/rbac-release.yaml`): deleting the objects the Load Balancer
+/// Controller holds; for volumes, scaling StatefulSets to zero and deleting their claims.
+/// Waiting until they are gone lists them, as the survey does. Not sent through the admission check's
 /// dry runs: a delete is refused by no webhook the controllers install.
-pub fn cleanup_release_needs() -> BTreeSet<KubePermission> {
-    [
-        p("delete", "", "services"),
-        p("delete", "networking.k8s.io", "ingresses"),
-        p("delete", "elbv2.k8s.aws", "targetgroupbindings"),
-    ]
-    .into()
+pub fn cleanup_release_needs(release: &BTreeSet<crate::cleanup::Release>) -> BTreeSet<KubePermission> {
+    let mut need = BTreeSet::new();
+    for r in release {
+        match r {
+            crate::cleanup::Release::LoadBalancers => need.extend([
+                p("delete", "", "services"),
+                p("delete", "networking.k8s.io", "ingresses"),
+                p("delete", "elbv2.k8s.aws", "targetgroupbindings"),
+            ]),
+            // the claims' pods are found by the pod list the drain has anyway
+            crate::cleanup::Release::Volumes => need.extend([
+                KubePermission { subresource: "scale", ..p("get", "apps", "statefulsets") },
+                KubePermission { subresource: "scale", ..p("patch", "apps", "statefulsets") },
+                p("delete", "", "persistentvolumeclaims"),
+            ]),
+        }
+    }
+    need
 }
 
 /// Every Kubernetes permission a run of `plan` uses. `delete_pods` says whether pods may be

@@ -355,8 +355,8 @@ pub(crate) async fn gitops(
 
 /// [`super::admission_verdict`] and [`super::cleanup_verdict`] for a run: before anything is
 /// changed (also in a dry run), a refusal or a failure to ask ends the run here; returns what
-/// `--release` deletes, its load balancers checked for deletion protection
-/// ([`super::protected`]), and the EBS volumes of the cluster's PersistentVolumes.
+/// the survey's verdict: what `--release` deletes, its load balancers checked for deletion
+/// protection ([`super::protected`]), and the EBS volumes of the cluster's PersistentVolumes.
 pub(crate) async fn admission(
     kube: &Kube,
     aws: &AwsClients,
@@ -365,7 +365,7 @@ pub(crate) async fn admission(
     need: &BTreeSet<KubePermission>,
     owners: &crate::k8s::gitops::Owners,
     learnt: &mut Learnt,
-) -> Result<(Vec<crate::cleanup::Held>, BTreeMap<String, String>), Stop> {
+) -> Result<super::CleanupVerdict, Stop> {
     // the owners a run with --pause-gitops pauses (a dry run predicts that run)
     let pausing = settings
         .gitops
@@ -384,7 +384,7 @@ pub(crate) async fn admission(
     }
     match super::protected(aws, &settings.cluster, &verdict.release).await {
         Ok(Some(refused)) => Err(refused.into()),
-        Ok(None) => Ok((verdict.release, verdict.volumes)),
+        Ok(None) => Ok(verdict),
         Err(e) => Err(Stop::of(&e, e.is_configuration())),
     }
 }
@@ -394,8 +394,10 @@ pub(crate) struct Prepared {
     pub(crate) inv: Inventory,
     pub(crate) graph: TaskGraph,
     pub(crate) owners: crate::k8s::gitops::Owners,
-    /// What `--release` deletes before the graph.
+    /// What `--release` deletes or waits for before the graph.
     pub(crate) release: Vec<crate::cleanup::Held>,
+    /// How `--release volumes` releases the PVs in `release`.
+    pub(crate) volume_release: crate::cleanup::VolumeRelease,
     /// The EBS volumes of the cluster's PersistentVolumes, by id, each with its PV's name.
     pub(crate) volumes: BTreeMap<String, String>,
 }
@@ -420,13 +422,20 @@ pub(crate) async fn prepare(
     let need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
     let mut asked = need.clone();
     if !settings.release.is_empty() {
-        asked.extend(permissions::cleanup_release_needs());
+        asked.extend(permissions::cleanup_release_needs(&settings.release));
     }
     permissions(kube, aws, settings, &inv, &asked).await.map_err(|s| (Phase::Permissions, s))?;
     let owners = gitops(kube, settings, &inv, learnt).await.map_err(|s| (Phase::Gitops, s))?;
-    let (release, volumes) =
+    let verdict =
         admission(kube, aws, settings, &inv, &need, &owners, learnt).await.map_err(|s| (Phase::Admission, s))?;
-    Ok(Prepared { inv, graph, owners, release, volumes })
+    Ok(Prepared {
+        inv,
+        graph,
+        owners,
+        release: verdict.release,
+        volume_release: verdict.volume_release,
+        volumes: verdict.volumes,
+    })
 }
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ pub(crate) enum Refusal {
     Admission { blocked: Vec<String> },
     /// The drain would strand a controller that still has objects to clean up in AWS.
     #[error(
-        "refusing: the drain would strand {}: {}. Nothing was changed; pass --release load-balancers to have this run delete those objects while the controller still runs (it then deletes what it made in AWS), or delete them yourself, or run the controller on capacity this run keeps (a managed node group or Fargate), then run again",
+        "refusing: the drain would strand {}: {}. Nothing was changed; pass --release load-balancers (Services, Ingresses) or --release volumes (StatefulSets' claims) to have this run delete those objects while the controller still runs (it then deletes what it made in AWS), or delete them yourself, or run the controller on capacity this run keeps (a managed node group or Fargate), then run again",
         .cleaners.join(" and "),
         .objects.join("; ")
     )]
@@ -46,6 +46,12 @@ pub(crate) enum Refusal {
         .objects.join("; ")
     )]
     Unreleasable { objects: Vec<String> },
+    /// `--release volumes` covers volumes that deleting a StatefulSet's claims cannot release.
+    #[error(
+        "refusing to release volumes: {}. Nothing was changed; scale the workloads named to zero (or delete what is named yourself, if its volume is meant to go), then run again",
+        .objects.join("; ")
+    )]
+    VolumesInUse { objects: Vec<String> },
     /// `--release` covers objects whose load balancer has deletion protection on.
     #[error(
         "refusing to release: {}. Nothing was changed; turn deletion protection off (the annotation, or the load balancer's attribute in AWS) if the load balancer is meant to go, or delete the object yourself and keep its load balancer, then run again",
@@ -68,6 +74,7 @@ impl Refusal {
             | Refusal::BlastRadius { .. }
             | Refusal::Stranded { .. }
             | Refusal::Unreleasable { .. }
+            | Refusal::VolumesInUse { .. }
             | Refusal::Protected { .. }
             | Refusal::GitOps(_) => Exit::Refused,
         }

@@ -4,16 +4,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, Pod, Service};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::networking::v1::Ingress;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::core::{ApiResource, GroupVersionKind};
 
 use super::{KubeError, list_pages, status_code};
-use crate::cleanup::{Cleaner, Held, Running, cleaner_of};
+use crate::cleanup::{ClaimUser, Cleaner, Held, Running, VolumeFacts, cleaner_of};
 
 /// What the survey needs, as read.
 #[derive(Debug, Default)]
@@ -26,6 +26,8 @@ pub(crate) struct Seen {
     /// `Delete`), by volume id, each with its PV's name: verification reads them by id, since the
     /// driver tags a volume with its cluster only when told to.
     pub(crate) volumes: BTreeMap<String, String>,
+    /// What `--release volumes` needs of the EBS driver's PVs and attachments.
+    pub(crate) facts: VolumeFacts,
 }
 
 /// A list of every object of a kind, keeping what `keep` makes of each; a kind the server does
@@ -82,25 +84,42 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
         let csi = spec.and_then(|s| s.csi.as_ref());
         let driver = csi.map(|c| c.driver.clone());
         let reclaim = spec.and_then(|s| s.persistent_volume_reclaim_policy.clone());
+        let name = pv.metadata.name.clone().unwrap_or_default();
+        let claim = spec.and_then(|s| s.claim_ref.as_ref()).map(|r| {
+            format!("{}/{}", r.namespace.as_deref().unwrap_or_default(), r.name.as_deref().unwrap_or_default())
+        });
         let ebs = (driver.as_deref() == Some(crate::cleanup::EBS_CSI_DRIVER) && reclaim.as_deref() == Some("Delete"))
-            .then(|| csi.map(|c| (c.volume_handle.clone(), pv.metadata.name.clone().unwrap_or_default())))
+            .then(|| csi.map(|c| (name, c.volume_handle.clone(), claim)))
             .flatten();
         Some((held_by("PersistentVolume", &pv.metadata, driver.as_deref(), reclaim.as_deref()), ebs))
     });
     let attachments = all(Api::<VolumeAttachment>::all(client.clone()), "volumeattachments", |va| {
-        Some(held_by("VolumeAttachment", &va.metadata, None, None))
+        let held = held_by("VolumeAttachment", &va.metadata, None, None);
+        let pv = (!held.is_empty())
+            .then(|| Some((va.metadata.name.clone()?, va.spec.source.persistent_volume_name.clone()?)))
+            .flatten();
+        Some((held, pv))
     });
     let (s, i, b, v, a) = futures::try_join!(services, ingresses, bindings, volumes, attachments)?;
     let mut ebs_volumes = BTreeMap::new();
+    let mut facts = VolumeFacts::default();
     for (h, ebs) in v {
         held.extend(h);
-        ebs_volumes.extend(ebs);
+        if let Some((pv, id, claim)) = ebs {
+            ebs_volumes.insert(id.clone(), pv.clone());
+            facts.volume_ids.insert(pv.clone(), id);
+            facts.claims.insert(pv, claim);
+        }
     }
-    for found in [s, i, b, a] {
+    for (h, pv) in a {
+        held.extend(h);
+        facts.attached.extend(pv);
+    }
+    for found in [s, i, b] {
         held.extend(found.into_iter().flatten());
     }
     if held.is_empty() {
-        return Ok(Seen { volumes: ebs_volumes, ..Seen::default() });
+        return Ok(Seen { volumes: ebs_volumes, facts, ..Seen::default() });
     }
     let mut running = BTreeMap::new();
     let wanted: BTreeSet<Cleaner> = held.iter().map(|h| h.cleaner).collect();
@@ -123,7 +142,7 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
         .map_err(|e| KubeError::api("list the nodes the run keeps", e))?;
         other_nodes.extend(kept);
     }
-    Ok(Seen { held, running, other_nodes, volumes: ebs_volumes })
+    Ok(Seen { held, running, other_nodes, volumes: ebs_volumes, facts })
 }
 
 /// The pods of a cleaner: those of the Deployments its chart labels, and the holder of its
@@ -227,4 +246,85 @@ pub(crate) async fn still_there(client: &kube::Client, held: &[Held]) -> Result<
         there.extend(names);
     }
     Ok(there)
+}
+
+/// The pods that mount each of `claims` (`namespace/name`), with their controlling owners: one
+/// list of pods per namespace the claims are in.
+pub(crate) async fn claim_users(
+    client: &kube::Client,
+    claims: &BTreeSet<String>,
+) -> Result<BTreeMap<String, Vec<ClaimUser>>, KubeError> {
+    let namespaces: BTreeSet<&str> = claims.iter().filter_map(|c| c.split_once('/').map(|(ns, _)| ns)).collect();
+    let mut out: BTreeMap<String, Vec<ClaimUser>> = BTreeMap::new();
+    for ns in namespaces {
+        let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+        let pods = list_pages(&api, &ListParams::default(), Some)
+            .await
+            .map_err(|e| KubeError::api(format!("list the pods of namespace {ns}"), e))?;
+        for p in pods {
+            let owner = p
+                .metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .find(|o| o.controller == Some(true))
+                .map(|o| format!("{}/{}", o.kind, o.name));
+            let pod = format!("{ns}/{}", p.metadata.name.as_deref().unwrap_or_default());
+            let mounted = p.spec.iter().flat_map(|s| s.volumes.iter().flatten());
+            for claim in
+                mounted.filter_map(|v| v.persistent_volume_claim.as_ref()).map(|c| format!("{ns}/{}", c.claim_name))
+            {
+                if claims.contains(&claim) {
+                    out.entry(claim).or_default().push(ClaimUser { pod: pod.clone(), owner: owner.clone() });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn split(name: &str) -> (&str, &str) {
+    name.split_once('/').unwrap_or(("", name))
+}
+
+/// Scales a StatefulSet (`namespace/name`) to zero through its scale subresource, returning the
+/// replicas it had; already gone is zero.
+pub(crate) async fn scale_to_zero(client: &kube::Client, statefulset: &str) -> Result<i32, KubeError> {
+    let (ns, name) = split(statefulset);
+    let api: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
+    let before = match api.get_scale(name).await {
+        Ok(s) => s.spec.and_then(|s| s.replicas).unwrap_or(0),
+        Err(e) if status_code(&e) == Some(404) => return Ok(0),
+        Err(e) => return Err(KubeError::api(format!("read the scale of StatefulSet {statefulset}"), e)),
+    };
+    let zero = kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": 0}}));
+    match api.patch_scale(name, &kube::api::PatchParams::default(), &zero).await {
+        Ok(_) => Ok(before),
+        Err(e) if status_code(&e) == Some(404) => Ok(0),
+        Err(e) => Err(KubeError::api(format!("scale StatefulSet {statefulset} to zero"), e)),
+    }
+}
+
+/// The replicas a StatefulSet (`namespace/name`) asks for now (gone is zero): something that
+/// scales it up again (an autoscaler, a GitOps controller) makes its claims again.
+pub(crate) async fn replicas(client: &kube::Client, statefulset: &str) -> Result<i32, KubeError> {
+    let (ns, name) = split(statefulset);
+    let api: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
+    match api.get_scale(name).await {
+        Ok(s) => Ok(s.spec.and_then(|s| s.replicas).unwrap_or(0)),
+        Err(e) if status_code(&e) == Some(404) => Ok(0),
+        Err(e) => Err(KubeError::api(format!("read the scale of StatefulSet {statefulset}"), e)),
+    }
+}
+
+/// Deletes a claim (`namespace/name`); already gone is done. Its pods' protection
+/// (`kubernetes.io/pvc-protection`) keeps it until they are gone.
+pub(crate) async fn delete_claim(client: &kube::Client, claim: &str) -> Result<(), KubeError> {
+    let (ns, name) = split(claim);
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    match api.delete(name, &kube::api::DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(e) if status_code(&e) == Some(404) => Ok(()),
+        Err(e) => Err(KubeError::api(format!("delete PersistentVolumeClaim {claim}"), e)),
+    }
 }
