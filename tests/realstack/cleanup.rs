@@ -252,3 +252,175 @@ async fn with_consent_the_real_server_sees_the_controllers_service_released_befo
     lbc.shutdown().await;
     p.end().await;
 }
+
+/// `--release volumes` on the real control plane: a StatefulSet's pod, placed by the real
+/// scheduler, mounts a claim bound by the real PV controller to a PV of the EBS CSI driver
+/// (reclaim policy `Delete`, csi-provisioner's finalizer and annotation) whose volume is in
+/// LocalStack. The stand-in EBS CSI controller (`sandbox_sim::ebscsi`) runs on a Karpenter
+/// node, so the drain would strand it. With consent the run scales the StatefulSet to zero and
+/// deletes the claim; the real PV-protection, PVC-protection and PV controllers release the PV
+/// once the pod is gone, and the stand-in deletes the volume and then the PV, before any drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_consent_the_real_server_sees_a_statefulsets_volume_released_before_the_drain() {
+    use k8s_openapi::api::apps::v1::StatefulSet;
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    use k8s_openapi::api::storage::v1::StorageClass;
+    let rbac = format!(
+        "{}---\n{}",
+        super::shipped_rbac_yaml(),
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml")).unwrap()
+    );
+    let p = provisioned("rvol", &rbac, 2).await;
+    let pp = PostParams::default();
+    let on_karpenter = json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}});
+    Api::<Deployment>::namespaced(p.admin.clone(), "kube-system")
+        .create(&pp, &stand_in("ebs-csi-controller", "aws-ebs-csi-driver", on_karpenter))
+        .await
+        .unwrap();
+    assert_ne!(running_on(&p.admin, "aws-ebs-csi-driver").await, "system-0");
+    let region = super::common::e2e::REGION;
+    let config = sandbox_sim::localstack::config_as(region, "test").await;
+    let csi = sandbox_sim::ebscsi::StandInEbsCsi::start(p.admin.clone(), &config, Duration::from_millis(200));
+
+    // the volume as the driver makes it, its PV as csi-provisioner makes it, pre-bound to the
+    // claim the StatefulSet's template makes for its pod db-0; and another volume tagged the same
+    let volume = || {
+        use aws_sdk_ec2::types::{ResourceType, Tag, TagSpecification};
+        let tags = TagSpecification::builder()
+            .resource_type(ResourceType::Volume)
+            .tags(Tag::builder().key("ebs.csi.aws.com/cluster").value("true").build())
+            .tags(Tag::builder().key("CSIVolumeName").value("pvc-data-db-0").build())
+            .build();
+        p.ec2.create_volume().availability_zone("us-west-2a").size(1).tag_specifications(tags).send()
+    };
+    let ours = volume().await.unwrap().volume_id().unwrap().to_string();
+    let theirs = volume().await.unwrap().volume_id().unwrap().to_string();
+    let sc: StorageClass = serde_json::from_value(json!({
+        "metadata": {"name": "ebs"}, "provisioner": "ebs.csi.aws.com", "reclaimPolicy": "Delete",
+        "volumeBindingMode": "Immediate",
+    }))
+    .unwrap();
+    Api::<StorageClass>::all(p.admin.clone()).create(&pp, &sc).await.unwrap();
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
+    Api::<Namespace>::all(p.admin.clone()).create(&pp, &ns).await.unwrap();
+    let pv: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": "pvc-data-db-0",
+                     "annotations": {"pv.kubernetes.io/provisioned-by": "ebs.csi.aws.com"},
+                     "finalizers": ["external-provisioner.volume.kubernetes.io/finalizer"]},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Delete",
+                 "storageClassName": "ebs", "claimRef": {"namespace": "shop", "name": "data-db-0"},
+                 "csi": {"driver": "ebs.csi.aws.com", "volumeHandle": ours}},
+    }))
+    .unwrap();
+    let pvs: Api<PersistentVolume> = Api::all(p.admin.clone());
+    pvs.create(&pp, &pv).await.unwrap();
+    let labels = json!({"app": "db"});
+    let sts: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "db", "namespace": "shop"},
+        "spec": {"replicas": 1, "serviceName": "db", "selector": {"matchLabels": labels},
+                 "template": {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "db",
+                     "image": "registry.k8s.io/pause:3.10", "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]}},
+                 "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {"storageClassName": "ebs",
+                     "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]},
+    }))
+    .unwrap();
+    let statefulsets: Api<StatefulSet> = Api::namespaced(p.admin.clone(), "shop");
+    statefulsets.create(&pp, &sts).await.unwrap();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(p.admin.clone(), "shop");
+    let pods: Api<Pod> = Api::namespaced(p.admin.clone(), "shop");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let bound = claims.get_opt("data-db-0").await.unwrap().and_then(|c| c.status?.phase) == Some("Bound".into());
+        let running = pods.get_opt("db-0").await.unwrap().is_some_and(|p| phase(&p) == "Running");
+        if bound && running {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the StatefulSet's pod did not run on its bound claim");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // without consent the drain would strand the controller: refused, nothing changed
+    let refused = teardown(&p, true).await;
+    assert_eq!(refused.code, 3, "{}", refused.dump());
+    assert!(
+        refused.report["error"].as_str().unwrap_or_default().contains("PersistentVolume pvc-data-db-0"),
+        "{}",
+        refused.dump()
+    );
+    assert!(p.karpenter.running(), "a refused run removed the controller");
+    assert_eq!(statefulsets.get("db").await.unwrap().spec.unwrap().replicas, Some(1));
+
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let release = || {
+        let mut cmd = p.tool("run", p.s.tool_kubeconfig(), &report);
+        cmd.args(["--yes", "--release", "volumes"]);
+        super::common::e2e::run_of(cmd, &report)
+    };
+    // a pod no StatefulSet owns mounts the claim too: scaling the StatefulSet would not free
+    // it, so the release is refused, nothing changed
+    let backup: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "backup", "namespace": "shop"},
+        "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}],
+                 "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data-db-0"}}]},
+    }))
+    .unwrap();
+    pods.create(&pp, &backup).await.unwrap();
+    let run = release().await;
+    assert_eq!(run.code, 3, "{}", run.dump());
+    let error = run.report["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(
+            "PersistentVolume/pvc-data-db-0: its claim shop/data-db-0 is mounted by pod shop/backup (no owner)"
+        ),
+        "{}",
+        run.dump()
+    );
+    assert_eq!(statefulsets.get("db").await.unwrap().spec.unwrap().replicas, Some(1));
+    assert!(claims.get_opt("data-db-0").await.unwrap().is_some());
+    pods.delete("backup", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pods.get_opt("backup").await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the backup pod did not go");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    let run = release().await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let steps = run.report["steps"].as_array().unwrap();
+    assert_eq!(
+        (steps[0]["step"].as_str(), steps[0]["result"].as_str()),
+        (Some("release"), Some("done")),
+        "{}",
+        run.dump()
+    );
+    assert!(
+        steps[0]["detail"].as_str().unwrap_or_default().contains("StatefulSet shop/db scaled from 1 to 0"),
+        "{}",
+        run.dump()
+    );
+    let at = |r: &Value, field: &str| humantime::parse_rfc3339_weak(r[field].as_str().unwrap()).unwrap();
+    let drains: Vec<&Value> = steps.iter().filter(|r| r["step"] == "drain").collect();
+    assert!(
+        !drains.is_empty() && drains.iter().all(|d| at(d, "started") >= at(&steps[0], "finished")),
+        "{}",
+        run.dump()
+    );
+    assert_eq!(statefulsets.get("db").await.unwrap().spec.unwrap().replicas, Some(0));
+    assert!(claims.get_opt("data-db-0").await.unwrap().is_none(), "the claim outlived its release");
+    assert!(pvs.get_opt("pvc-data-db-0").await.unwrap().is_none(), "the PV outlived its release");
+    let left = |id: &str| {
+        p.ec2
+            .describe_volumes()
+            .filters(aws_sdk_ec2::types::Filter::builder().name("volume-id").values(id).build())
+            .send()
+    };
+    assert_eq!(left(&ours).await.unwrap().volumes().len(), 0, "the PV's EBS volume is left");
+    assert_eq!(left(&theirs).await.unwrap().volumes().len(), 1, "a volume not of this cluster was touched");
+    assert!(run.report["leftovers"]["volumes"].as_array().unwrap().is_empty(), "{}", run.dump());
+    p.assert_torn_down(&p.instances).await;
+    p.ec2.delete_volume().volume_id(&theirs).send().await.unwrap();
+    csi.shutdown().await;
+    p.end().await;
+}

@@ -95,6 +95,16 @@ async fn a_load_balancer_controller_only_on_karpenter_nodes_refuses_the_run_befo
         "{error}"
     );
     assert_no_node_fenced(&b.client, &world).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--release", "volumes"]).await;
+    assert_eq!(run.code, 2, "{}", run.dump());
+    let error = run.report["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("delete persistentvolumeclaims (core)")
+            && error.contains("patch statefulsets/scale (apps)")
+            && !error.contains("delete services"),
+        "{error}"
+    );
+    assert_no_node_fenced(&b.client, &world).await;
 
     // a second replica on the managed node group keeps it running through the drain
     pods.create(&pp, &controller_pod("lbc-1", &world.managed_nodes[0].node, false)).await.unwrap();

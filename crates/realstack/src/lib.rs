@@ -237,6 +237,12 @@ pub(crate) const CONTROLLERS: &[&str] = &[
     "taint-eviction-controller",
     // deletes the pods bound to a Node object that is gone
     "pod-garbage-collector-controller",
+    // claims and volumes: binds a claim to its volume, releases the volume of a deleted claim
+    // (leaving a CSI volume to its external deleter), and keeps a claim while a pod mounts it
+    // and a volume while it is bound (`--release volumes`)
+    "persistentvolume-binder-controller",
+    "persistentvolumeclaim-protection-controller",
+    "persistentvolume-protection-controller",
 ];
 
 /// The identities of the control plane's own components, as kubernetes' bootstrap RBAC policy

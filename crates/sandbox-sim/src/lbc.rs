@@ -92,9 +92,15 @@ impl StandInLbc {
 
 /// True while a pod of the controller, not being deleted, is bound to a node that is there.
 async fn running(client: &Client) -> bool {
+    running_with(client, CHART_LABEL).await
+}
+
+/// True while a pod labelled `label`, not being deleted, is bound to a node that is there: how
+/// the stand-ins stop acting when the drain evicts their controller, as the real ones do.
+pub(crate) async fn running_with(client: &Client, label: &str) -> bool {
     let pods: Api<Pod> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client.clone());
-    let Ok(list) = pods.list(&ListParams::default().labels(CHART_LABEL)).await else { return false };
+    let Ok(list) = pods.list(&ListParams::default().labels(label)).await else { return false };
     for p in list.items {
         if p.metadata.deletion_timestamp.is_some() {
             continue;

@@ -13,6 +13,7 @@
 
 pub mod cloud;
 pub mod controller;
+pub mod ebscsi;
 pub mod ec2auth;
 pub mod ec2limits;
 pub mod ec2proxy;
