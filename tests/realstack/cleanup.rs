@@ -171,6 +171,28 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     p.end().await;
 }
 
+/// A provisioned cluster whose tool identity holds `deploy/rbac.yaml` and
+/// `deploy/rbac-release.yaml`, with a stand-in controller's Deployment (`name`, its chart's
+/// `chart` label) that only Karpenter capacity can run, so the drain would strand it; and the
+/// configuration of LocalStack for the stand-in's own AWS calls.
+async fn release_bed(cluster: &str, name: &str, chart: &str) -> (super::resume::Provisioned, aws_config::SdkConfig) {
+    let rbac = format!(
+        "{}---\n{}",
+        super::shipped_rbac_yaml(),
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml")).unwrap()
+    );
+    let p = provisioned(cluster, &rbac, 2).await;
+    let on_karpenter = json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}});
+    Api::<Deployment>::namespaced(p.admin.clone(), "kube-system")
+        .create(&PostParams::default(), &stand_in(name, chart, on_karpenter))
+        .await
+        .unwrap();
+    assert_ne!(running_on(&p.admin, chart).await, "system-0");
+    let config = sandbox_sim::localstack::config_as(super::common::e2e::REGION, "test").await;
+    (p, config)
+}
+
 /// `--release load-balancers` on the real control plane: the stand-in Load Balancer Controller
 /// (`sandbox_sim::lbc`, its pod placed by the real scheduler on a Karpenter node and run by
 /// kwok) holds a Service of type LoadBalancer with its real finalizer, and its load balancer,
@@ -180,23 +202,8 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
 /// it and its AWS objects are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_consent_the_real_server_sees_the_controllers_service_released_before_the_drain() {
-    let rbac = format!(
-        "{}---\n{}",
-        super::shipped_rbac_yaml(),
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml")).unwrap()
-    );
-    let p = provisioned("rrel", &rbac, 2).await;
+    let (p, config) = release_bed("rrel", "aws-load-balancer-controller", "aws-load-balancer-controller").await;
     let pp = PostParams::default();
-    let on_karpenter = json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}});
-    Api::<Deployment>::namespaced(p.admin.clone(), "kube-system")
-        .create(&pp, &stand_in("aws-load-balancer-controller", "aws-load-balancer-controller", on_karpenter))
-        .await
-        .unwrap();
-    let lbc_node = running_on(&p.admin, "aws-load-balancer-controller").await;
-    assert_ne!(lbc_node, "system-0");
-    let region = super::common::e2e::REGION;
-    let config = sandbox_sim::localstack::config_as(region, "test").await;
     let lbc = sandbox_sim::lbc::StandInLbc::start(p.admin.clone(), &config, &p.cluster, Duration::from_millis(200));
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
     Api::<Namespace>::all(p.admin.clone()).create(&pp, &ns).await.unwrap();
@@ -265,22 +272,8 @@ async fn with_consent_the_real_server_sees_a_statefulsets_volume_released_before
     use k8s_openapi::api::apps::v1::StatefulSet;
     use k8s_openapi::api::core::v1::PersistentVolumeClaim;
     use k8s_openapi::api::storage::v1::StorageClass;
-    let rbac = format!(
-        "{}---\n{}",
-        super::shipped_rbac_yaml(),
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml")).unwrap()
-    );
-    let p = provisioned("rvol", &rbac, 2).await;
+    let (p, config) = release_bed("rvol", "ebs-csi-controller", "aws-ebs-csi-driver").await;
     let pp = PostParams::default();
-    let on_karpenter = json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}});
-    Api::<Deployment>::namespaced(p.admin.clone(), "kube-system")
-        .create(&pp, &stand_in("ebs-csi-controller", "aws-ebs-csi-driver", on_karpenter))
-        .await
-        .unwrap();
-    assert_ne!(running_on(&p.admin, "aws-ebs-csi-driver").await, "system-0");
-    let region = super::common::e2e::REGION;
-    let config = sandbox_sim::localstack::config_as(region, "test").await;
     let csi = sandbox_sim::ebscsi::StandInEbsCsi::start(p.admin.clone(), &config, Duration::from_millis(200));
 
     // the volume as the driver makes it, its PV as csi-provisioner makes it, pre-bound to the
