@@ -1,7 +1,7 @@
 //! The controllers the rest of a destroy depends on, and whether the drain strands them.
 //!
 //! The AWS Load Balancer Controller deletes the load balancers, target groups and security
-//! groups it made for Services, Ingresses and TargetGroupBindings, and the EBS and EFS CSI
+//! groups it made for Services, Ingresses, Gateways and TargetGroupBindings, and the EBS and EFS CSI
 //! controllers the volumes of PersistentVolumes whose reclaim policy is `Delete`; each holds its
 //! objects with a finalizer until it has cleaned up in AWS. When such a controller runs only on
 //! Karpenter nodes, the drain leaves it nowhere to run: its objects can then never be deleted
@@ -84,6 +84,12 @@ pub(crate) const FINALIZER_INGRESS: &str = "ingress.k8s.aws/resources";
 const FINALIZER_INGRESS_GROUP: &str = "group.ingress.k8s.aws/";
 /// On a TargetGroupBinding.
 pub(crate) const FINALIZER_TARGET_GROUP_BINDING: &str = "elbv2.k8s.aws/resources";
+/// On a Gateway (Gateway API) of its network and application load balancer GatewayClasses
+/// (`NLBGatewayFinalizer`, `ALBGatewayFinalizer` in its `pkg/shared_constants/finalizers.go`);
+/// what it makes for one is tagged `gateway.k8s.aws.nlb/stack` or `gateway.k8s.aws.alb/stack`
+/// with the Gateway's `namespace/name` (`pkg/gateway/constants`, `base_model_builder.go`).
+pub(crate) const FINALIZER_GATEWAY_NLB: &str = "gateway.k8s.aws/nlb";
+pub(crate) const FINALIZER_GATEWAY_ALB: &str = "gateway.k8s.aws/alb";
 /// csi-provisioner's on a PersistentVolume it will delete.
 pub(crate) const FINALIZER_PROVISIONER: &str = "external-provisioner.volume.kubernetes.io/finalizer";
 /// The EBS CSI driver's name, a PersistentVolume's `spec.csi.driver`.
@@ -150,7 +156,8 @@ pub(crate) fn judge_load_balancing(
 /// An object held by a cleaner's finalizer.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 pub(crate) struct Held {
-    /// `Service`, `Ingress`, `TargetGroupBinding`, `PersistentVolume`, `VolumeAttachment`.
+    /// `Service`, `Ingress`, `Gateway`, `TargetGroupBinding`, `PersistentVolume`,
+    /// `VolumeAttachment`.
     pub(crate) kind: &'static str,
     /// `namespace/name`, or the name of a cluster-scoped object.
     pub(crate) name: String,
@@ -169,8 +176,8 @@ pub(crate) struct Held {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Release {
-    /// The Services, Ingresses and TargetGroupBindings the Load Balancer Controller holds, and
-    /// so their load balancers, target groups and security groups.
+    /// The Services, Ingresses, Gateways and TargetGroupBindings the Load Balancer Controller
+    /// holds, and so their load balancers, target groups and security groups.
     LoadBalancers,
     /// The PersistentVolumes the EBS CSI controller deletes (reclaim policy `Delete`): the
     /// StatefulSets whose pods use their claims are scaled to zero and the claims deleted, so
@@ -308,12 +315,15 @@ pub(crate) fn annotated_protection(annotations: &BTreeMap<String, String>) -> bo
 /// What the Load Balancer Controller's objects for a held object are tagged with, as
 /// [`judge_load_balancing`] names it: its stack (`service.k8s.aws/stack <ns>/<name>`,
 /// `ingress.k8s.aws/stack <ns>/<name>`, or the IngressGroup's name for a member of an explicit
-/// group). A TargetGroupBinding makes nothing of its own.
+/// group; a Gateway's `gateway.k8s.aws.nlb/stack` or `.alb/stack <ns>/<name>`). A
+/// TargetGroupBinding makes nothing of its own.
 pub(crate) fn stack_of(held: &Held) -> Option<String> {
     match (held.kind, held.finalizer.as_str()) {
         ("Service", FINALIZER_SERVICE) => Some(format!("service.k8s.aws/stack {}", held.name)),
         ("Ingress", FINALIZER_INGRESS) => Some(format!("ingress.k8s.aws/stack {}", held.name)),
         ("Ingress", f) => f.strip_prefix(FINALIZER_INGRESS_GROUP).map(|g| format!("ingress.k8s.aws/stack {g}")),
+        ("Gateway", FINALIZER_GATEWAY_NLB) => Some(format!("gateway.k8s.aws.nlb/stack {}", held.name)),
+        ("Gateway", FINALIZER_GATEWAY_ALB) => Some(format!("gateway.k8s.aws.alb/stack {}", held.name)),
         _ => None,
     }
 }
@@ -340,6 +350,7 @@ pub(crate) fn cleaner_of(
             Some(Cleaner::LoadBalancerController)
         }
         ("TargetGroupBinding", FINALIZER_TARGET_GROUP_BINDING) => Some(Cleaner::LoadBalancerController),
+        ("Gateway", FINALIZER_GATEWAY_NLB | FINALIZER_GATEWAY_ALB) => Some(Cleaner::LoadBalancerController),
         ("PersistentVolume", FINALIZER_PROVISIONER) if reclaim == Some("Delete") => match csi_driver {
             Some(EBS_CSI_DRIVER) => Some(Cleaner::EbsCsi),
             Some("efs.csi.aws.com") => Some(Cleaner::EfsCsi),
@@ -549,6 +560,16 @@ mod tests {
         assert_eq!(stack_of(&ing).as_deref(), Some("ingress.k8s.aws/stack shop/front"));
         let grouped = held("Ingress", "shop/front", "group.ingress.k8s.aws/public", Cleaner::LoadBalancerController);
         assert_eq!(stack_of(&grouped).as_deref(), Some("ingress.k8s.aws/stack public"));
+        let gw = held("Gateway", "shop/edge", FINALIZER_GATEWAY_NLB, Cleaner::LoadBalancerController);
+        assert_eq!(stack_of(&gw).as_deref(), Some("gateway.k8s.aws.nlb/stack shop/edge"));
+        assert_eq!(cleaner_of("Gateway", FINALIZER_GATEWAY_ALB, None, None), Some(Cleaner::LoadBalancerController));
+        assert_eq!(cleaner_of("Gateway", "gateway.k8s.aws/gatewayclass", None, None), None);
+        let gw_tags: BTreeMap<String, String> = [(TAG_LBC_CLUSTER, "prod"), ("gateway.k8s.aws.nlb/stack", "shop/edge")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let (_, made_for) = judge_load_balancing(LbKind::LoadBalancer, "k8s-shop-edge", &gw_tags, "prod").unwrap();
+        assert_eq!(Some(made_for), stack_of(&gw));
         let tgb =
             held("TargetGroupBinding", "shop/tgb", FINALIZER_TARGET_GROUP_BINDING, Cleaner::LoadBalancerController);
         assert_eq!(stack_of(&tgb), None);

@@ -265,8 +265,8 @@ pub struct RunArgs {
 
     /// Before the drain, while the controllers that clean up in AWS still run, delete what they
     /// hold and wait until it and its AWS objects are gone: `load-balancers` (the Services,
-    /// Ingresses and TargetGroupBindings the AWS Load Balancer Controller holds, and so their
-    /// load balancers, target groups and security groups); `volumes` (the StatefulSets mounting
+    /// Ingresses, Gateways and TargetGroupBindings the AWS Load Balancer Controller holds, and so
+    /// their load balancers, target groups and security groups); `volumes` (the StatefulSets mounting
     /// the claims of the EBS CSI controller's Delete-policy PVs are scaled to zero and the claims
     /// deleted, and so the PVs and their EBS volumes). Refused (exit 3) for a load balancer with
     /// deletion protection, and for a claim mounted by a pod no StatefulSet owns. Finalizers are
@@ -327,8 +327,8 @@ pub struct TeardownArgs {
 /// `--release`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ReleaseArg {
-    /// The Load Balancer Controller's Services, Ingresses and TargetGroupBindings, and so their
-    /// load balancers, target groups and security groups.
+    /// The Load Balancer Controller's Services, Ingresses, Gateways and TargetGroupBindings, and
+    /// so their load balancers, target groups and security groups.
     LoadBalancers,
     /// The EBS CSI controller's PersistentVolumes (reclaim policy Delete): the StatefulSets
     /// mounting their claims are scaled to zero and the claims deleted, and so their volumes.

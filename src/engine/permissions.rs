@@ -64,6 +64,7 @@ pub fn cleanup_release_needs(release: &BTreeSet<crate::cleanup::Release>) -> BTr
                 p("delete", "", "services"),
                 p("delete", "networking.k8s.io", "ingresses"),
                 p("delete", "elbv2.k8s.aws", "targetgroupbindings"),
+                p("delete", "gateway.networking.k8s.io", "gateways"),
             ]),
             // the claims' pods are found by the pod list the drain has anyway
             crate::cleanup::Release::Volumes => need.extend([
@@ -110,6 +111,7 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
             p("list", "", "services"),
             p("list", "networking.k8s.io", "ingresses"),
             p("list", "elbv2.k8s.aws", "targetgroupbindings"),
+            p("list", "gateway.networking.k8s.io", "gateways"),
             p("list", "", "persistentvolumes"),
             p("list", "storage.k8s.io", "volumeattachments"),
             p("list", "coordination.k8s.io", "leases"),

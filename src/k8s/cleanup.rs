@@ -1,6 +1,6 @@
 //! Reading what the cleanup controllers hold and where they run (the judgement is in
 //! `crate::cleanup`). Objects are read first; the controllers and the other nodes only when some
-//! object is held, so a cluster without them pays five lists.
+//! object is held, so a cluster without them pays six lists.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -79,6 +79,9 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
     let bindings = all(Api::<DynamicObject>::all_with(client.clone(), &tgb), "targetgroupbindings", |b| {
         Some(held_by("TargetGroupBinding", &b.metadata, None, None))
     });
+    let gateways = all(Api::<DynamicObject>::all_with(client.clone(), &resource_of("Gateway")), "gateways", |g| {
+        Some(held_by("Gateway", &g.metadata, None, None))
+    });
     let volumes = all(Api::<PersistentVolume>::all(client.clone()), "persistentvolumes", |pv| {
         let spec = pv.spec.as_ref();
         let csi = spec.and_then(|s| s.csi.as_ref());
@@ -100,7 +103,7 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
             .flatten();
         Some((held, pv))
     });
-    let (s, i, b, v, a) = futures::try_join!(services, ingresses, bindings, volumes, attachments)?;
+    let (s, i, b, g, v, a) = futures::try_join!(services, ingresses, bindings, gateways, volumes, attachments)?;
     let mut ebs_volumes = BTreeMap::new();
     let mut facts = VolumeFacts::default();
     for (h, ebs) in v {
@@ -115,7 +118,7 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
         held.extend(h);
         facts.attached.extend(pv);
     }
-    for found in [s, i, b] {
+    for found in [s, i, b, g] {
         held.extend(found.into_iter().flatten());
     }
     if held.is_empty() {
@@ -200,6 +203,11 @@ fn resource_of(kind: &str) -> ApiResource {
         "Ingress" => ApiResource::erase::<Ingress>(&()),
         "PersistentVolume" => ApiResource::erase::<PersistentVolume>(&()),
         "VolumeAttachment" => ApiResource::erase::<VolumeAttachment>(&()),
+        // the version the Load Balancer Controller's Gateway support requires (Gateway API v1)
+        "Gateway" => ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("gateway.networking.k8s.io", "v1", "Gateway"),
+            "gateways",
+        ),
         _ => ApiResource::from_gvk_with_plural(
             &GroupVersionKind::gvk("elbv2.k8s.aws", "v1beta1", "TargetGroupBinding"),
             "targetgroupbindings",

@@ -212,6 +212,8 @@ fn group_of(resource: &str) -> Option<&'static str> {
         "persistentvolumes" => "",
         "ingresses" => "networking.k8s.io",
         "targetgroupbindings" => "elbv2.k8s.aws",
+        "gateways" => "gateway.networking.k8s.io",
+        "persistentvolumeclaims" => "",
         "volumeattachments" => "storage.k8s.io",
         "leases" => "coordination.k8s.io",
         _ => return None,

@@ -1,10 +1,12 @@
 //! The controllers the rest of a destroy depends on, on the real control plane (design §2.1):
 //! stand-ins of the AWS Load Balancer Controller and the EBS CSI controller (pods with the
 //! charts' `app.kubernetes.io/name` labels, placed by the real scheduler), and objects held by
-//! their real finalizers (`service.k8s.aws/resources` and `ingress.k8s.aws/resources` of the
-//! Load Balancer Controller's `controllers/service` and `controllers/ingress`; csi-provisioner's
-//! `external-provisioner.volume.kubernetes.io/finalizer` on a volume it deletes). The stand-ins
-//! clean up nothing in AWS; what is tested is where they run and what they hold.
+//! their real finalizers (`service.k8s.aws/resources`, `ingress.k8s.aws/resources` and
+//! `gateway.k8s.aws/nlb` of the Load Balancer Controller's `pkg/shared_constants/finalizers.go`,
+//! the Gateway under the Gateway API's own CRD; csi-provisioner's
+//! `external-provisioner.volume.kubernetes.io/finalizer` on a volume it deletes). In the first
+//! test the stand-ins clean up nothing in AWS: what is tested is where they run and what they
+//! hold; the release tests run `sandbox_sim::lbc` and `sandbox_sim::ebscsi`.
 
 use std::time::{Duration, Instant};
 
@@ -88,6 +90,21 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     }))
     .unwrap();
     ingresses.create(&pp, &ing).await.unwrap();
+    // a Gateway of its network load balancer class, under the Gateway API's own CRD
+    let crd = sandbox_sim::lbc::gateway_crd().unwrap_or_else(|e| panic!("{e}"));
+    sandbox_sim::world::create_crds(&p.admin, vec![crd]).await.unwrap();
+    let gateway = kube::core::ApiResource::from_gvk_with_plural(
+        &kube::core::GroupVersionKind::gvk("gateway.networking.k8s.io", "v1", "Gateway"),
+        "gateways",
+    );
+    let gateways: Api<kube::api::DynamicObject> = Api::namespaced_with(p.admin.clone(), "shop", &gateway);
+    let gw: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+        "metadata": {"name": "front", "finalizers": ["gateway.k8s.aws/nlb"]},
+        "spec": {"gatewayClassName": "aws-nlb", "listeners": [{"name": "web", "port": 80, "protocol": "HTTP"}]},
+    }))
+    .unwrap();
+    gateways.create(&pp, &gw).await.unwrap();
     // the PV's volume in EC2, tagged as the EBS CSI driver tags it without --k8s-tag-cluster-id
     // (its chart's default): nothing on it names the cluster; and another one so tagged
     let volume = |pv: &str| {
@@ -119,6 +136,7 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
                 && error.contains(&format!(" on {lbc_node})"))
                 && error.contains("Service shop/front (finalizer service.k8s.aws/resources)")
                 && error.contains("Ingress shop/front (finalizer ingress.k8s.aws/resources)")
+                && error.contains("Gateway shop/front (finalizer gateway.k8s.aws/nlb)")
                 && !error.contains("EBS"),
             "{error}"
         );
@@ -130,7 +148,7 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
             .map(|b| b["name"].as_str().unwrap().to_string())
             .collect();
         names.sort();
-        assert_eq!(names, ["Ingress/shop/front", "Service/shop/front"], "{}", r.dump());
+        assert_eq!(names, ["Gateway/shop/front", "Ingress/shop/front", "Service/shop/front"], "{}", r.dump());
         assert!(p.karpenter.running(), "the controller was removed");
         let ours = super::common::e2e::states(&p.aws, &p.instances).await;
         assert!(ours.values().all(|s| *s == karpenter_teardown::aws::InstanceState::Running), "{ours:?}");
@@ -143,6 +161,8 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     services.patch("front", &PatchParams::default(), &unhold).await.unwrap();
     ingresses.delete("front", &DeleteParams::default()).await.unwrap();
     ingresses.patch("front", &PatchParams::default(), &unhold).await.unwrap();
+    gateways.delete("front", &DeleteParams::default()).await.unwrap();
+    gateways.patch("front", &PatchParams::default(), &unhold).await.unwrap();
     let dry = teardown(&p, false).await;
     assert_eq!(dry.code, 0, "{}", dry.dump());
     assert!(

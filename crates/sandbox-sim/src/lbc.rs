@@ -18,7 +18,7 @@
 //!   runs on a node that is there: evicted with its node's drain, it does nothing more, and every
 //!   Service it holds stays held, as on EKS.
 //!
-//! Ingresses, TargetGroupBindings and the shared backend security group are not played.
+//! Ingresses, Gateways, TargetGroupBindings and the shared backend security group are not played.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -337,4 +337,26 @@ async fn finalize(ctx: &Ctx, svc: &Service) -> Result<(), String> {
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// The Gateway API's module and the release whose standard Gateway CRD the tests install: the
+/// newest the Go module proxy serves that Go 1.26 downloads (the Load Balancer Controller's
+/// Gateway support asks for a v1 standard install).
+const GATEWAY_API: (&str, &str, &str) =
+    ("sigs.k8s.io/gateway-api", "v1.6.3", "h1:lKpJa5bGlraC/QeACvCpsHLdmO6y0iKfzVl6gzaFEYc=");
+const GATEWAY_CRD: &str = "config/crd/standard/gateway.networking.k8s.io_gateways.yaml";
+
+/// The Gateway API's own Gateway CRD (`gateways.gateway.networking.k8s.io`), read from its
+/// release in Go's module cache at a pinned checksum, as the tests read Karpenter's: never
+/// copied into this repository.
+pub fn gateway_crd() -> Result<serde_json::Value, String> {
+    let (module, version, sum) = GATEWAY_API;
+    let dir = crate::karpenter_crds::go_module_dir(module, version, sum)
+        .map_err(|e| format!("cannot get {module}@{version} from Go's module cache: {e}"))?;
+    let text = std::fs::read_to_string(dir.join(GATEWAY_CRD)).map_err(|e| format!("{GATEWAY_CRD}: {e}"))?;
+    let crd: serde_json::Value = serde_saphyr::from_str(&text).map_err(|e| format!("{GATEWAY_CRD}: {e}"))?;
+    if crd["metadata"]["name"] != "gateways.gateway.networking.k8s.io" {
+        return Err(format!("{GATEWAY_CRD} is not the Gateway CRD"));
+    }
+    Ok(crd)
 }
