@@ -371,6 +371,20 @@ async fn with_consent_the_real_server_sees_a_statefulsets_volume_released_before
         cmd.args(["--yes", "--release", "volumes"]);
         super::common::e2e::run_of(cmd, &report)
     };
+    // a dry run plans the release, one line per StatefulSet and per claim, and changes nothing
+    let mut cmd = p.tool("run", p.s.tool_kubeconfig(), &report);
+    cmd.args(["--release", "volumes"]);
+    let dry = super::common::e2e::run_of(cmd, &report).await;
+    assert_eq!(dry.code, 0, "{}", dry.dump());
+    let planned: Vec<&str> = dry.stdout.lines().filter(|l| l.contains("release: ")).collect();
+    assert_eq!(planned.len(), 2, "{}", dry.dump());
+    assert!(planned[0].contains("scale StatefulSet shop/db to zero"), "{planned:?}");
+    assert!(
+        planned[1].contains("delete PersistentVolumeClaim shop/data-db-0")
+            && planned[1].contains(&format!("PersistentVolume pvc-data-db-0 and EBS volume {ours} are gone")),
+        "{planned:?}"
+    );
+    assert_eq!(statefulsets.get("db").await.unwrap().spec.unwrap().replicas, Some(1));
     // a pod no StatefulSet owns mounts the claim too: scaling the StatefulSet would not free
     // it, so the release is refused, nothing changed
     let backup: Pod = serde_json::from_value(json!({
