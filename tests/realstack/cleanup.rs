@@ -215,13 +215,14 @@ async fn release_bed(cluster: &str, name: &str, chart: &str) -> (super::resume::
 
 /// `--release load-balancers` on the real control plane: the stand-in Load Balancer Controller
 /// (`sandbox_sim::lbc`, its pod placed by the real scheduler on a Karpenter node and run by
-/// kwok) holds a Service of type LoadBalancer with its real finalizer, and its load balancer,
-/// target group and security group are in LocalStack. The real kube-apiserver keeps the deleted
-/// Service until the controller removes its finalizer; the run, held to `deploy/rbac.yaml` and
-/// `deploy/rbac-release.yaml`, deletes it before the drain evicts the controller and waits until
-/// it and its AWS objects are gone.
+/// kwok) holds a Service of type LoadBalancer and an Ingress of its IngressClass with their real
+/// finalizers, and their network and application load balancers, target groups and security
+/// groups are in LocalStack. The real kube-apiserver keeps each deleted object until the
+/// controller removes its finalizer; the run, held to `deploy/rbac.yaml` and
+/// `deploy/rbac-release.yaml`, deletes both before the drain evicts the controller and waits
+/// until they and their AWS objects are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_consent_the_real_server_sees_the_controllers_service_released_before_the_drain() {
+async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_released_before_the_drain() {
     let (p, config) = release_bed("rrel", "aws-load-balancer-controller", "aws-load-balancer-controller").await;
     let pp = PostParams::default();
     let lbc = sandbox_sim::lbc::StandInLbc::start(p.admin.clone(), &config, &p.cluster, Duration::from_millis(200));
@@ -233,9 +234,22 @@ async fn with_consent_the_real_server_sees_the_controllers_service_released_befo
     )
     .unwrap();
     services.create(&pp, &svc).await.unwrap();
-    let stack = "service.k8s.aws/stack shop/front";
-    let in_aws = || async {
-        karpenter_teardown::verify::load_balancing(&p.aws, &p.cluster)
+    // an Ingress of the controller's IngressClass, for which it makes an application load balancer
+    let class: k8s_openapi::api::networking::v1::IngressClass =
+        serde_json::from_value(json!({"metadata": {"name": "alb"}, "spec": {"controller": "ingress.k8s.aws/alb"}}))
+            .unwrap();
+    Api::<k8s_openapi::api::networking::v1::IngressClass>::all(p.admin.clone()).create(&pp, &class).await.unwrap();
+    let ingresses: Api<Ingress> = Api::namespaced(p.admin.clone(), "shop");
+    let ing: Ingress = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"ingressClassName": "alb", "defaultBackend": {"service": {"name": "front", "port": {"number": 80}}}},
+    }))
+    .unwrap();
+    ingresses.create(&pp, &ing).await.unwrap();
+    let stacks = ["service.k8s.aws/stack shop/front", "ingress.k8s.aws/stack shop/web"];
+    let (aws, cluster) = (&p.aws, p.cluster.as_str());
+    let in_aws = |stack: &'static str| async move {
+        karpenter_teardown::verify::load_balancing(aws, cluster)
             .await
             .unwrap()
             .into_iter()
@@ -243,8 +257,13 @@ async fn with_consent_the_real_server_sees_the_controllers_service_released_befo
             .count()
     };
     let deadline = Instant::now() + Duration::from_secs(60);
-    while in_aws().await < 3 || services.get("front").await.unwrap().metadata.finalizers.is_none() {
-        assert!(Instant::now() < deadline, "the stand-in did not make the Service's load balancer");
+    loop {
+        let held = services.get("front").await.unwrap().metadata.finalizers.is_some()
+            && ingresses.get("web").await.unwrap().metadata.finalizers.is_some();
+        if held && in_aws(stacks[0]).await == 3 && in_aws(stacks[1]).await == 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the stand-in did not make the Service's and the Ingress's load balancers");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 
@@ -274,7 +293,10 @@ async fn with_consent_the_real_server_sees_the_controllers_service_released_befo
         run.dump()
     );
     assert!(services.get_opt("front").await.unwrap().is_none(), "the Service outlived its release");
-    assert_eq!(in_aws().await, 0, "the Service's load balancer, target group or security group is left");
+    assert!(ingresses.get_opt("web").await.unwrap().is_none(), "the Ingress outlived its release");
+    for stack in stacks {
+        assert_eq!(in_aws(stack).await, 0, "a load balancer, target group or security group of {stack} is left");
+    }
     p.assert_torn_down(&p.instances).await;
     lbc.shutdown().await;
     p.end().await;

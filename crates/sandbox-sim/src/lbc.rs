@@ -1,24 +1,30 @@
-//! A stand-in for the AWS Load Balancer Controller's Service reconciler
-//! (kubernetes-sigs/aws-load-balancer-controller, `controllers/service/service_controller.go`),
-//! which the Go module proxy does not serve: what the teardown relies on, made as the real one
-//! makes it, against LocalStack's ELBv2 and EC2.
+//! A stand-in for the AWS Load Balancer Controller's Service and Ingress reconcilers
+//! (kubernetes-sigs/aws-load-balancer-controller, `controllers/service/service_controller.go`,
+//! `controllers/ingress/group_controller.go`), which the Go module proxy does not serve: what the
+//! teardown relies on, made as the real one makes it, against LocalStack's ELBv2 and EC2.
 //!
-//! - A Service of type LoadBalancer gets the finalizer `service.k8s.aws/resources`
-//!   (`serviceFinalizer`) before anything is made in AWS; then a network load balancer, a target
+//! - It manages a Service of type LoadBalancer, and an Ingress of its class: the annotation
+//!   `kubernetes.io/ingress.class: alb`, or an `ingressClassName` whose IngressClass names the
+//!   controller `ingress.k8s.aws/alb`. Each gets its finalizer (`service.k8s.aws/resources`,
+//!   `ingress.k8s.aws/resources`: `pkg/shared_constants/finalizers.go`) before anything is made
+//!   in AWS; then a load balancer (network for a Service, application for an Ingress), a target
 //!   group and the load balancer's managed security group, each tagged `elbv2.k8s.aws/cluster=<
 //!   cluster>` (`pkg/deploy/tracking/provider.go`: the cluster is the tag's value),
-//!   `service.k8s.aws/stack=<namespace>/<name>` and `service.k8s.aws/resource` (`LoadBalancer`,
-//!   the port, `ManagedLBSecurityGroup`).
-//! - A deleted Service: when its `service.beta.kubernetes.io/aws-load-balancer-attributes`
-//!   annotation turns deletion protection on, the controller refuses and keeps its finalizer
-//!   ("deletion_protection is enabled, cannot delete the service"); otherwise it switches off a
-//!   protection set on the load balancer alone (`load_balancer_synthesizer.go`), deletes the load
-//!   balancer, the target group and the security group, and only then removes its finalizer.
+//!   `<prefix>/stack=<namespace>/<name>` and `<prefix>/resource` (`LoadBalancer`, the port,
+//!   `ManagedLBSecurityGroup`), the prefix `service.k8s.aws` or `ingress.k8s.aws`.
+//! - A deleted object: when its attributes annotation
+//!   (`service.beta.kubernetes.io/aws-load-balancer-attributes`,
+//!   `alb.ingress.kubernetes.io/load-balancer-attributes`) turns deletion protection on, the
+//!   controller refuses and keeps its finalizer ("deletion_protection is enabled, cannot delete
+//!   the service"); otherwise it switches off a protection set on the load balancer alone
+//!   (`load_balancer_synthesizer.go`), deletes the load balancer, the target group and the
+//!   security group, and only then removes its finalizer.
 //! - It acts only while one of its pods (`app.kubernetes.io/name=aws-load-balancer-controller`)
 //!   runs on a node that is there: evicted with its node's drain, it does nothing more, and every
-//!   Service it holds stays held, as on EKS.
+//!   object it holds stays held, as on EKS.
 //!
-//! Ingresses, Gateways, TargetGroupBindings and the shared backend security group are not played.
+//! IngressGroups (one load balancer for several Ingresses), Gateways, TargetGroupBindings and the
+//! shared backend security group are not played.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -26,20 +32,75 @@ use std::time::Duration;
 use aws_sdk_ec2::types::{Filter, ResourceType, Tag, TagSpecification};
 use aws_sdk_elasticloadbalancingv2::types::{LoadBalancerAttribute, LoadBalancerTypeEnum, ProtocolEnum, Tag as V2Tag};
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use k8s_openapi::api::networking::v1::{Ingress, IngressClass};
+use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 /// The finalizer the controller puts on a Service it manages.
 pub const FINALIZER: &str = "service.k8s.aws/resources";
+/// The finalizer it puts on an Ingress it manages alone (not in an explicit IngressGroup).
+pub const INGRESS_FINALIZER: &str = "ingress.k8s.aws/resources";
 /// The label of its pods (its chart's).
 pub const CHART_LABEL: &str = "app.kubernetes.io/name=aws-load-balancer-controller";
-/// The annotation that sets load balancer attributes.
+/// The annotation that sets a Service's load balancer attributes.
 pub const ATTRIBUTES_ANNOTATION: &str = "service.beta.kubernetes.io/aws-load-balancer-attributes";
+/// The annotation that sets an Ingress's load balancer attributes.
+pub const INGRESS_ATTRIBUTES_ANNOTATION: &str = "alb.ingress.kubernetes.io/load-balancer-attributes";
+/// The controller an IngressClass names for it, and its default class annotation value.
+const INGRESS_CONTROLLER: &str = "ingress.k8s.aws/alb";
+const INGRESS_CLASS_ANNOTATION: &str = "kubernetes.io/ingress.class";
 const PROTECTION: &str = "deletion_protection.enabled";
 const TAG_CLUSTER: &str = "elbv2.k8s.aws/cluster";
-const TAG_STACK: &str = "service.k8s.aws/stack";
-const TAG_RESOURCE: &str = "service.k8s.aws/resource";
+
+/// A kind of object the stand-in manages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Service,
+    Ingress,
+}
+
+impl Kind {
+    fn resource(self) -> ApiResource {
+        match self {
+            Kind::Service => ApiResource::erase::<Service>(&()),
+            Kind::Ingress => ApiResource::erase::<Ingress>(&()),
+        }
+    }
+
+    fn finalizer(self) -> &'static str {
+        match self {
+            Kind::Service => FINALIZER,
+            Kind::Ingress => INGRESS_FINALIZER,
+        }
+    }
+
+    /// The prefix of its `<prefix>/stack` and `<prefix>/resource` tags.
+    fn prefix(self) -> &'static str {
+        match self {
+            Kind::Service => "service.k8s.aws",
+            Kind::Ingress => "ingress.k8s.aws",
+        }
+    }
+
+    fn annotation(self) -> &'static str {
+        match self {
+            Kind::Service => ATTRIBUTES_ANNOTATION,
+            Kind::Ingress => INGRESS_ATTRIBUTES_ANNOTATION,
+        }
+    }
+
+    fn lb_type(self) -> LoadBalancerTypeEnum {
+        match self {
+            Kind::Service => LoadBalancerTypeEnum::Network,
+            Kind::Ingress => LoadBalancerTypeEnum::Application,
+        }
+    }
+
+    fn tag(self, what: &str) -> String {
+        format!("{}/{what}", self.prefix())
+    }
+}
 
 /// The stand-in, running until [`StandInLbc::shutdown`].
 pub struct StandInLbc {
@@ -115,9 +176,9 @@ pub(crate) async fn running_with(client: &Client, label: &str) -> bool {
     false
 }
 
-/// Whether the Service's annotation turns deletion protection on.
-pub fn annotated_protection(svc: &Service) -> bool {
-    svc.annotations().get(ATTRIBUTES_ANNOTATION).is_some_and(|v| {
+/// Whether the object's attributes annotation turns deletion protection on.
+fn annotated_protection(kind: Kind, obj: &DynamicObject) -> bool {
+    obj.annotations().get(kind.annotation()).is_some_and(|v| {
         v.split(',').any(|kv| kv.split_once('=').is_some_and(|(k, v)| k.trim() == PROTECTION && v.trim() == "true"))
     })
 }
@@ -129,44 +190,74 @@ fn lb_name(ns: &str, name: &str, uid: &str) -> String {
     format!("k8s-{}-{}-{hash:08x}", short(ns, 8), short(name, 8))
 }
 
+/// Whether the controller manages `obj`: a Service of type LoadBalancer; an Ingress of its class.
+fn manages(kind: Kind, obj: &DynamicObject, alb_classes: &[String]) -> bool {
+    match kind {
+        Kind::Service => obj.data["spec"]["type"] == "LoadBalancer",
+        Kind::Ingress => {
+            obj.annotations().get(INGRESS_CLASS_ANNOTATION).map(String::as_str) == Some("alb")
+                || obj.data["spec"]["ingressClassName"].as_str().is_some_and(|c| alb_classes.iter().any(|a| a == c))
+        }
+    }
+}
+
 async fn reconcile(ctx: &Ctx) -> Result<(), String> {
-    let services: Api<Service> = Api::all(ctx.client.clone());
-    let list = services.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
-    for svc in list.items {
-        let is_lb = svc.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("LoadBalancer");
-        let held = svc.finalizers().iter().any(|f| f == FINALIZER);
-        if svc.metadata.deletion_timestamp.is_some() {
-            if held {
-                finalize(ctx, &svc).await?;
+    let classes: Api<IngressClass> = Api::all(ctx.client.clone());
+    let alb_classes: Vec<String> = match classes.list(&ListParams::default()).await {
+        Ok(l) => l
+            .items
+            .into_iter()
+            .filter(|c| c.spec.as_ref().and_then(|s| s.controller.as_deref()) == Some(INGRESS_CONTROLLER))
+            .map(|c| c.name_any())
+            .collect(),
+        // a server that serves no IngressClasses (the sandbox's): annotated Ingresses only
+        Err(_) => Vec::new(),
+    };
+    for kind in [Kind::Service, Kind::Ingress] {
+        let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &kind.resource());
+        let list = match api.list(&ListParams::default()).await {
+            Ok(l) => l,
+            Err(kube::Error::Api(s)) if s.code == 404 => continue,
+            Err(e) => return Err(e.to_string()),
+        };
+        for obj in list.items {
+            let held = obj.finalizers().iter().any(|f| f == kind.finalizer());
+            if obj.metadata.deletion_timestamp.is_some() {
+                if held {
+                    finalize(ctx, kind, &obj).await?;
+                }
+            } else if manages(kind, &obj, &alb_classes) {
+                if !held {
+                    set_finalizers(ctx, kind, &obj, true).await?;
+                }
+                ensure(ctx, kind, &obj).await?;
             }
-        } else if is_lb {
-            if !held {
-                add_finalizer(ctx, &svc).await?;
-            }
-            ensure(ctx, &svc).await?;
         }
     }
     Ok(())
 }
 
-fn ns_name(svc: &Service) -> (String, String) {
-    (svc.namespace().unwrap_or_default(), svc.name_any())
+fn ns_name(obj: &DynamicObject) -> (String, String) {
+    (obj.namespace().unwrap_or_default(), obj.name_any())
 }
 
-async fn add_finalizer(ctx: &Ctx, svc: &Service) -> Result<(), String> {
-    let (ns, name) = ns_name(svc);
-    let mut finalizers = svc.finalizers().to_vec();
-    finalizers.push(FINALIZER.to_string());
-    let patch = serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": svc.resource_version()}});
-    Api::<Service>::namespaced(ctx.client.clone(), &ns)
+/// Adds (`hold`) or removes the kind's finalizer, at the object's resourceVersion.
+async fn set_finalizers(ctx: &Ctx, kind: Kind, obj: &DynamicObject, hold: bool) -> Result<(), String> {
+    let (ns, name) = ns_name(obj);
+    let mut finalizers: Vec<String> = obj.finalizers().iter().filter(|f| *f != kind.finalizer()).cloned().collect();
+    if hold {
+        finalizers.push(kind.finalizer().to_string());
+    }
+    let patch = serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.resource_version()}});
+    Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &ns, &kind.resource())
         .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
 }
 
-/// The ARNs of the ELBv2 objects tagged for the Service's stack (load balancers, target groups).
-async fn stack_arns(ctx: &Ctx, stack: &str) -> Result<(Vec<String>, Vec<String>), String> {
+/// The ARNs of the ELBv2 objects tagged for the stack (load balancers, target groups).
+async fn stack_arns(ctx: &Ctx, kind: Kind, stack: &str) -> Result<(Vec<String>, Vec<String>), String> {
     let lbs: Vec<String> = ctx
         .v2
         .describe_load_balancers()
@@ -187,6 +278,7 @@ async fn stack_arns(ctx: &Ctx, stack: &str) -> Result<(Vec<String>, Vec<String>)
         .iter()
         .filter_map(|t| t.target_group_arn().map(str::to_string))
         .collect();
+    let tag_stack = kind.tag("stack");
     let mut mine = (Vec::new(), Vec::new());
     for (arns, out) in [(lbs, &mut mine.0), (tgs, &mut mine.1)] {
         for chunk in arns.chunks(20) {
@@ -200,7 +292,7 @@ async fn stack_arns(ctx: &Ctx, stack: &str) -> Result<(Vec<String>, Vec<String>)
             for d in tags.tag_descriptions() {
                 let t: BTreeMap<&str, &str> =
                     d.tags().iter().filter_map(|t| Some((t.key()?, t.value().unwrap_or_default()))).collect();
-                if t.get(TAG_CLUSTER) == Some(&ctx.cluster.as_str()) && t.get(TAG_STACK) == Some(&stack) {
+                if t.get(TAG_CLUSTER) == Some(&ctx.cluster.as_str()) && t.get(tag_stack.as_str()) == Some(&stack) {
                     out.push(d.resource_arn().unwrap_or_default().to_string());
                 }
             }
@@ -209,54 +301,54 @@ async fn stack_arns(ctx: &Ctx, stack: &str) -> Result<(Vec<String>, Vec<String>)
     Ok(mine)
 }
 
-async fn stack_security_groups(ctx: &Ctx, stack: &str) -> Result<Vec<String>, String> {
+async fn stack_security_groups(ctx: &Ctx, kind: Kind, stack: &str) -> Result<Vec<String>, String> {
     let out = ctx
         .ec2
         .describe_security_groups()
         .filters(Filter::builder().name(format!("tag:{TAG_CLUSTER}")).values(&ctx.cluster).build())
-        .filters(Filter::builder().name(format!("tag:{TAG_STACK}")).values(stack).build())
+        .filters(Filter::builder().name(format!("tag:{}", kind.tag("stack"))).values(stack).build())
         .send()
         .await
         .map_err(|e| format!("{e:?}"))?;
     Ok(out.security_groups().iter().filter_map(|g| g.group_id().map(str::to_string)).collect())
 }
 
-/// Makes the Service's load balancer, target group and security group, once.
-async fn ensure(ctx: &Ctx, svc: &Service) -> Result<(), String> {
-    let (ns, name) = ns_name(svc);
+/// Makes the object's load balancer, target group and security group, once.
+async fn ensure(ctx: &Ctx, kind: Kind, obj: &DynamicObject) -> Result<(), String> {
+    let (ns, name) = ns_name(obj);
     let stack = format!("{ns}/{name}");
-    if !stack_arns(ctx, &stack).await?.0.is_empty() {
+    if !stack_arns(ctx, kind, &stack).await?.0.is_empty() {
         return Ok(());
     }
-    let subnets: Vec<String> = ctx
-        .ec2
-        .describe_subnets()
-        .send()
-        .await
-        .map_err(|e| format!("{e:?}"))?
-        .subnets()
-        .iter()
-        .filter_map(|s| s.subnet_id().map(str::to_string))
-        .take(2)
-        .collect();
+    // two subnets of different zones, as an application load balancer needs
+    let mut subnets: Vec<String> = Vec::new();
+    let mut zones: Vec<String> = Vec::new();
+    for s in ctx.ec2.describe_subnets().send().await.map_err(|e| format!("{e:?}"))?.subnets() {
+        let zone = s.availability_zone().unwrap_or_default().to_string();
+        if subnets.len() < 2 && !zones.contains(&zone) {
+            zones.push(zone);
+            subnets.extend(s.subnet_id().map(str::to_string));
+        }
+    }
     let vpc = ctx.ec2.describe_vpcs().send().await.map_err(|e| format!("{e:?}"))?.vpcs()[0]
         .vpc_id()
         .unwrap_or_default()
         .to_string();
+    let (tag_stack, tag_resource) = (kind.tag("stack"), kind.tag("resource"));
     let v2_tags = |resource: &str| {
-        [(TAG_CLUSTER, ctx.cluster.as_str()), (TAG_STACK, stack.as_str()), (TAG_RESOURCE, resource)]
+        [(TAG_CLUSTER, ctx.cluster.as_str()), (tag_stack.as_str(), stack.as_str()), (tag_resource.as_str(), resource)]
             .iter()
             .map(|(k, v)| V2Tag::builder().key(*k).value(*v).build())
             .collect::<Vec<_>>()
     };
-    let lb_name = lb_name(&ns, &name, &svc.uid().unwrap_or_default());
+    let lb_name = lb_name(&ns, &name, &obj.uid().unwrap_or_default());
     let sg_tags = TagSpecification::builder()
         .resource_type(ResourceType::SecurityGroup)
         .set_tags(Some(
             [
                 (TAG_CLUSTER, ctx.cluster.as_str()),
-                (TAG_STACK, stack.as_str()),
-                (TAG_RESOURCE, "ManagedLBSecurityGroup"),
+                (tag_stack.as_str(), stack.as_str()),
+                (tag_resource.as_str(), "ManagedLBSecurityGroup"),
             ]
             .iter()
             .map(|(k, v)| Tag::builder().key(*k).value(*v).build())
@@ -272,10 +364,11 @@ async fn ensure(ctx: &Ctx, svc: &Service) -> Result<(), String> {
         .send()
         .await
         .map_err(|e| format!("{e:?}"))?;
+    let protocol = if kind == Kind::Service { ProtocolEnum::Tcp } else { ProtocolEnum::Http };
     ctx.v2
         .create_target_group()
         .name(&lb_name)
-        .protocol(ProtocolEnum::Tcp)
+        .protocol(protocol)
         .port(80)
         .vpc_id(&vpc)
         .set_tags(Some(v2_tags("80")))
@@ -286,13 +379,13 @@ async fn ensure(ctx: &Ctx, svc: &Service) -> Result<(), String> {
         .v2
         .create_load_balancer()
         .name(&lb_name)
-        .r#type(LoadBalancerTypeEnum::Network)
+        .r#type(kind.lb_type())
         .set_subnets(Some(subnets))
         .set_tags(Some(v2_tags("LoadBalancer")))
         .send()
         .await
         .map_err(|e| format!("{e:?}"))?;
-    if annotated_protection(svc) {
+    if annotated_protection(kind, obj) {
         let arn = lb.load_balancers().first().and_then(|l| l.load_balancer_arn()).unwrap_or_default();
         set_protection(ctx, arn, true).await?;
     }
@@ -311,15 +404,15 @@ async fn set_protection(ctx: &Ctx, arn: &str, on: bool) -> Result<(), String> {
         .map_err(|e| format!("{e:?}"))
 }
 
-/// Deletes the Service's AWS objects and then its finalizer, unless its annotation protects it.
-async fn finalize(ctx: &Ctx, svc: &Service) -> Result<(), String> {
-    let (ns, name) = ns_name(svc);
-    if annotated_protection(svc) {
-        tracing::info!(service = %format!("{ns}/{name}"), "deletion_protection is enabled, cannot delete the service");
+/// Deletes the object's AWS objects and then its finalizer, unless its annotation protects it.
+async fn finalize(ctx: &Ctx, kind: Kind, obj: &DynamicObject) -> Result<(), String> {
+    let (ns, name) = ns_name(obj);
+    if annotated_protection(kind, obj) {
+        tracing::info!(object = %format!("{ns}/{name}"), "deletion_protection is enabled, cannot delete it");
         return Ok(());
     }
     let stack = format!("{ns}/{name}");
-    let (lbs, tgs) = stack_arns(ctx, &stack).await?;
+    let (lbs, tgs) = stack_arns(ctx, kind, &stack).await?;
     for arn in &lbs {
         set_protection(ctx, arn, false).await?;
         ctx.v2.delete_load_balancer().load_balancer_arn(arn).send().await.map_err(|e| format!("{e:?}"))?;
@@ -327,16 +420,10 @@ async fn finalize(ctx: &Ctx, svc: &Service) -> Result<(), String> {
     for arn in &tgs {
         ctx.v2.delete_target_group().target_group_arn(arn).send().await.map_err(|e| format!("{e:?}"))?;
     }
-    for id in stack_security_groups(ctx, &stack).await? {
+    for id in stack_security_groups(ctx, kind, &stack).await? {
         ctx.ec2.delete_security_group().group_id(id).send().await.map_err(|e| format!("{e:?}"))?;
     }
-    let finalizers: Vec<String> = svc.finalizers().iter().filter(|f| *f != FINALIZER).cloned().collect();
-    let patch = serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": svc.resource_version()}});
-    Api::<Service>::namespaced(ctx.client.clone(), &ns)
-        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    set_finalizers(ctx, kind, obj, false).await
 }
 
 /// The Gateway API's module and the release whose standard Gateway CRD the tests install: the
