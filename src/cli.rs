@@ -263,17 +263,6 @@ pub struct RunArgs {
     #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
     pub yes: bool,
 
-    /// Before the drain, while the controllers that clean up in AWS still run, delete what they
-    /// hold and wait until it and its AWS objects are gone: `load-balancers` (the Services,
-    /// Ingresses, Gateways and TargetGroupBindings the AWS Load Balancer Controller holds, and so
-    /// their load balancers, target groups and security groups); `volumes` (the StatefulSets mounting
-    /// the claims of the EBS CSI controller's Delete-policy PVs are scaled to zero and the claims
-    /// deleted, and so the PVs and their EBS volumes). Refused (exit 3) for a load balancer with
-    /// deletion protection, and for a claim mounted by a pod no StatefulSet owns. Finalizers are
-    /// never removed; the data on the volumes is gone.
-    #[arg(long, env = "KARPENTER_TEARDOWN_RELEASE", value_enum, value_delimiter = ',', value_name = "WHAT")]
-    pub release: Vec<ReleaseArg>,
-
     /// Without a terminal (a CI log), how often to log what the run is waiting for: tasks
     /// running, pods left on how many nodes, the budgets holding them, time to the deadline.
     #[arg(long, env = "KARPENTER_TEARDOWN_PROGRESS_EVERY", value_name = "DURATION", default_value = "30s")]
@@ -322,6 +311,17 @@ pub struct TeardownArgs {
     /// manager no owner here accounts for) are paused: go on. Without it such objects refuse the run.
     #[arg(long, env = "KARPENTER_TEARDOWN_GITOPS_PAUSED_ELSEWHERE")]
     pub gitops_paused_elsewhere: bool,
+
+    /// Before the drain, while the controllers that clean up in AWS still run, delete what they
+    /// hold and wait until it and its AWS objects are gone: `load-balancers` (the Services,
+    /// Ingresses, Gateways and TargetGroupBindings the AWS Load Balancer Controller holds, and so
+    /// their load balancers, target groups and security groups); `volumes` (the StatefulSets mounting
+    /// the claims of the EBS CSI controller's Delete-policy PVs are scaled to zero and the claims
+    /// deleted, and so the PVs and their EBS volumes). Refused (exit 3) for a load balancer with
+    /// deletion protection, and for a claim mounted by a pod no StatefulSet owns. Finalizers are
+    /// never removed; the data on the volumes is gone.
+    #[arg(long, env = "KARPENTER_TEARDOWN_RELEASE", value_enum, value_delimiter = ',', value_name = "WHAT")]
+    pub release: Vec<ReleaseArg>,
 }
 
 /// `--release`.

@@ -178,14 +178,7 @@ impl RunConfig {
             on_drain_deadline: t.on_drain_deadline,
             max_nodes: t.max_nodes,
             gitops: t.gitops,
-            release: a
-                .release
-                .iter()
-                .map(|r| match r {
-                    crate::cli::ReleaseArg::LoadBalancers => crate::cleanup::Release::LoadBalancers,
-                    crate::cli::ReleaseArg::Volumes => crate::cleanup::Release::Volumes,
-                })
-                .collect(),
+            release: t.release,
             progress_every: match parse_duration("progress-every", &a.progress_every)? {
                 d if d.is_zero() => {
                     return Err(ConfigError::BadDuration {
@@ -215,6 +208,8 @@ pub(crate) struct TeardownConfig {
     pub max_nodes: Option<u32>,
     /// What may be done about GitOps owners of the Karpenter objects.
     pub gitops: crate::gitops::GitopsConsent,
+    /// What the cleanup controllers hold that the run may release before the drain.
+    pub release: std::collections::BTreeSet<crate::cleanup::Release>,
 }
 
 impl TeardownConfig {
@@ -231,6 +226,14 @@ impl TeardownConfig {
             on_drain_deadline: a.on_drain_deadline.map(Into::into),
             max_nodes: a.max_nodes,
             gitops: crate::gitops::GitopsConsent { pause: a.pause_gitops, paused_elsewhere: a.gitops_paused_elsewhere },
+            release: a
+                .release
+                .iter()
+                .map(|r| match r {
+                    crate::cli::ReleaseArg::LoadBalancers => crate::cleanup::Release::LoadBalancers,
+                    crate::cli::ReleaseArg::Volumes => crate::cleanup::Release::Volumes,
+                })
+                .collect(),
         })
     }
 }
@@ -284,6 +287,22 @@ mod tests {
         assert_eq!(parse_duration("drain-deadline", "1h30m").unwrap(), Duration::from_secs(5400));
         let e = parse_duration("drain-deadline", "ten minutes").unwrap_err().to_string();
         assert!(e.contains("--drain-deadline") && e.contains("10m"), "{e}");
+    }
+
+    #[test]
+    fn run_and_rehearse_take_the_same_release_consent() {
+        use clap::Parser;
+        let teardown = |argv: &[&str]| match crate::cli::Cli::try_parse_from(argv).unwrap().command {
+            crate::cli::Command::Run(a) => TeardownConfig::from_args(&a.teardown).unwrap(),
+            crate::cli::Command::Rehearse(a) => TeardownConfig::from_args(&a.teardown).unwrap(),
+            other => panic!("{other:?}"),
+        };
+        let both = [crate::cleanup::Release::LoadBalancers, crate::cleanup::Release::Volumes].into();
+        let run = ["kt", "run", "--cluster", "c", "--region", "eu-west-1", "--release", "load-balancers,volumes"];
+        assert_eq!(teardown(&run).release, both);
+        let rehearse = ["kt", "rehearse", "--cluster", "c", "--region", "eu-west-1", "--release", "volumes"];
+        assert_eq!(teardown(&rehearse).release, [crate::cleanup::Release::Volumes].into());
+        assert!(crate::cli::Cli::try_parse_from(["kt", "run", "--cluster", "c", "--release", "disks"]).is_err());
     }
 
     #[test]

@@ -72,6 +72,7 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
         max_nodes: teardown.max_nodes,
         reclaim: args.reclaim,
         gitops: teardown.gitops,
+        release: teardown.release.clone(),
         time_scale: args.time_scale,
         localstack,
     };
@@ -196,7 +197,10 @@ async fn live_permissions(
 ) -> Result<PermissionsSeen, String> {
     use crate::engine::permissions;
     let delete_pods = settings.drain.policy == Some(crate::config::DrainPolicy::Delete);
-    let k8s_need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
+    let mut k8s_need = permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
+    if !settings.release.is_empty() {
+        k8s_need.extend(permissions::cleanup_release_needs(&settings.release));
+    }
     let k8s = permissions::missing_kubernetes(&kube.client, &k8s_need).await.map_err(|e| e.to_string())?;
     let ec2_need = permissions::ec2_needs(&settings.plan, settings.reclaim);
     let ec2 = permissions::missing_ec2(aws, cluster, &ec2_need, instances).await.map_err(|e| e.to_string())?;
@@ -221,7 +225,7 @@ async fn live_refusal(kube: &Kube, settings: &RehearsalSettings) -> Result<Optio
     if admission.is_some() {
         return Ok(admission);
     }
-    let verdict = cleanup_verdict(&kube.client, &settings.plan, &inv, &Default::default(), &mut text)
+    let verdict = cleanup_verdict(&kube.client, &settings.plan, &inv, &settings.release, &mut text)
         .await
         .map_err(|e| e.to_string())?;
     Ok(verdict.refused)

@@ -75,6 +75,9 @@ pub(crate) struct RehearsalSettings {
     pub reclaim: bool,
     /// `--pause-gitops`, `--gitops-paused-elsewhere`.
     pub gitops: GitopsConsent,
+    /// `--release`: predicted in what it refuses and the permissions it needs; not played on
+    /// the copy, which holds no Services or volumes.
+    pub release: std::collections::BTreeSet<crate::cleanup::Release>,
     /// The copy's clock (0.2: five times as fast).
     pub time_scale: f64,
     /// The LocalStack that holds the copy's AWS side.
