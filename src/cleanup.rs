@@ -227,6 +227,8 @@ pub(crate) struct VolumeRelease {
     /// The PVs waited for, each with its EBS volume id: the controller deletes the volume in EC2
     /// and then the PV.
     pub(crate) volumes: BTreeMap<String, String>,
+    /// The held objects the release waits for: those PVs, and the VolumeAttachments of them.
+    pub(crate) held: Vec<Held>,
 }
 
 /// How the EBS CSI controller's objects in `held` are released, or why some cannot be (each
@@ -281,11 +283,13 @@ pub(crate) fn plan_volume_release(
         if ok {
             out.claims.insert(claim.clone());
             out.volumes.insert(h.name.clone(), id.clone());
+            out.held.push(h.clone());
         }
     }
     for h in mine().filter(|h| h.kind == "VolumeAttachment") {
         match facts.attached.get(&h.name) {
-            Some(pv) if out.volumes.contains_key(pv) || !stranded => {}
+            Some(pv) if out.volumes.contains_key(pv) => out.held.push(h.clone()),
+            Some(_) if !stranded => {}
             Some(pv) => refused.push((
                 h.object(),
                 format!("it attaches PersistentVolume {pv}, which this release does not delete, and only the EBS CSI controller can detach it"),
@@ -564,22 +568,17 @@ mod tests {
         assert_eq!(stack_of(&gw).as_deref(), Some("gateway.k8s.aws.nlb/stack shop/edge"));
         assert_eq!(cleaner_of("Gateway", FINALIZER_GATEWAY_ALB, None, None), Some(Cleaner::LoadBalancerController));
         assert_eq!(cleaner_of("Gateway", "gateway.k8s.aws/gatewayclass", None, None), None);
-        let gw_tags: BTreeMap<String, String> = [(TAG_LBC_CLUSTER, "prod"), ("gateway.k8s.aws.nlb/stack", "shop/edge")]
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let (_, made_for) = judge_load_balancing(LbKind::LoadBalancer, "k8s-shop-edge", &gw_tags, "prod").unwrap();
-        assert_eq!(Some(made_for), stack_of(&gw));
         let tgb =
             held("TargetGroupBinding", "shop/tgb", FINALIZER_TARGET_GROUP_BINDING, Cleaner::LoadBalancerController);
         assert_eq!(stack_of(&tgb), None);
         // the stack names what judge_load_balancing reports for the controller's objects
-        let tags: BTreeMap<String, String> = [(TAG_LBC_CLUSTER, "prod"), ("service.k8s.aws/stack", "shop/front")]
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let (_, made_for) = judge_load_balancing(LbKind::LoadBalancer, "k8s-shop-front", &tags, "prod").unwrap();
-        assert_eq!(Some(made_for), stack_of(&svc));
+        for (h, key, value) in
+            [(&svc, "service.k8s.aws/stack", "shop/front"), (&gw, "gateway.k8s.aws.nlb/stack", "shop/edge")]
+        {
+            let tags = BTreeMap::from([(TAG_LBC_CLUSTER.to_string(), "prod".to_string()), (key.into(), value.into())]);
+            let (_, made_for) = judge_load_balancing(LbKind::LoadBalancer, "k8s-lb", &tags, "prod").unwrap();
+            assert_eq!(Some(made_for), stack_of(h));
+        }
     }
 
     #[test]
@@ -638,6 +637,7 @@ mod tests {
         assert_eq!(plan.statefulsets, [s("shop/db")].into());
         assert_eq!(plan.claims, [s("shop/data-db-0"), s("shop/data-db-1")].into());
         assert_eq!(plan.volumes, [(s("pv-db-0"), s("vol-0")), (s("pv-db-1"), s("vol-1"))].into());
+        assert_eq!(plan.held, [objects[0].clone(), objects[1].clone(), objects[4].clone()]);
         // a Deployment's claim, a PV bound to no claim and, the controller stranded, an
         // attachment of a volume not released are refused, one reason each
         assert_eq!(refused.len(), 3, "{refused:?}");

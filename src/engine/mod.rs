@@ -187,7 +187,7 @@ pub(crate) async fn cleanup_verdict(
         if v.cleaner == crate::cleanup::Cleaner::EbsCsi {
             let claims = seen.facts.claims.values().flatten().cloned().collect();
             let users = crate::k8s::retry_transient(|| crate::k8s::cleanup::claim_users(client, &claims)).await?;
-            let (plan, refused) = crate::cleanup::plan_volume_release(&v.held, &seen.facts, &users, v.stranded);
+            let (mut plan, refused) = crate::cleanup::plan_volume_release(&v.held, &seen.facts, &users, v.stranded);
             unreleasable.extend(refused);
             for sts in &plan.statefulsets {
                 plan_text.push_str(&format!(
@@ -201,15 +201,7 @@ pub(crate) async fn cleanup_verdict(
                     v.cleaner
                 ));
             }
-            out.release.extend(
-                v.held
-                    .iter()
-                    .filter(|h| match h.kind {
-                        "PersistentVolume" => plan.volumes.contains_key(&h.name),
-                        _ => seen.facts.attached.get(&h.name).is_some_and(|pv| plan.volumes.contains_key(pv)),
-                    })
-                    .cloned(),
-            );
+            out.release.append(&mut plan.held);
             out.volume_release = plan;
             continue;
         }

@@ -72,10 +72,7 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
         all(Api::<Service>::all(client.clone()), "services", |s| Some(held_by("Service", &s.metadata, None, None)));
     let ingresses =
         all(Api::<Ingress>::all(client.clone()), "ingresses", |i| Some(held_by("Ingress", &i.metadata, None, None)));
-    let tgb = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("elbv2.k8s.aws", "v1beta1", "TargetGroupBinding"),
-        "targetgroupbindings",
-    );
+    let tgb = resource_of("TargetGroupBinding");
     let bindings = all(Api::<DynamicObject>::all_with(client.clone(), &tgb), "targetgroupbindings", |b| {
         Some(held_by("TargetGroupBinding", &b.metadata, None, None))
     });
