@@ -24,7 +24,6 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use sandbox_apiserver::{ApiServer, ServerOptions};
 use sandbox_sim::cloud::{Cloud, EksSpec};
-use sandbox_sim::lbc::StandInLbc;
 use sandbox_sim::{WorldSpec, generate, localstack, naming};
 use serde_json::{Value, json};
 
@@ -109,7 +108,7 @@ async fn main() -> anyhow::Result<()> {
         "spec": {"nodeName": node, "tolerations": [{"operator": "Exists"}], "containers": [{"name": "controller", "image": "x"}]},
     }))?;
     Api::<Pod>::namespaced(client.clone(), "kube-system").create(&pp, &pod).await?;
-    let lbc = StandInLbc::start(client.clone(), &config, &cluster, Duration::from_millis(100));
+    let lbc = sandbox_sim::lbc::start(client.clone(), &config, &cluster, Duration::from_millis(100));
 
     let ns: Namespace = object(json!({"metadata": {"name": "shop"}}))?;
     Api::<Namespace>::all(client.clone()).create(&pp, &ns).await?;

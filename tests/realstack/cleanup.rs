@@ -213,6 +213,26 @@ async fn release_bed(cluster: &str, name: &str, chart: &str) -> (super::resume::
     (p, config)
 }
 
+/// Asserts that the run's first step is the release, done, and that it finished before every
+/// drain began; returns it.
+fn release_came_first(run: &super::common::e2e::Run) -> &Value {
+    let steps = run.report["steps"].as_array().unwrap();
+    assert_eq!(
+        (steps[0]["step"].as_str(), steps[0]["result"].as_str()),
+        (Some("release"), Some("done")),
+        "{}",
+        run.dump()
+    );
+    let at = |r: &Value, field: &str| humantime::parse_rfc3339_weak(r[field].as_str().unwrap()).unwrap();
+    let drains: Vec<&Value> = steps.iter().filter(|r| r["step"] == "drain").collect();
+    assert!(
+        !drains.is_empty() && drains.iter().all(|d| at(d, "started") >= at(&steps[0], "finished")),
+        "{}",
+        run.dump()
+    );
+    &steps[0]
+}
+
 /// `--release load-balancers` on the real control plane: the stand-in Load Balancer Controller
 /// (`sandbox_sim::lbc`, its pod placed by the real scheduler on a Karpenter node and run by
 /// kwok) holds a Service of type LoadBalancer and an Ingress of its IngressClass with their real
@@ -225,7 +245,7 @@ async fn release_bed(cluster: &str, name: &str, chart: &str) -> (super::resume::
 async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_released_before_the_drain() {
     let (p, config) = release_bed("rrel", "aws-load-balancer-controller", "aws-load-balancer-controller").await;
     let pp = PostParams::default();
-    let lbc = sandbox_sim::lbc::StandInLbc::start(p.admin.clone(), &config, &p.cluster, Duration::from_millis(200));
+    let lbc = sandbox_sim::lbc::start(p.admin.clone(), &config, &p.cluster, Duration::from_millis(200));
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
     Api::<Namespace>::all(p.admin.clone()).create(&pp, &ns).await.unwrap();
     let services: Api<Service> = Api::namespaced(p.admin.clone(), "shop");
@@ -278,20 +298,7 @@ async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_r
     cmd.args(["--yes", "--release", "load-balancers"]);
     let run = super::common::e2e::run_of(cmd, &report).await;
     assert_eq!(run.code, 0, "{}", run.dump());
-    let steps = run.report["steps"].as_array().unwrap();
-    assert_eq!(
-        (steps[0]["step"].as_str(), steps[0]["result"].as_str()),
-        (Some("release"), Some("done")),
-        "{}",
-        run.dump()
-    );
-    let at = |r: &Value, field: &str| humantime::parse_rfc3339_weak(r[field].as_str().unwrap()).unwrap();
-    let drains: Vec<&Value> = steps.iter().filter(|r| r["step"] == "drain").collect();
-    assert!(
-        !drains.is_empty() && drains.iter().all(|d| at(d, "started") >= at(&steps[0], "finished")),
-        "{}",
-        run.dump()
-    );
+    release_came_first(&run);
     assert!(services.get_opt("front").await.unwrap().is_none(), "the Service outlived its release");
     assert!(ingresses.get_opt("web").await.unwrap().is_none(), "the Ingress outlived its release");
     for stack in stacks {
@@ -316,7 +323,7 @@ async fn with_consent_the_real_server_sees_a_statefulsets_volume_released_before
     use k8s_openapi::api::storage::v1::StorageClass;
     let (p, config) = release_bed("rvol", "ebs-csi-controller", "aws-ebs-csi-driver").await;
     let pp = PostParams::default();
-    let csi = sandbox_sim::ebscsi::StandInEbsCsi::start(p.admin.clone(), &config, Duration::from_millis(200));
+    let csi = sandbox_sim::ebscsi::start(p.admin.clone(), &config, Duration::from_millis(200));
 
     // the volume as the driver makes it, its PV as csi-provisioner makes it, pre-bound to the
     // claim the StatefulSet's template makes for its pod db-0; and another volume tagged the same
@@ -437,22 +444,9 @@ async fn with_consent_the_real_server_sees_a_statefulsets_volume_released_before
 
     let run = release().await;
     assert_eq!(run.code, 0, "{}", run.dump());
-    let steps = run.report["steps"].as_array().unwrap();
-    assert_eq!(
-        (steps[0]["step"].as_str(), steps[0]["result"].as_str()),
-        (Some("release"), Some("done")),
-        "{}",
-        run.dump()
-    );
+    let release = release_came_first(&run);
     assert!(
-        steps[0]["detail"].as_str().unwrap_or_default().contains("StatefulSet shop/db scaled from 1 to 0"),
-        "{}",
-        run.dump()
-    );
-    let at = |r: &Value, field: &str| humantime::parse_rfc3339_weak(r[field].as_str().unwrap()).unwrap();
-    let drains: Vec<&Value> = steps.iter().filter(|r| r["step"] == "drain").collect();
-    assert!(
-        !drains.is_empty() && drains.iter().all(|d| at(d, "started") >= at(&steps[0], "finished")),
+        release["detail"].as_str().unwrap_or_default().contains("StatefulSet shop/db scaled from 1 to 0"),
         "{}",
         run.dump()
     );

@@ -203,12 +203,7 @@ async fn with_consent_load_balancers_are_released_before_the_drain_and_verificat
     let pods: Api<Pod> = Api::namespaced(b.client.clone(), "kube-system");
     pods.create(&pp, &controller_pod("lbc-0", &world.nodes[0].node, true)).await.unwrap();
     let config = sandbox_sim::localstack::config_as(crate::common::e2e::REGION, "test").await;
-    let lbc = sandbox_sim::lbc::StandInLbc::start(
-        b.client.clone(),
-        &config,
-        &world.cluster,
-        std::time::Duration::from_millis(100),
-    );
+    let lbc = sandbox_sim::lbc::start(b.client.clone(), &config, &world.cluster, std::time::Duration::from_millis(100));
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
     Api::<Namespace>::all(b.client.clone()).create(&pp, &ns).await.unwrap();
     let services: Api<Service> = Api::namespaced(b.client.clone(), "shop");

@@ -13,7 +13,8 @@
 //!   later), then deletes the PV object, then removes its finalizer
 //!   `external-provisioner.volume.kubernetes.io/finalizer`.
 //! - It acts only while one of its pods (`app.kubernetes.io/name=aws-ebs-csi-driver`) runs on a
-//!   node that is there: evicted with its node's drain, it does nothing more, as on EKS.
+//!   node that is there (`crate::standin`): evicted with its node's drain, it does nothing more,
+//!   as on EKS.
 //!
 //! Provisioning is not played (a test makes the volume and its PV as the provisioner would), nor
 //! is the attacher (the test bed's control plane runs no attach-detach controller).
@@ -23,7 +24,8 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
-use tokio_util::sync::CancellationToken;
+
+use crate::standin::StandIn;
 
 /// The driver's name: the PV's `spec.csi.driver` and its provisioned-by annotation.
 pub const DRIVER: &str = "ebs.csi.aws.com";
@@ -34,39 +36,14 @@ pub const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
 /// The label of its controller's pods (its chart's).
 pub const CHART_LABEL: &str = "app.kubernetes.io/name=aws-ebs-csi-driver";
 
-/// The stand-in, running until [`StandInEbsCsi::shutdown`].
-pub struct StandInEbsCsi {
-    cancel: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl StandInEbsCsi {
-    /// Starts reconciling every `interval`, with `config` for LocalStack's EC2.
-    pub fn start(client: Client, config: &aws_config::SdkConfig, interval: Duration) -> StandInEbsCsi {
-        let ec2 = aws_sdk_ec2::Client::new(config);
-        let cancel = CancellationToken::new();
-        let token = cancel.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                if crate::lbc::running_with(&client, CHART_LABEL).await
-                    && let Err(e) = reconcile(&client, &ec2).await
-                {
-                    tracing::debug!(error = %e, "stand-in EBS CSI controller: a pass failed; tried again");
-                }
-                tokio::select! {
-                    _ = token.cancelled() => return,
-                    _ = tokio::time::sleep(interval) => {}
-                }
-            }
-        });
-        StandInEbsCsi { cancel, task }
-    }
-
-    /// Stops it.
-    pub async fn shutdown(self) {
-        self.cancel.cancel();
-        let _ = self.task.await;
-    }
+/// Starts the stand-in, reconciling every `interval`, with `config` for LocalStack's EC2.
+pub fn start(client: Client, config: &aws_config::SdkConfig, interval: Duration) -> StandIn {
+    let ec2 = aws_sdk_ec2::Client::new(config);
+    let api = client.clone();
+    StandIn::spawn(client, CHART_LABEL, "EBS CSI controller", interval, move || {
+        let (client, ec2) = (api.clone(), ec2.clone());
+        async move { reconcile(&client, &ec2).await }
+    })
 }
 
 /// The PV is Released, of reclaim policy `Delete` and made by this driver: `shouldDelete`,

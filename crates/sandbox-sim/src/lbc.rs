@@ -20,8 +20,8 @@
 //!   (`load_balancer_synthesizer.go`), deletes the load balancer, the target group and the
 //!   security group, and only then removes its finalizer.
 //! - It acts only while one of its pods (`app.kubernetes.io/name=aws-load-balancer-controller`)
-//!   runs on a node that is there: evicted with its node's drain, it does nothing more, and every
-//!   object it holds stays held, as on EKS.
+//!   runs on a node that is there (`crate::standin`): evicted with its node's drain, it does
+//!   nothing more, and every object it holds stays held, as on EKS.
 //!
 //! IngressGroups (one load balancer for several Ingresses), Gateways, TargetGroupBindings and the
 //! shared backend security group are not played.
@@ -31,11 +31,12 @@ use std::time::Duration;
 
 use aws_sdk_ec2::types::{Filter, ResourceType, Tag, TagSpecification};
 use aws_sdk_elasticloadbalancingv2::types::{LoadBalancerAttribute, LoadBalancerTypeEnum, ProtocolEnum, Tag as V2Tag};
-use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::{Ingress, IngressClass};
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
-use tokio_util::sync::CancellationToken;
+
+use crate::standin::StandIn;
 
 /// The finalizer the controller puts on a Service it manages.
 pub const FINALIZER: &str = "service.k8s.aws/resources";
@@ -102,12 +103,6 @@ impl Kind {
     }
 }
 
-/// The stand-in, running until [`StandInLbc::shutdown`].
-pub struct StandInLbc {
-    cancel: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
-}
-
 /// What the stand-in works with.
 #[derive(Clone)]
 struct Ctx {
@@ -117,63 +112,19 @@ struct Ctx {
     cluster: String,
 }
 
-impl StandInLbc {
-    /// Starts reconciling every `interval`, with `config` for LocalStack's ELBv2 and EC2.
-    pub fn start(client: Client, config: &aws_config::SdkConfig, cluster: &str, interval: Duration) -> StandInLbc {
-        let ctx = Ctx {
-            client,
-            v2: aws_sdk_elasticloadbalancingv2::Client::new(config),
-            ec2: aws_sdk_ec2::Client::new(config),
-            cluster: cluster.to_string(),
-        };
-        let cancel = CancellationToken::new();
-        let token = cancel.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                if running(&ctx.client).await
-                    && let Err(e) = reconcile(&ctx).await
-                {
-                    tracing::debug!(error = %e, "stand-in Load Balancer Controller: a pass failed; tried again");
-                }
-                tokio::select! {
-                    _ = token.cancelled() => return,
-                    _ = tokio::time::sleep(interval) => {}
-                }
-            }
-        });
-        StandInLbc { cancel, task }
-    }
-
-    /// Stops it.
-    pub async fn shutdown(self) {
-        self.cancel.cancel();
-        let _ = self.task.await;
-    }
-}
-
-/// True while a pod of the controller, not being deleted, is bound to a node that is there.
-async fn running(client: &Client) -> bool {
-    running_with(client, CHART_LABEL).await
-}
-
-/// True while a pod labelled `label`, not being deleted, is bound to a node that is there: how
-/// the stand-ins stop acting when the drain evicts their controller, as the real ones do.
-pub(crate) async fn running_with(client: &Client, label: &str) -> bool {
-    let pods: Api<Pod> = Api::all(client.clone());
-    let nodes: Api<Node> = Api::all(client.clone());
-    let Ok(list) = pods.list(&ListParams::default().labels(label)).await else { return false };
-    for p in list.items {
-        if p.metadata.deletion_timestamp.is_some() {
-            continue;
-        }
-        let Some(node) = p.spec.and_then(|s| s.node_name) else { continue };
-        if let Ok(Some(n)) = nodes.get_opt(&node).await
-            && n.metadata.deletion_timestamp.is_none()
-        {
-            return true;
-        }
-    }
-    false
+/// Starts the stand-in for `cluster`, reconciling every `interval`, with `config` for
+/// LocalStack's ELBv2 and EC2.
+pub fn start(client: Client, config: &aws_config::SdkConfig, cluster: &str, interval: Duration) -> StandIn {
+    let ctx = Ctx {
+        client: client.clone(),
+        v2: aws_sdk_elasticloadbalancingv2::Client::new(config),
+        ec2: aws_sdk_ec2::Client::new(config),
+        cluster: cluster.to_string(),
+    };
+    StandIn::spawn(client, CHART_LABEL, "Load Balancer Controller", interval, move || {
+        let ctx = ctx.clone();
+        async move { reconcile(&ctx).await }
+    })
 }
 
 /// Whether the object's attributes annotation turns deletion protection on.
