@@ -3,7 +3,8 @@
 //! The AWS Load Balancer Controller deletes the load balancers, target groups and security
 //! groups it made for Services, Ingresses, Gateways and TargetGroupBindings, and the EBS and EFS CSI
 //! controllers the volumes of PersistentVolumes whose reclaim policy is `Delete`; each holds its
-//! objects with a finalizer until it has cleaned up in AWS. When such a controller runs only on
+//! objects with a finalizer until it has cleaned up in AWS (a PV from a csi-provisioner before
+//! v5 has none, and its volume still goes only through the driver). When such a controller runs only on
 //! Karpenter nodes, the drain leaves it nowhere to run: its objects can then never be deleted
 //! (their finalizers stay, and stripping them leaks the AWS objects, whose network interfaces
 //! and security groups then block the subnets and the VPC). So before the first write the tool
@@ -14,7 +15,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, Pod};
+use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, PersistentVolumeSpec, Pod};
 use serde::Serialize;
 
 use crate::aws::elb::LbKind;
@@ -161,8 +162,11 @@ pub(crate) struct Held {
     pub(crate) kind: &'static str,
     /// `namespace/name`, or the name of a cluster-scoped object.
     pub(crate) name: String,
-    /// The finalizer.
-    pub(crate) finalizer: String,
+    /// The finalizer; none for a PersistentVolume whose volume its driver deletes although no
+    /// finalizer says so (csi-provisioner adds one only from v5 with `HonorPVReclaimPolicy`,
+    /// on by default from Kubernetes 1.31): the volume then still goes only through its
+    /// driver, and outlives the cluster if the drain strands it.
+    pub(crate) finalizer: Option<String>,
     /// Who removes it.
     pub(crate) cleaner: Cleaner,
     /// The object's own annotation turns deletion protection on for its load balancer
@@ -322,7 +326,7 @@ pub(crate) fn annotated_protection(annotations: &BTreeMap<String, String>) -> bo
 /// group; a Gateway's `gateway.k8s.aws.nlb/stack` or `.alb/stack <ns>/<name>`). A
 /// TargetGroupBinding makes nothing of its own.
 pub(crate) fn stack_of(held: &Held) -> Option<String> {
-    match (held.kind, held.finalizer.as_str()) {
+    match (held.kind, held.finalizer.as_deref().unwrap_or_default()) {
         ("Service", FINALIZER_SERVICE) => Some(format!("service.k8s.aws/stack {}", held.name)),
         ("Ingress", FINALIZER_INGRESS) => Some(format!("ingress.k8s.aws/stack {}", held.name)),
         ("Ingress", f) => f.strip_prefix(FINALIZER_INGRESS_GROUP).map(|g| format!("ingress.k8s.aws/stack {g}")),
@@ -337,17 +341,19 @@ impl Held {
     pub(crate) fn object(&self) -> String {
         format!("{}/{}", self.kind, self.name)
     }
+
+    /// What holds it, for messages: `finalizer <f>`, or the reclaim policy of a PV without one.
+    pub(crate) fn hold(&self) -> String {
+        match &self.finalizer {
+            Some(f) => format!("finalizer {f}"),
+            None => "reclaim policy Delete, no finalizer".to_string(),
+        }
+    }
 }
 
-/// Which cleaner a finalizer of an object of `kind` belongs to. `csi_driver` is a
-/// PersistentVolume's `spec.csi.driver`; `reclaim` its reclaim policy (only `Delete` makes
-/// the driver delete a volume in AWS).
-pub(crate) fn cleaner_of(
-    kind: &str,
-    finalizer: &str,
-    csi_driver: Option<&str>,
-    reclaim: Option<&str>,
-) -> Option<Cleaner> {
+/// Which cleaner a finalizer of an object of `kind` belongs to (a PersistentVolume's are
+/// [`held_volume`]'s).
+pub(crate) fn cleaner_of(kind: &str, finalizer: &str) -> Option<Cleaner> {
     match (kind, finalizer) {
         ("Service", FINALIZER_SERVICE) => Some(Cleaner::LoadBalancerController),
         ("Ingress", f) if f == FINALIZER_INGRESS || f.starts_with(FINALIZER_INGRESS_GROUP) => {
@@ -355,14 +361,39 @@ pub(crate) fn cleaner_of(
         }
         ("TargetGroupBinding", FINALIZER_TARGET_GROUP_BINDING) => Some(Cleaner::LoadBalancerController),
         ("Gateway", FINALIZER_GATEWAY_NLB | FINALIZER_GATEWAY_ALB) => Some(Cleaner::LoadBalancerController),
-        ("PersistentVolume", FINALIZER_PROVISIONER) if reclaim == Some("Delete") => match csi_driver {
-            Some(EBS_CSI_DRIVER) => Some(Cleaner::EbsCsi),
-            Some("efs.csi.aws.com") => Some(Cleaner::EfsCsi),
-            _ => None,
-        },
         ("VolumeAttachment", FINALIZER_EBS_ATTACHER) => Some(Cleaner::EbsCsi),
         _ => None,
     }
+}
+
+/// The CSI driver of a PersistentVolume and the id of its volume in AWS. An in-tree
+/// `awsElasticBlockStore` volume is the EBS CSI driver's: CSI migration hands it to the driver
+/// (required from EKS 1.23, and EKS's default `gp2` StorageClass still provisions through the
+/// in-tree name), and its id may be the in-tree `aws://<zone>/vol-...` form
+/// (`KubernetesVolumeIDToEBSVolumeID` in k8s.io/csi-translation-lib's `plugins/aws_ebs.go`).
+pub(crate) fn volume_of(spec: &PersistentVolumeSpec) -> Option<(String, String)> {
+    if let Some(csi) = &spec.csi {
+        return Some((csi.driver.clone(), csi.volume_handle.clone()));
+    }
+    let id = spec.aws_elastic_block_store.as_ref()?.volume_id.as_str();
+    let id = match id.strip_prefix("aws://") {
+        Some(rest) => rest.split_once('/').map_or("", |(_zone, path)| path.trim_matches('/')),
+        None => id,
+    };
+    (id.starts_with("vol-") && !id.contains('/')).then(|| (EBS_CSI_DRIVER.to_string(), id.to_string()))
+}
+
+/// What holds a PersistentVolume of `driver` whose reclaim policy is `reclaim`: only a volume
+/// its driver deletes (`Delete`) counts, by csi-provisioner's finalizer or, without it, by the
+/// policy alone ([`Held::finalizer`]).
+pub(crate) fn held_volume(name: &str, finalizers: &[String], driver: Option<&str>, reclaim: Option<&str>) -> Vec<Held> {
+    let cleaner = match (driver, reclaim) {
+        (Some(EBS_CSI_DRIVER), Some("Delete")) => Cleaner::EbsCsi,
+        (Some("efs.csi.aws.com"), Some("Delete")) => Cleaner::EfsCsi,
+        _ => return Vec::new(),
+    };
+    let finalizer = finalizers.iter().find(|f| *f == FINALIZER_PROVISIONER).cloned();
+    vec![Held { kind: "PersistentVolume", name: name.to_string(), finalizer, cleaner, protected: false }]
 }
 
 /// Where a cleaner runs now: its pods (by its chart's labels, or the holder of its leader
@@ -412,15 +443,27 @@ impl Verdict {
         self.held
             .iter()
             .map(|h| {
+                let why = match &h.finalizer {
+                    Some(f) => format!(
+                        "{} {} is held by finalizer {f} until {} has deleted its {} in AWS",
+                        h.kind,
+                        h.name,
+                        self.cleaner,
+                        self.cleaner.cleans()
+                    ),
+                    None => format!(
+                        "{} {} has reclaim policy Delete and no finalizer: only {} deletes its volume in AWS",
+                        h.kind, h.name, self.cleaner
+                    ),
+                };
+                let fate = match h.finalizer {
+                    Some(_) => "the object could never be deleted (removing the finalizer by hand leaks the AWS objects)",
+                    None => "the volume would outlive the cluster",
+                };
                 (
                     h.object(),
                     format!(
-                        "{} {} is held by finalizer {} until {} has deleted its {} in AWS; {} runs only on Karpenter nodes ({}), so the drain would leave it nowhere to run and the object could never be deleted (removing the finalizer by hand leaks the AWS objects)",
-                        h.kind,
-                        h.name,
-                        h.finalizer,
-                        self.cleaner,
-                        self.cleaner.cleans(),
+                        "{why}; {} runs only on Karpenter nodes ({}), so the drain would leave it nowhere to run and {fate}",
                         self.cleaner,
                         self.runs.join(", ")
                     ),
@@ -536,7 +579,7 @@ fn matches_expression(e: &NodeSelectorRequirement, labels: &BTreeMap<String, Str
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     use super::*;
 
@@ -566,8 +609,8 @@ mod tests {
         assert_eq!(stack_of(&grouped).as_deref(), Some("ingress.k8s.aws/stack public"));
         let gw = held("Gateway", "shop/edge", FINALIZER_GATEWAY_NLB, Cleaner::LoadBalancerController);
         assert_eq!(stack_of(&gw).as_deref(), Some("gateway.k8s.aws.nlb/stack shop/edge"));
-        assert_eq!(cleaner_of("Gateway", FINALIZER_GATEWAY_ALB, None, None), Some(Cleaner::LoadBalancerController));
-        assert_eq!(cleaner_of("Gateway", "gateway.k8s.aws/gatewayclass", None, None), None);
+        assert_eq!(cleaner_of("Gateway", FINALIZER_GATEWAY_ALB), Some(Cleaner::LoadBalancerController));
+        assert_eq!(cleaner_of("Gateway", "gateway.k8s.aws/gatewayclass"), None);
         let tgb =
             held("TargetGroupBinding", "shop/tgb", FINALIZER_TARGET_GROUP_BINDING, Cleaner::LoadBalancerController);
         assert_eq!(stack_of(&tgb), None);
@@ -600,7 +643,7 @@ mod tests {
     }
 
     fn held(kind: &'static str, name: &str, finalizer: &str, cleaner: Cleaner) -> Held {
-        Held { kind, name: name.into(), finalizer: finalizer.into(), cleaner, protected: false }
+        Held { kind, name: name.into(), finalizer: Some(finalizer.into()), cleaner, protected: false }
     }
 
     #[test]
@@ -709,25 +752,68 @@ mod tests {
 
     #[test]
     fn finalizers_name_their_cleaner_and_only_volumes_it_deletes_count() {
-        assert_eq!(cleaner_of("Service", FINALIZER_SERVICE, None, None), Some(Cleaner::LoadBalancerController));
+        assert_eq!(cleaner_of("Service", FINALIZER_SERVICE), Some(Cleaner::LoadBalancerController));
+        assert_eq!(cleaner_of("Ingress", "group.ingress.k8s.aws/shared"), Some(Cleaner::LoadBalancerController));
         assert_eq!(
-            cleaner_of("Ingress", "group.ingress.k8s.aws/shared", None, None),
-            Some(Cleaner::LoadBalancerController)
-        );
-        assert_eq!(
-            cleaner_of("Service", "service.kubernetes.io/load-balancer-cleanup", None, None),
+            cleaner_of("Service", "service.kubernetes.io/load-balancer-cleanup"),
             None,
             "the in-tree controller runs in EKS's control plane"
         );
-        assert_eq!(
-            cleaner_of("PersistentVolume", FINALIZER_PROVISIONER, Some("ebs.csi.aws.com"), Some("Delete")),
-            Some(Cleaner::EbsCsi)
+        assert_eq!(cleaner_of("VolumeAttachment", FINALIZER_EBS_ATTACHER), Some(Cleaner::EbsCsi));
+        let fin = [FINALIZER_PROVISIONER.to_string(), "kubernetes.io/pv-protection".to_string()];
+        let with = held_volume("pv-1", &fin, Some(EBS_CSI_DRIVER), Some("Delete"));
+        assert_eq!(with.len(), 1);
+        assert_eq!(with[0].cleaner, Cleaner::EbsCsi);
+        assert_eq!(with[0].hold(), format!("finalizer {FINALIZER_PROVISIONER}"));
+        assert!(held_volume("pv-1", &fin, Some(EBS_CSI_DRIVER), Some("Retain")).is_empty());
+        assert!(held_volume("pv-1", &fin, Some("other.csi.example.com"), Some("Delete")).is_empty());
+        assert_eq!(held_volume("pv-1", &fin, Some("efs.csi.aws.com"), Some("Delete"))[0].cleaner, Cleaner::EfsCsi);
+        // before csi-provisioner v5's HonorPVReclaimPolicy no finalizer marks it, but its driver
+        // still deletes the volume, and only the driver
+        let bare =
+            held_volume("pv-2", &["kubernetes.io/pv-protection".to_string()], Some(EBS_CSI_DRIVER), Some("Delete"));
+        assert_eq!(bare.len(), 1);
+        assert_eq!((bare[0].cleaner, bare[0].finalizer.as_deref()), (Cleaner::EbsCsi, None));
+        assert_eq!(bare[0].hold(), "reclaim policy Delete, no finalizer");
+    }
+
+    #[test]
+    fn an_in_tree_ebs_volume_is_the_ebs_drivers_by_its_volume_id() {
+        let spec = |v: Value| serde_json::from_value::<PersistentVolumeSpec>(v).unwrap();
+        let csi = spec(json!({"csi": {"driver": "ebs.csi.aws.com", "volumeHandle": "vol-0a1"}}));
+        assert_eq!(volume_of(&csi), Some((EBS_CSI_DRIVER.into(), "vol-0a1".into())));
+        for (id, want) in [
+            ("aws://us-west-2a/vol-0b2", Some("vol-0b2")),
+            ("aws:///vol-0b3", Some("vol-0b3")),
+            ("vol-0b4", Some("vol-0b4")),
+            ("aws://us-west-2a/", None),
+            ("aws://us-west-2a/snap-1", None),
+            ("aws://us-west-2a/vol-1/x", None),
+        ] {
+            let in_tree = spec(json!({"awsElasticBlockStore": {"volumeID": id}}));
+            assert_eq!(volume_of(&in_tree), want.map(|w| (EBS_CSI_DRIVER.to_string(), w.to_string())), "{id}");
+        }
+        assert_eq!(volume_of(&spec(json!({"hostPath": {"path": "/data"}}))), None);
+    }
+
+    #[test]
+    fn a_stranded_volume_without_a_finalizer_is_named_by_its_reclaim_policy() {
+        let verdict = Verdict {
+            cleaner: Cleaner::EbsCsi,
+            runs: vec!["kube-system/ebs-csi-controller-0 on k1".into()],
+            stranded: true,
+            held: held_volume("pv-2", &[], Some(EBS_CSI_DRIVER), Some("Delete")),
+        };
+        let blockers = verdict.blockers();
+        assert_eq!(blockers.len(), 1);
+        assert_eq!(blockers[0].0, "PersistentVolume/pv-2");
+        assert!(
+            blockers[0].1.starts_with(
+                "PersistentVolume pv-2 has reclaim policy Delete and no finalizer: only the EBS CSI controller deletes its volume in AWS; the EBS CSI controller runs only on Karpenter nodes (kube-system/ebs-csi-controller-0 on k1)"
+            ) && blockers[0].1.ends_with("the volume would outlive the cluster"),
+            "{}",
+            blockers[0].1
         );
-        assert_eq!(
-            cleaner_of("PersistentVolume", FINALIZER_PROVISIONER, Some("ebs.csi.aws.com"), Some("Retain")),
-            None
-        );
-        assert_eq!(cleaner_of("VolumeAttachment", FINALIZER_EBS_ATTACHER, None, None), Some(Cleaner::EbsCsi));
     }
 
     #[test]

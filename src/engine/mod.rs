@@ -227,10 +227,7 @@ pub(crate) async fn cleanup_verdict(
             .iter()
             .flat_map(|v| v.held.iter().map(move |h| (v.cleaner, h)))
             .map(|(c, h)| {
-                format!(
-                    "{} {} (finalizer {}): no pod of {c} runs, so nothing would delete it",
-                    h.kind, h.name, h.finalizer
-                )
+                format!("{} {} ({}): no pod of {c} runs, so nothing would delete it", h.kind, h.name, h.hold())
             })
             .collect();
         let blockers = idle
@@ -239,10 +236,7 @@ pub(crate) async fn cleanup_verdict(
             .map(|(c, h)| Blocker {
                 kind: BlockerKind::Release,
                 name: h.object(),
-                reason: format!(
-                    "held by {} until {c} deletes what it made in AWS, and no pod of {c} runs",
-                    h.finalizer
-                ),
+                reason: format!("held by {} until {c} deletes what it made in AWS, and no pod of {c} runs", h.hold()),
             })
             .collect();
         out.refused = Some(Refused { refusal: Refusal::Unreleasable { objects }, blockers });
@@ -262,7 +256,7 @@ pub(crate) async fn cleanup_verdict(
         cleaners: stranded.iter().map(|v| format!("{} ({})", v.cleaner, v.runs.join(", "))).collect(),
         objects: stranded
             .iter()
-            .flat_map(|v| v.held.iter().map(|h| format!("{} {} (finalizer {})", h.kind, h.name, h.finalizer)))
+            .flat_map(|v| v.held.iter().map(|h| format!("{} {} ({})", h.kind, h.name, h.hold())))
             .collect(),
     };
     out.refused = Some(Refused { refusal, blockers });
@@ -300,7 +294,7 @@ pub(crate) async fn protected(
             blockers.push(Blocker {
                 kind: BlockerKind::Release,
                 name: h.object(),
-                reason: format!("{}: deleting it would leave it held by {} for ever", why.join("; "), h.finalizer),
+                reason: format!("{}: deleting it would leave it held by {} for ever", why.join("; "), h.hold()),
             });
         }
     }

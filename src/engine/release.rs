@@ -225,7 +225,7 @@ mod tests {
         Held {
             kind,
             name: name.into(),
-            finalizer: finalizer.into(),
+            finalizer: Some(finalizer.into()),
             cleaner: Cleaner::LoadBalancerController,
             protected: false,
         }
@@ -279,7 +279,7 @@ mod tests {
         let pv = Held {
             kind: "PersistentVolume",
             name: "pv-db-0".into(),
-            finalizer: crate::cleanup::FINALIZER_PROVISIONER.into(),
+            finalizer: Some(crate::cleanup::FINALIZER_PROVISIONER.into()),
             cleaner: Cleaner::EbsCsi,
             protected: false,
         };

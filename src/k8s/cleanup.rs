@@ -13,7 +13,7 @@ use kube::api::{Api, DynamicObject, ListParams};
 use kube::core::{ApiResource, GroupVersionKind};
 
 use super::{KubeError, list_pages, status_code};
-use crate::cleanup::{ClaimUser, Cleaner, Held, Running, VolumeFacts, cleaner_of};
+use crate::cleanup::{ClaimUser, Cleaner, Held, Running, VolumeFacts, cleaner_of, held_volume, volume_of};
 
 /// What the survey needs, as read.
 #[derive(Debug, Default)]
@@ -43,7 +43,7 @@ where
     }
 }
 
-fn held_by(kind: &'static str, meta: &kube::api::ObjectMeta, driver: Option<&str>, reclaim: Option<&str>) -> Vec<Held> {
+fn held_by(kind: &'static str, meta: &kube::api::ObjectMeta) -> Vec<Held> {
     let name = match &meta.namespace {
         Some(ns) => format!("{ns}/{}", meta.name.as_deref().unwrap_or_default()),
         None => meta.name.clone().unwrap_or_default(),
@@ -53,10 +53,10 @@ fn held_by(kind: &'static str, meta: &kube::api::ObjectMeta, driver: Option<&str
         .iter()
         .flatten()
         .filter_map(|f| {
-            cleaner_of(kind, f, driver, reclaim).map(|cleaner| Held {
+            cleaner_of(kind, f).map(|cleaner| Held {
                 kind,
                 name: name.clone(),
-                finalizer: f.clone(),
+                finalizer: Some(f.clone()),
                 cleaner,
                 protected,
             })
@@ -68,33 +68,32 @@ fn held_by(kind: &'static str, meta: &kube::api::ObjectMeta, driver: Option<&str
 /// run keeps. `karpenter_nodes` are the nodes the run drains.
 pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<String>) -> Result<Seen, KubeError> {
     let mut held = Vec::new();
-    let services =
-        all(Api::<Service>::all(client.clone()), "services", |s| Some(held_by("Service", &s.metadata, None, None)));
-    let ingresses =
-        all(Api::<Ingress>::all(client.clone()), "ingresses", |i| Some(held_by("Ingress", &i.metadata, None, None)));
+    let services = all(Api::<Service>::all(client.clone()), "services", |s| Some(held_by("Service", &s.metadata)));
+    let ingresses = all(Api::<Ingress>::all(client.clone()), "ingresses", |i| Some(held_by("Ingress", &i.metadata)));
     let tgb = resource_of("TargetGroupBinding");
     let bindings = all(Api::<DynamicObject>::all_with(client.clone(), &tgb), "targetgroupbindings", |b| {
-        Some(held_by("TargetGroupBinding", &b.metadata, None, None))
+        Some(held_by("TargetGroupBinding", &b.metadata))
     });
     let gateways = all(Api::<DynamicObject>::all_with(client.clone(), &resource_of("Gateway")), "gateways", |g| {
-        Some(held_by("Gateway", &g.metadata, None, None))
+        Some(held_by("Gateway", &g.metadata))
     });
     let volumes = all(Api::<PersistentVolume>::all(client.clone()), "persistentvolumes", |pv| {
         let spec = pv.spec.as_ref();
-        let csi = spec.and_then(|s| s.csi.as_ref());
-        let driver = csi.map(|c| c.driver.clone());
-        let reclaim = spec.and_then(|s| s.persistent_volume_reclaim_policy.clone());
+        let volume = spec.and_then(volume_of);
+        let driver = volume.as_ref().map(|(d, _)| d.as_str());
+        let reclaim = spec.and_then(|s| s.persistent_volume_reclaim_policy.as_deref());
         let name = pv.metadata.name.clone().unwrap_or_default();
+        let held = held_volume(&name, pv.metadata.finalizers.as_deref().unwrap_or_default(), driver, reclaim);
         let claim = spec.and_then(|s| s.claim_ref.as_ref()).map(|r| {
             format!("{}/{}", r.namespace.as_deref().unwrap_or_default(), r.name.as_deref().unwrap_or_default())
         });
-        let ebs = (driver.as_deref() == Some(crate::cleanup::EBS_CSI_DRIVER) && reclaim.as_deref() == Some("Delete"))
-            .then(|| csi.map(|c| (name, c.volume_handle.clone(), claim)))
+        let ebs = (driver == Some(crate::cleanup::EBS_CSI_DRIVER) && reclaim == Some("Delete"))
+            .then(|| volume.map(|(_, id)| (name, id, claim)))
             .flatten();
-        Some((held_by("PersistentVolume", &pv.metadata, driver.as_deref(), reclaim.as_deref()), ebs))
+        Some((held, ebs))
     });
     let attachments = all(Api::<VolumeAttachment>::all(client.clone()), "volumeattachments", |va| {
-        let held = held_by("VolumeAttachment", &va.metadata, None, None);
+        let held = held_by("VolumeAttachment", &va.metadata);
         let pv = (!held.is_empty())
             .then(|| Some((va.metadata.name.clone()?, va.spec.source.persistent_volume_name.clone()?)))
             .flatten();

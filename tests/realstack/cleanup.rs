@@ -125,6 +125,21 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     }))
     .unwrap();
     Api::<PersistentVolume>::all(p.admin.clone()).create(&pp, &pv).await.unwrap();
+    // the same driver's volumes with no finalizer to say so: one from a csi-provisioner before
+    // v5, and one made through the in-tree name (EKS's default gp2 StorageClass) that CSI
+    // migration hands to the driver, its id in the in-tree form
+    let bare = volume("data-1").await.unwrap().volume_id().unwrap().to_string();
+    let in_tree = volume("data-2").await.unwrap().volume_id().unwrap().to_string();
+    for (name, source) in [
+        ("data-1", json!({"csi": {"driver": "ebs.csi.aws.com", "volumeHandle": bare}})),
+        ("data-2", json!({"awsElasticBlockStore": {"volumeID": format!("aws://us-west-2a/{in_tree}")}})),
+    ] {
+        let mut spec = json!({"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                              "persistentVolumeReclaimPolicy": "Delete"});
+        spec.as_object_mut().unwrap().extend(source.as_object().unwrap().clone());
+        let pv: PersistentVolume = serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).unwrap();
+        Api::<PersistentVolume>::all(p.admin.clone()).create(&pp, &pv).await.unwrap();
+    }
 
     // refused before any write, dry or not, one blocker per object the stranded controller holds
     for yes in [false, true] {
@@ -169,22 +184,31 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
         dry.stdout.contains("cleanup: the EBS CSI controller (kube-system/ebs-csi-controller-")
             && dry
                 .stdout
-                .contains("on system-0) holds 1 object(s) for their EBS volumes; it keeps running through the drain"),
+                .contains("on system-0) holds 3 object(s) for their EBS volumes; it keeps running through the drain"),
         "{}",
         dry.dump()
     );
     let clean = teardown(&p, true).await;
     assert_eq!(clean.code, 0, "{}", clean.dump());
     p.assert_torn_down(&p.instances).await;
-    // the PV's volume, still in EC2, is reported by the id the run read on the PV (not counted:
-    // the tool never deletes a volume); the other, tagged the same, is not this cluster's
-    let volumes = clean.report["leftovers"]["volumes"].as_array().unwrap();
-    assert_eq!(volumes.len(), 1, "{}", clean.dump());
-    assert_eq!(volumes[0]["id"], ours.as_str());
-    assert_eq!(volumes[0]["status"], "available");
-    assert!(volumes[0]["reason"].as_str().unwrap().contains("PersistentVolume data-0"), "{}", clean.dump());
+    // the PVs' volumes, still in EC2, are reported by the ids the run read on the PVs (not
+    // counted: the tool never deletes a volume); the other, tagged the same, is not this cluster's
+    let mut volumes: Vec<(String, String, String)> = clean.report["leftovers"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| (v["id"].as_str().unwrap().into(), v["status"].as_str().unwrap().into(), v["reason"].to_string()))
+        .collect();
+    assert_eq!(volumes.len(), 3, "{}", clean.dump());
+    volumes.sort_by_key(|v| v.2.clone());
+    for ((id, status, reason), (want, pv)) in
+        volumes.iter().zip([(&ours, "data-0"), (&bare, "data-1"), (&in_tree, "data-2")])
+    {
+        assert_eq!((id, status.as_str()), (want, "available"), "{}", clean.dump());
+        assert!(reason.contains(&format!("PersistentVolume {pv}")), "{}", clean.dump());
+    }
     assert!(!clean.stdout.contains(&theirs), "{}", clean.dump());
-    for id in [&ours, &theirs] {
+    for id in [&ours, &bare, &in_tree, &theirs] {
         p.ec2.delete_volume().volume_id(id).send().await.unwrap();
     }
     eprintln!("cleanup cases took {:?}", t.elapsed());
