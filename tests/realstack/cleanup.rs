@@ -105,19 +105,10 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     }))
     .unwrap();
     gateways.create(&pp, &gw).await.unwrap();
-    // the PV's volume in EC2, tagged as the EBS CSI driver tags it without --k8s-tag-cluster-id
-    // (its chart's default): nothing on it names the cluster; and another one so tagged
-    let volume = |pv: &str| {
-        use aws_sdk_ec2::types::{ResourceType, Tag, TagSpecification};
-        let tags = TagSpecification::builder()
-            .resource_type(ResourceType::Volume)
-            .tags(Tag::builder().key("ebs.csi.aws.com/cluster").value("true").build())
-            .tags(Tag::builder().key("CSIVolumeName").value(pv).build())
-            .build();
-        p.ec2.create_volume().availability_zone("us-west-2a").size(1).tag_specifications(tags).send()
-    };
-    let ours = volume("data-0").await.unwrap().volume_id().unwrap().to_string();
-    let theirs = volume("data-0").await.unwrap().volume_id().unwrap().to_string();
+    // the PV's volume in EC2, tagged as the EBS CSI driver tags it by default, and another one
+    // so tagged
+    let ours = ebs_volume(&p.ec2, "data-0").await;
+    let theirs = ebs_volume(&p.ec2, "data-0").await;
     let pv: PersistentVolume = serde_json::from_value(json!({
         "metadata": {"name": "data-0", "finalizers": ["external-provisioner.volume.kubernetes.io/finalizer"]},
         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Delete",
@@ -128,8 +119,8 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     // the same driver's volumes with no finalizer to say so: one from a csi-provisioner before
     // v5, and one made through the in-tree name (EKS's default gp2 StorageClass) that CSI
     // migration hands to the driver, its id in the in-tree form
-    let bare = volume("data-1").await.unwrap().volume_id().unwrap().to_string();
-    let in_tree = volume("data-2").await.unwrap().volume_id().unwrap().to_string();
+    let bare = ebs_volume(&p.ec2, "data-1").await;
+    let in_tree = ebs_volume(&p.ec2, "data-2").await;
     for (name, source) in [
         ("data-1", json!({"csi": {"driver": "ebs.csi.aws.com", "volumeHandle": bare}})),
         ("data-2", json!({"awsElasticBlockStore": {"volumeID": format!("aws://us-west-2a/{in_tree}")}})),
@@ -333,6 +324,91 @@ async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_r
     p.end().await;
 }
 
+/// An EBS volume in LocalStack tagged as the EBS CSI driver tags it without
+/// `--k8s-tag-cluster-id` (its chart's default): nothing on it names the cluster.
+async fn ebs_volume(ec2: &aws_sdk_ec2::Client, pv: &str) -> String {
+    use aws_sdk_ec2::types::{ResourceType, Tag, TagSpecification};
+    let tags = TagSpecification::builder()
+        .resource_type(ResourceType::Volume)
+        .tags(Tag::builder().key("ebs.csi.aws.com/cluster").value("true").build())
+        .tags(Tag::builder().key("CSIVolumeName").value(pv).build())
+        .build();
+    let made = ec2.create_volume().availability_zone("us-west-2a").size(1).tag_specifications(tags).send();
+    made.await.unwrap().volume_id().unwrap().to_string()
+}
+
+/// In namespace `shop`, `sets` StatefulSets `db`, `db1`, ... of `replicas` pods each, every pod
+/// mounting the claim its `data` template makes, bound by the real PV controller to a PV as
+/// csi-provisioner makes it (reclaim policy `Delete`, its finalizer and annotation) on a volume
+/// in LocalStack. Returns once every claim is bound and every pod runs: the volume ids, in the
+/// order of the StatefulSets and their pods.
+async fn statefulsets_on_volumes(p: &super::resume::Provisioned, sets: usize, replicas: usize) -> Vec<String> {
+    use k8s_openapi::api::apps::v1::StatefulSet;
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    use k8s_openapi::api::storage::v1::StorageClass;
+    let pp = PostParams::default();
+    let sc: StorageClass = serde_json::from_value(json!({
+        "metadata": {"name": "ebs"}, "provisioner": "ebs.csi.aws.com", "reclaimPolicy": "Delete",
+        "volumeBindingMode": "Immediate",
+    }))
+    .unwrap();
+    Api::<StorageClass>::all(p.admin.clone()).create(&pp, &sc).await.unwrap();
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
+    Api::<Namespace>::all(p.admin.clone()).create(&pp, &ns).await.unwrap();
+    let pvs: Api<PersistentVolume> = Api::all(p.admin.clone());
+    let statefulsets: Api<StatefulSet> = Api::namespaced(p.admin.clone(), "shop");
+    let mut ids = Vec::new();
+    for set in 0..sets {
+        let name = if set == 0 { "db".to_string() } else { format!("db{set}") };
+        for r in 0..replicas {
+            let (claim, pv) = (format!("data-{name}-{r}"), format!("pvc-data-{name}-{r}"));
+            let id = ebs_volume(&p.ec2, &pv).await;
+            let pv: PersistentVolume = serde_json::from_value(json!({
+                "metadata": {"name": pv,
+                             "annotations": {"pv.kubernetes.io/provisioned-by": "ebs.csi.aws.com"},
+                             "finalizers": ["external-provisioner.volume.kubernetes.io/finalizer"]},
+                "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Delete",
+                         "storageClassName": "ebs", "claimRef": {"namespace": "shop", "name": claim},
+                         "csi": {"driver": "ebs.csi.aws.com", "volumeHandle": id}},
+            }))
+            .unwrap();
+            pvs.create(&pp, &pv).await.unwrap();
+            ids.push(id);
+        }
+        let labels = json!({"app": name});
+        let sts: StatefulSet = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "shop"},
+            "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
+                     "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "db",
+                         "image": "registry.k8s.io/pause:3.10", "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]}},
+                     "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {"storageClassName": "ebs",
+                         "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]},
+        }))
+        .unwrap();
+        statefulsets.create(&pp, &sts).await.unwrap();
+    }
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(p.admin.clone(), "shop");
+    let pods: Api<Pod> = Api::namespaced(p.admin.clone(), "shop");
+    let want = sets * replicas;
+    let deadline = Instant::now() + Duration::from_secs(90 + 3 * want as u64);
+    loop {
+        let all = ListParams::default();
+        let claims = claims.list(&all).await.unwrap().items;
+        let bound =
+            claims.iter().filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")).count();
+        let running = pods.list(&all).await.unwrap().items.iter().filter(|p| phase(p) == "Running").count();
+        if bound == want && running == want {
+            return ids;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "of {want} StatefulSet pods, {running} run and {bound} of their claims are bound"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// `--release volumes` on the real control plane: a StatefulSet's pod, placed by the real
 /// scheduler, mounts a claim bound by the real PV controller to a PV of the EBS CSI driver
 /// (reclaim policy `Delete`, csi-provisioner's finalizer and annotation) whose volume is in
@@ -344,67 +420,18 @@ async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_r
 async fn with_consent_the_real_server_sees_a_statefulsets_volume_released_before_the_drain() {
     use k8s_openapi::api::apps::v1::StatefulSet;
     use k8s_openapi::api::core::v1::PersistentVolumeClaim;
-    use k8s_openapi::api::storage::v1::StorageClass;
     let (p, config) = release_bed("rvol", "ebs-csi-controller", "aws-ebs-csi-driver").await;
     let pp = PostParams::default();
     let csi = sandbox_sim::ebscsi::start(p.admin.clone(), &config, Duration::from_millis(200));
 
     // the volume as the driver makes it, its PV as csi-provisioner makes it, pre-bound to the
     // claim the StatefulSet's template makes for its pod db-0; and another volume tagged the same
-    let volume = || {
-        use aws_sdk_ec2::types::{ResourceType, Tag, TagSpecification};
-        let tags = TagSpecification::builder()
-            .resource_type(ResourceType::Volume)
-            .tags(Tag::builder().key("ebs.csi.aws.com/cluster").value("true").build())
-            .tags(Tag::builder().key("CSIVolumeName").value("pvc-data-db-0").build())
-            .build();
-        p.ec2.create_volume().availability_zone("us-west-2a").size(1).tag_specifications(tags).send()
-    };
-    let ours = volume().await.unwrap().volume_id().unwrap().to_string();
-    let theirs = volume().await.unwrap().volume_id().unwrap().to_string();
-    let sc: StorageClass = serde_json::from_value(json!({
-        "metadata": {"name": "ebs"}, "provisioner": "ebs.csi.aws.com", "reclaimPolicy": "Delete",
-        "volumeBindingMode": "Immediate",
-    }))
-    .unwrap();
-    Api::<StorageClass>::all(p.admin.clone()).create(&pp, &sc).await.unwrap();
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
-    Api::<Namespace>::all(p.admin.clone()).create(&pp, &ns).await.unwrap();
-    let pv: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": "pvc-data-db-0",
-                     "annotations": {"pv.kubernetes.io/provisioned-by": "ebs.csi.aws.com"},
-                     "finalizers": ["external-provisioner.volume.kubernetes.io/finalizer"]},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Delete",
-                 "storageClassName": "ebs", "claimRef": {"namespace": "shop", "name": "data-db-0"},
-                 "csi": {"driver": "ebs.csi.aws.com", "volumeHandle": ours}},
-    }))
-    .unwrap();
+    let ours = statefulsets_on_volumes(&p, 1, 1).await.remove(0);
+    let theirs = ebs_volume(&p.ec2, "pvc-data-db-0").await;
     let pvs: Api<PersistentVolume> = Api::all(p.admin.clone());
-    pvs.create(&pp, &pv).await.unwrap();
-    let labels = json!({"app": "db"});
-    let sts: StatefulSet = serde_json::from_value(json!({
-        "metadata": {"name": "db", "namespace": "shop"},
-        "spec": {"replicas": 1, "serviceName": "db", "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "db",
-                     "image": "registry.k8s.io/pause:3.10", "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]}},
-                 "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {"storageClassName": "ebs",
-                     "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]},
-    }))
-    .unwrap();
     let statefulsets: Api<StatefulSet> = Api::namespaced(p.admin.clone(), "shop");
-    statefulsets.create(&pp, &sts).await.unwrap();
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(p.admin.clone(), "shop");
     let pods: Api<Pod> = Api::namespaced(p.admin.clone(), "shop");
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let bound = claims.get_opt("data-db-0").await.unwrap().and_then(|c| c.status?.phase) == Some("Bound".into());
-        let running = pods.get_opt("db-0").await.unwrap().is_some_and(|p| phase(&p) == "Running");
-        if bound && running {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the StatefulSet's pod did not run on its bound claim");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
 
     // without consent the drain would strand the controller: refused, nothing changed
     let refused = teardown(&p, true).await;
@@ -488,6 +515,59 @@ async fn with_consent_the_real_server_sees_a_statefulsets_volume_released_before
     assert!(run.report["leftovers"]["volumes"].as_array().unwrap().is_empty(), "{}", run.dump());
     p.assert_torn_down(&p.instances).await;
     p.ec2.delete_volume().volume_id(&theirs).send().await.unwrap();
+    csi.shutdown().await;
+    p.end().await;
+}
+
+/// The benchmark of `--release volumes` (docs/benchmarks.md, "Releasing 100 volumes"), on the
+/// real control plane as the test above: `KT_BENCH_VOLUMES` claims (default 100) of
+/// StatefulSets of 10 pods each, the pods on Karpenter's nodes, released by one
+/// `run --yes --release volumes` of `KT_BENCH_BIN` (default the release build). Prints the
+/// run's time, the release step's, and the tool's requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: cargo build --release --bin karpenter-teardown && cargo test --test realstack -- --ignored --nocapture release_of_many_volumes"]
+async fn release_of_many_volumes() {
+    let volumes: usize = std::env::var("KT_BENCH_VOLUMES").map_or(100, |v| v.parse().unwrap());
+    let bin = std::path::PathBuf::from(
+        std::env::var("KT_BENCH_BIN")
+            .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/karpenter-teardown").into()),
+    );
+    assert!(bin.exists(), "no {}: build it first (cargo build --release --bin karpenter-teardown)", bin.display());
+    let (p, config) = release_bed("bvol", "ebs-csi-controller", "aws-ebs-csi-driver").await;
+    let csi = sandbox_sim::ebscsi::start(p.admin.clone(), &config, Duration::from_millis(200));
+    let t = Instant::now();
+    let ids = statefulsets_on_volumes(&p, volumes.div_ceil(10), 10.min(volumes)).await;
+    eprintln!("bench: {} claims bound and their pods running in {:.1?}", ids.len(), t.elapsed());
+
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let mut cmd = p.tool_of(&bin, "run", p.s.tool_kubeconfig(), &report);
+    cmd.args(["--yes", "--release", "volumes"]);
+    let t = Instant::now();
+    let run = super::common::e2e::run_of(cmd, &report).await;
+    let took = t.elapsed();
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let release = release_came_first(&run);
+    let at = |field: &str| humantime::parse_rfc3339_weak(release[field].as_str().unwrap()).unwrap();
+    let step = at("finished").duration_since(at("started")).unwrap();
+    let filter = aws_sdk_ec2::types::Filter::builder().name("volume-id").set_values(Some(ids.clone())).build();
+    let left = p.ec2.describe_volumes().filters(filter).send().await.unwrap().volumes().len();
+    let calls = run.report["api_calls"].as_object().unwrap();
+    let sum = |prefix: &str| -> u64 {
+        calls.iter().filter(|(k, _)| k.starts_with(prefix)).filter_map(|(_, n)| n.as_u64()).sum()
+    };
+    println!("| volumes | run (s) | release step (s) | Kubernetes requests | EC2 requests | left in AWS |");
+    println!("|---|---|---|---|---|---|");
+    println!(
+        "| {} | {:.1} | {:.1} | {} | {} | {} |",
+        ids.len(),
+        took.as_secs_f64(),
+        step.as_secs_f64(),
+        sum("kubernetes:"),
+        sum("ec2:"),
+        left
+    );
+    println!("api_calls: {}", run.report["api_calls"]);
     csi.shutdown().await;
     p.end().await;
 }

@@ -200,7 +200,18 @@ impl Provisioned {
         kubeconfig: &std::path::Path,
         report: &std::path::Path,
     ) -> tokio::process::Command {
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+        self.tool_of(std::path::Path::new(env!("CARGO_BIN_EXE_karpenter-teardown")), subcommand, kubeconfig, report)
+    }
+
+    /// [`Self::tool`] of another build of the binary (a benchmark's release build).
+    pub(super) fn tool_of(
+        &self,
+        bin: &std::path::Path,
+        subcommand: &str,
+        kubeconfig: &std::path::Path,
+        report: &std::path::Path,
+    ) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(bin);
         if std::env::var_os("KT_TEST_LOGS").is_some() {
             cmd.stderr(Stdio::inherit());
         }
