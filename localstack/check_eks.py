@@ -15,7 +15,8 @@ boto3's requests, signed and serialized by boto3, in-process. It checks:
 - ELBv2 and classic ELB: load balancers and target groups with their tags, found by name and by
   tag in batches of 20 as the tool reads them; an unknown name is LoadBalancerNotFound (400);
   deletion protection read back from the attributes, and DeleteLoadBalancer refused with
-  OperationNotPermitted while it is on (as ELBv2 does), allowed once it is off;
+  OperationNotPermitted while it is on (as ELBv2 does), allowed once it is off; a new classic load
+  balancer described with ELB's default health check;
 - that EC2 still answers, and that LocalStack running launch.py as an init script (how the Docker
   image gets EKS) serves EKS too.
 
@@ -277,6 +278,9 @@ def check_load_balancers(gateway: LocalstackAwsGateway) -> None:
     check("ELB: its tags", [d["Tags"] for d in found] == [legacy], found)
     status, code = error(lambda: elb.describe_tags(LoadBalancerNames=["nope"]))
     check("ELB: an unknown name is LoadBalancerNotFound (400)", (status, code) == (400, "LoadBalancerNotFound"), (status, code))
+    health = elb.describe_load_balancers(LoadBalancerNames=names)["LoadBalancerDescriptions"][0].get("HealthCheck")
+    default = {"Target": "TCP:30080", "Interval": 30, "Timeout": 5, "UnhealthyThreshold": 2, "HealthyThreshold": 10}
+    check("ELB: a new load balancer has ELB's default health check", health == default, health)
 
 
 def check_init_script() -> None:

@@ -411,10 +411,36 @@ def _patch_elbv2_deletion_protection() -> None:
     ELBv2Backend.delete_load_balancer = delete
 
 
+def _patch_elb_default_health_check() -> None:
+    try:
+        from moto.elb.models import ELBBackend, FakeHealthCheck
+    except ImportError as e:  # a different moto: run it as it is
+        print(f"localstack/launch.py: not patching moto's classic ELB health check ({e})", file=sys.stderr)
+        return
+    create_load_balancer = ELBBackend.create_load_balancer
+
+    # ELB describes every classic load balancer with a health check (`HealthCheck` and each of
+    # its fields are required in the API's LoadBalancerDescription): until one is configured,
+    # ELB's default of TCP on the first listener's instance port, every 30 s, 5 s timeout,
+    # unhealthy after 2 and healthy after 10. moto leaves it out, and cloud-provider-aws's
+    # service controller reads it right after CreateLoadBalancer (ensureLoadBalancerHealthCheck).
+    def create(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        lb = create_load_balancer(self, *args, **kwargs)
+        if lb.health_check is None and lb.listeners:
+            target = f"TCP:{lb.listeners[0].instance_port}"
+            lb.health_check = FakeHealthCheck(
+                timeout="5", healthy_threshold="10", unhealthy_threshold="2", interval="30", target=target
+            )
+        return lb
+
+    ELBBackend.create_load_balancer = create
+
+
 def fix_answers() -> None:
-    """The patches that make LocalStack answer as EC2 and ELBv2 do."""
+    """The patches that make LocalStack answer as EC2, ELB and ELBv2 do."""
     _patch_repeated_filters()
     _patch_elbv2_deletion_protection()
+    _patch_elb_default_health_check()
 
 
 def speed_up() -> None:

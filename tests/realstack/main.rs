@@ -15,6 +15,7 @@ mod control_plane;
 mod differential;
 mod evidence;
 mod gitops;
+mod intree;
 mod karpenter;
 mod matrix;
 mod resume;

@@ -35,7 +35,7 @@ pub const TOOL_USER: &str = "karpenter-teardown-ci";
 pub enum RealStackError {
     /// `build-real` could not run Go.
     #[error(
-        "Go is not installed (or not on PATH): the test bed builds kube-apiserver and etcd from source with Go 1.24 or later; install Go (https://go.dev/doc/install) and run the tests again"
+        "Go is not installed (or not on PATH): the test bed builds kube-apiserver, etcd and cloud-provider-aws from source with Go 1.26 or later; install Go (https://go.dev/doc/install) and run the tests again"
     )]
     GoMissing,
     /// `build-real` ran and failed.
@@ -147,6 +147,13 @@ fn bin_dir() -> PathBuf {
 fn kwok_binary() -> Result<PathBuf, RealStackError> {
     binary()?;
     Ok(bin_dir().join("kwok"))
+}
+
+/// cloud-provider-aws's cloud controller manager, which `build-real` builds beside [`binary`]'s
+/// (from a module of its own, `ccm/`).
+fn ccm_binary() -> Result<PathBuf, RealStackError> {
+    binary()?;
+    Ok(bin_dir().join("ccm"))
 }
 
 /// The real control plane's binary, built by `build-real` the first time a process asks.
@@ -766,7 +773,51 @@ impl RealStack {
         Ok(stack)
     }
 
+    /// Starts cloud-provider-aws's service controller (the in-tree one EKS runs in its control
+    /// plane) with `cloud_config` (its `--cloud-config`, gcfg) and `env` (its AWS credentials
+    /// and region), as the admin identity, and waits for its `/healthz`. It stops with the stack.
+    pub async fn start_cloud_controller(
+        &mut self,
+        cloud_config: &str,
+        env: &[(String, String)],
+    ) -> Result<(), RealStackError> {
+        const COMPONENT: &str = "cloud-controller-manager";
+        let config = self.layout.file("cloud.conf");
+        std::fs::write(&config, cloud_config).map_err(io("writing cloud.conf"))?;
+        let port = free_port().map_err(io("finding a free port"))?;
+        let mut args = self.layout.component_args("admin.kubeconfig", port);
+        args.extend([
+            "--cloud-provider=aws".to_string(),
+            format!("--cloud-config={}", config.display()),
+            "--controllers=service".into(),
+            "--use-service-account-credentials=false".into(),
+            "--configure-cloud-routes=false".into(),
+            // a node of kwok changes nothing in EC2: a short resync only speeds up the test
+            "--node-sync-period=10s".into(),
+        ]);
+        self.spawn_with(&ccm_binary()?, COMPONENT, args, env)?;
+        // the admin kubeconfig (JSON, [`kubeconfig`]) pointed at the controller's own port
+        let path = self.layout.file("cloud-controller-manager-health.kubeconfig");
+        let bad = |reason: String| RealStackError::Kubeconfig { path: self.admin_kubeconfig.clone(), reason };
+        let text = std::fs::read_to_string(&self.admin_kubeconfig).map_err(|e| bad(e.to_string()))?;
+        let mut kc: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        kc["clusters"][0]["cluster"]["server"] = json!(format!("https://127.0.0.1:{port}"));
+        std::fs::write(&path, kc.to_string()).map_err(io(format!("writing {}", path.display())))?;
+        let client = Self::client_of(&path).await?;
+        self.wait_healthy(COMPONENT, &Health::Tls(client), Duration::from_secs(120)).await
+    }
+
     fn spawn(&mut self, bin: &Path, component: &'static str, args: Vec<String>) -> Result<(), RealStackError> {
+        self.spawn_with(bin, component, args, &[])
+    }
+
+    fn spawn_with(
+        &mut self,
+        bin: &Path,
+        component: &'static str,
+        args: Vec<String>,
+        env: &[(String, String)],
+    ) -> Result<(), RealStackError> {
         use std::os::unix::process::CommandExt;
         let log_path = self.layout.file(&format!("{component}.log"));
         let log = std::fs::File::create(&log_path).map_err(io(format!("creating {}", log_path.display())))?;
@@ -782,6 +833,7 @@ impl RealStack {
             .stdin(Stdio::null())
             // each component exits by itself once this process is gone (go/main.go)
             .env("REALSTACK_PARENT_PID", std::process::id().to_string())
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(log)
             .stderr(log2)
             .process_group(group)
