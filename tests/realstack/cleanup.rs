@@ -91,8 +91,8 @@ async fn a_cleanup_controller_the_drain_would_strand_refuses_the_run_on_the_real
     .unwrap();
     ingresses.create(&pp, &ing).await.unwrap();
     // a Gateway of its network load balancer class, under the Gateway API's own CRD
-    let crd = sandbox_sim::lbc::gateway_crd().unwrap_or_else(|e| panic!("{e}"));
-    sandbox_sim::world::create_crds(&p.admin, vec![crd]).await.unwrap();
+    let crds = sandbox_sim::lbc::gateway_crds().unwrap_or_else(|e| panic!("{e}"));
+    sandbox_sim::world::create_crds(&p.admin, crds).await.unwrap();
     let gateway = kube::core::ApiResource::from_gvk_with_plural(
         &kube::core::GroupVersionKind::gvk("gateway.networking.k8s.io", "v1", "Gateway"),
         "gateways",
@@ -250,14 +250,14 @@ fn release_came_first(run: &super::common::e2e::Run) -> &Value {
 
 /// `--release load-balancers` on the real control plane: the stand-in Load Balancer Controller
 /// (`sandbox_sim::lbc`, its pod placed by the real scheduler on a Karpenter node and run by
-/// kwok) holds a Service of type LoadBalancer and an Ingress of its IngressClass with their real
-/// finalizers, and their network and application load balancers, target groups and security
-/// groups are in LocalStack. The real kube-apiserver keeps each deleted object until the
-/// controller removes its finalizer; the run, held to `deploy/rbac.yaml` and
-/// `deploy/rbac-release.yaml`, deletes both before the drain evicts the controller and waits
-/// until they and their AWS objects are gone.
+/// kwok) holds a Service of type LoadBalancer, an Ingress of its IngressClass and a Gateway of
+/// its network load balancer GatewayClass with their real finalizers, and their load balancers,
+/// target groups and security groups are in LocalStack. The real kube-apiserver keeps each
+/// deleted object until the controller removes its finalizer; the run, held to
+/// `deploy/rbac.yaml` and `deploy/rbac-release.yaml`, deletes all three before the drain evicts
+/// the controller and waits until they and their AWS objects are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_released_before_the_drain() {
+async fn with_consent_the_real_server_sees_the_controllers_service_ingress_and_gateway_released_before_the_drain() {
     let (p, config) = release_bed("rrel", "aws-load-balancer-controller", "aws-load-balancer-controller").await;
     let pp = PostParams::default();
     let lbc = sandbox_sim::lbc::start(p.admin.clone(), &config, &p.cluster, Duration::from_millis(200));
@@ -281,7 +281,37 @@ async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_r
     }))
     .unwrap();
     ingresses.create(&pp, &ing).await.unwrap();
-    let stacks = ["service.k8s.aws/stack shop/front", "ingress.k8s.aws/stack shop/web"];
+    // a Gateway of its network load balancer GatewayClass, under the Gateway API's own CRDs
+    let crds = sandbox_sim::lbc::gateway_crds().unwrap_or_else(|e| panic!("{e}"));
+    sandbox_sim::world::create_crds(&p.admin, crds).await.unwrap();
+    let gateway_api = |kind: &str, plural: &str| {
+        kube::core::ApiResource::from_gvk_with_plural(
+            &kube::core::GroupVersionKind::gvk("gateway.networking.k8s.io", "v1", kind),
+            plural,
+        )
+    };
+    let object = |v: Value| serde_json::from_value::<kube::api::DynamicObject>(v).unwrap();
+    Api::<kube::api::DynamicObject>::all_with(p.admin.clone(), &gateway_api("GatewayClass", "gatewayclasses"))
+        .create(
+            &pp,
+            &object(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+                "metadata": {"name": "aws-nlb"}, "spec": {"controllerName": "gateway.k8s.aws/nlb"}})),
+        )
+        .await
+        .unwrap();
+    let gateways: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(p.admin.clone(), "shop", &gateway_api("Gateway", "gateways"));
+    gateways
+        .create(
+            &pp,
+            &object(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+                "metadata": {"name": "edge"},
+                "spec": {"gatewayClassName": "aws-nlb", "listeners": [{"name": "tcp", "port": 80, "protocol": "TCP"}]}})),
+        )
+        .await
+        .unwrap();
+    let stacks =
+        ["service.k8s.aws/stack shop/front", "ingress.k8s.aws/stack shop/web", "gateway.k8s.aws.nlb/stack shop/edge"];
     let (aws, cluster) = (&p.aws, p.cluster.as_str());
     let in_aws = |stack: &'static str| async move {
         karpenter_teardown::verify::load_balancing(aws, cluster)
@@ -294,11 +324,15 @@ async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_r
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let held = services.get("front").await.unwrap().metadata.finalizers.is_some()
-            && ingresses.get("web").await.unwrap().metadata.finalizers.is_some();
-        if held && in_aws(stacks[0]).await == 3 && in_aws(stacks[1]).await == 3 {
+            && ingresses.get("web").await.unwrap().metadata.finalizers.is_some()
+            && gateways.get("edge").await.unwrap().metadata.finalizers.is_some();
+        if held && in_aws(stacks[0]).await == 3 && in_aws(stacks[1]).await == 3 && in_aws(stacks[2]).await == 3 {
             break;
         }
-        assert!(Instant::now() < deadline, "the stand-in did not make the Service's and the Ingress's load balancers");
+        assert!(
+            Instant::now() < deadline,
+            "the stand-in did not make the Service's, the Ingress's and the Gateway's load balancers"
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 
@@ -316,6 +350,7 @@ async fn with_consent_the_real_server_sees_the_controllers_service_and_ingress_r
     release_came_first(&run);
     assert!(services.get_opt("front").await.unwrap().is_none(), "the Service outlived its release");
     assert!(ingresses.get_opt("web").await.unwrap().is_none(), "the Ingress outlived its release");
+    assert!(gateways.get_opt("edge").await.unwrap().is_none(), "the Gateway outlived its release");
     for stack in stacks {
         assert_eq!(in_aws(stack).await, 0, "a load balancer, target group or security group of {stack} is left");
     }

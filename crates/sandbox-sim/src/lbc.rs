@@ -1,20 +1,27 @@
-//! A stand-in for the AWS Load Balancer Controller's Service and Ingress reconcilers
+//! A stand-in for the AWS Load Balancer Controller's Service, Ingress and Gateway reconcilers
 //! (kubernetes-sigs/aws-load-balancer-controller, `controllers/service/service_controller.go`,
-//! `controllers/ingress/group_controller.go`), which the Go module proxy does not serve: what the
-//! teardown relies on, made as the real one makes it, against LocalStack's ELBv2 and EC2.
+//! `controllers/ingress/group_controller.go`, `controllers/gateway/gateway_controller.go`), which
+//! the Go module proxy does not serve: what the teardown relies on, made as the real one makes it,
+//! against LocalStack's ELBv2 and EC2.
 //!
-//! - It manages a Service of type LoadBalancer, and an Ingress of its class: the annotation
+//! - It manages a Service of type LoadBalancer; an Ingress of its class: the annotation
 //!   `kubernetes.io/ingress.class: alb`, or an `ingressClassName` whose IngressClass names the
-//!   controller `ingress.k8s.aws/alb`. Each gets its finalizer (`service.k8s.aws/resources`,
-//!   `ingress.k8s.aws/resources`: `pkg/shared_constants/finalizers.go`) before anything is made
-//!   in AWS; then a load balancer (network for a Service, application for an Ingress), a target
-//!   group and the load balancer's managed security group, each tagged `elbv2.k8s.aws/cluster=<
-//!   cluster>` (`pkg/deploy/tracking/provider.go`: the cluster is the tag's value),
+//!   controller `ingress.k8s.aws/alb`; and a Gateway (Gateway API v1) whose GatewayClass names
+//!   its controller `gateway.k8s.aws/nlb` or `gateway.k8s.aws/alb` (`pkg/gateway/constants`).
+//!   Each gets its finalizer (`service.k8s.aws/resources`, `ingress.k8s.aws/resources`,
+//!   `gateway.k8s.aws/nlb`, `gateway.k8s.aws/alb`: `pkg/shared_constants/finalizers.go`) before
+//!   anything is made in AWS; then a load balancer (network for a Service and an NLB Gateway,
+//!   application for an Ingress and an ALB Gateway), a target group and the load balancer's
+//!   managed security group, each tagged `elbv2.k8s.aws/cluster=<cluster>`
+//!   (`pkg/deploy/tracking/provider.go`: the cluster is the tag's value),
 //!   `<prefix>/stack=<namespace>/<name>` and `<prefix>/resource` (`LoadBalancer`, the port,
-//!   `ManagedLBSecurityGroup`), the prefix `service.k8s.aws` or `ingress.k8s.aws`.
+//!   `ManagedLBSecurityGroup`), the prefix `service.k8s.aws`, `ingress.k8s.aws`,
+//!   `gateway.k8s.aws.nlb` or `gateway.k8s.aws.alb` (`NLBGatewayTagPrefix`,
+//!   `ALBGatewayTagPrefix`).
 //! - A deleted object: when its attributes annotation
 //!   (`service.beta.kubernetes.io/aws-load-balancer-attributes`,
-//!   `alb.ingress.kubernetes.io/load-balancer-attributes`) turns deletion protection on, the
+//!   `alb.ingress.kubernetes.io/load-balancer-attributes`; a Gateway has none: its attributes
+//!   come from a LoadBalancerConfiguration, not played) turns deletion protection on, the
 //!   controller refuses and keeps its finalizer ("deletion_protection is enabled, cannot delete
 //!   the service"); otherwise it switches off a protection set on the load balancer alone
 //!   (`load_balancer_synthesizer.go`), deletes the load balancer, the target group and the
@@ -23,8 +30,8 @@
 //!   runs on a node that is there (`crate::standin`): evicted with its node's drain, it does
 //!   nothing more, and every object it holds stays held, as on EKS.
 //!
-//! IngressGroups (one load balancer for several Ingresses), Gateways, TargetGroupBindings and the
-//! shared backend security group are not played.
+//! IngressGroups (one load balancer for several Ingresses), a Gateway's routes and listeners,
+//! TargetGroupBindings and the shared backend security group are not played.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -34,6 +41,7 @@ use aws_sdk_elasticloadbalancingv2::types::{LoadBalancerAttribute, LoadBalancerT
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::{Ingress, IngressClass};
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
+use kube::core::GroupVersionKind;
 use kube::{Client, ResourceExt};
 
 use crate::standin::StandIn;
@@ -50,6 +58,11 @@ pub const ATTRIBUTES_ANNOTATION: &str = "service.beta.kubernetes.io/aws-load-bal
 pub const INGRESS_ATTRIBUTES_ANNOTATION: &str = "alb.ingress.kubernetes.io/load-balancer-attributes";
 /// The controller an IngressClass names for it, and its default class annotation value.
 const INGRESS_CONTROLLER: &str = "ingress.k8s.aws/alb";
+/// The controller a GatewayClass names for its network load balancers (`NLBGatewayController`),
+/// also its finalizer on such a Gateway.
+pub const NLB_GATEWAY_CONTROLLER: &str = "gateway.k8s.aws/nlb";
+/// The same for its application load balancers (`ALBGatewayController`).
+pub const ALB_GATEWAY_CONTROLLER: &str = "gateway.k8s.aws/alb";
 const INGRESS_CLASS_ANNOTATION: &str = "kubernetes.io/ingress.class";
 const PROTECTION: &str = "deletion_protection.enabled";
 const TAG_CLUSTER: &str = "elbv2.k8s.aws/cluster";
@@ -59,13 +72,18 @@ const TAG_CLUSTER: &str = "elbv2.k8s.aws/cluster";
 enum Kind {
     Service,
     Ingress,
+    NlbGateway,
+    AlbGateway,
 }
 
 impl Kind {
+    const ALL: [Kind; 4] = [Kind::Service, Kind::Ingress, Kind::NlbGateway, Kind::AlbGateway];
+
     fn resource(self) -> ApiResource {
         match self {
             Kind::Service => ApiResource::erase::<Service>(&()),
             Kind::Ingress => ApiResource::erase::<Ingress>(&()),
+            Kind::NlbGateway | Kind::AlbGateway => gateway_api("Gateway", "gateways"),
         }
     }
 
@@ -73,6 +91,8 @@ impl Kind {
         match self {
             Kind::Service => FINALIZER,
             Kind::Ingress => INGRESS_FINALIZER,
+            Kind::NlbGateway => NLB_GATEWAY_CONTROLLER,
+            Kind::AlbGateway => ALB_GATEWAY_CONTROLLER,
         }
     }
 
@@ -81,20 +101,23 @@ impl Kind {
         match self {
             Kind::Service => "service.k8s.aws",
             Kind::Ingress => "ingress.k8s.aws",
+            Kind::NlbGateway => "gateway.k8s.aws.nlb",
+            Kind::AlbGateway => "gateway.k8s.aws.alb",
         }
     }
 
-    fn annotation(self) -> &'static str {
+    fn annotation(self) -> Option<&'static str> {
         match self {
-            Kind::Service => ATTRIBUTES_ANNOTATION,
-            Kind::Ingress => INGRESS_ATTRIBUTES_ANNOTATION,
+            Kind::Service => Some(ATTRIBUTES_ANNOTATION),
+            Kind::Ingress => Some(INGRESS_ATTRIBUTES_ANNOTATION),
+            Kind::NlbGateway | Kind::AlbGateway => None,
         }
     }
 
     fn lb_type(self) -> LoadBalancerTypeEnum {
         match self {
-            Kind::Service => LoadBalancerTypeEnum::Network,
-            Kind::Ingress => LoadBalancerTypeEnum::Application,
+            Kind::Service | Kind::NlbGateway => LoadBalancerTypeEnum::Network,
+            Kind::Ingress | Kind::AlbGateway => LoadBalancerTypeEnum::Application,
         }
     }
 
@@ -127,9 +150,14 @@ pub fn start(client: Client, config: &aws_config::SdkConfig, cluster: &str, inte
     })
 }
 
+/// A kind of the Gateway API, v1.
+fn gateway_api(kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("gateway.networking.k8s.io", "v1", kind), plural)
+}
+
 /// Whether the object's attributes annotation turns deletion protection on.
 fn annotated_protection(kind: Kind, obj: &DynamicObject) -> bool {
-    obj.annotations().get(kind.annotation()).is_some_and(|v| {
+    kind.annotation().and_then(|a| obj.annotations().get(a)).is_some_and(|v| {
         v.split(',').any(|kv| kv.split_once('=').is_some_and(|(k, v)| k.trim() == PROTECTION && v.trim() == "true"))
     })
 }
@@ -141,30 +169,59 @@ fn lb_name(ns: &str, name: &str, uid: &str) -> String {
     format!("k8s-{}-{}-{hash:08x}", short(ns, 8), short(name, 8))
 }
 
-/// Whether the controller manages `obj`: a Service of type LoadBalancer; an Ingress of its class.
-fn manages(kind: Kind, obj: &DynamicObject, alb_classes: &[String]) -> bool {
+/// The classes that name the controller: IngressClasses, and GatewayClasses by controller.
+#[derive(Default)]
+struct Classes {
+    ingress: Vec<String>,
+    nlb_gateway: Vec<String>,
+    alb_gateway: Vec<String>,
+}
+
+/// Whether the controller manages `obj`: a Service of type LoadBalancer; an Ingress or a Gateway
+/// of its class.
+fn manages(kind: Kind, obj: &DynamicObject, classes: &Classes) -> bool {
+    let class_in =
+        |field: &str, names: &[String]| obj.data["spec"][field].as_str().is_some_and(|c| names.iter().any(|n| n == c));
     match kind {
         Kind::Service => obj.data["spec"]["type"] == "LoadBalancer",
         Kind::Ingress => {
             obj.annotations().get(INGRESS_CLASS_ANNOTATION).map(String::as_str) == Some("alb")
-                || obj.data["spec"]["ingressClassName"].as_str().is_some_and(|c| alb_classes.iter().any(|a| a == c))
+                || class_in("ingressClassName", &classes.ingress)
         }
+        Kind::NlbGateway => class_in("gatewayClassName", &classes.nlb_gateway),
+        Kind::AlbGateway => class_in("gatewayClassName", &classes.alb_gateway),
     }
 }
 
-async fn reconcile(ctx: &Ctx) -> Result<(), String> {
-    let classes: Api<IngressClass> = Api::all(ctx.client.clone());
-    let alb_classes: Vec<String> = match classes.list(&ListParams::default()).await {
-        Ok(l) => l
+async fn classes(ctx: &Ctx) -> Classes {
+    let mut out = Classes::default();
+    // a server that serves no IngressClasses (the sandbox's): annotated Ingresses only
+    if let Ok(l) = Api::<IngressClass>::all(ctx.client.clone()).list(&ListParams::default()).await {
+        out.ingress = l
             .items
             .into_iter()
             .filter(|c| c.spec.as_ref().and_then(|s| s.controller.as_deref()) == Some(INGRESS_CONTROLLER))
             .map(|c| c.name_any())
-            .collect(),
-        // a server that serves no IngressClasses (the sandbox's): annotated Ingresses only
-        Err(_) => Vec::new(),
-    };
-    for kind in [Kind::Service, Kind::Ingress] {
+            .collect();
+    }
+    // no Gateway API: no Gateways
+    let gateway_classes =
+        Api::<DynamicObject>::all_with(ctx.client.clone(), &gateway_api("GatewayClass", "gatewayclasses"));
+    if let Ok(l) = gateway_classes.list(&ListParams::default()).await {
+        for c in l.items {
+            match c.data["spec"]["controllerName"].as_str() {
+                Some(NLB_GATEWAY_CONTROLLER) => out.nlb_gateway.push(c.name_any()),
+                Some(ALB_GATEWAY_CONTROLLER) => out.alb_gateway.push(c.name_any()),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+async fn reconcile(ctx: &Ctx) -> Result<(), String> {
+    let classes = classes(ctx).await;
+    for kind in Kind::ALL {
         let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &kind.resource());
         let list = match api.list(&ListParams::default()).await {
             Ok(l) => l,
@@ -177,7 +234,7 @@ async fn reconcile(ctx: &Ctx) -> Result<(), String> {
                 if held {
                     finalize(ctx, kind, &obj).await?;
                 }
-            } else if manages(kind, &obj, &alb_classes) {
+            } else if manages(kind, &obj, &classes) {
                 if !held {
                     set_finalizers(ctx, kind, &obj, true).await?;
                 }
@@ -315,7 +372,10 @@ async fn ensure(ctx: &Ctx, kind: Kind, obj: &DynamicObject) -> Result<(), String
         .send()
         .await
         .map_err(|e| format!("{e:?}"))?;
-    let protocol = if kind == Kind::Service { ProtocolEnum::Tcp } else { ProtocolEnum::Http };
+    let protocol = match kind.lb_type() {
+        LoadBalancerTypeEnum::Network => ProtocolEnum::Tcp,
+        _ => ProtocolEnum::Http,
+    };
     ctx.v2
         .create_target_group()
         .name(&lb_name)
@@ -382,19 +442,25 @@ async fn finalize(ctx: &Ctx, kind: Kind, obj: &DynamicObject) -> Result<(), Stri
 /// Gateway support asks for a v1 standard install).
 const GATEWAY_API: (&str, &str, &str) =
     ("sigs.k8s.io/gateway-api", "v1.6.3", "h1:lKpJa5bGlraC/QeACvCpsHLdmO6y0iKfzVl6gzaFEYc=");
-const GATEWAY_CRD: &str = "config/crd/standard/gateway.networking.k8s.io_gateways.yaml";
+const GATEWAY_CRDS: [(&str, &str); 2] = [
+    ("config/crd/standard/gateway.networking.k8s.io_gatewayclasses.yaml", "gatewayclasses.gateway.networking.k8s.io"),
+    ("config/crd/standard/gateway.networking.k8s.io_gateways.yaml", "gateways.gateway.networking.k8s.io"),
+];
 
-/// The Gateway API's own Gateway CRD (`gateways.gateway.networking.k8s.io`), read from its
-/// release in Go's module cache at a pinned checksum, as the tests read Karpenter's: never
-/// copied into this repository.
-pub fn gateway_crd() -> Result<serde_json::Value, String> {
+/// The Gateway API's own GatewayClass and Gateway CRDs, read from its release in Go's module
+/// cache at a pinned checksum, as the tests read Karpenter's: never copied into this repository.
+pub fn gateway_crds() -> Result<Vec<serde_json::Value>, String> {
     let (module, version, sum) = GATEWAY_API;
     let dir = crate::karpenter_crds::go_module_dir(module, version, sum)
         .map_err(|e| format!("cannot get {module}@{version} from Go's module cache: {e}"))?;
-    let text = std::fs::read_to_string(dir.join(GATEWAY_CRD)).map_err(|e| format!("{GATEWAY_CRD}: {e}"))?;
-    let crd: serde_json::Value = serde_saphyr::from_str(&text).map_err(|e| format!("{GATEWAY_CRD}: {e}"))?;
-    if crd["metadata"]["name"] != "gateways.gateway.networking.k8s.io" {
-        return Err(format!("{GATEWAY_CRD} is not the Gateway CRD"));
+    let mut out = Vec::new();
+    for (file, name) in GATEWAY_CRDS {
+        let text = std::fs::read_to_string(dir.join(file)).map_err(|e| format!("{file}: {e}"))?;
+        let crd: serde_json::Value = serde_saphyr::from_str(&text).map_err(|e| format!("{file}: {e}"))?;
+        if crd["metadata"]["name"] != name {
+            return Err(format!("{file} is not the CRD {name}"));
+        }
+        out.push(crd);
     }
-    Ok(crd)
+    Ok(out)
 }
