@@ -92,24 +92,24 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
         },
         None => None,
     };
-    // and what the live admission chain and cleanup controllers would refuse: dry runs and
-    // reads, which store nothing
-    let refused = match live.as_ref().filter(|_| args.predict_permissions) {
-        Some((kube, _)) => match live_refusal(kube, &settings).await {
+    // and what the live cleanup controllers (reads, always) and admission chain (dry runs, with
+    // the run's own identity) would refuse: nothing is stored
+    let refused = match live.as_ref() {
+        Some((kube, _)) => match live_refusal(kube, &settings, args.predict_permissions).await {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("error: {e}");
                 return Exit::Failure;
             }
         },
-        None => None,
+        None => (None, String::new()),
     };
     let played = crate::rehearse::rehearse(snap, &settings, cancel.clone()).await.map(|p| {
         let p = match permissions {
             Some(seen) => p.with_permissions(seen),
             None => p,
         };
-        p.with_live_refusal(refused)
+        p.with_live_refusal(refused.0, &refused.1)
     });
     signals.abort();
     let exit = match played {
@@ -211,24 +211,32 @@ async fn live_permissions(
     })
 }
 
-/// What the real run's checks before its first write would refuse on the live cluster: one
-/// server-side dry run per kind of write through its admission chain, and the cleanup
-/// controllers the drain would strand. Nothing is stored.
-async fn live_refusal(kube: &Kube, settings: &RehearsalSettings) -> Result<Option<crate::engine::Refused>, String> {
+/// What the real run's checks before its first write would refuse on the live cluster: with
+/// `admission` (the run's own identity), one server-side dry run per kind of write through its
+/// admission chain; always, the cleanup controllers the drain would strand (reads, which the
+/// rehearsal's role grants), with the plan's lines for them and for what `--release` would
+/// release. Nothing is stored.
+async fn live_refusal(
+    kube: &Kube,
+    settings: &RehearsalSettings,
+    admission: bool,
+) -> Result<(Option<crate::engine::Refused>, String), String> {
     use crate::engine::inventory::Inventory;
     use crate::engine::{admission_verdict, cleanup_verdict};
     let inv = crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await.map_err(|e| e.to_string())?;
-    let delete_pods = settings.drain.policy == Some(crate::config::DrainPolicy::Delete);
-    let need = crate::engine::permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
     let mut text = String::new();
-    let admission = admission_verdict(&kube.client, &need, &inv, None, &mut text).await.map_err(|e| e.to_string())?;
-    if admission.is_some() {
-        return Ok(admission);
+    if admission {
+        let delete_pods = settings.drain.policy == Some(crate::config::DrainPolicy::Delete);
+        let need = crate::engine::permissions::kubernetes_needs(&settings.plan, delete_pods, settings.gitops.pause);
+        let refused = admission_verdict(&kube.client, &need, &inv, None, &mut text).await.map_err(|e| e.to_string())?;
+        if refused.is_some() {
+            return Ok((refused, text));
+        }
     }
     let verdict = cleanup_verdict(&kube.client, &settings.plan, &inv, &settings.release, &mut text)
         .await
         .map_err(|e| e.to_string())?;
-    Ok(verdict.refused)
+    Ok((verdict.refused, text))
 }
 
 /// The snapshot: from a file, or read from the live cluster (lists and describes only), with the

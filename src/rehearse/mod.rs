@@ -178,29 +178,38 @@ impl Prediction {
                 kubernetes: seen.missing_kubernetes.clone(),
                 ec2: seen.missing_ec2.clone(),
             };
-            self.outcome = Outcome::from_exit(refusal.exit());
-            self.exit_code = refusal.exit().code();
-            self.error = Some(refusal.to_string());
+            self.refused_before_the_first_step(&refusal);
             self.blockers.clear();
         }
         self.permissions = Some(seen);
         self
+    }
+
+    /// A run refused before its first write runs none of its steps: the copy's steps and their
+    /// time are not the run's.
+    fn refused_before_the_first_step(&mut self, refusal: &crate::engine::refusal::Refusal) {
+        self.outcome = Outcome::from_exit(refusal.exit());
+        self.exit_code = refusal.exit().code();
+        self.error = Some(refusal.to_string());
+        self.timing.steps.clear();
+        self.timing.predicted_seconds = 0.0;
     }
 }
 
 impl Prediction {
     /// The prediction once the live cluster's admission chain and cleanup controllers have been
     /// asked as the real run's preflight asks them: a refusal there is the run's refusal (unless
-    /// a missing permission refuses it first, as the run's order has it), with its blockers.
-    pub(crate) fn with_live_refusal(mut self, refused: Option<crate::engine::Refused>) -> Prediction {
+    /// a missing permission refuses it first, as the run's order has it), with its blockers; the
+    /// lines those checks plan join the plan.
+    pub(crate) fn with_live_refusal(mut self, refused: Option<crate::engine::Refused>, plan: &str) -> Prediction {
+        // what the live checks plan (the cleanup controllers, the release): the copy has none of it
+        self.plan.push_str(plan);
         let permission_refused =
             self.permissions.as_ref().is_some_and(|p| !p.missing_kubernetes.is_empty() || !p.missing_ec2.is_empty());
         if let Some(r) = refused
             && !permission_refused
         {
-            self.outcome = Outcome::from_exit(r.refusal.exit());
-            self.exit_code = r.refusal.exit().code();
-            self.error = Some(r.refusal.to_string());
+            self.refused_before_the_first_step(&r.refusal);
             self.blockers = r
                 .blockers
                 .into_iter()

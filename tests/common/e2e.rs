@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use karpenter_teardown::aws::{AwsClients, InstanceState};
 use karpenter_teardown::k8s;
 use kube::Client;
-use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use sandbox_apiserver::authz::Rbac;
 use sandbox_apiserver::{ApiServer, ServerOptions};
 use sandbox_sim::{KarpenterVersion, World, WorldSpec, naming};
@@ -277,6 +277,40 @@ pub fn live_karpenter(b: &Bed, world: &World) -> sandbox_sim::SimController {
 pub async fn scale_controller(c: &Client, replicas: i32) {
     let api: Api<Deployment> = Api::namespaced(c.clone(), naming::KARPENTER_NAMESPACE);
     api.patch(naming::KARPENTER_NAME, &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": replicas}})))
+        .await
+        .unwrap();
+}
+
+/// The Load Balancer Controller's chart name (its pods' `app.kubernetes.io/name`).
+pub const LBC: &str = "aws-load-balancer-controller";
+
+/// A pod of the Load Balancer Controller (its chart's labels) bound to `node`; `karpenter_only`
+/// gives it a required affinity for Karpenter's nodes.
+pub fn controller_pod(name: &str, node: &str, karpenter_only: bool) -> Pod {
+    let mut spec = json!({"nodeName": node, "containers": [{"name": "controller", "image": "public.ecr.aws/eks/aws-load-balancer-controller:v2.13.0"}]});
+    if karpenter_only {
+        spec["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}});
+    }
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "kube-system", "labels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+/// The chart's Deployment (its pods made by hand, placed where the test wants them).
+pub async fn lbc_deployment(client: &kube::Client) {
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": LBC, "namespace": "kube-system", "labels": {"app.kubernetes.io/name": LBC}},
+        "spec": {"replicas": 0,
+                 "selector": {"matchLabels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
+                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
+                              "spec": {"containers": [{"name": "controller", "image": "x"}]}}},
+    }))
+    .unwrap();
+    Api::<Deployment>::namespaced(client.clone(), "kube-system")
+        .create(&PostParams::default(), &deployment)
         .await
         .unwrap();
 }

@@ -24,6 +24,7 @@ const REHEARSAL_SCALE: &str = "0.25";
 
 const REHEARSE_RBAC: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-rehearse.yaml"));
 const RUN_RBAC: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac.yaml"));
+const RELEASE_RBAC: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rbac-release.yaml"));
 
 /// Only the rehearsal's read-only role.
 fn rehearse_rbac() -> Rbac {
@@ -453,6 +454,75 @@ async fn rehearse_predicts_a_run_that_pauses_flux_owners() {
     assert_eq!(real["outcome"], "clean", "{real:#}");
     assert_eq!(prediction["outcome"], "clean", "{prediction:#}");
     flux.shutdown().await;
+    b.server.shutdown().await;
+}
+
+/// A Load Balancer Controller (the stand-in, `sandbox_sim::lbc`) whose one pod only Karpenter's
+/// nodes can run holds a Service: the rehearsal asks the live cluster's cleanup controllers with
+/// the run's `--release`, so it predicts the refusal of a run without it and the clean run with
+/// `--release load-balancers`, as the real runs end. The copy holds no Service and plays no
+/// release, so for the second only the outcome, the exit code and the blockers are held to the
+/// real run, not its time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rehearse_predicts_the_runs_with_and_without_the_release_of_a_stranded_controllers_service() {
+    use k8s_openapi::api::core::v1::{Namespace, Service};
+    let _serial = crate::SERIAL.lock().await;
+    let s = live_spec("reh-release", 3);
+    let rbac = Rbac::from_yaml(&format!("{RUN_RBAC}\n---\n{REHEARSE_RBAC}\n---\n{RELEASE_RBAC}")).unwrap();
+    let b = live_bed(&s.cluster, rbac).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let sim = live_sim(&b, &world);
+    let pp = PostParams::default();
+    common::e2e::lbc_deployment(&b.client).await;
+    let pods: Api<Pod> = Api::namespaced(b.client.clone(), "kube-system");
+    pods.create(&pp, &common::e2e::controller_pod("lbc-0", &world.nodes[0].node, true)).await.unwrap();
+    let config = sandbox_sim::localstack::config_at(common::LOCALSTACK, REGION, &account_of(&world.cluster)).await;
+    let lbc = sandbox_sim::lbc::start(b.client.clone(), &config, &world.cluster, Duration::from_millis(100));
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
+    Api::<Namespace>::all(b.client.clone()).create(&pp, &ns).await.unwrap();
+    let services: Api<Service> = Api::namespaced(b.client.clone(), "shop");
+    let svc: Service = serde_json::from_value(json!({"metadata": {"name": "front", "namespace": "shop"},
+                                                      "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}}))
+    .unwrap();
+    services.create(&pp, &svc).await.unwrap();
+    let stack = "service.k8s.aws/stack shop/front";
+    let in_aws = || async {
+        let found = karpenter_teardown::verify::load_balancing(&b.aws, &world.cluster).await.unwrap();
+        found.iter().filter(|l| l.made_for == stack).count()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while services.get("front").await.unwrap().metadata.finalizers.is_none() || in_aws().await != 3 {
+        assert!(std::time::Instant::now() < deadline, "the stand-in did not make the Service's load balancer");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // without consent: the drain would strand the controller, both refuse naming the Service
+    let (prediction, real) = prediction_matches_the_real_run(&b, &world.cluster, &[]).await;
+    assert_eq!(real["exit_code"], 3, "{real:#}");
+    let held = ("stranded".to_string(), "Service/shop/front".to_string());
+    assert!(blocker_names(&prediction["blockers"]).contains(&held), "{prediction:#}");
+
+    // with it: the rehearsal plans the release and predicts the clean run
+    let release = ["--release", "load-balancers"];
+    let rehearsal = rehearse(&b, &world.cluster, common::ec2_proxy(), &release).await;
+    let prediction = rehearsal.report["rehearsal"]["prediction"].clone();
+    let plan = prediction["plan"].as_str().unwrap_or_default();
+    assert!(
+        plan.contains("release: delete Service shop/front while the AWS Load Balancer Controller runs"),
+        "{}",
+        rehearsal.dump()
+    );
+    let real = real_run(&b, &world.cluster, &["--yes", "--release", "load-balancers"]).await;
+    let explain = || format!("rehearsal:\n{}\n\nreal run:\n{}", rehearsal.dump(), real.dump());
+    assert_eq!(real.code, 0, "{}", explain());
+    assert_eq!(rehearsal.code, real.code, "{}", explain());
+    assert_eq!(prediction["outcome"], real.report["outcome"], "{}", explain());
+    assert_eq!(prediction["exit_code"], real.report["exit_code"], "{}", explain());
+    assert_eq!(blocker_names(&prediction["blockers"]), blocker_names(&real.report["blockers"]), "{}", explain());
+    assert!(services.get_opt("front").await.unwrap().is_none(), "the Service outlived its release");
+    assert_eq!(in_aws().await, 0, "the Service's load balancer, target group or security group is left");
+    lbc.shutdown().await;
+    sim.shutdown().await;
     b.server.shutdown().await;
 }
 

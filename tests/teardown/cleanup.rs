@@ -4,47 +4,15 @@
 //! The run refuses before its first write (exit 3), dry or not; a replica on a managed node lifts
 //! the refusal, and the plan says who holds what.
 
-use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use sandbox_sim::generate;
 use serde_json::json;
 
 use crate::common::e2e::{
-    Consent, assert_no_node_fenced, assert_torn_down, bed, bed_with, blockers_of, scale_controller, small_world,
-    teardown, untouchable_nodes,
+    Consent, assert_no_node_fenced, assert_torn_down, bed, bed_with, blockers_of, controller_pod, lbc_deployment,
+    scale_controller, small_world, teardown, untouchable_nodes,
 };
-
-const LBC: &str = "aws-load-balancer-controller";
-
-fn controller_pod(name: &str, node: &str, karpenter_only: bool) -> Pod {
-    let mut spec = json!({"nodeName": node, "containers": [{"name": "controller", "image": "public.ecr.aws/eks/aws-load-balancer-controller:v2.13.0"}]});
-    if karpenter_only {
-        spec["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}});
-    }
-    serde_json::from_value(json!({
-        "metadata": {"name": name, "namespace": "kube-system", "labels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
-        "spec": spec,
-    }))
-    .unwrap()
-}
-
-/// The chart's Deployment (its pods made by hand, placed where the test wants them).
-async fn lbc_deployment(client: &kube::Client) {
-    let deployment: Deployment = serde_json::from_value(json!({
-        "metadata": {"name": LBC, "namespace": "kube-system", "labels": {"app.kubernetes.io/name": LBC}},
-        "spec": {"replicas": 0,
-                 "selector": {"matchLabels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
-                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": LBC, "app.kubernetes.io/instance": LBC}},
-                              "spec": {"containers": [{"name": "controller", "image": "x"}]}}},
-    }))
-    .unwrap();
-    Api::<Deployment>::namespaced(client.clone(), "kube-system")
-        .create(&PostParams::default(), &deployment)
-        .await
-        .unwrap();
-}
 
 /// Service `shop/front` of type LoadBalancer, held by the Load Balancer Controller's finalizer.
 async fn held_service(client: &kube::Client) {
