@@ -417,9 +417,10 @@ async fn the_ec2_proxy_shows_terminations_as_ec2_would_and_filters_on_that_state
         sandbox_sim::ec2proxy::Ec2Proxy::start(common::LOCALSTACK, sandbox_sim::ec2proxy::ProxyFaults::default())
             .await
             .unwrap();
+    // windows of seconds, not fractions: the reads land in them on a loaded 2-core machine too
     proxy.control().set_timing(sandbox_sim::ec2time::Ec2Timing {
-        shutting_down: std::time::Duration::from_secs(4),
-        stale_reads: std::time::Duration::from_secs(2),
+        shutting_down: std::time::Duration::from_secs(10),
+        stale_reads: std::time::Duration::from_secs(3),
     });
     let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
         .region(aws_config::Region::new(REGION))
@@ -443,11 +444,11 @@ async fn the_ec2_proxy_shows_terminations_as_ec2_would_and_filters_on_that_state
     assert_eq!(live_by_id(&tool).await, Some(InstanceState::Running), "a wait does not end on a stale read");
     let live = tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap();
     assert_eq!(live.len(), 1, "the live-state filter still finds it");
-    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
     assert_eq!(state(&tool).await, Some(InstanceState::ShuttingDown));
     assert_eq!(live_by_id(&tool).await, Some(InstanceState::ShuttingDown), "nor while it shuts down");
     assert_eq!(tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().len(), 1);
-    tokio::time::sleep(std::time::Duration::from_millis(2000)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(7000)).await;
     assert_eq!(state(&tool).await, Some(InstanceState::Terminated));
     assert_eq!(live_by_id(&tool).await, None, "terminated: left out of the answer, so the wait ends");
     assert!(tool.ec2.cluster_instances(&cluster, InstanceScope::KarpenterLive).await.unwrap().is_empty());
