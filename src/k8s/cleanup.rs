@@ -87,9 +87,8 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
         let claim = spec.and_then(|s| s.claim_ref.as_ref()).map(|r| {
             format!("{}/{}", r.namespace.as_deref().unwrap_or_default(), r.name.as_deref().unwrap_or_default())
         });
-        let ebs = (driver == Some(crate::cleanup::EBS_CSI_DRIVER) && reclaim == Some("Delete"))
-            .then(|| volume.map(|(_, id)| (name, id, claim)))
-            .flatten();
+        // the volumes the EBS driver deletes: exactly the PVs held for it
+        let ebs = held.first().filter(|h| h.cleaner == Cleaner::EbsCsi).and(volume).map(|(_, id)| (name, id, claim));
         Some((held, ebs))
     });
     let attachments = all(Api::<VolumeAttachment>::all(client.clone()), "volumeattachments", |va| {
