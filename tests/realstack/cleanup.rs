@@ -559,6 +559,8 @@ async fn with_consent_the_real_server_sees_a_statefulsets_volume_released_before
 /// StatefulSets of 10 pods each, the pods on Karpenter's nodes, released by one
 /// `run --yes --release volumes` of `KT_BENCH_BIN` (default the release build). Prints the
 /// run's time, the release step's, and the tool's requests.
+// Ignored, not dead: a benchmark needs the release build, which CI does not make, and its
+// figures go to docs/benchmarks.md; it asserts the release succeeded before it reports them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a benchmark: cargo build --release --bin karpenter-teardown && cargo test --test realstack -- --ignored --nocapture release_of_many_volumes"]
 async fn release_of_many_volumes() {
