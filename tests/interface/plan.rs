@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use karpenter_teardown::plan::{
     Action, ObjectKind, ObjectSets, OnDeadline, Plan, PlanError, ReadyTracker, RenderFormat, TaskGraph, TaskId,
@@ -518,7 +518,7 @@ fn an_empty_step_passes_on_several_dependencies_through_one_barrier() {
 }
 
 #[test]
-fn a_thousand_machines_expand_linearly_and_fast() {
+fn thousands_of_machines_expand_into_a_graph_linear_in_their_number() {
     let plan = Plan::builtin_default();
     for n in [1_000, 10_000] {
         let objects = ObjectSets {
@@ -526,11 +526,9 @@ fn a_thousand_machines_expand_linearly_and_fast() {
             nodepools: (0..10).map(|i| format!("p{i}")).collect(),
             nodeclasses: (0..10).map(|i| format!("c{i}")).collect(),
         };
-        let started = Instant::now();
+        // how long it takes is a benchmark's to say, not a test's: the size of what it builds is
+        // what stays linear
         let graph = plan.expand(&objects);
-        let took = started.elapsed();
-        // Generous for a debug build on a loaded 2-core CI machine; it takes a few ms.
-        assert!(took < Duration::from_secs(1), "{n} machines took {took:?}");
         assert_eq!(graph.task_count(), 5 + 2 * n + 20);
         // Five edges per machine (cordon->drain, drain->barrier, drain->discharge,
         // controller->discharge, discharge->barrier) plus a constant: O(n), not O(n^2).
