@@ -20,6 +20,27 @@ use serde_json::{Value, json};
 /// The region of every end-to-end world.
 pub const REGION: &str = "us-west-2";
 
+/// The store's resourceVersion once the control plane has stopped writing: the same for a
+/// second and a half in a row. Its status writes (a PodDisruptionBudget's is made up to 500 ms
+/// after the last pod event) trail a generated world's last pod, by more on a loaded machine; a
+/// version taken before them would count them as the tool's writes.
+pub async fn settled_resource_version(server: &ApiServer) -> u64 {
+    let quiet = Duration::from_millis(1500);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut rv = server.store().resource_version();
+    let mut since = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = server.store().resource_version();
+        if now != rv {
+            (rv, since) = (now, std::time::Instant::now());
+        } else if since.elapsed() >= quiet {
+            return rv;
+        }
+        assert!(std::time::Instant::now() < deadline, "the control plane kept writing for 30 s (at version {rv})");
+    }
+}
+
 /// The sandbox API server, clients of it and of LocalStack, and a kubeconfig in a temp dir.
 pub struct Bed {
     pub server: ApiServer,

@@ -12,8 +12,8 @@ use crate::common;
 // each test file uses its own subset of these
 #[allow(unused_imports, reason = "each test file uses its own subset of these")]
 pub use crate::common::e2e::{
-    Bed, Consent, REGION, Run, assert_torn_down, bed, bed_with, count, states, teardown, untouchable_names,
-    untouchable_nodes,
+    Bed, Consent, REGION, Run, assert_torn_down, bed, bed_with, count, settled_resource_version, states, teardown,
+    untouchable_names, untouchable_nodes,
 };
 
 /// A small world: few nodes, one decoy, a managed node group of 2 (one tainted) and a

@@ -4,7 +4,6 @@
 use crate::common;
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use crate::common::safety::*;
 use karpenter_teardown::aws::InstanceState;
@@ -33,9 +32,7 @@ async fn guarded_with(prefix: &str, rbac: Option<Rbac>) -> Guarded {
     let opts = ServerOptions { time_scale: 0.01, rbac, ..ServerOptions::default() };
     let b = bed_with(&s.cluster, opts).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    // let the control plane settle before taking the store's version
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let rv = b.server.store().resource_version();
+    let rv = settled_resource_version(&b.server).await;
     Guarded { b, world, rv }
 }
 

@@ -504,7 +504,8 @@ async fn matrix_a_budget_refuses_evictions_until_the_replacement_runs_outside_ka
 
     // the workload is whole again, on the node group's node, which the tool left alone
     let pods: Api<Pod> = Api::namespaced(b.admin.clone(), "web");
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // kube-scheduler's backoff (up to 10 s) and kwok's start, on a loaded machine
+    let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let list = pods.list(&ListParams::default()).await.unwrap();
         let placed: Vec<(&str, Option<&str>)> = list.items.iter().map(|p| (phase(p), node_of(p))).collect();

@@ -248,11 +248,15 @@ async fn a_lifted_cordon_is_put_back_and_reported() {
     let stop = Arc::new(AtomicBool::new(false));
     let reverts = Arc::new(AtomicU64::new(0));
     let reverter = tokio::spawn(cordon_reverter(b.client.clone(), stop.clone(), reverts.clone()));
-    // the reverter gives up after a while (its own loop, an operator who notices): from then on
-    // the fences hold, and the machines go
+    // the reverter gives up a while after its first revert (its own loop, an operator who
+    // notices): from then on the fences hold, and the machines go. Counted from that revert, not
+    // from now, the tool's start on a loaded machine does not eat into it.
     let stopper = {
-        let stop = stop.clone();
+        let (stop, reverts) = (stop.clone(), reverts.clone());
         tokio::spawn(async move {
+            while reverts.load(Ordering::Relaxed) == 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
             tokio::time::sleep(Duration::from_secs(12)).await;
             stop.store(true, Ordering::Relaxed);
         })

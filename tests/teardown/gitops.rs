@@ -121,7 +121,9 @@ async fn work_in_flight_on_every_owner_ends_before_the_fence() {
         let off = json!({"spec": {"syncPolicy": {"automated": null}}});
         owner_api(&b, app).patch(&app.name, &PatchParams::default(), &Patch::Merge(off)).await.unwrap();
     }
-    reconcilers.sync_in_flight(&pools, Duration::from_secs(10)).await.unwrap();
+    // long enough to be still under way when the tool, started below, reaches its pause step
+    // on a loaded machine
+    reconcilers.sync_in_flight(&pools, Duration::from_secs(20)).await.unwrap();
     // every Flux owner has a pass under way
     tokio::time::sleep(Duration::from_millis(500)).await;
 

@@ -62,7 +62,9 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    for _ in 0..200 {
+    // what is waited for takes well under a second here; the deadline is for a loaded machine
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
         if f().await {
             return;
         }

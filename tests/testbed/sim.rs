@@ -253,7 +253,7 @@ async fn deleted_nodepools_cascade_and_deleted_classes_release_their_aws_resourc
     let spec = small_spec("sim-cascade");
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
-    assert!(ctl.wait_active(true, Duration::from_secs(10)).await, "controller never saw its ready Deployment");
+    assert!(ctl.wait_active(true, Duration::from_secs(60)).await, "controller never saw its ready Deployment");
 
     for p in &world.node_pools {
         pools(&b.client).delete(p, &DeleteParams::default()).await.unwrap();
@@ -306,10 +306,10 @@ async fn a_controller_scaled_to_zero_leaves_finalizers_and_instances_until_it_re
     let spec = WorldSpec { nodes: 2, node_pools: 1, node_classes: 1, ..small_spec("sim-stuck") };
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
-    assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
+    assert!(ctl.wait_active(true, Duration::from_secs(60)).await);
 
     scale_controller(&b.client, 0).await;
-    assert!(ctl.wait_active(false, Duration::from_secs(10)).await, "controller kept acting at zero replicas");
+    assert!(ctl.wait_active(false, Duration::from_secs(60)).await, "controller kept acting at zero replicas");
     let victim = &world.nodes[0];
     claims(&b.client).delete(&victim.nodeclaim, &DeleteParams::default()).await.unwrap();
     // many passes' worth of time at this time scale
@@ -321,7 +321,7 @@ async fn a_controller_scaled_to_zero_leaves_finalizers_and_instances_until_it_re
     assert_eq!(ctl.stats().instances_terminated, 0);
 
     scale_controller(&b.client, 1).await;
-    assert!(ctl.wait_active(true, Duration::from_secs(10)).await, "controller did not come back");
+    assert!(ctl.wait_active(true, Duration::from_secs(60)).await, "controller did not come back");
     eventually("the stuck NodeClaim processed once the controller is back", Duration::from_secs(90), || async {
         claims(&b.client).get_opt(&victim.nodeclaim).await.unwrap().is_none()
             && !all_running(&b.aws, std::slice::from_ref(&victim.instance_id)).await
@@ -350,7 +350,7 @@ async fn pending_pods_get_capacity_up_to_the_nodepool_limit_and_no_further() {
     };
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
-    assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
+    assert!(ctl.wait_active(true, Duration::from_secs(60)).await);
 
     let labels = json!({"app": "inflate"});
     let deploy: Deployment = serde_json::from_value(json!({
@@ -414,7 +414,7 @@ async fn garbage_collection_terminates_orphans_of_this_cluster_only() {
 
     let gc = SimSettings { gc_interval: Duration::from_secs(5), ..settings(&world) };
     let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), gc);
-    assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
+    assert!(ctl.wait_active(true, Duration::from_secs(60)).await);
     eventually("the orphan terminated", Duration::from_secs(90), || async { ctl.stats().orphans_terminated >= 1 })
         .await;
     assert_eq!(ctl.stats().orphans_terminated, 1);
@@ -544,7 +544,7 @@ async fn an_applied_nodeclass_gets_its_finalizer_launch_template_and_instance_pr
     let spec = WorldSpec { nodes: 0, pods_per_node: 0, node_pools: 1, node_classes: 1, ..small_spec("sim-apply") };
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let mut ctl = SimController::start(b.client.clone(), b.cloud.clone(), settings(&world));
-    assert!(ctl.wait_active(true, Duration::from_secs(10)).await);
+    assert!(ctl.wait_active(true, Duration::from_secs(60)).await);
     // as `kubectl apply` would create it: no finalizer, no status
     let class: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "karpenter.k8s.aws/v1", "kind": "EC2NodeClass", "metadata": {"name": "applied"},
