@@ -144,6 +144,10 @@ pub(crate) struct Prediction {
     pub timing: Timing,
     /// The requests it will make, by `service:verb` (as the run report counts them).
     pub requests: BTreeMap<String, u64>,
+    /// The requests the copy's run made before its first write: a run refused there makes
+    /// these and no more.
+    #[serde(skip)]
+    pub(crate) requests_before_writes: BTreeMap<String, u64>,
     /// Whether verification will find the cluster clean.
     pub clean: bool,
     /// The concrete plan, with object names.
@@ -193,6 +197,7 @@ impl Prediction {
         self.error = Some(refusal.to_string());
         self.timing.steps.clear();
         self.timing.predicted_seconds = 0.0;
+        self.requests = self.requests_before_writes.clone();
     }
 }
 
@@ -255,7 +260,7 @@ pub(crate) async fn rehearse(
     };
     let result = play(&snap, settings, &copy, cancel).await;
     let prediction = match result {
-        Ok((run, requests, run_seconds, deadline_passed)) => {
+        Ok(Played { run, requests, requests_before_writes, run_seconds, deadline_passed }) => {
             let blockers = blockers_of(&copy, &run.blockers);
             let drain_deadline = settings
                 .drain
@@ -312,6 +317,7 @@ pub(crate) async fn rehearse(
                 blockers,
                 timing,
                 requests,
+                requests_before_writes,
                 clean: run.leftovers.is_clean(),
                 plan: copy.to_live_ids(&run.plan_text),
                 permissions: None,
@@ -324,9 +330,15 @@ pub(crate) async fn rehearse(
     prediction
 }
 
-/// The run on the copy, its requests, its wall time, and the machines whose drain ran into its
-/// deadline.
-type Played = (engine::RunResult, BTreeMap<String, u64>, f64, std::collections::BTreeSet<String>);
+/// The run on the copy: what it ended with, its requests in all and those it made before its
+/// first write, its wall time, and the machines whose drain ran into its deadline.
+struct Played {
+    run: engine::RunResult,
+    requests: BTreeMap<String, u64>,
+    requests_before_writes: BTreeMap<String, u64>,
+    run_seconds: f64,
+    deadline_passed: std::collections::BTreeSet<String>,
+}
 
 /// The copy has no Argo CD or Flux controllers, and a run that pauses a Flux object waits until
 /// the controller has handled the suspend: the sandbox's simulated ones stand in, with nothing to
@@ -387,16 +399,28 @@ async fn play(
     // every log line of the copy's run says so: it must never read as a change to the live cluster
     let span = tracing::info_span!("rehearsal", copy = %copy.server.url());
     let (events, mut rx) = Events::channel();
-    // owned here and joined below: it ends when the run's last sender is dropped
-    let deadlines = tokio::spawn(
+    // owned here and joined below: it ends when the run's last sender is dropped. The graph
+    // starts (RunStarted) once every read before the first write is done: the requests counted
+    // then are those of a run refused before its first write.
+    let (kube_calls, aws_calls) = (kube.calls.clone(), aws.calls.clone());
+    let listener = tokio::spawn(
         async move {
             let mut passed = std::collections::BTreeSet::new();
+            let mut before_writes = None;
             while let Some(ev) = rx.recv().await {
-                if let EngineEvent::DrainDeadlinePassed { task, .. } = ev {
-                    passed.insert(task.object.unwrap_or_default());
+                match ev {
+                    EngineEvent::DrainDeadlinePassed { task, .. } => {
+                        passed.insert(task.object.unwrap_or_default());
+                    }
+                    EngineEvent::RunStarted { .. } if before_writes.is_none() => {
+                        let mut counts = kube_calls.snapshot();
+                        counts.extend(aws_calls.snapshot());
+                        before_writes = Some(counts);
+                    }
+                    _ => {}
                 }
             }
-            passed
+            (passed, before_writes)
         }
         .instrument(span.clone()),
     );
@@ -406,10 +430,12 @@ async fn play(
         g.shutdown().await;
     }
     let run_seconds = started.elapsed().as_secs_f64();
-    let deadline_passed = deadlines.await.unwrap_or_default();
+    let (deadline_passed, before_writes) = listener.await.unwrap_or_default();
     let mut requests = kube.calls.snapshot();
     requests.extend(aws.calls.snapshot());
-    Ok((run, requests, run_seconds, deadline_passed))
+    // a copy's run that never started its graph made nothing but reads
+    let requests_before_writes = before_writes.unwrap_or_else(|| requests.clone());
+    Ok(Played { run, requests, requests_before_writes, run_seconds, deadline_passed })
 }
 
 /// The run's blockers with live instance ids, and each budget's arithmetic read from the copy.

@@ -5,7 +5,7 @@
 //! The "live" cluster of these tests is a sandbox on the real clock (time scale 1.0) with short
 //! grace periods, so a real teardown takes seconds; the rehearsal plays its copy faster.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::common;
@@ -501,6 +501,23 @@ async fn rehearse_predicts_the_runs_with_and_without_the_release_of_a_stranded_c
     assert_eq!(real["exit_code"], 3, "{real:#}");
     let held = ("stranded".to_string(), "Service/shop/front".to_string());
     assert!(blocker_names(&prediction["blockers"]).contains(&held), "{prediction:#}");
+    // refused before its first write, the run makes only the reads before it: the prediction
+    // counts the copy's reads up to that point, not the copy's whole run
+    let requests = |v: &Value| -> BTreeMap<String, u64> { serde_json::from_value(v.clone()).unwrap_or_default() };
+    let (predicted, made) = (requests(&prediction["requests"]), requests(&real["api_calls"]));
+    eprintln!("refused run: predicted requests {predicted:?}, made {made:?}");
+    assert!(!made.is_empty() && !predicted.is_empty(), "{prediction:#}\n{real:#}");
+    let writes = |r: &BTreeMap<String, u64>| -> Vec<String> {
+        let write = |k: &str| {
+            ["kubernetes:evict", "kubernetes:patch", "kubernetes:update", "kubernetes:delete"].contains(&k)
+                || k.starts_with("ec2:Terminate")
+                || k.starts_with("ec2:Delete")
+        };
+        r.keys().filter(|k| write(k)).cloned().collect()
+    };
+    assert_eq!(writes(&made), Vec::<String>::new(), "the refused run wrote: {made:?}");
+    assert_eq!(writes(&predicted), Vec::<String>::new(), "a refused run predicted to write: {predicted:?}");
+    assert_eq!(predicted.keys().collect::<Vec<_>>(), made.keys().collect::<Vec<_>>(), "{predicted:?}\n{made:?}");
 
     // with it: the rehearsal plans the release and predicts the clean run
     let release = ["--release", "load-balancers"];
