@@ -172,6 +172,10 @@ pub(crate) struct Held {
     /// The object's own annotation turns deletion protection on for its load balancer
     /// ([`annotated_protection`]).
     pub(crate) protected: bool,
+    /// Its uid as surveyed: a release deletes that object only, never one made under its name
+    /// since (by a GitOps controller, say, that the run does not pause).
+    #[serde(skip)]
+    pub(crate) uid: Option<String>,
 }
 
 /// What the user consented to release before the drain (`--release`): the objects its cleaner
@@ -213,6 +217,9 @@ pub(crate) struct ClaimUser {
 pub(crate) struct VolumeFacts {
     /// Each EBS PV with reclaim policy `Delete`: its claim (`namespace/name`), if bound to one.
     pub(crate) claims: BTreeMap<String, Option<String>>,
+    /// The uid of each PV's claim, from its `claimRef`: the claim bound to it, not one made
+    /// under the same name since.
+    pub(crate) claim_uids: BTreeMap<String, String>,
     /// Each PV's EBS volume id.
     pub(crate) volume_ids: BTreeMap<String, String>,
     /// Each VolumeAttachment the EBS driver's attacher holds: the PV it attaches.
@@ -226,8 +233,9 @@ pub(crate) struct VolumeRelease {
     /// The StatefulSets (`namespace/name`) whose pods mount a released claim: scaled to zero
     /// first, since a StatefulSet makes its pod's claim again for as long as it wants the pod.
     pub(crate) statefulsets: std::collections::BTreeSet<String>,
-    /// The claims deleted (`namespace/name`); the PV controller then releases their PVs.
-    pub(crate) claims: std::collections::BTreeSet<String>,
+    /// The claims deleted (`namespace/name`), each with the uid its PV's `claimRef` gives: only
+    /// the claim bound to the PV is deleted. The PV controller then releases their PVs.
+    pub(crate) claim_uids: BTreeMap<String, String>,
     /// The PVs waited for, each with its EBS volume id: the controller deletes the volume in EC2
     /// and then the PV.
     pub(crate) volumes: BTreeMap<String, String>,
@@ -264,6 +272,13 @@ pub(crate) fn plan_volume_release(
             ));
             continue;
         };
+        let Some(uid) = facts.claim_uids.get(&h.name) else {
+            refused.push((
+                h.object(),
+                format!("its claimRef names {claim} but no uid, so which claim it is bound to is unknown; delete the PV yourself if its volume is meant to go"),
+            ));
+            continue;
+        };
         let ns = claim.split_once('/').map(|(ns, _)| ns).unwrap_or_default();
         let mut ok = true;
         for u in users.get(claim).into_iter().flatten() {
@@ -285,7 +300,7 @@ pub(crate) fn plan_volume_release(
             }
         }
         if ok {
-            out.claims.insert(claim.clone());
+            out.claim_uids.insert(claim.clone(), uid.clone());
             out.volumes.insert(h.name.clone(), id.clone());
             out.held.push(h.clone());
         }
@@ -393,7 +408,7 @@ pub(crate) fn held_volume(name: &str, finalizers: &[String], driver: Option<&str
         _ => return Vec::new(),
     };
     let finalizer = finalizers.iter().find(|f| *f == FINALIZER_PROVISIONER).cloned();
-    vec![Held { kind: "PersistentVolume", name: name.to_string(), finalizer, cleaner, protected: false }]
+    vec![Held { kind: "PersistentVolume", name: name.to_string(), finalizer, cleaner, protected: false, uid: None }]
 }
 
 /// Where a cleaner runs now: its pods (by its chart's labels, or the holder of its leader
@@ -504,11 +519,16 @@ pub(crate) fn survey(
                 }
             })
             .collect();
-        // stranded: it runs, every pod of it is on a node the run drains, and none of them
-        // fits any node the run keeps
-        let stranded = !pods.is_empty()
-            && pods.iter().all(|p| node_of(p).is_some_and(|n| karpenter_nodes.contains(&n)))
-            && !pods.iter().any(|p| other_nodes.iter().any(|n| fits(p, n)));
+        // stranded: it has pods, none of them is on a node the run keeps, and none fits one.
+        // A pod waiting unscheduled is no place it runs (it may never be placed), nor is one
+        // that has ended
+        let live: Vec<&Pod> = pods
+            .iter()
+            .filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")))
+            .collect();
+        let on_kept_node = live.iter().any(|p| node_of(p).is_some_and(|n| !karpenter_nodes.contains(&n)));
+        let stranded =
+            !live.is_empty() && !on_kept_node && !live.iter().any(|p| other_nodes.iter().any(|n| fits(p, n)));
         out.push(Verdict { cleaner, runs, stranded, held: mine });
     }
     out
@@ -643,7 +663,7 @@ mod tests {
     }
 
     fn held(kind: &'static str, name: &str, finalizer: &str, cleaner: Cleaner) -> Held {
-        Held { kind, name: name.into(), finalizer: Some(finalizer.into()), cleaner, protected: false }
+        Held { kind, name: name.into(), finalizer: Some(finalizer.into()), cleaner, protected: false, uid: None }
     }
 
     #[test]
@@ -668,6 +688,7 @@ mod tests {
             ]
             .into(),
             attached: [(s("csi-db-0"), s("pv-db-0")), (s("csi-other"), s("pv-retained"))].into(),
+            claim_uids: [(s("pv-db-0"), s("uid-0")), (s("pv-db-1"), s("uid-1")), (s("pv-cache"), s("uid-c"))].into(),
         };
         let user = |pod: &str, owner: Option<&str>| ClaimUser { pod: s(pod), owner: owner.map(s) };
         let users: BTreeMap<String, Vec<ClaimUser>> = [
@@ -678,7 +699,8 @@ mod tests {
         let (plan, refused) = plan_volume_release(&objects, &facts, &users, true);
         // the StatefulSet's claims (one mounted, one whose pod is already gone) are released
         assert_eq!(plan.statefulsets, [s("shop/db")].into());
-        assert_eq!(plan.claims, [s("shop/data-db-0"), s("shop/data-db-1")].into());
+        // each claim is deleted as the one its PV is bound to, by uid
+        assert_eq!(plan.claim_uids, [(s("shop/data-db-0"), s("uid-0")), (s("shop/data-db-1"), s("uid-1"))].into());
         assert_eq!(plan.volumes, [(s("pv-db-0"), s("vol-0")), (s("pv-db-1"), s("vol-1"))].into());
         assert_eq!(plan.held, [objects[0].clone(), objects[1].clone(), objects[4].clone()]);
         // a Deployment's claim, a PV bound to no claim and, the controller stranded, an
@@ -703,6 +725,15 @@ mod tests {
         let lb = [held("Service", "shop/front", FINALIZER_SERVICE, Cleaner::LoadBalancerController)];
         let (plan, refused) = plan_volume_release(&lb, &facts, &users, true);
         assert!(plan == VolumeRelease::default() && refused.is_empty());
+        // a claimRef without a uid binds no claim for certain: refused, nothing deleted
+        let mut unbound = facts.clone();
+        unbound.claim_uids.remove("pv-db-1");
+        let (plan, refused) = plan_volume_release(&objects, &unbound, &users, false);
+        assert!(!plan.claim_uids.contains_key("shop/data-db-1"), "{plan:?}");
+        assert!(
+            refused.iter().any(|(o, why)| o == "PersistentVolume/pv-db-1" && why.contains("no uid")),
+            "{refused:?}"
+        );
         assert!(Release::Volumes.covers(Cleaner::EbsCsi) && !Release::Volumes.covers(Cleaner::EfsCsi));
     }
 
@@ -831,7 +862,7 @@ mod tests {
         // it requires Karpenter capacity: stranded, one blocker per object
         let only = json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}});
-        let v = survey(&objects, &on_karpenter(only), &karpenter, std::slice::from_ref(&system));
+        let v = survey(&objects, &on_karpenter(only.clone()), &karpenter, std::slice::from_ref(&system));
         assert!(v[0].stranded, "{v:?}");
         let b = v[0].blockers();
         assert_eq!(b.len(), 1);
@@ -854,6 +885,27 @@ mod tests {
             Running { pods: vec![pod("lbc-0", "k1", json!({})), pod("lbc-1", "system-0", json!({}))] },
         )]);
         assert!(!survey(&objects, &split, &karpenter, &[])[0].stranded);
+        // a replica waiting unscheduled, or one that has ended on the system node, is no place it
+        // runs: with nowhere else to go it is stranded all the same
+        let mut pending = pod("lbc-1", "", only.clone());
+        pending.spec.as_mut().unwrap().node_name = None;
+        let mut ended = pod("lbc-2", "system-0", json!({}));
+        ended.status =
+            Some(k8s_openapi::api::core::v1::PodStatus { phase: Some("Failed".into()), ..Default::default() });
+        let twins = |other| {
+            BTreeMap::from([(
+                Cleaner::LoadBalancerController,
+                Running { pods: vec![pod("lbc-0", "k1", only.clone()), other] },
+            )])
+        };
+        let v = survey(&objects, &twins(pending), &karpenter, std::slice::from_ref(&system));
+        assert!(v[0].stranded, "{v:?}");
+        assert!(v[0].runs.iter().any(|r| r.ends_with("unscheduled")), "{v:?}");
+        assert!(survey(&objects, &twins(ended), &karpenter, &[])[0].stranded);
+        // an unscheduled replica that would fit the system node is a place it can run
+        let mut placeable = pod("lbc-1", "", json!({}));
+        placeable.spec.as_mut().unwrap().node_name = None;
+        assert!(!survey(&objects, &twins(placeable), &karpenter, std::slice::from_ref(&system))[0].stranded);
         // not running at all: its objects are stuck already; the drain changes nothing
         let none = survey(&objects, &BTreeMap::new(), &karpenter, &[]);
         assert!(!none[0].stranded && none[0].plan_line().contains("already not running"), "{none:?}");

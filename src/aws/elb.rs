@@ -42,6 +42,41 @@ pub struct LoadBalancing {
     pub made_for: String,
 }
 
+/// Whether an error code says the object asked about no longer exists (ELBv2's and classic
+/// ELB's codes for a load balancer, ELBv2's for a target group).
+fn gone(code: &str) -> bool {
+    matches!(code, "LoadBalancerNotFound" | "TargetGroupNotFound" | "AccessPointNotFound")
+}
+
+/// What `read` answers for `keys` (ARNs or names), asked `DESCRIBE_TAGS_MAX` at a time. Both
+/// APIs' `DescribeTags` fail the whole call when one object it names is gone
+/// (`LoadBalancerNotFound`, `TargetGroupNotFound`), which happens to whatever a controller
+/// deletes between the listing and this call (a release waits for exactly that): such a chunk is
+/// asked again a key at a time, and what is gone is left out.
+async fn asked_around_the_gone<T, F, Fut>(keys: &[String], read: F) -> Result<Vec<T>, AwsError>
+where
+    F: Fn(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<T>, AwsError>>,
+{
+    let mut out = Vec::new();
+    for chunk in keys.chunks(DESCRIBE_TAGS_MAX) {
+        match read(chunk.to_vec()).await {
+            Ok(found) => out.extend(found),
+            Err(e) if e.code().is_some_and(gone) => {
+                for key in chunk {
+                    match read(vec![key.clone()]).await {
+                        Ok(found) => out.extend(found),
+                        Err(e) if e.code().is_some_and(gone) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
 /// An object as read, before it is judged.
 struct Tagged {
     id: String,
@@ -91,27 +126,31 @@ impl Elb {
         AwsError::from_sdk("elasticloadbalancing", op, &self.endpoint, e)
     }
 
-    /// Tags of ELBv2 objects by ARN, 20 to a call.
+    /// Tags of ELBv2 objects by ARN, 20 to a call ([`asked_around_the_gone`]).
     async fn v2_tags(&self, arns: &[String]) -> Result<BTreeMap<String, BTreeMap<String, String>>, AwsError> {
-        let mut out = BTreeMap::new();
-        for chunk in arns.chunks(DESCRIBE_TAGS_MAX) {
-            let got = self
-                .v2
-                .describe_tags()
-                .set_resource_arns(Some(chunk.to_vec()))
-                .send()
-                .await
-                .map_err(|e| self.err("DescribeTags", e))?;
-            for d in got.tag_descriptions() {
+        Ok(asked_around_the_gone(arns, |chunk| self.v2_tags_of(chunk)).await?.into_iter().collect())
+    }
+
+    async fn v2_tags_of(&self, arns: Vec<String>) -> Result<Vec<(String, BTreeMap<String, String>)>, AwsError> {
+        let got = self
+            .v2
+            .describe_tags()
+            .set_resource_arns(Some(arns))
+            .send()
+            .await
+            .map_err(|e| self.err("DescribeTags", e))?;
+        Ok(got
+            .tag_descriptions()
+            .iter()
+            .map(|d| {
                 let tags = d
                     .tags()
                     .iter()
                     .map(|t| (t.key().unwrap_or_default().to_string(), t.value().unwrap_or_default().to_string()))
                     .collect();
-                out.insert(d.resource_arn().unwrap_or_default().to_string(), tags);
-            }
-        }
-        Ok(out)
+                (d.resource_arn().unwrap_or_default().to_string(), tags)
+            })
+            .collect())
     }
 
     async fn with_v2_tags(&self, named: Vec<(String, String)>) -> Result<Vec<Tagged>, AwsError> {
@@ -181,23 +220,28 @@ impl Elb {
                 page.load_balancer_descriptions().iter().filter_map(|d| d.load_balancer_name()).map(str::to_string),
             );
         }
-        let mut found = Vec::new();
-        for chunk in names.chunks(DESCRIBE_TAGS_MAX) {
-            let got = self
-                .classic
-                .describe_tags()
-                .set_load_balancer_names(Some(chunk.to_vec()))
-                .send()
-                .await
-                .map_err(|e| self.err("DescribeTags", e))?;
-            for d in got.tag_descriptions() {
+        let found = asked_around_the_gone(&names, |chunk| self.classic_tags_of(chunk)).await?;
+        Ok(judged(LbKind::ClassicLoadBalancer, found, cluster))
+    }
+
+    async fn classic_tags_of(&self, names: Vec<String>) -> Result<Vec<Tagged>, AwsError> {
+        let got = self
+            .classic
+            .describe_tags()
+            .set_load_balancer_names(Some(names))
+            .send()
+            .await
+            .map_err(|e| self.err("DescribeTags", e))?;
+        Ok(got
+            .tag_descriptions()
+            .iter()
+            .map(|d| {
                 let name = d.load_balancer_name().unwrap_or_default().to_string();
                 let tags =
                     d.tags().iter().map(|t| (t.key().to_string(), t.value().unwrap_or_default().to_string())).collect();
-                found.push(Tagged { id: name.clone(), name, tags });
-            }
-        }
-        Ok(judged(LbKind::ClassicLoadBalancer, found, cluster))
+                Tagged { id: name.clone(), name, tags }
+            })
+            .collect())
     }
 }
 

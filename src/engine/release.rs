@@ -117,9 +117,11 @@ async fn run(
         tracing::warn!(statefulset = %sts, from, "scaled to zero: its claims are released next");
         scaled.push((sts.clone(), from));
     }
-    for claim in &volumes.claims {
+    // every claim the plan deletes with the uid its PV's claimRef gives (a PV without one is
+    // refused by the plan)
+    for (claim, uid) in &volumes.claim_uids {
         let span = tracing::info_span!("task", step = "release", object = %format!("PersistentVolumeClaim/{claim}"));
-        crate::k8s::retry_transient(|| crate::k8s::cleanup::delete_claim(&kube.client, claim))
+        crate::k8s::retry_transient(|| crate::k8s::cleanup::delete_claim(&kube.client, claim, uid))
             .instrument(span)
             .await
             .map_err(Stop::failed)?;
@@ -228,6 +230,7 @@ mod tests {
             finalizer: Some(finalizer.into()),
             cleaner: Cleaner::LoadBalancerController,
             protected: false,
+            uid: None,
         }
     }
 
@@ -282,6 +285,7 @@ mod tests {
             finalizer: Some(crate::cleanup::FINALIZER_PROVISIONER.into()),
             cleaner: Cleaner::EbsCsi,
             protected: false,
+            uid: None,
         };
         let release = [pv];
         let volumes: BTreeMap<String, String> = [("pv-db-0".to_string(), "vol-0".to_string())].into();

@@ -59,6 +59,7 @@ fn held_by(kind: &'static str, meta: &kube::api::ObjectMeta) -> Vec<Held> {
                 finalizer: Some(f.clone()),
                 cleaner,
                 protected,
+                uid: meta.uid.clone(),
             })
         })
         .collect()
@@ -84,11 +85,17 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
         let reclaim = spec.and_then(|s| s.persistent_volume_reclaim_policy.as_deref());
         let name = pv.metadata.name.clone().unwrap_or_default();
         let held = held_volume(&name, pv.metadata.finalizers.as_deref().unwrap_or_default(), driver, reclaim);
-        let claim = spec.and_then(|s| s.claim_ref.as_ref()).map(|r| {
+        let claim_ref = spec.and_then(|s| s.claim_ref.as_ref());
+        let claim = claim_ref.map(|r| {
             format!("{}/{}", r.namespace.as_deref().unwrap_or_default(), r.name.as_deref().unwrap_or_default())
         });
+        let claim_uid = claim_ref.and_then(|r| r.uid.clone());
         // the volumes the EBS driver deletes: exactly the PVs held for it
-        let ebs = held.first().filter(|h| h.cleaner == Cleaner::EbsCsi).and(volume).map(|(_, id)| (name, id, claim));
+        let ebs = held
+            .first()
+            .filter(|h| h.cleaner == Cleaner::EbsCsi)
+            .and(volume)
+            .map(|(_, id)| (name, id, claim, claim_uid));
         Some((held, ebs))
     });
     let attachments = all(Api::<VolumeAttachment>::all(client.clone()), "volumeattachments", |va| {
@@ -103,9 +110,12 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
     let mut facts = VolumeFacts::default();
     for (h, ebs) in v {
         held.extend(h);
-        if let Some((pv, id, claim)) = ebs {
+        if let Some((pv, id, claim, claim_uid)) = ebs {
             ebs_volumes.insert(id.clone(), pv.clone());
             facts.volume_ids.insert(pv.clone(), id);
+            if let Some(uid) = claim_uid {
+                facts.claim_uids.insert(pv.clone(), uid);
+            }
             facts.claims.insert(pv, claim);
         }
     }
@@ -220,13 +230,29 @@ fn api_of(client: &kube::Client, held: &Held) -> (Api<DynamicObject>, String) {
 }
 
 /// Deletes a held object (its finalizer stays: its controller removes it once it has cleaned
-/// up in AWS). Already gone is done.
+/// up in AWS), the one surveyed only: an object made under its name since is refused by the
+/// server (409) and left alone. Already gone is done.
 pub(crate) async fn delete(client: &kube::Client, held: &Held) -> Result<(), KubeError> {
     let (api, name) = api_of(client, held);
-    match api.delete(&name, &kube::api::DeleteParams::default()).await {
+    match api.delete(&name, &surveyed(held.uid.as_deref())).await {
         Ok(_) => Ok(()),
         Err(e) if status_code(&e) == Some(404) => Ok(()),
+        Err(e) if status_code(&e) == Some(409) => Err(KubeError::api(
+            format!(
+                "delete {} {} (another object has taken its name since the survey and is left alone)",
+                held.kind, held.name
+            ),
+            e,
+        )),
         Err(e) => Err(KubeError::api(format!("delete {} {}", held.kind, held.name), e)),
+    }
+}
+
+/// Deletion of the object with `uid` only, when the survey read one.
+fn surveyed(uid: Option<&str>) -> kube::api::DeleteParams {
+    kube::api::DeleteParams {
+        preconditions: uid.map(|u| kube::api::Preconditions { uid: Some(u.to_string()), resource_version: None }),
+        ..kube::api::DeleteParams::default()
     }
 }
 
@@ -265,18 +291,25 @@ pub(crate) async fn claim_users(
             .await
             .map_err(|e| KubeError::api(format!("list the pods of namespace {ns}"), e))?;
         for p in pods {
-            let owner = p
-                .metadata
-                .owner_references
-                .iter()
-                .flatten()
-                .find(|o| o.controller == Some(true))
-                .map(|o| format!("{}/{}", o.kind, o.name));
-            let pod = format!("{ns}/{}", p.metadata.name.as_deref().unwrap_or_default());
+            // only apps/v1's StatefulSet is the one the release scales: another API's kind of the
+            // same name (OpenKruise's, say) is named with its group, and refused as any owner is
+            let owner = p.metadata.owner_references.iter().flatten().find(|o| o.controller == Some(true)).map(|o| {
+                if o.kind == "StatefulSet" && o.api_version != "apps/v1" {
+                    format!("{} ({})/{}", o.kind, o.api_version, o.name)
+                } else {
+                    format!("{}/{}", o.kind, o.name)
+                }
+            });
+            let pod_name = p.metadata.name.as_deref().unwrap_or_default();
+            let pod = format!("{ns}/{pod_name}");
             let mounted = p.spec.iter().flat_map(|s| s.volumes.iter().flatten());
-            for claim in
-                mounted.filter_map(|v| v.persistent_volume_claim.as_ref()).map(|c| format!("{ns}/{}", c.claim_name))
-            {
+            // a generic ephemeral volume's claim is named `<pod>-<volume>` (Kubernetes'
+            // ephemeral volume controller) and is the pod's as much as a mounted claim is
+            for claim in mounted.filter_map(|v| match (&v.persistent_volume_claim, &v.ephemeral) {
+                (Some(c), _) => Some(format!("{ns}/{}", c.claim_name)),
+                (None, Some(_)) => Some(format!("{ns}/{pod_name}-{}", v.name)),
+                _ => None,
+            }) {
                 if claims.contains(&claim) {
                     out.entry(claim).or_default().push(ClaimUser { pod: pod.clone(), owner: owner.clone() });
                 }
@@ -320,14 +353,21 @@ pub(crate) async fn replicas(client: &kube::Client, statefulset: &str) -> Result
     }
 }
 
-/// Deletes a claim (`namespace/name`); already gone is done. Its pods' protection
-/// (`kubernetes.io/pvc-protection`) keeps it until they are gone.
-pub(crate) async fn delete_claim(client: &kube::Client, claim: &str) -> Result<(), KubeError> {
+/// Deletes a claim (`namespace/name`), the one with `uid` (its PV's `claimRef`) only: a claim
+/// made under that name since is not the PV's and is left alone (409). Already gone is done.
+/// Its pods' protection (`kubernetes.io/pvc-protection`) keeps it until they are gone.
+pub(crate) async fn delete_claim(client: &kube::Client, claim: &str, uid: &str) -> Result<(), KubeError> {
     let (ns, name) = split(claim);
     let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-    match api.delete(name, &kube::api::DeleteParams::default()).await {
+    match api.delete(name, &surveyed(Some(uid))).await {
         Ok(_) => Ok(()),
         Err(e) if status_code(&e) == Some(404) => Ok(()),
+        Err(e) if status_code(&e) == Some(409) => Err(KubeError::api(
+            format!(
+                "delete PersistentVolumeClaim {claim} (it is no longer the claim its PV is bound to, and is left alone)"
+            ),
+            e,
+        )),
         Err(e) => Err(KubeError::api(format!("delete PersistentVolumeClaim {claim}"), e)),
     }
 }
