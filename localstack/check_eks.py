@@ -15,8 +15,9 @@ boto3's requests, signed and serialized by boto3, in-process. It checks:
 - ELBv2 and classic ELB: load balancers and target groups with their tags, found by name and by
   tag in batches of 20 as the tool reads them; an unknown name is LoadBalancerNotFound (400);
   deletion protection read back from the attributes, and DeleteLoadBalancer refused with
-  OperationNotPermitted while it is on (as ELBv2 does), allowed once it is off; a new classic load
-  balancer described with ELB's default health check;
+  OperationNotPermitted while it is on (as ELBv2 does), allowed once it is off; DescribeTags naming
+  a deleted load balancer or target group refused with LoadBalancerNotFound or TargetGroupNotFound
+  (as ELBv2 does); a new classic load balancer described with ELB's default health check;
 - that EC2 still answers, and that LocalStack running launch.py as an init script (how the Docker
   image gets EKS) serves EKS too.
 
@@ -267,6 +268,11 @@ def check_load_balancers(gateway: LocalstackAwsGateway) -> None:
     v2.delete_load_balancer(LoadBalancerArn=arns[0])
     status, code = error(lambda: v2.describe_load_balancers(LoadBalancerArns=[arns[0]]))
     check("ELBv2: unprotected, it is deleted", (status, code) == (400, "LoadBalancerNotFound"), (status, code))
+    status, code = error(lambda: v2.describe_tags(ResourceArns=arns[:2]))
+    check("ELBv2: DescribeTags naming a deleted one is LoadBalancerNotFound (400)", (status, code) == (400, "LoadBalancerNotFound"), (status, code))
+    v2.delete_target_group(TargetGroupArn=tg["TargetGroupArn"])
+    status, code = error(lambda: v2.describe_tags(ResourceArns=[tg["TargetGroupArn"]]))
+    check("ELBv2: and one naming a deleted target group TargetGroupNotFound (400)", (status, code) == (400, "TargetGroupNotFound"), (status, code))
 
     elb = client(gateway, "elb", "us-west-2")
     legacy = [{"Key": "kubernetes.io/cluster/bed", "Value": "owned"}, {"Key": "kubernetes.io/service-name", "Value": "default/web"}]

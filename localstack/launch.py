@@ -411,6 +411,29 @@ def _patch_elbv2_deletion_protection() -> None:
     ELBv2Backend.delete_load_balancer = delete
 
 
+def _patch_elbv2_describe_tags_of_the_gone() -> None:
+    try:
+        from moto.elbv2.exceptions import LoadBalancerNotFoundError, TargetGroupNotFoundError
+        from moto.elbv2.models import ELBv2Backend
+    except ImportError as e:  # a different moto: run it as it is
+        print(f"localstack/launch.py: not patching moto's ELBv2 DescribeTags ({e})", file=sys.stderr)
+        return
+    describe_tags = ELBv2Backend.describe_tags
+
+    # ELBv2 answers DescribeTags naming a load balancer or target group that does not exist (one
+    # deleted since it was listed) with LoadBalancerNotFound or TargetGroupNotFound for the whole
+    # call (the API reference's errors for DescribeTags); moto answers it with empty tags.
+    def describe(self, resource_arns):  # type: ignore[no-untyped-def]
+        for arn in resource_arns:
+            if ":loadbalancer/" in arn and arn not in self.load_balancers:
+                raise LoadBalancerNotFoundError()
+            if ":targetgroup/" in arn and arn not in self.target_groups:
+                raise TargetGroupNotFoundError()
+        return describe_tags(self, resource_arns)
+
+    ELBv2Backend.describe_tags = describe
+
+
 def _patch_elb_default_health_check() -> None:
     try:
         from moto.elb.models import ELBBackend, FakeHealthCheck
@@ -440,6 +463,7 @@ def fix_answers() -> None:
     """The patches that make LocalStack answer as EC2, ELB and ELBv2 do."""
     _patch_repeated_filters()
     _patch_elbv2_deletion_protection()
+    _patch_elbv2_describe_tags_of_the_gone()
     _patch_elb_default_health_check()
 
 

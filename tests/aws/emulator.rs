@@ -47,7 +47,7 @@ fn launch_py_speeds_up_describe_instances_without_changing_its_answers() {
 #[test]
 fn launch_py_serves_eks_elb_and_elbv2_through_moto_and_eks_with_the_test_beds_endpoint_and_authority() {
     // the script reads SERVICES from localstack/up itself; every check ran: the scripts, three
-    // services without and with launch.py, 21 of EKS, 12 of ELBv2 and ELB, 3 after
+    // services without and with launch.py, 21 of EKS, 14 of ELBv2 and ELB, 3 after
     let stdout = run_check(&localstack_state(), "check_eks.py", &[]);
-    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 1 + 6 + 21 + 12 + 3, "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 1 + 6 + 21 + 14 + 3, "{stdout}");
 }

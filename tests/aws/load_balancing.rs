@@ -23,8 +23,13 @@ struct Bed {
 
 impl Bed {
     async fn new() -> Bed {
+        Bed::in_account("test").await
+    }
+
+    /// A bed in the LocalStack account of `access_key` (twelve digits: an account of its own).
+    async fn in_account(access_key: &str) -> Bed {
         common::require_localstack();
-        let config = sandbox_sim::localstack::config_as(REGION, "test").await;
+        let config = sandbox_sim::localstack::config_as(REGION, access_key).await;
         let ec2 = aws_sdk_ec2::Client::new(&config);
         let (subnets, vpc) = common::default_subnets(&config).await;
         Bed {
@@ -253,4 +258,44 @@ async fn verification_reports_only_this_clusters_load_balancers_security_groups_
     for id in [&named, &any_cluster, &others] {
         bed.ec2.delete_volume().volume_id(id).send().await.unwrap();
     }
+}
+
+/// A load balancer deleted between ELBv2's listing and the read of its tags fails ELBv2's whole
+/// `DescribeTags` call (`LoadBalancerNotFound`); a release's reads meet exactly that while the
+/// controller deletes. Verification asks again for each, and finds the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_balancer_deleted_while_its_tags_are_read_leaves_the_rest_found() {
+    use karpenter_teardown::aws::AwsClients;
+    use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
+    // an account of its own: the read covers every load balancer of the region
+    let account = "624681357900";
+    let bed = Bed::in_account(account).await;
+    let cluster = common::unique_cluster("lbg");
+    let s = suffix();
+    let tags = [("elbv2.k8s.aws/cluster", cluster.as_str()), ("service.k8s.aws/stack", "shop/front")];
+    let going = bed.load_balancer(&format!("k8s-going-{s}"), &tags).await;
+    let staying = bed.load_balancer(&format!("k8s-staying-{s}"), &tags).await;
+    let proxy = Ec2Proxy::start(common::LOCALSTACK, ProxyFaults::default()).await.unwrap();
+    // the tags are read seconds after the listing, as a busy region's would be
+    proxy.control().delay_action("DescribeTags", std::time::Duration::from_secs(3));
+    let config = sandbox_sim::localstack::config_at(&proxy.url(), REGION, account).await;
+    let tool = AwsClients::from_config(&config).await.unwrap();
+    let read = tokio::spawn({
+        let (tool, cluster) = (tool.clone(), cluster.clone());
+        async move { karpenter_teardown::verify::load_balancing(&tool, &cluster).await }
+    });
+    // deleted once listed, while its tags are asked for
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while proxy.actions().get("DescribeTags").copied().unwrap_or(0) == 0 {
+        assert!(std::time::Instant::now() < deadline, "the tags were never asked for: {:?}", proxy.actions());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    bed.v2.delete_load_balancer().load_balancer_arn(&going).send().await.unwrap();
+    let found = read.await.unwrap().expect("a load balancer gone mid-read is no error");
+    let ids: Vec<&str> = found.iter().map(|l| l.id.as_str()).collect();
+    assert_eq!(ids, [staying.as_str()], "{found:?}");
+    // the call that named the deleted one, then one call per load balancer
+    assert_eq!(proxy.actions().get("DescribeTags").copied(), Some(3), "{:?}", proxy.actions());
+    bed.v2.delete_load_balancer().load_balancer_arn(&staying).send().await.unwrap();
+    proxy.shutdown().await;
 }
