@@ -42,10 +42,11 @@ pub struct LoadBalancing {
     pub made_for: String,
 }
 
-/// Whether an error code says the object asked about no longer exists (ELBv2's and classic
-/// ELB's codes for a load balancer, ELBv2's for a target group).
+/// Whether an error code says the object asked about no longer exists (both APIs answer a
+/// missing load balancer with `LoadBalancerNotFound`, ELBv2 a missing target group with
+/// `TargetGroupNotFound`).
 fn gone(code: &str) -> bool {
-    matches!(code, "LoadBalancerNotFound" | "TargetGroupNotFound" | "AccessPointNotFound")
+    matches!(code, "LoadBalancerNotFound" | "TargetGroupNotFound")
 }
 
 /// What `read` answers for `keys` (ARNs or names), asked `DESCRIBE_TAGS_MAX` at a time. Both
