@@ -427,6 +427,10 @@ pub(crate) struct Verdict {
     pub(crate) runs: Vec<String>,
     /// True when the drain leaves it nowhere to run.
     pub(crate) stranded: bool,
+    /// True when no pod of it was found at all (by its chart's label, its leader Lease, its
+    /// webhooks or its image): where it runs cannot be told, so neither can whether the drain
+    /// strands it.
+    pub(crate) unplaced: bool,
     /// The objects it holds.
     pub(crate) held: Vec<Held>,
 }
@@ -437,8 +441,8 @@ impl Verdict {
         let runs = if self.runs.is_empty() { "no running pod found".to_string() } else { self.runs.join(", ") };
         let fate = if self.stranded {
             "the drain would strand it"
-        } else if self.runs.is_empty() {
-            "already not running: its objects are stuck whatever this run does"
+        } else if self.unplaced {
+            "where it runs cannot be told (no pod found by its chart's label, its leader Lease, its webhooks or its image)"
         } else {
             "it keeps running through the drain"
         };
@@ -495,6 +499,7 @@ pub(crate) fn survey(
     running: &BTreeMap<Cleaner, Running>,
     karpenter_nodes: &[String],
     other_nodes: &[Node],
+    requested: &BTreeMap<String, Requests>,
 ) -> Vec<Verdict> {
     let mut out = Vec::new();
     for cleaner in Cleaner::ALL {
@@ -527,21 +532,109 @@ pub(crate) fn survey(
             .filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")))
             .collect();
         let on_kept_node = live.iter().any(|p| node_of(p).is_some_and(|n| !karpenter_nodes.contains(&n)));
+        let room =
+            |n: &Node| requested.get(n.metadata.name.as_deref().unwrap_or_default()).copied().unwrap_or_default();
         let stranded =
-            !live.is_empty() && !on_kept_node && !live.iter().any(|p| other_nodes.iter().any(|n| fits(p, n)));
-        out.push(Verdict { cleaner, runs, stranded, held: mine });
+            !live.is_empty() && !on_kept_node && !live.iter().any(|p| other_nodes.iter().any(|n| fits(p, n, room(n))));
+        out.push(Verdict { cleaner, runs, stranded, unplaced: live.is_empty(), held: mine });
     }
     out
 }
 
-/// Whether `pod` could be scheduled on `node` by what the node itself says: schedulable, its
+/// What the pods bound to a node request, summed (CPU in millicores, memory in bytes, pods).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Requests {
+    pub(crate) cpu_milli: u64,
+    pub(crate) memory: u64,
+    pub(crate) pods: u64,
+}
+
+impl Requests {
+    /// What one pod requests: the larger of its containers' sum and its largest init
+    /// container's, as the scheduler counts it (overhead left out).
+    pub(crate) fn of_pod(pod: &Pod) -> Requests {
+        let Some(spec) = pod.spec.as_ref() else { return Requests { pods: 1, ..Requests::default() } };
+        let one = |c: &k8s_openapi::api::core::v1::Container| {
+            let r = c.resources.as_ref().and_then(|r| r.requests.as_ref());
+            let q = |k: &str| r.and_then(|r| r.get(k)).map(|q| q.0.as_str());
+            (q("cpu").and_then(cpu_milli).unwrap_or(0), q("memory").and_then(bytes).unwrap_or(0))
+        };
+        let (mut cpu, mut memory) = spec.containers.iter().map(one).fold((0, 0), |(c, m), (a, b)| (c + a, m + b));
+        for (c, m) in spec.init_containers.iter().flatten().map(one) {
+            cpu = cpu.max(c);
+            memory = memory.max(m);
+        }
+        Requests { cpu_milli: cpu, memory, pods: 1 }
+    }
+
+    /// The sum of two.
+    pub(crate) fn plus(self, o: Requests) -> Requests {
+        Requests { cpu_milli: self.cpu_milli + o.cpu_milli, memory: self.memory + o.memory, pods: self.pods + o.pods }
+    }
+}
+
+/// A CPU quantity in millicores (`100m`, `2`, `0.5`).
+pub(crate) fn cpu_milli(q: &str) -> Option<u64> {
+    let q = q.trim();
+    match q.strip_suffix('m') {
+        Some(m) => m.parse::<f64>().ok().map(|v| v.ceil() as u64),
+        None => q.parse::<f64>().ok().map(|v| (v * 1000.0).ceil() as u64),
+    }
+}
+
+/// A memory (or any byte) quantity in bytes (`128Mi`, `1G`, `512`).
+pub(crate) fn bytes(q: &str) -> Option<u64> {
+    let q = q.trim();
+    const UNITS: [(&str, f64); 12] = [
+        ("Ki", 1024.0),
+        ("Mi", 1048576.0),
+        ("Gi", 1073741824.0),
+        ("Ti", 1099511627776.0),
+        ("Pi", 1125899906842624.0),
+        ("Ei", 1152921504606846976.0),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("P", 1e15),
+        ("E", 1e18),
+    ];
+    for (suffix, factor) in UNITS {
+        if let Some(n) = q.strip_suffix(suffix) {
+            return n.parse::<f64>().ok().map(|v| (v * factor).ceil() as u64);
+        }
+    }
+    if let Some(n) = q.strip_suffix('m') {
+        return n.parse::<f64>().ok().map(|v| (v / 1000.0).ceil() as u64);
+    }
+    q.parse::<f64>().ok().map(|v| v.ceil() as u64)
+}
+
+/// Whether `pod` could be scheduled on `node` now: the node is Ready and schedulable, its
 /// `NoSchedule`/`NoExecute` taints tolerated, the pod's node selector and required node
-/// affinity matched by the node's labels. (Resources are not weighed: a node that fits by
-/// these rules but is full is counted as a place to run, which errs toward running.)
-pub(crate) fn fits(pod: &Pod, node: &Node) -> bool {
+/// affinity matched by the node's labels, and its allocatable CPU, memory and pods leave room
+/// for the pod's requests beside what the pods already bound to it request (`requested`). A
+/// node without a Ready condition or an allocatable is no place to run: the check fails closed.
+pub(crate) fn fits(pod: &Pod, node: &Node, requested: Requests) -> bool {
     let Some(spec) = pod.spec.as_ref() else { return false };
     let node_spec = node.spec.clone().unwrap_or_default();
     if node_spec.unschedulable == Some(true) {
+        return false;
+    }
+    let status = node.status.as_ref();
+    let ready = status
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    if !ready {
+        return false;
+    }
+    let Some(allocatable) = status.and_then(|s| s.allocatable.as_ref()) else { return false };
+    let have = |k: &str, parse: fn(&str) -> Option<u64>| allocatable.get(k).and_then(|q| parse(&q.0));
+    let want = requested.plus(Requests::of_pod(pod));
+    let room = have("cpu", cpu_milli).is_some_and(|c| want.cpu_milli <= c)
+        && have("memory", bytes).is_some_and(|m| want.memory <= m)
+        && have("pods", |q| q.parse().ok()).is_some_and(|p| want.pods <= p);
+    if !room {
         return false;
     }
     let tolerations = spec.tolerations.clone().unwrap_or_default();
@@ -614,7 +707,10 @@ mod tests {
     }
 
     fn node(name: &str, labels: serde_json::Value, spec: serde_json::Value) -> Node {
-        serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}, "spec": spec})).unwrap()
+        serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}, "spec": spec,
+            "status": {"conditions": [{"type": "Ready", "status": "True"}],
+                "allocatable": {"cpu": "4", "memory": "16Gi", "pods": "110"}}}))
+        .unwrap()
     }
 
     #[test]
@@ -833,6 +929,7 @@ mod tests {
             cleaner: Cleaner::EbsCsi,
             runs: vec!["kube-system/ebs-csi-controller-0 on k1".into()],
             stranded: true,
+            unplaced: false,
             held: held_volume("pv-2", &[], Some(EBS_CSI_DRIVER), Some("Delete")),
         };
         let blockers = verdict.blockers();
@@ -856,13 +953,14 @@ mod tests {
             BTreeMap::from([(Cleaner::LoadBalancerController, Running { pods: vec![pod("lbc-0", "k1", extra)] })])
         };
         // it could move to the system node: not stranded
-        let v = survey(&objects, &on_karpenter(json!({})), &karpenter, std::slice::from_ref(&system));
+        let v = survey(&objects, &on_karpenter(json!({})), &karpenter, std::slice::from_ref(&system), &BTreeMap::new());
         assert_eq!(v.len(), 1);
         assert!(!v[0].stranded, "{v:?}");
         // it requires Karpenter capacity: stranded, one blocker per object
         let only = json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}});
-        let v = survey(&objects, &on_karpenter(only.clone()), &karpenter, std::slice::from_ref(&system));
+        let v =
+            survey(&objects, &on_karpenter(only.clone()), &karpenter, std::slice::from_ref(&system), &BTreeMap::new());
         assert!(v[0].stranded, "{v:?}");
         let b = v[0].blockers();
         assert_eq!(b.len(), 1);
@@ -874,17 +972,23 @@ mod tests {
             json!({}),
             json!({"taints": [{"key": "dedicated", "value": "infra", "effect": "NoSchedule"}]}),
         );
-        assert!(survey(&objects, &on_karpenter(json!({})), &karpenter, std::slice::from_ref(&tainted))[0].stranded);
+        assert!(
+            survey(&objects, &on_karpenter(json!({})), &karpenter, std::slice::from_ref(&tainted), &BTreeMap::new())[0]
+                .stranded
+        );
         let tolerant = json!({"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "infra", "effect": "NoSchedule"}]});
-        assert!(!survey(&objects, &on_karpenter(tolerant), &karpenter, std::slice::from_ref(&tainted))[0].stranded);
+        assert!(
+            !survey(&objects, &on_karpenter(tolerant), &karpenter, std::slice::from_ref(&tainted), &BTreeMap::new())[0]
+                .stranded
+        );
         // no other node at all
-        assert!(survey(&objects, &on_karpenter(json!({})), &karpenter, &[])[0].stranded);
+        assert!(survey(&objects, &on_karpenter(json!({})), &karpenter, &[], &BTreeMap::new())[0].stranded);
         // one replica on the system node: it keeps running
         let split = BTreeMap::from([(
             Cleaner::LoadBalancerController,
             Running { pods: vec![pod("lbc-0", "k1", json!({})), pod("lbc-1", "system-0", json!({}))] },
         )]);
-        assert!(!survey(&objects, &split, &karpenter, &[])[0].stranded);
+        assert!(!survey(&objects, &split, &karpenter, &[], &BTreeMap::new())[0].stranded);
         // a replica waiting unscheduled, or one that has ended on the system node, is no place it
         // runs: with nowhere else to go it is stranded all the same
         let mut pending = pod("lbc-1", "", only.clone());
@@ -898,33 +1002,88 @@ mod tests {
                 Running { pods: vec![pod("lbc-0", "k1", only.clone()), other] },
             )])
         };
-        let v = survey(&objects, &twins(pending), &karpenter, std::slice::from_ref(&system));
+        let v = survey(&objects, &twins(pending), &karpenter, std::slice::from_ref(&system), &BTreeMap::new());
         assert!(v[0].stranded, "{v:?}");
         assert!(v[0].runs.iter().any(|r| r.ends_with("unscheduled")), "{v:?}");
-        assert!(survey(&objects, &twins(ended), &karpenter, &[])[0].stranded);
+        assert!(survey(&objects, &twins(ended), &karpenter, &[], &BTreeMap::new())[0].stranded);
         // an unscheduled replica that would fit the system node is a place it can run
         let mut placeable = pod("lbc-1", "", json!({}));
         placeable.spec.as_mut().unwrap().node_name = None;
-        assert!(!survey(&objects, &twins(placeable), &karpenter, std::slice::from_ref(&system))[0].stranded);
-        // not running at all: its objects are stuck already; the drain changes nothing
-        let none = survey(&objects, &BTreeMap::new(), &karpenter, &[]);
-        assert!(!none[0].stranded && none[0].plan_line().contains("already not running"), "{none:?}");
+        assert!(
+            !survey(&objects, &twins(placeable), &karpenter, std::slice::from_ref(&system), &BTreeMap::new())[0]
+                .stranded
+        );
+        // no pod found at all: where it runs cannot be told, which is no verdict that it is safe
+        let none = survey(&objects, &BTreeMap::new(), &karpenter, &[], &BTreeMap::new());
+        assert!(none[0].unplaced && !none[0].stranded, "{none:?}");
+        assert!(none[0].plan_line().contains("cannot be told"), "{none:?}");
         // a cleaner with nothing in its care is not reported
-        assert!(survey(&[], &on_karpenter(json!({})), &karpenter, &[]).is_empty());
+        assert!(survey(&[], &on_karpenter(json!({})), &karpenter, &[], &BTreeMap::new()).is_empty());
     }
 
     #[test]
     fn node_selectors_and_affinity_match_as_the_scheduler_reads_them() {
         let n = node("n", json!({"zone": "a", "size": "4"}), json!({}));
-        assert!(fits(&pod("p", "x", json!({"nodeSelector": {"zone": "a"}})), &n));
-        assert!(!fits(&pod("p", "x", json!({"nodeSelector": {"zone": "b"}})), &n));
+        assert!(fits(&pod("p", "x", json!({"nodeSelector": {"zone": "a"}})), &n, Requests::default()));
+        assert!(!fits(&pod("p", "x", json!({"nodeSelector": {"zone": "b"}})), &n, Requests::default()));
         let expr = |op: &str, values: serde_json::Value| {
             json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
                 {"matchExpressions": [{"key": "size", "operator": op, "values": values}]}]}}}})
         };
-        assert!(fits(&pod("p", "x", expr("Gt", json!(["2"]))), &n));
-        assert!(!fits(&pod("p", "x", expr("Lt", json!(["2"]))), &n));
-        assert!(fits(&pod("p", "x", expr("NotIn", json!(["8"]))), &n));
-        assert!(!fits(&pod("p", "x", json!({})), &node("c", json!({}), json!({"unschedulable": true}))));
+        assert!(fits(&pod("p", "x", expr("Gt", json!(["2"]))), &n, Requests::default()));
+        assert!(!fits(&pod("p", "x", expr("Lt", json!(["2"]))), &n, Requests::default()));
+        assert!(fits(&pod("p", "x", expr("NotIn", json!(["8"]))), &n, Requests::default()));
+        assert!(!fits(
+            &pod("p", "x", json!({})),
+            &node("c", json!({}), json!({"unschedulable": true})),
+            Requests::default()
+        ));
+    }
+
+    #[test]
+    fn a_node_that_is_not_ready_or_has_no_room_is_no_place_to_run() {
+        let n = node("n", json!({}), json!({}));
+        let wants = |cpu: &str, memory: &str| {
+            pod(
+                "p",
+                "x",
+                json!({"containers": [{"name": "c", "resources": {"requests": {"cpu": cpu, "memory": memory}}}]}),
+            )
+        };
+        assert!(fits(&wants("500m", "1Gi"), &n, Requests::default()));
+        // the node's 4 CPUs: 3.6 requested already by its pods
+        let busy = Requests { cpu_milli: 3600, memory: 0, pods: 10 };
+        assert!(!fits(&wants("500m", "1Gi"), &n, busy), "a full node is no place to run");
+        assert!(fits(&wants("400m", "1Gi"), &n, busy));
+        assert!(!fits(&wants("100m", "17Gi"), &n, Requests::default()), "more memory than the node has");
+        let crowded = Requests { cpu_milli: 0, memory: 0, pods: 110 };
+        assert!(!fits(&wants("10m", "1Mi"), &n, crowded), "no pod slot left");
+        let mut not_ready = n.clone();
+        not_ready.status.as_mut().unwrap().conditions.as_mut().unwrap()[0].status = "False".into();
+        assert!(!fits(&wants("10m", "1Mi"), &not_ready, Requests::default()));
+        let mut unknown = n.clone();
+        unknown.status = None;
+        assert!(!fits(&wants("10m", "1Mi"), &unknown, Requests::default()), "no status: fails closed");
+    }
+
+    #[test]
+    fn quantities_read_as_the_api_server_writes_them() {
+        assert_eq!(cpu_milli("100m"), Some(100));
+        assert_eq!(cpu_milli("2"), Some(2000));
+        assert_eq!(cpu_milli("0.5"), Some(500));
+        assert_eq!(bytes("128Mi"), Some(128 * 1024 * 1024));
+        assert_eq!(bytes("1G"), Some(1_000_000_000));
+        assert_eq!(bytes("16Gi"), Some(16 * 1024 * 1024 * 1024));
+        assert_eq!(bytes("512"), Some(512));
+        assert_eq!(bytes("x"), None);
+        let init = pod(
+            "p",
+            "x",
+            json!({
+            "initContainers": [{"name": "i", "resources": {"requests": {"cpu": "2"}}}],
+            "containers": [{"name": "a", "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}},
+                {"name": "b", "resources": {"requests": {"cpu": "200m"}}}]}),
+        );
+        assert_eq!(Requests::of_pod(&init), Requests { cpu_milli: 2000, memory: 64 * 1024 * 1024, pods: 1 });
     }
 }

@@ -152,6 +152,7 @@ async fn verify_with(
     }
     let mut left = verify::verify(aws, &target.cluster, &BTreeSet::new(), VERIFY_SETTLE, None).await?;
     let mut user_profiles = BTreeSet::new();
+    let mut live_classes = BTreeSet::new();
     if target.reclaim && !left.reclaimable().is_empty() {
         // Positive evidence before a removal from AWS alone: the cluster is gone, or its own API
         // shows that nothing runs on what is about to go.
@@ -166,15 +167,18 @@ async fn verify_with(
         }
         if let verify::ClusterSeen::Live(holders) = seen {
             user_profiles = holders.user_profiles;
+            live_classes = holders.nodeclasses;
             left = left.without_profiles(&user_profiles);
         }
     }
+    // a live cluster's classes still launch with their templates and profiles: reported, kept
+    let to_reclaim = left.clone().without_live_classes(&live_classes);
     if !left.is_clean() && target.reclaim && consent == Consent::DryRun {
         tracing::warn!("--reclaim without --yes: listing what would be reclaimed, changing nothing");
-        report.would_reclaim = left.reclaimable();
+        report.would_reclaim = to_reclaim.reclaimable();
     } else if !left.is_clean() && target.reclaim {
-        report.reclaimed = left.describe();
-        let failures = verify::reclaim(aws, &left).await?;
+        report.reclaimed = to_reclaim.describe();
+        let failures = verify::reclaim(aws, &to_reclaim).await?;
         for f in failures {
             tracing::warn!(failure = %f, "could not reclaim");
         }
@@ -443,7 +447,12 @@ async fn run_command(args: &RunArgs) -> Exit {
         Ok(c) => c,
         Err(e) => return fail(&e.into()),
     };
-    let plan = match load_plan(&config.plan) {
+    let plan = match load_plan(&config.plan).and_then(|p| {
+        if config.target.reclaim {
+            p.check_reclaim()?;
+        }
+        Ok(p)
+    }) {
         Ok(p) => p,
         Err(e) => return fail(&e.into()),
     };
@@ -512,6 +521,7 @@ async fn run_command(args: &RunArgs) -> Exit {
             report.reclaimed = r.reclaimed;
             report.pods_rebound = Some(r.pods_rebound);
             report.pods_lost = Some(r.pods_lost);
+            report.bypasses = Some(r.bypasses);
             report.error = r.error;
             report.gitops = r.gitops;
             report.not_ours = r.not_ours;

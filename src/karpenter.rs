@@ -20,6 +20,48 @@ pub(crate) fn controller_selector() -> String {
     format!("{}={}", CONTROLLER_LABEL.0, CONTROLLER_LABEL.1)
 }
 
+/// The Lease Karpenter's leader holds: its default name in every release (1.1 and later take
+/// another from `LEADER_ELECTION_NAME`), in the controller's own namespace unless
+/// `LEADER_ELECTION_NAMESPACE` names one. Its holder identity is `<pod name>_<uuid>`.
+pub(crate) const LEADER_LEASE: &str = "karpenter-leader-election";
+/// The controller's settings that rename and relocate its Lease (Karpenter 1.1 and later).
+pub(crate) const ENV_LEADER_LEASE: &str = "LEADER_ELECTION_NAME";
+pub(crate) const ENV_LEADER_NAMESPACE: &str = "LEADER_ELECTION_NAMESPACE";
+/// The controller's image repository in every release, 1.0 to 1.14 (the chart's
+/// `controller.image.repository`); a mirror keeps its last two path segments.
+pub(crate) const CONTROLLER_IMAGE: &str = "public.ecr.aws/karpenter/controller";
+/// Environment the chart gives the controller in every release: the cluster it manages, and its
+/// own Service (`KARPENTER_SERVICE`, the chart's full name).
+pub(crate) const ENV_CLUSTER_NAME: &str = "CLUSTER_NAME";
+pub(crate) const ENV_SERVICE: &str = "KARPENTER_SERVICE";
+
+/// Why a container is Karpenter's controller, from what it runs: its image (the repository, or a
+/// mirror's path ending in `karpenter/controller`) or the environment only its chart sets
+/// (`CLUSTER_NAME` with `KARPENTER_SERVICE`). `None` for any other container.
+pub(crate) fn controller_container(image: Option<&str>, env: &[(&str, Option<&str>)]) -> Option<&'static str> {
+    let repository = image.map(|i| {
+        let i = i.split('@').next().unwrap_or(i);
+        // a tag follows the last ':' after the last '/' (a registry's port comes before it)
+        match i.rsplit_once(':') {
+            Some((repo, tag)) if !tag.contains('/') => repo,
+            _ => i,
+        }
+    });
+    if repository.is_some_and(|r| r == CONTROLLER_IMAGE || r.ends_with("/karpenter/controller")) {
+        return Some("runs Karpenter's controller image");
+    }
+    let has = |k: &str| env.iter().any(|(n, _)| *n == k);
+    if has(ENV_CLUSTER_NAME) && has(ENV_SERVICE) {
+        return Some("has the environment Karpenter's chart gives its controller");
+    }
+    None
+}
+
+/// The pod a leader Lease's holder identity names (`<pod name>_<uuid>`).
+pub(crate) fn lease_holder_pod(holder: &str) -> Option<&str> {
+    holder.rsplit_once('_').map(|(pod, _)| pod).filter(|p| !p.is_empty())
+}
+
 /// Label on every Karpenter node naming its NodePool; nodes without it are never touched.
 pub const LABEL_NODEPOOL: &str = "karpenter.sh/nodepool";
 /// Label on Karpenter nodes naming their EC2NodeClass (since 1.1).
@@ -282,6 +324,32 @@ pub fn fence_limits(nodepool_spec: &serde_json::Value) -> serde_json::Map<String
     limits
 }
 
+/// Whether a NodePool's spec holds the fence [`fence_limits`] and a zero disruption budget set:
+/// every limit the fence zeroes is zero, and a budget of zero nodes applies at all times. The
+/// fence's annotation alone proves nothing: a re-applied manifest or a resumed GitOps sync puts
+/// the limits back and keeps the annotation.
+pub(crate) fn holds_fence(nodepool_spec: &serde_json::Value) -> bool {
+    let limits = &nodepool_spec["limits"];
+    let limits_zero = fence_limits(nodepool_spec).keys().all(|k| is_zero_quantity(&limits[k]));
+    let budgets = nodepool_spec.pointer("/disruption/budgets").and_then(|b| b.as_array());
+    let always_zero = budgets.is_some_and(|b| {
+        b.iter().any(|budget| is_zero_quantity(&budget["nodes"]) && budget.get("schedule").is_none_or(|s| s.is_null()))
+    });
+    limits_zero && always_zero
+}
+
+/// A resource quantity (or a budget's node count) of zero: `0`, `"0"`, `"0m"`, `"0Gi"`, `"0%"`.
+fn is_zero_quantity(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Number(n) => n.as_f64() == Some(0.0),
+        serde_json::Value::String(s) => {
+            let digits = s.trim_end_matches(|c: char| c.is_ascii_alphabetic() || c == '%');
+            !digits.is_empty() && digits.chars().all(|c| c == '0' || c == '.')
+        }
+        _ => false,
+    }
+}
+
 // ---------------------------------------------------------------- whose compute it is
 
 /// API group of EKS Auto Mode's `NodeClass`. Auto Mode runs Karpenter inside EKS: its NodePools
@@ -313,6 +381,10 @@ pub enum NotOurs {
     PoolNotOurs(String),
     /// An instance without this controller's tags, or managed by an AWS service.
     Instance(String),
+    /// A Node a NodeClaim names (`status.nodeName`) that is not that claim's machine: another
+    /// instance, or no Karpenter node at all (a reused name); the detail names the claim and
+    /// the fact that disagrees (`crate::evidence`).
+    ClaimMismatch(String),
 }
 
 impl fmt::Display for NotOurs {
@@ -322,6 +394,7 @@ impl fmt::Display for NotOurs {
             NotOurs::OtherProvider(gk) => write!(f, "another Karpenter provider's (node class {gk})"),
             NotOurs::PoolNotOurs(p) => write!(f, "of NodePool {p}, which is not this controller's"),
             NotOurs::Instance(why) => f.write_str(why),
+            NotOurs::ClaimMismatch(why) => f.write_str(why),
         }
     }
 }
@@ -433,6 +506,52 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+
+    #[test]
+    fn karpenters_controller_is_known_by_its_image_or_its_charts_environment_not_its_name() {
+        let none: [(&str, Option<&str>); 0] = [];
+        assert!(controller_container(Some("public.ecr.aws/karpenter/controller:1.5.0@sha256:abc"), &none).is_some());
+        assert!(controller_container(Some("public.ecr.aws/karpenter/controller:1.0.8"), &none).is_some());
+        assert!(
+            controller_container(Some("123.dkr.ecr.us-west-2.amazonaws.com/mirror/karpenter/controller:1.3.0"), &none)
+                .is_some()
+        );
+        assert!(controller_container(Some("registry.local:5000/karpenter/controller"), &none).is_some());
+        assert!(controller_container(Some("public.ecr.aws/eks/aws-load-balancer-controller:v2.9.0"), &none).is_none());
+        assert!(controller_container(Some("karpenter/controller-tools:1"), &none).is_none());
+        let env = [("CLUSTER_NAME", Some("prod")), ("KARPENTER_SERVICE", Some("karpenter-controller"))];
+        assert!(controller_container(Some("internal/kc:1"), &env).is_some());
+        assert!(controller_container(Some("internal/kc:1"), &env[..1]).is_none(), "CLUSTER_NAME alone is common");
+    }
+
+    #[test]
+    fn a_lease_holder_names_its_pod_before_the_last_underscore() {
+        assert_eq!(lease_holder_pod("karpenter-7d9f8b6c5-x2x4q_3f1c2d4e-aaaa-bbbb"), Some("karpenter-7d9f8b6c5-x2x4q"));
+        assert_eq!(lease_holder_pod("no-separator"), None);
+        assert_eq!(lease_holder_pod("_uuid"), None);
+    }
+
+    #[test]
+    fn a_fence_holds_only_while_the_limits_and_budgets_are_zero() {
+        let fenced =
+            serde_json::json!({"limits": {"cpu": "0", "memory": "0"}, "disruption": {"budgets": [{"nodes": "0"}]}});
+        assert!(holds_fence(&fenced));
+        // a re-applied manifest: the limits are back, whatever annotation the pool carries
+        let restored =
+            serde_json::json!({"limits": {"cpu": "1000", "memory": "0"}, "disruption": {"budgets": [{"nodes": "0"}]}});
+        assert!(!holds_fence(&restored));
+        let no_limits = serde_json::json!({"disruption": {"budgets": [{"nodes": "0"}]}});
+        assert!(!holds_fence(&no_limits), "a pool without limits is unbounded");
+        let budget_back = serde_json::json!({"limits": {"cpu": "0"}, "disruption": {"budgets": [{"nodes": "10%"}]}});
+        assert!(!holds_fence(&budget_back));
+        let scheduled = serde_json::json!({"limits": {"cpu": "0"},
+            "disruption": {"budgets": [{"nodes": "0", "schedule": "@daily", "duration": "1h"}]}});
+        assert!(!holds_fence(&scheduled), "a zero budget on a schedule does not hold at all times");
+        let static_pool =
+            serde_json::json!({"replicas": 3, "limits": {"nodes": "0"}, "disruption": {"budgets": [{"nodes": "0"}]}});
+        assert!(holds_fence(&static_pool));
+        assert!(holds_fence(&serde_json::json!({"limits": {"cpu": 0}, "disruption": {"budgets": [{"nodes": "0%"}]}})));
+    }
 
     fn tags(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()

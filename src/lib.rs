@@ -11,6 +11,7 @@ pub mod cli;
 pub mod commands;
 pub(crate) mod config;
 pub mod engine;
+pub(crate) mod evidence;
 pub mod exit;
 pub mod gitops;
 pub mod k8s;

@@ -115,6 +115,14 @@ impl Board {
             }
             // the drains' own progress lines show the pods; the report counts them
             EngineEvent::PodsRebound { .. } | EngineEvent::PodsLost { .. } | EngineEvent::Verified { .. } => {}
+            EngineEvent::Bypassed(b) => match b.kind {
+                // named by its blocker line already
+                crate::report::BypassKind::RidesWithNode => {}
+                crate::report::BypassKind::Skip => self.push_blocker(format!("left by policy skip: pod {}", b.pod)),
+                crate::report::BypassKind::Delete => {
+                    self.push_blocker(format!("deleted by policy delete: pod {}", b.pod))
+                }
+            },
         }
     }
 

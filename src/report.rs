@@ -152,6 +152,32 @@ impl std::fmt::Display for BlockerKind {
     }
 }
 
+/// A pod the run let go without the Eviction API's consent: what a CI step that must not lose
+/// pods fails on.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Bypass {
+    /// How the pod went.
+    pub kind: BypassKind,
+    /// `namespace/name`.
+    pub pod: String,
+    /// The node it was on.
+    pub node: String,
+}
+
+/// How a pod went without an eviction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BypassKind {
+    /// The drain's deadline passed under policy `skip`: the pod went with its node, its
+    /// PodDisruptionBudget bypassed.
+    Skip,
+    /// The drain's deadline passed under policy `delete`: the pod was deleted, its budget bypassed.
+    Delete,
+    /// The pod tolerates the fence (`karpenter.sh/disrupted`, or every taint): it is not evicted
+    /// and goes with its node, as Karpenter lets it.
+    RidesWithNode,
+}
+
 /// One step or per-object task of the plan, as it ran.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct StepRecord {
@@ -226,6 +252,10 @@ pub struct Report {
     /// lifted the node's fence), each drained too before its node was released.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pods_rebound: Option<u64>,
+    /// `run`: every pod the run let go without an eviction (policy `skip` or `delete` at a
+    /// drain's deadline, pods that tolerate the fence and go with their node), each once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bypasses: Option<Vec<Bypass>>,
     /// `run`: pods a drain must move that were still bound to their node when its instance was
     /// terminated (bound after the node was checked empty): they went down with it, and the run
     /// is not clean.
@@ -275,6 +305,7 @@ impl Report {
                 reclaimed: Vec::new(),
                 would_reclaim: Vec::new(),
                 pods_rebound: None,
+                bypasses: None,
                 pods_lost: None,
                 api_calls: BTreeMap::new(),
                 gitops: Survey::default(),

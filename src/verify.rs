@@ -306,6 +306,18 @@ pub(crate) fn reclaim_refusal(
 }
 
 impl Leftovers {
+    /// Leaves out the launch templates and instance profiles that an EC2NodeClass of a live
+    /// cluster may still launch with: those whose tags name a class that exists and, while any
+    /// class exists, those whose tags name none (nothing then says they are not its).
+    pub(crate) fn without_live_classes(mut self, classes: &BTreeSet<String>) -> Leftovers {
+        if classes.is_empty() {
+            return self;
+        }
+        self.launch_templates.retain(|lt| lt.nodeclass.as_ref().is_some_and(|c| !classes.contains(c)));
+        self.instance_profiles.retain(|p| !p.nodeclass.is_empty() && !classes.contains(&p.nodeclass));
+        self
+    }
+
     /// Leaves out the instance profiles the user's EC2NodeClasses name.
     pub(crate) fn without_profiles(mut self, user_profiles: &BTreeSet<String>) -> Leftovers {
         self.instance_profiles.retain(|p| !user_profiles.contains(&p.name));
@@ -551,6 +563,7 @@ mod tests {
             instances: instances.iter().map(|(i, h)| (i.to_string(), h.to_string())).collect(),
             claims: claims.iter().map(|c| c.to_string()).collect(),
             user_profiles: BTreeSet::new(),
+            nodeclasses: BTreeSet::new(),
         })
     }
 

@@ -136,6 +136,17 @@ pub struct LaunchTemplateInfo {
     pub tags: BTreeMap<String, String>,
 }
 
+/// EC2's answer about one instance asked for by id ([`Ec2::lookup`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Lookup {
+    /// Described.
+    Shown(InstanceInfo),
+    /// `InvalidInstanceID.NotFound`: EC2 does not know the id.
+    Unknown,
+    /// A successful answer that leaves the instance out.
+    Silent,
+}
+
 /// A network interface or volume left behind, reported by verification.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct DetachedResource {
@@ -295,6 +306,22 @@ impl Ec2 {
             .try_collect()
             .await?;
         Ok(pages.into_iter().flatten().collect())
+    }
+
+    /// Asks EC2 about one instance by id (`InstanceIds`, not a filter): whether it shows the
+    /// instance, says in so many words that it does not know it (`InvalidInstanceID.NotFound`),
+    /// or answers without it. Only the second is EC2's word that the instance is gone.
+    pub(crate) async fn lookup(&self, id: &str) -> Result<Lookup, AwsError> {
+        match self.client.describe_instances().instance_ids(id).send().await {
+            Ok(out) => {
+                let found = out.reservations().iter().flat_map(|r| r.instances()).find(|i| i.instance_id() == Some(id));
+                Ok(found.map_or(Lookup::Silent, |i| Lookup::Shown(InstanceInfo::from_sdk(i))))
+            }
+            Err(e) => {
+                let e = self.err("DescribeInstances", e);
+                if e.code() == Some("InvalidInstanceID.NotFound") { Ok(Lookup::Unknown) } else { Err(e) }
+            }
+        }
     }
 
     async fn describe(&self, filters: Option<Vec<Filter>>) -> Result<Vec<InstanceInfo>, AwsError> {

@@ -28,7 +28,12 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
             return Exit::BadInput;
         }
     };
-    let plan = match load_plan(&teardown.plan) {
+    let plan = match load_plan(&teardown.plan).and_then(|p| {
+        if args.reclaim {
+            p.check_reclaim()?;
+        }
+        Ok(p)
+    }) {
         Ok(p) => p,
         Err(e) => return fail(&e.into()),
     };

@@ -17,7 +17,7 @@ use super::batcher::Sent;
 use super::context::Ctx;
 use super::drain::{Release, drain};
 use super::events::{EngineEvent, TaskRef};
-use super::inventory::{Inventory, Machine, claim_owner, find_controller, list_dynamic, pool_owner};
+use super::inventory::{Inventory, Machine, claim_owner, find_controllers, list_dynamic, pool_owner};
 use crate::k8s::nodes::cordon_node;
 use crate::k8s::objects::{
     FinalizerRemoval, delete_and_remove_finalizer, delete_if_present, last_manager_in, patch_params, remove_finalizer,
@@ -122,7 +122,13 @@ pub type Outcome = Result<TaskOutcome, TaskError>;
 
 /// A batched EC2 call's failure: throttling that outlasted the SDK's retries runs the task again.
 fn batch_failure(detail: String, e: &super::batcher::BatchError) -> TaskOutcome {
-    if e.transient { TaskOutcome::Transient(detail) } else { TaskOutcome::Failed(detail) }
+    if e.unanswered {
+        TaskOutcome::Blocked(detail)
+    } else if e.transient {
+        TaskOutcome::Transient(detail)
+    } else {
+        TaskOutcome::Failed(detail)
+    }
 }
 
 /// Annotation on a fenced NodePool holding its original limits and budgets.
@@ -145,7 +151,9 @@ pub(crate) fn fence_patch(current: &DynamicObject) -> Value {
     let limits = current.data.pointer("/spec/limits").cloned().unwrap_or(Value::Null);
     let budgets = current.data.pointer("/spec/disruption/budgets").cloned().unwrap_or(Value::Null);
     let zero = karpenter::fence_limits(&current.data["spec"]);
-    let original = json!({"limits": limits, "budgets": budgets}).to_string();
+    // a pool fenced before and opened since keeps the originals its first fence saved
+    let saved = current.metadata.annotations.as_ref().and_then(|a| a.get(FENCE_ANNOTATION)).cloned();
+    let original = saved.unwrap_or_else(|| json!({"limits": limits, "budgets": budgets}).to_string());
     json!({
         "metadata": {
             "resourceVersion": current.metadata.resource_version,
@@ -159,7 +167,8 @@ pub(crate) fn fence_patch(current: &DynamicObject) -> Value {
 const FENCE_ATTEMPTS: usize = 8;
 
 /// NodePool limits to zero and disruption budgets to zero nodes, originals kept in an
-/// annotation; a NodePool already fenced is left alone. Static NodePools are fenced on
+/// annotation; a NodePool whose spec still holds the fence is left alone, one that carries the
+/// annotation with its limits put back is fenced again. Static NodePools are fenced on
 /// `limits.nodes` only (see [`karpenter::fence_limits`]); their `replicas` stay as they are.
 /// A pool another writer changes under every attempt is an error, not a pool left unfenced.
 pub async fn fence(ctx: &Ctx) -> Outcome {
@@ -177,8 +186,13 @@ pub async fn fence(ctx: &Ctx) -> Outcome {
                 Ok(None) => break,
                 Err(e) => return Err(KubeError::api(format!("read NodePool {name}"), e).into()),
             };
-            if current.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(FENCE_ANNOTATION)) {
+            // the annotation says a fence was put on; the spec says whether it still holds
+            let annotated = current.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(FENCE_ANNOTATION));
+            if annotated && karpenter::holds_fence(&current.data["spec"]) {
                 break;
+            }
+            if annotated {
+                tracing::warn!(nodepool = %name, "the NodePool carries the fence's annotation but its limits or budgets were put back: fencing it again");
             }
             let patch = fence_patch(&current);
             match api.patch(&name, &patch_params(), &Patch::Merge(&patch)).await {
@@ -254,19 +268,12 @@ pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> Outcom
 }
 
 /// The nodes of the inventoried machines that still exist as NodeClaims (or bare nodes), read
-/// with one list instead of one read per machine.
+/// with two lists instead of one read per machine.
 async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
     let claims = list_dynamic(&ctx.kube.client, &k8s::nodeclaim_resource()).await?;
-    // the Nodes are listed only when a claim does not name its own
-    let unnamed = claims.iter().any(|c| c.data.pointer("/status/nodeName").and_then(Value::as_str).is_none());
-    let nodes = if unnamed { karpenter_nodes(&ctx.kube.client).await? } else { Vec::new() };
-    let by_claim: HashMap<String, String> = claims
-        .into_iter()
-        .filter_map(|c| {
-            let node = claim_node(&c.data, nodes.iter().map(|(n, p)| (n.as_str(), p.as_deref())))?;
-            Some((c.metadata.name?, node))
-        })
-        .collect();
+    let nodes = karpenter_nodes(&ctx.kube.client).await?;
+    let by_claim: HashMap<String, String> =
+        claims.iter().filter_map(|c| Some((c.metadata.name.clone()?, claim_node(c, &nodes)?))).collect();
     Ok(ctx
         .inventoried
         .iter()
@@ -287,56 +294,82 @@ pub(super) async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, 
     }
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
     match api.get_opt(machine).await {
-        Ok(Some(c)) => node_of_claim(&ctx.kube.client, &c.data).await,
+        Ok(Some(c)) => node_of_claim(&ctx.kube.client, &c).await,
         Ok(None) => Ok(None),
         Err(e) => Err(KubeError::api(format!("read NodeClaim {machine}"), e)),
     }
 }
 
-/// The Node of a NodeClaim ([`claim_node`]), listing the Karpenter-labelled Nodes only when the
-/// NodeClaim does not name one.
-async fn node_of_claim(client: &kube::Client, claim: &Value) -> Result<Option<String>, KubeError> {
-    if let Some(n) = claim.pointer("/status/nodeName").and_then(Value::as_str) {
-        return Ok(Some(n.to_string()));
-    }
-    if claim.pointer("/status/providerID").and_then(Value::as_str).is_none() {
+/// The Node of a NodeClaim ([`claim_node`]): the one its `status.nodeName` names, read alone,
+/// when that one passes the evidence rule; otherwise the Karpenter-labelled Nodes are listed
+/// and the one on the claim's instance taken, if any.
+async fn node_of_claim(client: &kube::Client, claim: &DynamicObject) -> Result<Option<String>, KubeError> {
+    if claim.data.pointer("/status/providerID").and_then(Value::as_str).is_none() {
         return Ok(None);
     }
-    let nodes = karpenter_nodes(client).await?;
-    Ok(claim_node(claim, nodes.iter().map(|(n, p)| (n.as_str(), p.as_deref()))))
-}
-
-/// The Nodes labelled with a NodePool (those the inventory takes as Karpenter's), with their
-/// provider ids.
-async fn karpenter_nodes(client: &kube::Client) -> Result<Vec<(String, Option<String>)>, KubeError> {
-    let api: Api<Node> = Api::all(client.clone());
-    let list = api
-        .list(&ListParams::default().labels(karpenter::LABEL_NODEPOOL))
-        .await
-        .map_err(|e| KubeError::api("list Karpenter nodes", e))?;
-    Ok(list.items.into_iter().filter_map(|n| Some((n.metadata.name?, n.spec.and_then(|s| s.provider_id)))).collect())
-}
-
-/// The Node a NodeClaim's machine runs as: the one its `status.nodeName` names or, when it names
-/// none, the one on its instance (`spec.providerID` equal to its `status.providerID`), as the
-/// inventory pairs them. At registration Karpenter patches the Node first, lifting its
-/// `karpenter.sh/unregistered` taint so pods are scheduled there, and writes `status.nodeName`
-/// after (sigs.k8s.io/karpenter pkg/controllers/nodeclaim/lifecycle/registration.go): a
-/// controller that stops in between, or is gone when the kubelet registers, leaves a Node, pods
-/// and all, that its NodeClaim does not name, which must still be fenced and drained before its
-/// instance goes.
-pub(crate) fn claim_node<'a>(
-    claim: &Value,
-    nodes: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
-) -> Option<String> {
-    if let Some(n) = claim.pointer("/status/nodeName").and_then(Value::as_str) {
-        return Some(n.to_string());
+    if let Some(n) = claim.data.pointer("/status/nodeName").and_then(Value::as_str) {
+        let api: Api<Node> = Api::all(client.clone());
+        let named = api.get_opt(n).await.map_err(|e| KubeError::api(format!("read Node {n}"), e))?;
+        if let Some(node) = named.map(NodeSeen::of)
+            && let Some(found) = claim_node(claim, std::slice::from_ref(&node))
+        {
+            return Ok(Some(found));
+        }
     }
-    let instance = ProviderId::parse(claim.pointer("/status/providerID")?.as_str()?).ok()?;
-    nodes
-        .into_iter()
-        .find(|(_, p)| p.and_then(|p| ProviderId::parse(p).ok()).as_ref() == Some(&instance))
-        .map(|(n, _)| n.to_string())
+    let nodes = karpenter_nodes(client).await?;
+    Ok(claim_node(claim, &nodes))
+}
+
+/// Of a Node what the evidence rule reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NodeSeen {
+    name: String,
+    instance: Option<ProviderId>,
+    nodepool: Option<String>,
+}
+
+impl NodeSeen {
+    fn of(n: Node) -> NodeSeen {
+        NodeSeen {
+            instance: n.spec.and_then(|s| s.provider_id).and_then(|p| ProviderId::parse(&p).ok()),
+            nodepool: n.metadata.labels.and_then(|mut l| l.remove(karpenter::LABEL_NODEPOOL)),
+            name: n.metadata.name.unwrap_or_default(),
+        }
+    }
+}
+
+/// The Nodes labelled with a NodePool (those the inventory takes as Karpenter's).
+async fn karpenter_nodes(client: &kube::Client) -> Result<Vec<NodeSeen>, KubeError> {
+    let api: Api<Node> = Api::all(client.clone());
+    k8s::list_pages(&api, &ListParams::default().labels(karpenter::LABEL_NODEPOOL), |n: Node| Some(NodeSeen::of(n)))
+        .await
+        .map_err(|e| KubeError::api("list Karpenter nodes", e))
+}
+
+/// The Node a NodeClaim's machine runs as: of `nodes`, the one that passes the evidence rule
+/// (`crate::evidence`: on the claim's instance, with the claim's NodePool label), the one its
+/// `status.nodeName` names first. A name alone proves nothing (EKS names nodes after their
+/// reused private IPs). The claim may name none: at registration Karpenter patches the Node
+/// first, lifting its `karpenter.sh/unregistered` taint so pods are scheduled there, and writes
+/// `status.nodeName` after (sigs.k8s.io/karpenter pkg/controllers/nodeclaim/lifecycle/
+/// registration.go): a controller that stops in between, or is gone when the kubelet registers,
+/// leaves a Node, pods and all, that its NodeClaim does not name, which must still be fenced and
+/// drained before its instance goes.
+pub(crate) fn claim_node(claim: &DynamicObject, nodes: &[NodeSeen]) -> Option<String> {
+    let instance = ProviderId::parse(claim.data.pointer("/status/providerID")?.as_str()?).ok()?;
+    let pool = claim.metadata.labels.as_ref().and_then(|l| l.get(karpenter::LABEL_NODEPOOL));
+    let facts = crate::evidence::Facts { instance: Some(&instance), nodepool: pool.map(String::as_str) };
+    let named = claim.data.pointer("/status/nodeName").and_then(Value::as_str);
+    let passes = |n: &&NodeSeen| {
+        let node = crate::evidence::Facts { instance: n.instance.as_ref(), nodepool: n.nodepool.as_deref() };
+        crate::evidence::node_is_claims(facts, node).is_ok()
+    };
+    let mut ours = nodes.iter().filter(passes);
+    match named {
+        Some(name) => nodes.iter().filter(passes).find(|n| n.name == name).or_else(|| ours.next()),
+        None => ours.next(),
+    }
+    .map(|n| n.name.clone())
 }
 
 // ---------------------------------------------------------------- remove controller
@@ -350,21 +383,41 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> Outcome {
         0 => {}
         n => detail.push(format!("conversion webhook removed from {n} Karpenter CRD(s)")),
     }
-    let Some(controller) = find_controller(&ctx.kube.client).await? else {
+    // every Deployment that runs Karpenter's controller, whatever its chart called it
+    let controllers = find_controllers(&ctx.kube.client).await?;
+    if controllers.is_empty() {
         detail.push("no Karpenter controller Deployment found (already removed)".into());
         return Ok(TaskOutcome::Done(detail.join("; ")));
-    };
+    }
+    let deadline = Instant::now() + params.deadline.unwrap_or(Duration::from_secs(300));
+    for controller in &controllers {
+        match stop_controller(ctx, params, controller, deadline, &mut detail).await? {
+            TaskOutcome::Done(_) => {}
+            other => return Ok(other),
+        }
+    }
+    ctx.controller_seen_gone();
+    Ok(TaskOutcome::Done(detail.join("; ")))
+}
+
+/// Scales one controller Deployment to zero and waits for its pods to go, scaling it down again
+/// (naming who) if something scaled it back meanwhile.
+async fn stop_controller(
+    ctx: &Ctx,
+    params: &Params,
+    controller: &super::inventory::Controller,
+    deadline: Instant,
+    detail: &mut Vec<String>,
+) -> Outcome {
     let deployments: Api<Deployment> = Api::namespaced(ctx.kube.client.clone(), &controller.namespace);
     let pods: Api<Pod> = Api::namespaced(ctx.kube.client.clone(), &controller.namespace);
-    let deadline = Instant::now() + params.deadline.unwrap_or(Duration::from_secs(300));
     let mut scaled_once = false;
     loop {
         let dep = match deployments.get_opt(&controller.name).await {
             Ok(Some(d)) => d,
             Ok(None) => {
                 detail.push(format!("Deployment {}/{} is gone", controller.namespace, controller.name));
-                ctx.controller_seen_gone();
-                return Ok(TaskOutcome::Done(detail.join("; ")));
+                return Ok(TaskOutcome::Done(String::new()));
             }
             Err(e) => return Err(KubeError::api("read the Karpenter Deployment", e).into()),
         };
@@ -402,8 +455,7 @@ pub async fn remove_controller(ctx: &Ctx, params: &Params) -> Outcome {
             .items
             .len();
         if running == 0 && replicas == 0 {
-            ctx.controller_seen_gone();
-            return Ok(TaskOutcome::Done(detail.join("; ")));
+            return Ok(TaskOutcome::Done(String::new()));
         }
         if Instant::now() >= deadline {
             return Ok(TaskOutcome::Failed(format!(
@@ -474,7 +526,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
                     .and_then(Value::as_str)
                     .and_then(|p| ProviderId::parse(p).ok());
                 if node_name.is_none() {
-                    node_name = node_of_claim(&ctx.kube.client, &obj.data).await?;
+                    node_name = node_of_claim(&ctx.kube.client, &obj).await?;
                 }
             }
             Ok(None) => {}
@@ -828,9 +880,24 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
     let mut left =
         verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle, quiet_since).await?;
     let mut reclaimed = Vec::new();
+    let mut refused = None;
+    let mut classes = BTreeSet::new();
     if !left.is_clean() && ctx.reclaim {
-        reclaimed = left.describe();
-        for f in verify::reclaim(&ctx.aws, &left).await? {
+        // The same rule as `verify --reclaim`, whatever the plan: an instance a Node or NodeClaim
+        // of this cluster still stands for needs a drain, not a termination from AWS alone; and
+        // an EC2NodeClass that is still there still launches with its templates and profiles.
+        let holders = super::inventory::cluster_holders(&ctx.kube.client).await?;
+        classes = holders.nodeclasses.clone();
+        let seen = verify::ClusterSeen::Live(holders);
+        refused = verify::reclaim_refusal(&left, &seen, &ctx.cluster, None);
+    }
+    if let Some(refusal) = &refused {
+        tracing::error!(%refusal, "nothing reclaimed");
+        ctx.note(BlockerKind::Reclaim, "reclaim", refusal.to_string());
+    } else if !left.is_clean() && ctx.reclaim {
+        let to_reclaim = left.clone().without_live_classes(&classes);
+        reclaimed = to_reclaim.describe();
+        for f in verify::reclaim(&ctx.aws, &to_reclaim).await? {
             ctx.note(BlockerKind::Reclaim, &f, "could not be reclaimed");
         }
         // what was just terminated must have had its time to show, whatever the controller did
@@ -841,7 +908,11 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
     let clean = left.is_clean();
     let lines = left.describe();
     ctx.events.send(EngineEvent::Verified { leftovers: left, reclaimed });
-    Ok(if clean { TaskOutcome::Done("nothing left".into()) } else { TaskOutcome::Leftovers(lines.join("; ")) })
+    Ok(match refused {
+        Some(refusal) => TaskOutcome::Blocked(refusal.to_string()),
+        None if clean => TaskOutcome::Done("nothing left".into()),
+        None => TaskOutcome::Leftovers(lines.join("; ")),
+    })
 }
 
 #[cfg(test)]
@@ -874,18 +945,53 @@ mod future_sizes {
 mod tests {
     use super::*;
 
+    fn claim(status: Value) -> DynamicObject {
+        serde_json::from_value(json!({
+            "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
+            "metadata": {"name": "c", "labels": {karpenter::LABEL_NODEPOOL: "web"}},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn seen(name: &str, instance: Option<&str>, pool: Option<&str>) -> NodeSeen {
+        NodeSeen {
+            name: name.into(),
+            instance: instance.and_then(|p| ProviderId::parse(p).ok()),
+            nodepool: pool.map(str::to_string),
+        }
+    }
+
     #[test]
     fn a_claim_that_does_not_name_its_node_has_the_node_on_its_instance() {
-        let nodes = [("other", Some("aws:///us-west-2a/i-0aaa")), ("ip-10-0-0-4", Some("aws:///us-west-2b/i-0bbb"))];
+        let nodes = [
+            seen("other", Some("aws:///us-west-2a/i-0aaa"), Some("web")),
+            seen("ip-10-0-0-4", Some("aws:///us-west-2b/i-0bbb"), Some("web")),
+        ];
         // registered by Karpenter, which then stopped before writing status.nodeName
-        let unnamed = json!({"status": {"providerID": "aws:///us-west-2b/i-0bbb"}});
-        assert_eq!(claim_node(&unnamed, nodes), Some("ip-10-0-0-4".to_string()));
-        let named = json!({"status": {"providerID": "aws:///us-west-2b/i-0bbb", "nodeName": "named"}});
-        assert_eq!(claim_node(&named, nodes), Some("named".to_string()));
+        let unnamed = claim(json!({"providerID": "aws:///us-west-2b/i-0bbb"}));
+        assert_eq!(claim_node(&unnamed, &nodes), Some("ip-10-0-0-4".to_string()));
         // no instance yet, or no Node on it: nothing to fence or drain
-        assert_eq!(claim_node(&json!({"status": {}}), nodes), None);
-        let elsewhere = json!({"status": {"providerID": "aws:///us-west-2c/i-0ccc"}});
-        assert_eq!(claim_node(&elsewhere, nodes), None);
-        assert_eq!(claim_node(&elsewhere, [("no-id", None)]), None);
+        assert_eq!(claim_node(&claim(json!({})), &nodes), None);
+        let elsewhere = claim(json!({"providerID": "aws:///us-west-2c/i-0ccc"}));
+        assert_eq!(claim_node(&elsewhere, &nodes), None);
+        assert_eq!(claim_node(&elsewhere, &[seen("no-id", None, Some("web"))]), None);
+    }
+
+    #[test]
+    fn a_node_name_a_claim_gives_is_taken_only_when_the_node_is_on_its_instance_and_pool() {
+        let on_instance = seen("named", Some("aws:///us-west-2b/i-0bbb"), Some("web"));
+        let named = claim(json!({"providerID": "aws:///us-west-2b/i-0bbb", "nodeName": "named"}));
+        assert_eq!(claim_node(&named, std::slice::from_ref(&on_instance)), Some("named".to_string()));
+        // the reused name: a managed node group's node, another instance, no NodePool label
+        let reused = seen("named", Some("aws:///us-west-2b/i-0fff"), None);
+        assert_eq!(claim_node(&named, &[reused]), None);
+        // the right instance but not a Karpenter node of the claim's pool
+        assert_eq!(claim_node(&named, &[seen("named", Some("aws:///us-west-2b/i-0bbb"), None)]), None);
+        assert_eq!(claim_node(&named, &[seen("named", Some("aws:///us-west-2b/i-0bbb"), Some("batch"))]), None);
+        // a stale name, and the claim's own node registered under another
+        let own = seen("ip-10-0-0-7", Some("aws:///us-west-2b/i-0bbb"), Some("web"));
+        let stale = seen("named", Some("aws:///us-west-2b/i-0fff"), Some("web"));
+        assert_eq!(claim_node(&named, &[stale, own]), Some("ip-10-0-0-7".to_string()));
     }
 }

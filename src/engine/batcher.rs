@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
+use crate::aws::ec2::Lookup;
 use crate::aws::ec2::TERMINATE_BATCH;
 use crate::aws::pacing::{Pace, TerminatePacer};
 use crate::aws::{AwsError, Ec2, InstanceInfo, InstanceState};
@@ -26,17 +27,20 @@ pub struct BatchError {
     pub message: String,
     /// Throttling or an AWS server error: running the task again later can succeed.
     pub transient: bool,
+    /// EC2 never described the instance: it was neither terminated nor released, and the task
+    /// ends blocked, naming it.
+    pub unanswered: bool,
 }
 
 impl BatchError {
     fn stopped() -> BatchError {
-        BatchError { message: "the EC2 batcher stopped".into(), transient: false }
+        BatchError { message: "the EC2 batcher stopped".into(), transient: false, unanswered: false }
     }
 }
 
 impl From<&AwsError> for BatchError {
     fn from(e: &AwsError) -> BatchError {
-        BatchError { message: e.to_string(), transient: e.is_transient() }
+        BatchError { message: e.to_string(), transient: e.is_transient(), unanswered: false }
     }
 }
 
@@ -50,8 +54,11 @@ pub type Guard = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
 /// What became of a termination asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Sent {
-    /// EC2 accepted it (or does not know the instance: it is gone).
+    /// EC2 accepted it.
     Accepted,
+    /// Not sent: EC2 says, asked by the id itself, that it does not know the instance, and went
+    /// on saying so past a fresh launch's describe lag. It is gone.
+    Gone,
     /// Not sent: the guard said the machine may no longer go, and why.
     Withdrawn(String),
 }
@@ -209,9 +216,10 @@ async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, u
     for (tx, err) in refused {
         let _ = tx.send(Err(err));
     }
-    let now = Instant::now();
     for a in not_shown {
-        let _ = a.tx.send(unseen.judge(&a.id, now).map(|()| Sent::Accepted));
+        // the filter's silence is not EC2's word: ask about the id itself
+        let answer = ec2.lookup(&a.id).await;
+        let _ = a.tx.send(unseen.judge(&a.id, &answer, Instant::now()));
     }
     // the last look before the call: a machine may have waited its turn for a long time
     let (batch, withdrawn) = still_wanted(batch);
@@ -242,7 +250,7 @@ async fn terminate_batch(ec2: &Ec2, cluster: &str, pacer: &mut TerminatePacer, u
     for a in batch {
         let r = match &result {
             Ok(out) => match out.failed.iter().find(|(f, _)| *f == a.id) {
-                Some((_, e)) => Err(BatchError { message: e.clone(), transient: false }),
+                Some((_, e)) => Err(BatchError { message: e.clone(), transient: false, unanswered: false }),
                 None => Ok(Sent::Accepted),
             },
             Err(e) => Err(BatchError::from(e)),
@@ -265,11 +273,13 @@ fn still_wanted(batch: Vec<Asked>) -> (Vec<Asked>, Vec<(SentReply, String)>) {
 }
 
 /// What the batch's `DescribeInstances` did not return, and since when: such an instance is
-/// never sent to `TerminateInstances`, whose own answer does not check its tags. EC2's describe
-/// lags behind a fresh launch for some seconds (eventual consistency), so for
-/// [`UNSEEN_GRACE`] after it was first missing the asker is told to try again; after that EC2
-/// does not know it, and it is gone (terminated long enough ago that EC2 no longer lists it).
-/// An instance that was only late is still caught by verification, which reads by tag.
+/// never sent to `TerminateInstances`, whose own answer does not check its tags, and a filtered
+/// describe's silence is not taken for an answer. The id is asked about on its own
+/// ([`crate::aws::ec2::Ec2::lookup`]): only EC2's `InvalidInstanceID.NotFound`, still given
+/// [`UNSEEN_GRACE`] after the id was first missing (a fresh launch is not described for some
+/// seconds, eventual consistency), says the instance is gone. An id EC2 goes on answering
+/// without, or about which the lookup fails, is neither terminated nor released: after the
+/// grace its task ends blocked, naming the instance.
 #[derive(Debug, Default)]
 struct Unseen {
     first_missing: HashMap<String, Instant>,
@@ -279,18 +289,36 @@ struct Unseen {
 const UNSEEN_GRACE: Duration = Duration::from_secs(20);
 
 impl Unseen {
-    fn judge(&mut self, id: &str, now: Instant) -> Result<(), BatchError> {
+    fn judge(&mut self, id: &str, answer: &Result<Lookup, AwsError>, now: Instant) -> Result<Sent, BatchError> {
         let since = *self.first_missing.entry(id.to_string()).or_insert(now);
-        if now.duration_since(since) < UNSEEN_GRACE {
-            return Err(BatchError {
+        let waited = now.duration_since(since) >= UNSEEN_GRACE;
+        let again = |what: String| BatchError {
+            message: format!("{what}: it is not terminated unchecked; asking again"),
+            transient: true,
+            unanswered: false,
+        };
+        match answer {
+            Ok(Lookup::Shown(_)) => Err(again(format!("EC2 shows instance {id} only when asked by its id"))),
+            Ok(Lookup::Unknown) if waited => {
+                tracing::info!(instance = %id, "EC2 says it does not know the instance: gone, nothing to terminate");
+                Ok(Sent::Gone)
+            }
+            Ok(Lookup::Unknown) => Err(again(format!("EC2 does not know instance {id} (yet)"))),
+            Ok(Lookup::Silent) | Err(_) if waited => Err(BatchError {
                 message: format!(
-                    "EC2's DescribeInstances does not show instance {id} (yet): it is not terminated unchecked; asking again"
+                    "EC2 has not described instance {id} for {} ({}): it was neither terminated nor released; check it in EC2 and run again",
+                    humantime::format_duration(UNSEEN_GRACE),
+                    match answer {
+                        Err(e) => format!("asked by its id: {e}"),
+                        _ => "asked by its id, it answered without it".into(),
+                    }
                 ),
-                transient: true,
-            });
+                transient: false,
+                unanswered: true,
+            }),
+            Ok(Lookup::Silent) => Err(again(format!("EC2's DescribeInstances does not show instance {id} (yet)"))),
+            Err(e) => Err(again(format!("asking EC2 about instance {id} failed ({e})"))),
         }
-        tracing::info!(instance = %id, "EC2 does not know the instance: gone, nothing to terminate");
-        Ok(())
     }
 }
 
@@ -313,7 +341,7 @@ fn split_ours(
                 let message = format!(
                     "instance {id} is not this cluster's self-managed Karpenter's ({why}); it was left running"
                 );
-                refused.push((a.tx, BatchError { message, transient: false }));
+                refused.push((a.tx, BatchError { message, transient: false, unanswered: false }));
             }
             Some(Ok(())) => ours.push(a),
             None => not_shown.push(a),
@@ -405,13 +433,38 @@ mod tests {
     }
 
     #[test]
-    fn an_instance_ec2_does_not_show_is_asked_about_again_then_taken_as_gone() {
+    fn only_ec2s_own_not_found_past_the_grace_takes_an_unseen_instance_as_gone() {
         let mut unseen = Unseen::default();
         let t0 = Instant::now();
-        let first = unseen.judge("i-fresh", t0);
+        let unknown = Ok(Lookup::Unknown);
+        let first = unseen.judge("i-fresh", &unknown, t0);
         assert!(first.as_ref().is_err_and(|e| e.transient), "{first:?}");
-        assert!(unseen.judge("i-fresh", t0 + UNSEEN_GRACE / 2).is_err(), "still inside the grace");
-        assert_eq!(unseen.judge("i-fresh", t0 + UNSEEN_GRACE), Ok(()), "EC2 has had time to show it: gone");
-        assert!(unseen.judge("i-other", t0 + UNSEEN_GRACE).is_err(), "each id has its own grace");
+        assert!(unseen.judge("i-fresh", &unknown, t0 + UNSEEN_GRACE / 2).is_err(), "still inside the grace");
+        assert_eq!(unseen.judge("i-fresh", &unknown, t0 + UNSEEN_GRACE), Ok(Sent::Gone), "EC2 says it is unknown");
+        assert!(unseen.judge("i-other", &unknown, t0 + UNSEEN_GRACE).is_err(), "each id has its own grace");
+    }
+
+    #[test]
+    fn ec2s_silence_is_never_taken_for_gone_and_ends_blocked_after_the_grace() {
+        let mut unseen = Unseen::default();
+        let t0 = Instant::now();
+        let silent = Ok(Lookup::Silent);
+        assert!(unseen.judge("i-quiet", &silent, t0).is_err_and(|e| e.transient && !e.unanswered));
+        let after = unseen.judge("i-quiet", &silent, t0 + UNSEEN_GRACE);
+        let e = after.expect_err("silence is no answer");
+        assert!(!e.transient && e.unanswered, "{e:?}");
+        assert!(e.message.contains("i-quiet") && e.message.contains("neither terminated nor released"), "{e:?}");
+        // a lookup that fails is no answer either
+        let failed: Result<Lookup, AwsError> = Err(AwsError::Api {
+            service: "ec2",
+            operation: "DescribeInstances",
+            code: "InternalError".into(),
+            message: "boom".into(),
+        });
+        assert!(unseen.judge("i-err", &failed, t0).is_err_and(|e| e.transient));
+        assert!(unseen.judge("i-err", &failed, t0 + UNSEEN_GRACE).is_err_and(|e| e.unanswered));
+        // shown when asked by its id: asked again, never taken as gone
+        let shown = Ok(Lookup::Shown(instance("i-late", &[], None)));
+        assert!(unseen.judge("i-late", &shown, t0 + UNSEEN_GRACE * 2).is_err_and(|e| e.transient));
     }
 }

@@ -127,6 +127,12 @@ impl Ctx {
         self.events.send(super::events::EngineEvent::PodsLost { node: node.to_string(), uids });
     }
 
+    /// Records a pod let go without an eviction.
+    pub(crate) fn note_bypass(&self, kind: crate::report::BypassKind, pod: &str, node: &str) {
+        let b = crate::report::Bypass { kind, pod: pod.into(), node: node.into() };
+        self.events.send(super::events::EngineEvent::Bypassed(b));
+    }
+
     /// Reports a blocker or an actor that fought the run (the run's record keeps each once).
     pub fn note(&self, kind: BlockerKind, name: &str, reason: impl Into<String>) {
         let b = Blocker { kind, name: name.into(), reason: reason.into() };

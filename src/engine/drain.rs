@@ -146,6 +146,8 @@ pub(crate) enum Action {
     DeadlinePassed { pods_left: u64 },
     /// Remember pods left on the node by policy `skip`.
     Abandon(Vec<String>),
+    /// Record these pods (`namespace/name`) as let go without an eviction.
+    NoteBypass(crate::report::BypassKind, Vec<String>),
     /// Delete these pods with their grace period (policy `delete`).
     Delete(Vec<Arc<PodRef>>),
     /// For each pod in order: ask its budget, then the Eviction API, feeding back
@@ -200,6 +202,10 @@ pub(crate) fn step(mut s: DrainState, obs: Observation, now: Instant) -> (DrainS
                         return (s, actions);
                     }
                     DrainPolicy::Skip => {
+                        actions.push(Action::NoteBypass(
+                            crate::report::BypassKind::Skip,
+                            left.iter().map(|p| p.key()).collect(),
+                        ));
                         actions.push(Action::Abandon(left.iter().map(|p| p.uid.clone()).collect()));
                         actions.push(Action::Finish(TaskOutcome::Skipped(format!(
                             "drain deadline passed with {} pod(s) on node {}; skipped by policy: the instance goes with them, their budgets bypassed",
@@ -210,6 +216,10 @@ pub(crate) fn step(mut s: DrainState, obs: Observation, now: Instant) -> (DrainS
                     }
                     DrainPolicy::Delete => {
                         s.phase = Phase::Deleting;
+                        actions.push(Action::NoteBypass(
+                            crate::report::BypassKind::Delete,
+                            left.iter().map(|p| p.key()).collect(),
+                        ));
                         actions.push(Action::Delete(left.clone()));
                     }
                 }
@@ -385,6 +395,7 @@ async fn act(ctx: &Ctx, task: &TaskRef, node: &str, deadline: Duration, action: 
     match action {
         Action::NoteRider { pod, fence } => {
             tracing::info!(pod = %pod, node = %node, tolerates = fence, "not evicted: it tolerates the fence and goes with its node");
+            ctx.note_bypass(crate::report::BypassKind::RidesWithNode, &pod, node);
             ctx.note(
                 BlockerKind::PodGoesWithNode,
                 &pod,
@@ -401,6 +412,11 @@ async fn act(ctx: &Ctx, task: &TaskRef, node: &str, deadline: Duration, action: 
             ctx.events.send(EngineEvent::DrainDeadlinePassed { task: task.clone(), pods_left });
         }
         Action::Abandon(uids) => ctx.abandoned.lock().unwrap_or_else(|p| p.into_inner()).extend(uids),
+        Action::NoteBypass(kind, pods) => {
+            for pod in &pods {
+                ctx.note_bypass(kind, pod, node);
+            }
+        }
         Action::Delete(pods) => {
             for p in &pods {
                 if let Err(e) = Box::pin(delete_pod(&ctx.kube.client, p)).await {
@@ -1176,7 +1192,11 @@ mod step_tests {
         let (s, a, t0) = blocked_by_a_budget(DrainPolicy::Skip);
         let (_, at) = step(s, pods(&[&a]), t0 + DEADLINE);
         assert!(matches!(at[0], Action::DeadlinePassed { pods_left: 1 }));
-        assert!(matches!(&at[1], Action::Abandon(uids) if uids == &["a".to_string()]), "{at:?}");
+        assert!(
+            matches!(&at[1], Action::NoteBypass(crate::report::BypassKind::Skip, pods) if pods.len() == 1),
+            "the skipped pod is recorded as a bypass: {at:?}"
+        );
+        assert!(matches!(&at[2], Action::Abandon(uids) if uids == &["a".to_string()]), "{at:?}");
         assert!(
             matches!(finished(&at), Some(TaskOutcome::Skipped(d)) if d == "drain deadline passed with 1 pod(s) on node n1; skipped by policy: the instance goes with them, their budgets bypassed"),
             "{at:?}"
@@ -1188,7 +1208,11 @@ mod step_tests {
         let (s, a, t0) = blocked_by_a_budget(DrainPolicy::Delete);
         let (s, at) = round(s, &[&a], t0 + DEADLINE, evicted_ok);
         assert!(matches!(at[0], Action::DeadlinePassed { pods_left: 1 }));
-        assert!(matches!(&at[1], Action::Delete(pods) if pods.len() == 1), "{at:?}");
+        assert!(
+            matches!(&at[1], Action::NoteBypass(crate::report::BypassKind::Delete, pods) if pods.len() == 1),
+            "the deleted pod is recorded as a bypass: {at:?}"
+        );
+        assert!(matches!(&at[2], Action::Delete(pods) if pods.len() == 1), "{at:?}");
         assert!(evicted(&at).is_empty(), "no eviction once the pods are deleted");
         let (s, later) = round(s, &[&terminating(&a)], t0 + DEADLINE * 2, evicted_ok);
         assert!(

@@ -4,7 +4,7 @@
 
 use tokio::sync::mpsc;
 
-use crate::report::{Blocker, TaskResult};
+use crate::report::{Blocker, Bypass, TaskResult};
 use crate::verify::Leftovers;
 
 /// One task of the plan, as the events name it.
@@ -71,6 +71,8 @@ pub enum EngineEvent {
     },
     /// Something blocked or fought the run.
     Blocker(Blocker),
+    /// A pod let go without an eviction.
+    Bypassed(Bypass),
     /// Pods found bound to a node after its drain began (the scheduler placed them while
     /// something had lifted the node's fence); each is drained too.
     PodsRebound {

@@ -87,6 +87,9 @@ pub struct RunResult {
     pub pods_rebound: u64,
     /// Pods that went down with their node (bound after it was checked empty).
     pub pods_lost: u64,
+    /// Pods let go without an eviction (drain policies `skip` and `delete`, pods that go with
+    /// their node).
+    pub bypasses: Vec<crate::report::Bypass>,
     /// The error or refusal, if any.
     pub error: Option<String>,
     /// The concrete plan, for a dry run (and the log of a real one).
@@ -169,7 +172,7 @@ pub(crate) async fn cleanup_verdict(
     let karpenter_nodes = inv.karpenter_nodes();
     let seen = crate::k8s::retry_transient(|| crate::k8s::cleanup::read(client, &karpenter_nodes)).await?;
     let nodes: Vec<String> = karpenter_nodes.into_iter().collect();
-    let verdicts = crate::cleanup::survey(&seen.held, &seen.running, &nodes, &seen.other_nodes);
+    let verdicts = crate::cleanup::survey(&seen.held, &seen.running, &nodes, &seen.other_nodes, &seen.requested);
     let covered = |c: crate::cleanup::Cleaner| release.iter().any(|r| r.covers(c));
     let mut out = CleanupVerdict { volumes: seen.volumes, ..CleanupVerdict::default() };
     let mut idle = Vec::new();

@@ -90,6 +90,9 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
         p("list", "policy", "poddisruptionbudgets"),
         p("watch", "policy", "poddisruptionbudgets"),
         p("list", "apps", "deployments"),
+        // the Karpenter controller found by its leader Lease and the pod that holds it
+        p("list", "coordination.k8s.io", "leases"),
+        p("get", "", "pods"),
         p("list", karpenter::KARPENTER_GROUP, "nodeclaims"),
         p("list", karpenter::KARPENTER_GROUP, "nodepools"),
         p("list", karpenter::AWS_GROUP, "ec2nodeclasses"),

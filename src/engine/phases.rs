@@ -143,6 +143,7 @@ pub(crate) fn conclude(ended: Ended, learnt: Learnt) -> RunResult {
         reclaimed: Vec::new(),
         pods_rebound: 0,
         pods_lost: 0,
+        bypasses: Vec::new(),
         error: None,
         plan_text,
         gitops,
@@ -164,7 +165,8 @@ pub(crate) fn conclude(ended: Ended, learnt: Learnt) -> RunResult {
             result.steps.extend(steps);
             result.pods_rebound = record.rebound.len() as u64;
             result.pods_lost = record.lost.len() as u64;
-            let RunRecord { blockers, leftovers, reclaimed, .. } = *record;
+            let RunRecord { blockers, leftovers, reclaimed, bypasses, .. } = *record;
+            result.bypasses = bypasses.into_iter().collect();
             result.blockers = blockers;
             result.leftovers = leftovers;
             result.reclaimed = reclaimed;

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 
 use super::events::EngineEvent;
-use crate::report::Blocker;
+use crate::report::{Blocker, Bypass};
 use crate::verify::Leftovers;
 
 /// The results of a run so far.
@@ -22,6 +22,8 @@ pub(crate) struct RunRecord {
     pub(crate) leftovers: Leftovers,
     /// What `--reclaim` removed.
     pub(crate) reclaimed: Vec<String>,
+    /// The pods let go without an eviction, each once.
+    pub(crate) bypasses: BTreeSet<Bypass>,
 }
 
 impl RunRecord {
@@ -34,6 +36,11 @@ impl RunRecord {
                     return false;
                 }
                 self.blockers.push(b.clone());
+            }
+            EngineEvent::Bypassed(b) => {
+                if !self.bypasses.insert(b.clone()) {
+                    return false;
+                }
             }
             EngineEvent::PodsRebound { uids, .. } => {
                 self.rebound.extend(uids.iter().cloned());

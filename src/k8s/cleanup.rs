@@ -13,7 +13,7 @@ use kube::api::{Api, DynamicObject, ListParams};
 use kube::core::{ApiResource, GroupVersionKind};
 
 use super::{KubeError, list_pages, status_code};
-use crate::cleanup::{ClaimUser, Cleaner, Held, Running, VolumeFacts, cleaner_of, held_volume, volume_of};
+use crate::cleanup::{ClaimUser, Cleaner, Held, Requests, Running, VolumeFacts, cleaner_of, held_volume, volume_of};
 
 /// What the survey needs, as read.
 #[derive(Debug, Default)]
@@ -22,6 +22,9 @@ pub(crate) struct Seen {
     pub(crate) running: BTreeMap<Cleaner, Running>,
     /// Every node the run keeps (not a Karpenter node).
     pub(crate) other_nodes: Vec<Node>,
+    /// What the pods bound to each of `other_nodes` request: how much room a cleaner's pod
+    /// would find there.
+    pub(crate) requested: BTreeMap<String, Requests>,
     /// The EBS volumes of the PersistentVolumes the EBS CSI driver deletes (reclaim policy
     /// `Delete`), by volume id, each with its PV's name: verification reads them by id, since the
     /// driver tags a volume with its cluster only when told to.
@@ -150,7 +153,20 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
         .map_err(|e| KubeError::api("list the nodes the run keeps", e))?;
         other_nodes.extend(kept);
     }
-    Ok(Seen { held, running, other_nodes, volumes: ebs_volumes, facts })
+    let mut requested = BTreeMap::new();
+    let pods: Api<Pod> = Api::all(client.clone());
+    for n in &other_nodes {
+        let name = n.metadata.name.clone().unwrap_or_default();
+        let lp = ListParams::default().fields(&format!("spec.nodeName={name}"));
+        let on_node = list_pages(&pods, &lp, |p: Pod| {
+            let ended = matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"));
+            (!ended).then(|| Requests::of_pod(&p))
+        })
+        .await
+        .map_err(|e| KubeError::api(format!("list the pods on node {name}"), e))?;
+        requested.insert(name, on_node.into_iter().fold(Requests::default(), Requests::plus));
+    }
+    Ok(Seen { held, running, other_nodes, requested, volumes: ebs_volumes, facts })
 }
 
 /// The pods of a cleaner: those of the Deployments its chart labels, and the holder of its

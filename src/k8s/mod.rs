@@ -112,6 +112,21 @@ pub enum KubeError {
         /// The server's message.
         detail: String,
     },
+    /// A pod holds a Karpenter leader Lease and cannot be traced to the Deployment that runs it:
+    /// nothing can stop that controller before its nodes go.
+    #[error(
+        "cannot tell where Karpenter runs: the leader Lease {lease} is held by pod {pod}, {why}. A live Karpenter \
+         beside the teardown races it for the instances and finalizers. Nothing was changed; scale that controller \
+         to zero yourself (or delete what runs it), then run again"
+    )]
+    UntracedController {
+        /// `namespace/name` of the Lease.
+        lease: String,
+        /// `namespace/name` of the pod.
+        pod: String,
+        /// Why it cannot be traced.
+        why: String,
+    },
     /// A GitOps owner would not stay paused.
     #[error("{owner} could not be paused: {detail}")]
     NotPaused {

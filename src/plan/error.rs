@@ -126,6 +126,18 @@ pub enum PlanError {
         at: Location,
     },
 
+    /// With `--reclaim`, a verify step that does not run after a drain.
+    #[error(
+        "{source_name}: step {step:?} (verify) would reclaim with --reclaim without running after a drain: \
+         it would terminate instances under nodes that may still run pods. Add a drain step to its `after` \
+         chain (see plans/default.toml), or run without --reclaim"
+    )]
+    ReclaimBeforeDrain {
+        /// Source name.
+        source_name: String,
+        /// The verify step's id.
+        step: String,
+    },
     /// The plan has no `[[step]]` at all.
     #[error("{source_name}: the plan has no steps; add at least one [[step]] table")]
     EmptyPlan {
@@ -291,7 +303,10 @@ impl PlanError {
     /// Where in the plan the problem is, when it is in the plan text.
     pub fn location(&self) -> Option<&Location> {
         match self {
-            PlanError::Read { .. } | PlanError::UnknownBuiltin { .. } | PlanError::EmptyPlan { .. } => None,
+            PlanError::Read { .. }
+            | PlanError::UnknownBuiltin { .. }
+            | PlanError::EmptyPlan { .. }
+            | PlanError::ReclaimBeforeDrain { .. } => None,
             PlanError::Syntax { at, .. }
             | PlanError::UnknownKey { at, .. }
             | PlanError::MissingKey { at, .. }

@@ -186,6 +186,35 @@ impl Plan {
         plan
     }
 
+    /// Checks the plan for a run with `--reclaim`: a `verify` step reclaims what EC2 still holds
+    /// (terminating instances without a drain), so each one must run after a `drain` step, by
+    /// its `after` chain. A plan that only checks (preflight and verify) would otherwise
+    /// terminate instances under nodes still running pods.
+    pub fn check_reclaim(&self) -> Result<(), PlanError> {
+        for (i, step) in self.steps.iter().enumerate().filter(|(_, s)| s.action == Action::Verify) {
+            if !self.runs_after(i, Action::Drain) {
+                return Err(PlanError::ReclaimBeforeDrain { source_name: self.source.clone(), step: step.id.clone() });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether step `i` runs after a step of `action` (through its `after`, transitively).
+    fn runs_after(&self, i: usize, action: Action) -> bool {
+        let mut seen = vec![false; self.steps.len()];
+        let mut stack: Vec<usize> = self.steps[i].after_idx.clone();
+        while let Some(j) = stack.pop() {
+            if std::mem::replace(&mut seen[j], true) {
+                continue;
+            }
+            if self.steps[j].action == action {
+                return true;
+            }
+            stack.extend(self.steps[j].after_idx.iter().copied());
+        }
+        false
+    }
+
     /// The steps in an order that respects every `after`, keeping file order where the
     /// dependencies leave a choice.
     pub fn ordered_steps(&self) -> impl Iterator<Item = &Step> + '_ {

@@ -16,5 +16,6 @@ mod faults;
 mod field_reports;
 mod gitops;
 mod not_ours;
+mod ours;
 mod plans;
 mod resume;
