@@ -24,7 +24,7 @@ use crate::k8s::pods::tolerates;
 /// A controller that cleans up in AWS behind a finalizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub(crate) enum Cleaner {
+pub enum Cleaner {
     /// kubernetes-sigs/aws-load-balancer-controller.
     LoadBalancerController,
     /// kubernetes-sigs/aws-ebs-csi-driver's controller (csi-provisioner, csi-attacher).
@@ -43,6 +43,34 @@ impl Cleaner {
             Cleaner::LoadBalancerController => "aws-load-balancer-controller",
             Cleaner::EbsCsi => "aws-ebs-csi-driver",
             Cleaner::EfsCsi => "aws-efs-csi-driver",
+        }
+    }
+
+    /// The last path segment of its controller's image repository, in every registry it is
+    /// published to or mirrored from (`public.ecr.aws/eks/aws-load-balancer-controller`,
+    /// `…/ebs-csi-driver/aws-ebs-csi-driver`, `…/amazon/aws-efs-csi-driver`).
+    pub(crate) fn image(self) -> &'static str {
+        match self {
+            Cleaner::LoadBalancerController => "aws-load-balancer-controller",
+            Cleaner::EbsCsi => "aws-ebs-csi-driver",
+            Cleaner::EfsCsi => "aws-efs-csi-driver",
+        }
+    }
+
+    /// The suffix of its admission webhooks' names, which its chart's name does not change.
+    pub(crate) fn webhook_suffix(self) -> Option<&'static str> {
+        match self {
+            Cleaner::LoadBalancerController => Some(".elbv2.k8s.aws"),
+            Cleaner::EbsCsi | Cleaner::EfsCsi => None,
+        }
+    }
+
+    /// Its `--assume-stopped` value.
+    pub(crate) fn flag(self) -> &'static str {
+        match self {
+            Cleaner::LoadBalancerController => "load-balancer-controller",
+            Cleaner::EbsCsi => "ebs-csi",
+            Cleaner::EfsCsi => "efs-csi",
         }
     }
 
@@ -74,6 +102,28 @@ impl std::fmt::Display for Cleaner {
             Cleaner::EfsCsi => "the EFS CSI controller",
         })
     }
+}
+
+/// Whether a Deployment runs `cleaner`: its chart's label, or a container of its pods running
+/// the cleaner's image (the repository's last segment, any registry, tag or digest).
+pub(crate) fn deployment_is(cleaner: Cleaner, d: &k8s_openapi::api::apps::v1::Deployment) -> bool {
+    let labelled = d
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.get("app.kubernetes.io/name").is_some_and(|v| v == cleaner.chart_name()));
+    let containers = d.spec.as_ref().and_then(|s| s.template.spec.as_ref()).map(|p| p.containers.as_slice());
+    let runs_image = containers.unwrap_or_default().iter().any(|c| {
+        c.image.as_deref().is_some_and(|i| {
+            let repo = i.split('@').next().unwrap_or(i);
+            let repo = match repo.rsplit_once(':') {
+                Some((r, tag)) if !tag.contains('/') => r,
+                _ => repo,
+            };
+            repo.rsplit('/').next() == Some(cleaner.image())
+        })
+    });
+    labelled || runs_image
 }
 
 /// The finalizer of the Load Balancer Controller on a Service (`serviceFinalizer` in its
@@ -695,6 +745,44 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::*;
+
+    #[test]
+    fn a_cleaner_is_known_by_its_image_whatever_its_chart_is_called() {
+        let deployment = |labels: serde_json::Value, image: &str| -> k8s_openapi::api::apps::v1::Deployment {
+            serde_json::from_value(json!({"metadata": {"name": "x", "labels": labels}, "spec": {
+                "selector": {"matchLabels": {"a": "b"}},
+                "template": {"spec": {"containers": [{"name": "c", "image": image}]}}}}))
+            .unwrap()
+        };
+        let lbc = Cleaner::LoadBalancerController;
+        assert!(deployment_is(
+            lbc,
+            &deployment(json!({"app.kubernetes.io/name": "aws-load-balancer-controller"}), "x")
+        ));
+        assert!(deployment_is(
+            lbc,
+            &deployment(
+                json!({"app.kubernetes.io/name": "lb"}),
+                "public.ecr.aws/eks/aws-load-balancer-controller:v2.9.0"
+            )
+        ));
+        assert!(deployment_is(
+            lbc,
+            &deployment(
+                json!({}),
+                "602401143452.dkr.ecr.us-west-2.amazonaws.com/amazon/aws-load-balancer-controller@sha256:ab"
+            )
+        ));
+        assert!(!deployment_is(lbc, &deployment(json!({}), "public.ecr.aws/karpenter/controller:1.5.0")));
+        assert!(deployment_is(
+            Cleaner::EbsCsi,
+            &deployment(json!({}), "public.ecr.aws/ebs-csi-driver/aws-ebs-csi-driver:v1.40.0")
+        ));
+        assert!(!deployment_is(
+            Cleaner::EfsCsi,
+            &deployment(json!({}), "public.ecr.aws/ebs-csi-driver/aws-ebs-csi-driver:v1.40.0")
+        ));
+    }
 
     fn pod(name: &str, node: &str, extra: serde_json::Value) -> Pod {
         let mut spec = json!({"nodeName": node, "containers": [{"name": "c"}]});

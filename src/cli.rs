@@ -322,6 +322,30 @@ pub struct TeardownArgs {
     /// never removed; the data on the volumes is gone.
     #[arg(long, env = "KARPENTER_TEARDOWN_RELEASE", value_enum, value_delimiter = ',', value_name = "WHAT")]
     pub release: Vec<ReleaseArg>,
+
+    /// A controller that cleans up in AWS and holds objects, but of which no pod is found (by its
+    /// chart's label, its leader Lease, its webhooks or its image), is taken as not running: go
+    /// on. Without it such a run refuses (exit 3): where the controller runs cannot be told, so
+    /// neither can whether the drain strands it.
+    #[arg(
+        long,
+        env = "KARPENTER_TEARDOWN_ASSUME_STOPPED",
+        value_enum,
+        value_delimiter = ',',
+        value_name = "CONTROLLER"
+    )]
+    pub assume_stopped: Vec<CleanerArg>,
+}
+
+/// `--assume-stopped`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CleanerArg {
+    /// The AWS Load Balancer Controller.
+    LoadBalancerController,
+    /// The EBS CSI driver's controller.
+    EbsCsi,
+    /// The EFS CSI driver's controller.
+    EfsCsi,
 }
 
 /// `--release`.

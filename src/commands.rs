@@ -477,6 +477,7 @@ async fn run_command(args: &RunArgs) -> Exit {
             reclaim: target.reclaim,
             gitops: config.gitops,
             release: config.release.clone(),
+            assume_stopped: config.assume_stopped.clone(),
         };
         let cancel = CancellationToken::new();
         let in_flight = InFlight::default();

@@ -136,6 +136,8 @@ pub(crate) struct RunConfig {
     pub progress_every: Duration,
     /// What the cleanup controllers hold that the run may release before the drain.
     pub release: std::collections::BTreeSet<crate::cleanup::Release>,
+    /// The cleanup controllers taken as not running when no pod of theirs is found.
+    pub assume_stopped: std::collections::BTreeSet<crate::cleanup::Cleaner>,
 }
 
 impl Target {
@@ -179,6 +181,7 @@ impl RunConfig {
             max_nodes: t.max_nodes,
             gitops: t.gitops,
             release: t.release,
+            assume_stopped: t.assume_stopped,
             progress_every: match parse_duration("progress-every", &a.progress_every)? {
                 d if d.is_zero() => {
                     return Err(ConfigError::BadDuration {
@@ -210,6 +213,8 @@ pub(crate) struct TeardownConfig {
     pub gitops: crate::gitops::GitopsConsent,
     /// What the cleanup controllers hold that the run may release before the drain.
     pub release: std::collections::BTreeSet<crate::cleanup::Release>,
+    /// The cleanup controllers taken as not running when no pod of theirs is found.
+    pub assume_stopped: std::collections::BTreeSet<crate::cleanup::Cleaner>,
 }
 
 impl TeardownConfig {
@@ -232,6 +237,15 @@ impl TeardownConfig {
                 .map(|r| match r {
                     crate::cli::ReleaseArg::LoadBalancers => crate::cleanup::Release::LoadBalancers,
                     crate::cli::ReleaseArg::Volumes => crate::cleanup::Release::Volumes,
+                })
+                .collect(),
+            assume_stopped: a
+                .assume_stopped
+                .iter()
+                .map(|c| match c {
+                    crate::cli::CleanerArg::LoadBalancerController => crate::cleanup::Cleaner::LoadBalancerController,
+                    crate::cli::CleanerArg::EbsCsi => crate::cleanup::Cleaner::EbsCsi,
+                    crate::cli::CleanerArg::EfsCsi => crate::cleanup::Cleaner::EfsCsi,
                 })
                 .collect(),
         })

@@ -78,6 +78,7 @@ pub(super) async fn rehearse_command(args: &RehearseArgs) -> Exit {
         reclaim: args.reclaim,
         gitops: teardown.gitops,
         release: teardown.release.clone(),
+        assume_stopped: teardown.assume_stopped.clone(),
         time_scale: args.time_scale,
         localstack,
     };
@@ -238,9 +239,10 @@ async fn live_refusal(
             return Ok((refused, text));
         }
     }
-    let verdict = cleanup_verdict(&kube.client, &settings.plan, &inv, &settings.release, &mut text)
-        .await
-        .map_err(|e| e.to_string())?;
+    let verdict =
+        cleanup_verdict(&kube.client, &settings.plan, &inv, &settings.release, &settings.assume_stopped, &mut text)
+            .await
+            .map_err(|e| e.to_string())?;
     Ok((verdict.refused, text))
 }
 

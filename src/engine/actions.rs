@@ -469,6 +469,15 @@ async fn stop_controller(
     }
 }
 
+/// The JSON patch that turns a CRD's conversion to `None`, conditioned on the version read (the
+/// admission check's dry run sends the same).
+pub(crate) fn conversion_patch(crd: &CustomResourceDefinition) -> Vec<Value> {
+    vec![
+        json!({"op": "test", "path": "/metadata/resourceVersion", "value": crd.metadata.resource_version}),
+        json!({"op": "replace", "path": "/spec/conversion", "value": {"strategy": "None"}}),
+    ]
+}
+
 /// Karpenter 1.0.x CRDs route conversion through the controller's webhook; with the controller
 /// gone any request needing conversion fails and the objects become unreachable. Only v1 is
 /// stored and used from here on, so conversion `None` is safe (Karpenter 1.1 does the same).
@@ -485,11 +494,8 @@ pub async fn drop_conversion_webhooks(client: &kube::Client) -> Result<usize, Ku
         if !webhook {
             continue;
         }
-        let patch: json_patch::Patch = serde_json::from_value(json!([
-            {"op": "test", "path": "/metadata/resourceVersion", "value": crd.metadata.resource_version},
-            {"op": "replace", "path": "/spec/conversion", "value": {"strategy": "None"}},
-        ]))
-        .map_err(|e| KubeError::api("build the CRD patch", kube::Error::SerdeError(e)))?;
+        let patch: json_patch::Patch = serde_json::from_value(Value::Array(conversion_patch(&crd)))
+            .map_err(|e| KubeError::api("build the CRD patch", kube::Error::SerdeError(e)))?;
         match crds.patch(name, &patch_params(), &Patch::<()>::Json(patch)).await {
             Ok(_) => changed += 1,
             // changed meanwhile: the next run (or the verify step) sees the new state

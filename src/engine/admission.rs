@@ -298,6 +298,32 @@ pub(crate) async fn check(
             judge(&mut findings, write, e, &webhooks, eviction)?;
         }
     }
+    // Two writes share their kind and verb with one tried above, with bodies of their own: the
+    // Node's finalizer removal (a patch, as the cordon is) and the 1.0.x CRD repair
+    let releases_nodes = writes.iter().any(|p| (p.group, p.resource, p.verb) == ("", "nodes", "delete"));
+    if let Some(name) = inv.machines.values().find_map(|m| m.node.clone()).filter(|_| releases_nodes) {
+        let ar = ApiResource::erase::<Node>(&());
+        let read = |api: Api<DynamicObject>, name: String| async move {
+            k8s::retry_transient(|| async {
+                api.get_opt(&name).await.map_err(|e| KubeError::api(format!("read node {name} for a dry run"), e))
+            })
+            .await
+        };
+        let (write, answer) =
+            release_or_delete(client, &ar, read, "Node", name, karpenter::FINALIZER_TERMINATION, "patch").await?;
+        findings.dry_runs += 1;
+        if let Err(e) = answer {
+            judge(&mut findings, write, e, &webhooks, false)?;
+        }
+    }
+    if need.iter().any(|p| p.resource == "customresourcedefinitions" && p.verb == "patch") {
+        for (write, answer) in conversion_dry_runs(client).await? {
+            findings.dry_runs += 1;
+            if let Err(e) = answer {
+                judge(&mut findings, write, e, &webhooks, false)?;
+            }
+        }
+    }
     if let Some(pausing) = &pausing {
         let mut kinds_tried = BTreeSet::new();
         for id in pausing.active.iter().filter(|id| kinds_tried.insert(id.kind)) {
@@ -315,6 +341,71 @@ pub(crate) async fn check(
     let names: Vec<&str> = unreachable.iter().map(String::as_str).collect();
     let more = same_backend(&findings.blocked, &names, &webhooks, &writes);
     findings.blocked.extend(more);
+    Ok(findings)
+}
+
+/// The dry runs of the 1.0.x CRD repair alone, for the run that must make it before the
+/// Karpenter objects can be read (`phases::unstrand`).
+pub(crate) async fn check_conversion_repair(client: &kube::Client) -> Result<Findings, KubeError> {
+    let mut findings = Findings::default();
+    let tries = conversion_dry_runs(client).await?;
+    if tries.iter().all(|(_, a)| a.is_ok()) {
+        findings.dry_runs = tries.len();
+        return Ok(findings);
+    }
+    let webhooks = k8s::retry_transient(|| k8s::admission::webhooks(client)).await?;
+    for (write, answer) in tries {
+        findings.dry_runs += 1;
+        if let Err(e) = answer {
+            judge(&mut findings, write, e, &webhooks, false)?;
+        }
+    }
+    Ok(findings)
+}
+
+/// One server-side dry run of each kind of write `--release` makes, on an object it will make
+/// it to (the first surveyed object of each kind the Load Balancer Controller holds, the first
+/// StatefulSet whose scale goes to zero, the first claim deleted): a policy that refuses one of
+/// them would otherwise stop the run half-way, its load balancers gone and its StatefulSets at
+/// zero.
+pub(crate) async fn check_release(
+    client: &kube::Client,
+    release: &[crate::cleanup::Held],
+    volumes: &crate::cleanup::VolumeRelease,
+) -> Result<Findings, KubeError> {
+    let lbc = |h: &&crate::cleanup::Held| h.cleaner == crate::cleanup::Cleaner::LoadBalancerController;
+    if !release.iter().any(|h| lbc(&h)) && volumes.statefulsets.is_empty() && volumes.claim_uids.is_empty() {
+        return Ok(Findings::default());
+    }
+    let webhooks = k8s::retry_transient(|| k8s::admission::webhooks(client)).await?;
+    let mut findings = Findings::default();
+    let mut kinds = BTreeSet::new();
+    let mut tries: Vec<(String, Answer)> = Vec::new();
+    for h in release.iter().filter(lbc).filter(|h| kinds.insert(h.kind)) {
+        let (collection, name) = k8s::cleanup::collection_of(h);
+        tries.push((format!("delete {} {} (release)", h.kind, h.name), dry_delete(client, collection, &name).await));
+    }
+    if let Some(sts) = volumes.statefulsets.iter().next() {
+        let (ns, name) = sts.split_once('/').unwrap_or(("", sts));
+        let api: Api<k8s_openapi::api::apps::v1::StatefulSet> = Api::namespaced(client.clone(), ns);
+        let body = json!({"spec": {"replicas": 0}});
+        let answer = api.patch_scale(name, &dry_patch(), &Patch::Merge(&body)).await.map(drop);
+        tries.push((format!("scale StatefulSet {sts} to 0 (release)"), answer));
+    }
+    if let Some(claim) = volumes.claim_uids.keys().next() {
+        let (ns, name) = claim.split_once('/').unwrap_or(("", claim));
+        let collection = k8s_openapi::api::core::v1::PersistentVolumeClaim::url_path(&(), Some(ns));
+        tries.push((
+            format!("delete PersistentVolumeClaim {claim} (release)"),
+            dry_delete(client, collection, name).await,
+        ));
+    }
+    for (write, answer) in tries {
+        findings.dry_runs += 1;
+        if let Err(e) = answer {
+            judge(&mut findings, write, e, &webhooks, false)?;
+        }
+    }
     Ok(findings)
 }
 
@@ -527,6 +618,27 @@ async fn dry_run(
         _ => return Ok(None),
     };
     Ok(Some(answer))
+}
+
+/// The 1.0.x repair of each Karpenter CRD that routes conversion through the controller's
+/// webhook (`super::actions::drop_conversion_webhooks`), as dry runs; none when no CRD does.
+async fn conversion_dry_runs(client: &kube::Client) -> Result<Vec<(String, Answer)>, KubeError> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut out = Vec::new();
+    for name in karpenter::CRDS {
+        let crd = k8s::retry_transient(|| async {
+            crds.get_opt(name).await.map_err(|e| KubeError::api(format!("read CRD {name} for a dry run"), e))
+        })
+        .await?;
+        let Some(crd) = crd.filter(|c| c.spec.conversion.as_ref().is_some_and(|c| c.strategy == "Webhook")) else {
+            continue;
+        };
+        let patch = json_patch(super::actions::conversion_patch(&crd))?;
+        let answer = crds.patch(name, &dry_patch(), &Patch::<()>::Json(patch)).await.map(drop);
+        out.push((format!("remove the conversion webhook of CRD {name}"), answer));
+    }
+    Ok(out)
 }
 
 fn pod_names(pod: &Pod) -> (String, String) {

@@ -68,6 +68,9 @@ pub struct RunSettings {
     pub gitops: GitopsConsent,
     /// `--release`: what the cleanup controllers hold that is deleted before the drain.
     pub release: std::collections::BTreeSet<crate::cleanup::Release>,
+    /// `--assume-stopped`: the cleanup controllers taken as not running when none of their pods
+    /// is found.
+    pub assume_stopped: std::collections::BTreeSet<crate::cleanup::Cleaner>,
 }
 
 /// What a run produced, for the report and the exit code.
@@ -126,11 +129,17 @@ pub(crate) async fn admission_verdict(
         unchecked = findings.unchecked.len(),
         "admission checked before any change"
     );
+    Ok(refused_by_admission(&findings, plan_text))
+}
+
+/// The refusal, if any, of what the admission chain's dry runs found; what they could not check
+/// goes to the plan's text.
+pub(crate) fn refused_by_admission(findings: &admission::Findings, plan_text: &mut String) -> Option<Refused> {
     for u in &findings.unchecked {
         plan_text.push_str(&format!("admission not checked before the run: {u}\n"));
     }
     if findings.blocked.is_empty() {
-        return Ok(None);
+        return None;
     }
     let blockers = findings
         .blocked
@@ -138,7 +147,7 @@ pub(crate) async fn admission_verdict(
         .map(|b| Blocker { kind: BlockerKind::Admission, name: b.who.clone(), reason: b.to_string() })
         .collect();
     let refusal = Refusal::Admission { blocked: findings.blocked.iter().map(ToString::to_string).collect() };
-    Ok(Some(Refused { refusal, blockers }))
+    Some(Refused { refusal, blockers })
 }
 
 /// What the survey of the cleanup controllers decided for a run.
@@ -164,6 +173,7 @@ pub(crate) async fn cleanup_verdict(
     plan: &Plan,
     inv: &Inventory,
     release: &std::collections::BTreeSet<crate::cleanup::Release>,
+    assume_stopped: &std::collections::BTreeSet<crate::cleanup::Cleaner>,
     plan_text: &mut String,
 ) -> Result<CleanupVerdict, crate::k8s::KubeError> {
     if !plan.steps().iter().any(|s| permissions::drains(s.action)) {
@@ -243,6 +253,30 @@ pub(crate) async fn cleanup_verdict(
             })
             .collect();
         out.refused = Some(Refused { refusal: Refusal::Unreleasable { objects }, blockers });
+        return Ok(out);
+    }
+    // a controller that holds objects and of which no pod is found may run anywhere, Karpenter's
+    // nodes included: no evidence that the drain leaves it a place is no verdict
+    let unplaced: Vec<&crate::cleanup::Verdict> =
+        verdicts.iter().filter(|v| v.unplaced && !covered(v.cleaner) && !assume_stopped.contains(&v.cleaner)).collect();
+    if !unplaced.is_empty() {
+        let blockers = unplaced
+            .iter()
+            .flat_map(|v| v.held.iter().map(move |h| (v.cleaner, h)))
+            .map(|(c, h)| Blocker {
+                kind: BlockerKind::Stranded,
+                name: h.object(),
+                reason: format!("held by {} until {c} deletes what it made in AWS; no pod of {c} was found", h.hold()),
+            })
+            .collect();
+        let refusal = Refusal::Unplaced {
+            cleaners: unplaced.iter().map(|v| (v.cleaner.to_string(), v.cleaner.flag().to_string())).collect(),
+            objects: unplaced
+                .iter()
+                .flat_map(|v| v.held.iter().map(|h| format!("{} {} ({})", h.kind, h.name, h.hold())))
+                .collect(),
+        };
+        out.refused = Some(Refused { refusal, blockers });
         return Ok(out);
     }
     let stranded: Vec<&crate::cleanup::Verdict> =

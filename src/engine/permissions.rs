@@ -52,6 +52,19 @@ const fn p(verb: &'static str, group: &'static str, resource: &'static str) -> K
     KubePermission { verb, group, resource, subresource: "", name: "" }
 }
 
+/// What the 1.0.x CRD repair needs: reading and patching Karpenter's three CRDs, by name.
+pub(crate) fn conversion_repair_needs() -> BTreeSet<KubePermission> {
+    karpenter::CRDS
+        .into_iter()
+        .flat_map(|name| {
+            [
+                KubePermission { name, ..p("get", "apiextensions.k8s.io", "customresourcedefinitions") },
+                KubePermission { name, ..p("patch", "apiextensions.k8s.io", "customresourcedefinitions") },
+            ]
+        })
+        .collect()
+}
+
 /// What `--release` adds (`deploy/rbac-release.yaml`): deleting the objects the Load Balancer
 /// Controller holds; for volumes, scaling StatefulSets to zero and deleting their claims.
 /// Waiting until they are gone lists them, as the survey does. Not sent through the admission check's
@@ -149,16 +162,7 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
                     p("get", "apps", "deployments"),
                     KubePermission { subresource: "scale", ..p("patch", "apps", "deployments") },
                 ]);
-                for name in karpenter::CRDS {
-                    need.insert(KubePermission {
-                        name,
-                        ..p("get", "apiextensions.k8s.io", "customresourcedefinitions")
-                    });
-                    need.insert(KubePermission {
-                        name,
-                        ..p("patch", "apiextensions.k8s.io", "customresourcedefinitions")
-                    });
-                }
+                need.extend(conversion_repair_needs());
             }
             // the release check drains what was bound since the drain (`release-check`)
             Action::DischargeFinalizers => need.extend(release_needs().into_iter().chain(drain_needs())),

@@ -239,6 +239,24 @@ async fn unstrand(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Resu
     if !evidence.contradictions.is_empty() {
         return Err(Refusal::WrongClusterStranded { contradictions: evidence.contradictions }.into());
     }
+    // The checks that concern this write come before it: the permission to make it, and the
+    // admission chain's answer to a dry run of it. (The Karpenter objects' GitOps owners and the
+    // other writes' dry runs need those objects, which only this write makes readable: they
+    // follow it, before any other write.)
+    let need = permissions::conversion_repair_needs();
+    let missing = permissions::missing_kubernetes(&kube.client, &need).await.map_err(Stop::failed)?.unwrap_or_default();
+    if !missing.is_empty() {
+        return Err(Refusal::MissingPermissions {
+            kubernetes: missing.iter().map(ToString::to_string).collect(),
+            ec2: Vec::new(),
+        }
+        .into());
+    }
+    let findings = super::admission::check_conversion_repair(&kube.client).await.map_err(Stop::failed)?;
+    let mut text = String::new();
+    if let Some(refused) = super::refused_by_admission(&findings, &mut text) {
+        return Err(refused.into());
+    }
     let changed = super::actions::drop_conversion_webhooks(&kube.client).await.map_err(Stop::failed)?;
     tracing::warn!(
         crds = changed,
@@ -378,10 +396,24 @@ pub(crate) async fn admission(
     {
         return Err(refused.into());
     }
-    let verdict = super::cleanup_verdict(&kube.client, &settings.plan, inv, &settings.release, &mut learnt.plan_text)
+    let verdict = super::cleanup_verdict(
+        &kube.client,
+        &settings.plan,
+        inv,
+        &settings.release,
+        &settings.assume_stopped,
+        &mut learnt.plan_text,
+    )
+    .await
+    .map_err(Stop::failed)?;
+    if let Some(refused) = verdict.refused {
+        return Err(refused.into());
+    }
+    // what --release writes, tried on the objects it will write to
+    let findings = super::admission::check_release(&kube.client, &verdict.release, &verdict.volume_release)
         .await
         .map_err(Stop::failed)?;
-    if let Some(refused) = verdict.refused {
+    if let Some(refused) = super::refused_by_admission(&findings, &mut learnt.plan_text) {
         return Err(refused.into());
     }
     match super::protected(aws, &settings.cluster, &verdict.release).await {

@@ -40,6 +40,18 @@ pub(crate) enum Refusal {
         .objects.join("; ")
     )]
     Stranded { cleaners: Vec<String>, objects: Vec<String> },
+    /// A controller that holds objects cannot be placed: no pod of it was found.
+    #[error(
+        "refusing: cannot tell where {} run{}: {} hold objects the drain may strand ({}), and no pod of them was found by \
+         their chart's label, their leader Lease, their webhooks or their image. Nothing was changed; if it really is \
+         stopped, pass {} to go on (its objects then stay held), or run it where this run keeps capacity",
+        .cleaners.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>().join(" and "),
+        if .cleaners.len() == 1 { "s" } else { "" },
+        if .cleaners.len() == 1 { "it" } else { "they" },
+        .objects.join("; "),
+        .cleaners.iter().map(|(_, f)| format!("--assume-stopped {f}")).collect::<Vec<_>>().join(" ")
+    )]
+    Unplaced { cleaners: Vec<(String, String)>, objects: Vec<String> },
     /// `--release` covers objects whose controller does not run: nothing would delete them.
     #[error(
         "refusing to release: {}. Nothing was changed; start the controller again (or delete the objects' AWS resources and then their finalizers yourself), then run again",
@@ -73,6 +85,7 @@ impl Refusal {
             | Refusal::WrongClusterStranded { .. }
             | Refusal::BlastRadius { .. }
             | Refusal::Stranded { .. }
+            | Refusal::Unplaced { .. }
             | Refusal::Unreleasable { .. }
             | Refusal::VolumesInUse { .. }
             | Refusal::Protected { .. }

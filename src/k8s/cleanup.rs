@@ -9,6 +9,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::networking::v1::Ingress;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::Resource;
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::core::{ApiResource, GroupVersionKind};
 
@@ -169,21 +170,48 @@ pub(crate) async fn read(client: &kube::Client, karpenter_nodes: &BTreeSet<Strin
     Ok(Seen { held, running, other_nodes, requested, volumes: ebs_volumes, facts })
 }
 
-/// The pods of a cleaner: those of the Deployments its chart labels, and the holder of its
-/// leader Lease (found however it was installed).
+/// The pods of a cleaner, found by what it is and does rather than by one name: those of the
+/// Deployments its chart labels or whose pods run its image, those behind the services of its
+/// admission webhooks (the Load Balancer Controller's `*.elbv2.k8s.aws` keep their names
+/// whatever the chart is called), and the holder of its leader Lease.
 async fn pods_of(client: &kube::Client, cleaner: Cleaner) -> Result<Vec<Pod>, KubeError> {
     let mut pods: BTreeMap<(String, String), Pod> = BTreeMap::new();
+    let mut selectors: BTreeSet<(String, String)> = BTreeSet::new();
     let deployments: Api<Deployment> = Api::all(client.clone());
-    let lp = ListParams::default().labels(&format!("app.kubernetes.io/name={}", cleaner.chart_name()));
-    let found =
-        deployments.list(&lp).await.map_err(|e| KubeError::api(format!("list the Deployments of {cleaner}"), e))?;
-    for d in found.items {
+    let all = list_pages(&deployments, &ListParams::default(), Some)
+        .await
+        .map_err(|e| KubeError::api(format!("list the Deployments to find {cleaner}"), e))?;
+    for d in all.iter().filter(|d| crate::cleanup::deployment_is(cleaner, d)) {
         let ns = d.metadata.namespace.clone().unwrap_or_default();
         let Some(selector) = d.spec.as_ref().and_then(|s| s.selector.match_labels.clone()) else { continue };
         let labels: Vec<String> = selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        selectors.insert((ns, labels.join(",")));
+    }
+    if let Some(suffix) = cleaner.webhook_suffix() {
+        let webhooks = super::admission::webhooks(client).await?;
+        let services: BTreeSet<(String, String)> = webhooks
+            .iter()
+            .filter(|w| w.name.ends_with(suffix))
+            .filter_map(|w| w.service.as_ref().map(|(ns, name, _)| (ns.clone(), name.clone())))
+            .collect();
+        for (ns, name) in services {
+            let api: Api<Service> = Api::namespaced(client.clone(), &ns);
+            let lp = ListParams::default().fields(&format!("metadata.name={name}"));
+            let found = api
+                .list(&lp)
+                .await
+                .map_err(|e| KubeError::api(format!("list the webhook service {ns}/{name} of {cleaner}"), e))?;
+            for svc in found.items {
+                let Some(selector) = svc.spec.and_then(|s| s.selector).filter(|s| !s.is_empty()) else { continue };
+                let labels: Vec<String> = selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                selectors.insert((ns.clone(), labels.join(",")));
+            }
+        }
+    }
+    for (ns, labels) in selectors {
         let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let list = api
-            .list(&ListParams::default().labels(&labels.join(",")))
+            .list(&ListParams::default().labels(&labels))
             .await
             .map_err(|e| KubeError::api(format!("list the pods of {cleaner}"), e))?;
         for p in list.items {
@@ -262,6 +290,15 @@ pub(crate) async fn delete(client: &kube::Client, held: &Held) -> Result<(), Kub
         )),
         Err(e) => Err(KubeError::api(format!("delete {} {}", held.kind, held.name), e)),
     }
+}
+
+/// The collection (a URL path) and name of a held object, for a dry run of its delete.
+pub(crate) fn collection_of(held: &Held) -> (String, String) {
+    let (ns, name) = match held.name.split_once('/') {
+        Some((ns, name)) => (Some(ns), name),
+        None => (None, held.name.as_str()),
+    };
+    (DynamicObject::url_path(&resource_of(held.kind), ns), name.to_string())
 }
 
 /// Deletion of the object with `uid` only, when the survey read one.

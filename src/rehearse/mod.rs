@@ -78,6 +78,8 @@ pub(crate) struct RehearsalSettings {
     /// `--release`: predicted in what it refuses and the permissions it needs; not played on
     /// the copy, which holds no Services or volumes.
     pub release: std::collections::BTreeSet<crate::cleanup::Release>,
+    /// `--assume-stopped`: predicted in what it lets through.
+    pub assume_stopped: std::collections::BTreeSet<crate::cleanup::Cleaner>,
     /// The copy's clock (0.2: five times as fast).
     pub time_scale: f64,
     /// The LocalStack that holds the copy's AWS side.
@@ -394,6 +396,7 @@ async fn play(
         gitops: settings.gitops,
         // `rehearse` has no --release: the copy holds no Service or Ingress to release
         release: Default::default(),
+        assume_stopped: settings.assume_stopped.clone(),
     };
     let started = Instant::now();
     // every log line of the copy's run says so: it must never read as a change to the live cluster

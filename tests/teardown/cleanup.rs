@@ -309,3 +309,99 @@ async fn a_release_whose_controller_does_not_run_is_refused() {
     assert_no_node_fenced(&b.client, &world).await;
     b.server.shutdown().await;
 }
+
+/// Pod `name` of a Load Balancer Controller installed under another chart name (`app: lb`), only
+/// on Karpenter's nodes, running `image`.
+fn renamed_controller_pod(name: &str, node: &str, image: &str) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "kube-system", "labels": {"app": "lb"}},
+        "spec": {"nodeName": node, "containers": [{"name": "controller", "image": image}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "karpenter.sh/nodepool", "operator": "Exists"}]}]}}}},
+    }))
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_balancer_controller_under_another_name_is_found_by_its_image_or_its_webhooks() {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    use k8s_openapi::api::apps::v1::Deployment;
+    let s = small_world("e2e-strand-renamed", 2);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let pp = PostParams::default();
+    held_service(&b.client).await;
+    let karpenter_node = &world.nodes[0].node;
+    let pods: Api<Pod> = Api::namespaced(b.client.clone(), "kube-system");
+
+    // by its image: a Deployment `lb` of the chart installed as `lb`
+    let image = "public.ecr.aws/eks/aws-load-balancer-controller:v2.13.0";
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "lb", "namespace": "kube-system", "labels": {"app.kubernetes.io/name": "lb"}},
+        "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "lb"}},
+            "template": {"metadata": {"labels": {"app": "lb"}},
+                "spec": {"containers": [{"name": "controller", "image": image}]}}},
+    }))
+    .unwrap();
+    let deployments: Api<Deployment> = Api::namespaced(b.client.clone(), "kube-system");
+    deployments.create(&pp, &deployment).await.unwrap();
+    pods.create(&pp, &renamed_controller_pod("lb-0", karpenter_node, image)).await.unwrap();
+    let run = teardown(&b, &world.cluster, Consent::DryRun, &[]).await;
+    assert_eq!(run.code, 3, "{}", run.dump());
+    let error = run.report["error"].as_str().unwrap_or_default();
+    assert!(error.contains("the AWS Load Balancer Controller (kube-system/lb-0 on "), "{error}");
+
+    // by its webhooks: no Deployment names it, a mirrored image, but its `*.elbv2.k8s.aws`
+    // webhooks are served by its pods
+    deployments.delete("lb", &Default::default()).await.unwrap();
+    pods.delete("lb-0", &Default::default()).await.unwrap();
+    pods.create(&pp, &renamed_controller_pod("lb-1", karpenter_node, "registry.internal/lb:2")).await.unwrap();
+    let svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": "lb-webhook", "namespace": "kube-system"},
+        "spec": {"selector": {"app": "lb"}, "ports": [{"port": 443, "targetPort": 9443}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(b.client.clone(), "kube-system").create(&pp, &svc).await.unwrap();
+    let webhooks: ValidatingWebhookConfiguration = serde_json::from_value(json!({
+        "metadata": {"name": "lb-webhook"},
+        "webhooks": [{"name": "vingress.elbv2.k8s.aws", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+            "failurePolicy": "Ignore",
+            "clientConfig": {"service": {"namespace": "kube-system", "name": "lb-webhook", "path": "/validate"}},
+            "rules": [{"apiGroups": ["networking.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                "resources": ["ingresses"]}]}],
+    }))
+    .unwrap();
+    Api::<ValidatingWebhookConfiguration>::all(b.client.clone()).create(&pp, &webhooks).await.unwrap();
+    let run = teardown(&b, &world.cluster, Consent::DryRun, &[]).await;
+    assert_eq!(run.code, 3, "{}", run.dump());
+    let error = run.report["error"].as_str().unwrap_or_default();
+    assert!(error.contains("the AWS Load Balancer Controller (kube-system/lb-1 on "), "{error}");
+    assert_no_node_fenced(&b.client, &world).await;
+    b.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_that_holds_objects_and_cannot_be_placed_refuses_unless_assumed_stopped() {
+    let s = small_world("e2e-strand-unplaced", 2);
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    held_service(&b.client).await;
+    for consent in [Consent::DryRun, Consent::Yes] {
+        let run = teardown(&b, &world.cluster, consent, &[]).await;
+        assert_eq!(run.code, 3, "{consent:?}: {}", run.dump());
+        let error = run.report["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains("cannot tell where the AWS Load Balancer Controller runs")
+                && error.contains("Service shop/front (finalizer service.k8s.aws/resources)")
+                && error.contains("--assume-stopped load-balancer-controller")
+                && error.contains("Nothing was changed"),
+            "{error}"
+        );
+        assert_eq!(blockers_of(&run, "stranded").len(), 1, "{}", run.dump());
+    }
+    assert_no_node_fenced(&b.client, &world).await;
+    // the user's word that it is stopped lets the run go on
+    let run = teardown(&b, &world.cluster, Consent::DryRun, &["--assume-stopped", "load-balancer-controller"]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    b.server.shutdown().await;
+}

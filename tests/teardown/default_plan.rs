@@ -327,6 +327,7 @@ async fn the_engine_reports_typed_events_with_the_pods_each_drain_has_left() {
         reclaim: false,
         gitops: Default::default(),
         release: Default::default(),
+        assume_stopped: Default::default(),
     };
     let (events, mut rx) = Events::channel();
     let aws = common::localstack_as_aws(REGION).await;

@@ -379,3 +379,44 @@ async fn a_pool_whose_limits_were_put_back_under_the_fences_annotation_is_fenced
     assert_eq!(annotation.as_deref(), Some(saved.as_str()));
     b.server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_pod_let_go_without_an_eviction_is_named_in_the_report() {
+    let s = sandbox_sim::WorldSpec { strict_pdb: true, replicas_per_workload: 2, ..small_world("e2e-own-bypass", 2) };
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    // a pod that tolerates the fence rides with its node: Karpenter lets it, but it was not asked
+    let pods: Api<Pod> = Api::namespaced(b.client.clone(), "default");
+    let rider: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "rider", "namespace": "default"},
+        "spec": {"nodeName": world.nodes[0].node, "containers": [{"name": "c", "image": "x"}],
+            "tolerations": [{"operator": "Exists"}]},
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &rider).await.unwrap();
+
+    let run =
+        teardown(&b, &world.cluster, Consent::Yes, &["--drain-deadline", "5s", "--on-drain-deadline", "skip"]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let bypasses = run.report["bypasses"].as_array().cloned().unwrap_or_default();
+    // what the drains say they left by policy skip, node by node
+    let steps = run.report["steps"].as_array().unwrap();
+    let skipped: usize = steps
+        .iter()
+        .filter(|s| s["action"] == "drain" && s["result"] == "skipped")
+        .filter_map(|s| {
+            s["detail"].as_str()?.strip_prefix("drain deadline passed with ")?.split(' ').next()?.parse::<usize>().ok()
+        })
+        .sum();
+    assert!(skipped > 0, "the strict budgets held pods past the deadline: {}", run.dump());
+    let of = |kind: &str| bypasses.iter().filter(|b| b["kind"] == kind).count();
+    assert_eq!(bypasses.len(), skipped + 1, "{bypasses:?}");
+    assert_eq!(of("skip"), skipped, "{bypasses:?}");
+    assert_eq!(of("rides-with-node"), 1, "{bypasses:?}");
+    let ridden: Vec<&Value> = bypasses.iter().filter(|b| b["kind"] == "rides-with-node").collect();
+    assert_eq!(ridden[0]["pod"], "default/rider");
+    assert_eq!(ridden[0]["node"], world.nodes[0].node.as_str());
+    let nodes: Vec<&str> = world.nodes.iter().map(|n| n.node.as_str()).collect();
+    assert!(bypasses.iter().all(|b| nodes.contains(&b["node"].as_str().unwrap_or_default())), "{bypasses:?}");
+    b.server.shutdown().await;
+}
