@@ -288,6 +288,7 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs(vers
             cluster_name: cluster.clone(),
             region: REGION.into(),
             aws_endpoint: sandbox_sim::localstack::endpoint(),
+            ..KarpenterSettings::default()
         },
         ec2.clone(),
     )
@@ -498,6 +499,7 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
             cluster_name: cluster.clone(),
             region: REGION.into(),
             aws_endpoint: sandbox_sim::localstack::endpoint(),
+            ..KarpenterSettings::default()
         },
         ec2.clone(),
     )

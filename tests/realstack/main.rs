@@ -18,6 +18,7 @@ mod gitops;
 mod intree;
 mod karpenter;
 mod matrix;
+mod ours;
 mod resume;
 
 use std::time::Instant;

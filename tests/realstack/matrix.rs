@@ -82,6 +82,7 @@ async fn bed(prefix: &str, feature_gates: Option<&str>) -> (Bed, RealKarpenter) 
             cluster_name: cluster.clone(),
             region: REGION.into(),
             aws_endpoint: sandbox_sim::localstack::endpoint(),
+            ..KarpenterSettings::default()
         },
         ec2.clone(),
     )

@@ -130,6 +130,7 @@ pub(super) async fn provisioned_with(
             cluster_name: cluster.clone(),
             region: REGION.into(),
             aws_endpoint: sandbox_sim::localstack::endpoint(),
+            ..KarpenterSettings::default()
         },
         ec2.clone(),
     )

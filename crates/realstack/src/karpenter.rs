@@ -19,7 +19,8 @@
 //!
 //! Karpenter runs as a process on this machine, not as a pod, so the test bed plays the parts of
 //! the cluster around it that are not there. On a stack of etcd and kube-apiserver only:
-//! - the `karpenter` Deployment in `kube-system` and its one Pod stand for the process: while the
+//! - the `karpenter` Deployment in `kube-system` (or the name [`KarpenterSettings::name`] gives it,
+//!   as the chart's `nameOverride` does) and its one Pod stand for the process: while the
 //!   Deployment asks for a replica the process runs and the Deployment reports it ready; once it is
 //!   scaled to zero (or deleted) the process is killed and the Pod removed, as the Deployment
 //!   controller and the kubelet would;
@@ -60,7 +61,7 @@ mod sdk_v1_relay;
 
 /// The namespace and name of the controller's Deployment, where Karpenter's Helm chart puts it.
 pub const NAMESPACE: &str = "kube-system";
-/// See [`NAMESPACE`].
+/// See [`NAMESPACE`]. The name [`KarpenterSettings::name`] has unless a test says otherwise.
 pub const NAME: &str = "karpenter";
 
 /// The field manager of everything the test bed writes on Karpenter's behalf.
@@ -160,6 +161,24 @@ pub struct KarpenterSettings {
     pub region: String,
     /// Where the AWS SDK sends every call (`AWS_ENDPOINT_URL`): LocalStack, or a proxy before it.
     pub aws_endpoint: String,
+    /// The name Karpenter's Helm chart gives the controller: its Deployment's and ServiceAccount's
+    /// name and its pods' `app.kubernetes.io/name`, [`NAME`] by default, or what the chart's
+    /// `nameOverride` and `fullnameOverride` set (charts/karpenter/templates/_helpers.tpl,
+    /// `karpenter.name` and `karpenter.fullname`). The supervisor, the stand-in pod and the
+    /// scheduler's stand-in all follow it.
+    pub name: String,
+}
+
+impl Default for KarpenterSettings {
+    /// No cluster, region or endpoint (each test gives its own), and the chart's default name.
+    fn default() -> Self {
+        KarpenterSettings {
+            cluster_name: String::new(),
+            region: String::new(),
+            aws_endpoint: String::new(),
+            name: NAME.to_string(),
+        }
+    }
 }
 
 /// How Karpenter 1.0's AWS calls reach the endpoint (see [`sdk_v1_relay`]).
@@ -291,9 +310,9 @@ pub(crate) fn node_for(claim: &Value, node_name: &str, ready: bool) -> Option<Va
 }
 
 /// Whether kube-scheduler would have marked this pod unschedulable by now: not bound, not yet
-/// marked, not deleted, and not the controller's own pod (which would run on a node of another
-/// node group in a real cluster).
-pub(crate) fn needs_unschedulable_mark(pod: &Pod) -> bool {
+/// marked, not deleted, and not the controller's own pod (`app.kubernetes.io/name` = `name`; it
+/// would run on a node of another node group in a real cluster).
+pub(crate) fn needs_unschedulable_mark(pod: &Pod, name: &str) -> bool {
     let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
     let marked = pod
         .status
@@ -301,7 +320,7 @@ pub(crate) fn needs_unschedulable_mark(pod: &Pod) -> bool {
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "PodScheduled"));
     let controller =
-        pod.metadata.labels.as_ref().and_then(|l| l.get("app.kubernetes.io/name")).map(String::as_str) == Some(NAME);
+        pod.metadata.labels.as_ref().and_then(|l| l.get("app.kubernetes.io/name")).map(String::as_str) == Some(name);
     !bound && !marked && !controller && pod.metadata.deletion_timestamp.is_none()
 }
 
@@ -423,7 +442,7 @@ impl RealKarpenter {
         let admin = stack.admin_client().await?;
         let dir = tempfile::Builder::new().prefix("karpenter-").tempdir().map_err(io("making a temp dir"))?;
         let kubeconfig = dir.path().join("kubeconfig");
-        let token = identity(&admin).await?;
+        let token = identity(&admin, &settings.name).await?;
         std::fs::write(&kubeconfig, kubeconfig_with_token(stack.tool_kubeconfig(), &token)?.to_string())
             .map_err(io(format!("writing {}", kubeconfig.display())))?;
         create_deployment(&admin, &settings).await?;
@@ -449,11 +468,11 @@ impl RealKarpenter {
         let registered = Arc::new(Mutex::new(Vec::new()));
         let full = stack.control_plane() == ControlPlane::Full;
         let mut tasks = vec![
-            tokio::spawn(supervise(admin.clone(), process.clone(), !full)),
+            tokio::spawn(supervise(admin.clone(), process.clone(), !full, settings.name.clone())),
             tokio::spawn(register_nodes(admin.clone(), ec2, registered.clone(), !full)),
         ];
         if !full {
-            tasks.push(tokio::spawn(mark_unschedulable(admin)));
+            tasks.push(tokio::spawn(mark_unschedulable(admin, settings.name.clone())));
         }
         Ok(RealKarpenter { process, tasks, registered, log, version, _relay: relay, _dir: dir })
     }
@@ -502,13 +521,13 @@ impl Drop for RealKarpenter {
     }
 }
 
-/// A ServiceAccount `kube-system/karpenter` bound to `cluster-admin`, and a token for it. The
-/// TokenRequest API is served by kube-apiserver itself (signed with its service-account key), so
-/// it needs no kube-controller-manager.
-async fn identity(admin: &kube::Client) -> Result<String, KarpenterError> {
+/// A ServiceAccount `kube-system/<name>` (`karpenter` by default) bound to `cluster-admin`, and a
+/// token for it. The TokenRequest API is served by kube-apiserver itself (signed with its
+/// service-account key), so it needs no kube-controller-manager.
+async fn identity(admin: &kube::Client, name: &str) -> Result<String, KarpenterError> {
     let pp = PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() };
     let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), NAMESPACE);
-    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": NAME, "namespace": NAMESPACE}}))
+    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": name, "namespace": NAMESPACE}}))
         .map_err(|e| KarpenterError::Io { what: "the ServiceAccount".into(), source: e.into() })?;
     sas.create(&pp, &sa).await.map_err(kube_err("creating the karpenter ServiceAccount"))?;
     // Karpenter's Helm chart grants narrower ClusterRoles; the tests here are about the tool, and
@@ -516,7 +535,7 @@ async fn identity(admin: &kube::Client) -> Result<String, KarpenterError> {
     let crb: ClusterRoleBinding = serde_json::from_value(json!({
         "metadata": {"name": "realstack-karpenter"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-        "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}],
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}],
     }))
     .map_err(|e| KarpenterError::Io { what: "the ClusterRoleBinding".into(), source: e.into() })?;
     Api::<ClusterRoleBinding>::all(admin.clone())
@@ -525,7 +544,7 @@ async fn identity(admin: &kube::Client) -> Result<String, KarpenterError> {
         .map_err(kube_err("binding the karpenter ServiceAccount"))?;
     let req: TokenRequest = serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 86400}}))
         .map_err(|e| KarpenterError::Io { what: "the TokenRequest".into(), source: e.into() })?;
-    let got = sas.create_token_request(NAME, &pp, &req).await.map_err(kube_err("requesting a token for Karpenter"))?;
+    let got = sas.create_token_request(name, &pp, &req).await.map_err(kube_err("requesting a token for Karpenter"))?;
     got.status.map(|s| s.token).ok_or_else(|| KarpenterError::Io {
         what: "the TokenRequest".into(),
         source: std::io::Error::other("no token in the answer"),
@@ -557,21 +576,27 @@ fn placement() -> Value {
     })
 }
 
-fn pod_spec() -> Value {
+fn pod_spec(name: &str) -> Value {
     let mut spec = placement();
-    spec["serviceAccountName"] = json!(NAME);
+    spec["serviceAccountName"] = json!(name);
     spec["containers"] = json!([{"name": "controller", "image": "public.ecr.aws/karpenter/controller"}]);
     spec
 }
 
+/// The labels the chart gives the controller's Deployment and pods, for a chart name `name`.
+fn labels(name: &str) -> Value {
+    json!({"app.kubernetes.io/name": name, "app.kubernetes.io/instance": name})
+}
+
 fn deployment(settings: &KarpenterSettings) -> Value {
-    let mut spec = pod_spec();
+    let name = settings.name.as_str();
+    let mut spec = pod_spec(name);
     spec["containers"][0]["env"] = json!([{"name": "CLUSTER_NAME", "value": settings.cluster_name}]);
-    let labels = json!({"app.kubernetes.io/name": NAME, "app.kubernetes.io/instance": NAME});
+    let labels = labels(name);
     json!({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": NAME, "namespace": NAMESPACE, "labels": labels},
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": labels},
@@ -594,26 +619,26 @@ async fn create_deployment(admin: &kube::Client, settings: &KarpenterSettings) -
     Ok(())
 }
 
-fn controller_pod() -> Value {
-    let labels = json!({"app.kubernetes.io/name": NAME, "app.kubernetes.io/instance": NAME});
+/// The stand-in of the controller's one pod, `<name>-0`.
+fn controller_pod(name: &str) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": format!("{NAME}-0"), "namespace": NAMESPACE, "labels": labels},
-        "spec": pod_spec(),
+        "metadata": {"name": format!("{name}-0"), "namespace": NAMESPACE, "labels": labels(name)},
+        "spec": pod_spec(name),
     })
 }
 
-/// Keeps the process in step with what the Deployment asks and, with `stand_in_pod` (no
+/// Keeps the process in step with what the Deployment `name` asks and, with `stand_in_pod` (no
 /// kube-controller-manager and no kwok on the stack), the Pod and the Deployment's status too, as
 /// the Deployment controller and the kubelet would.
-async fn supervise(admin: kube::Client, process: Arc<Mutex<Process>>, stand_in_pod: bool) {
+async fn supervise(admin: kube::Client, process: Arc<Mutex<Process>>, stand_in_pod: bool, name: String) {
     let deployments: Api<Deployment> = Api::namespaced(admin.clone(), NAMESPACE);
     let pods: Api<Pod> = Api::namespaced(admin, NAMESPACE);
     let pp = PostParams { field_manager: Some(MANAGER.into()), ..PostParams::default() };
     let status_pp = PatchParams::apply(MANAGER).force();
     loop {
-        if let Ok(d) = deployments.get_opt(NAME).await {
+        if let Ok(d) = deployments.get_opt(&name).await {
             let run = wants_to_run(d.as_ref());
             let running = {
                 let Ok(mut p) = process.lock() else { return };
@@ -629,17 +654,17 @@ async fn supervise(admin: kube::Client, process: Arc<Mutex<Process>>, stand_in_p
             if !stand_in_pod {
                 // the real controllers own the Pod and the status
             } else if run {
-                if let Ok(pod) = serde_json::from_value::<Pod>(controller_pod()) {
+                if let Ok(pod) = serde_json::from_value::<Pod>(controller_pod(&name)) {
                     let _ = pods.create(&pp, &pod).await;
                 }
             } else {
-                let _ = pods.delete(&format!("{NAME}-0"), &DeleteParams::default()).await;
+                let _ = pods.delete(&format!("{name}-0"), &DeleteParams::default()).await;
             }
             if stand_in_pod && d.is_some() {
                 let ready = i32::from(run && running);
                 let status = json!({"apiVersion": "apps/v1", "kind": "Deployment",
                     "status": {"replicas": ready, "readyReplicas": ready, "availableReplicas": ready}});
-                let _ = deployments.patch_status(NAME, &status_pp, &Patch::Apply(&status)).await;
+                let _ = deployments.patch_status(&name, &status_pp, &Patch::Apply(&status)).await;
             }
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -648,11 +673,11 @@ async fn supervise(admin: kube::Client, process: Arc<Mutex<Process>>, stand_in_p
 
 /// kube-scheduler's part: every pending pod is marked unschedulable (there is no node it could be
 /// bound to that Karpenter did not make, and those have no kubelet to run it).
-async fn mark_unschedulable(admin: kube::Client) {
+async fn mark_unschedulable(admin: kube::Client, name: String) {
     let pods: Api<Pod> = Api::all(admin.clone());
     loop {
         if let Ok(list) = pods.list(&ListParams::default().fields("spec.nodeName=")).await {
-            for pod in list.items.iter().filter(|p| needs_unschedulable_mark(p)) {
+            for pod in list.items.iter().filter(|p| needs_unschedulable_mark(p, &name)) {
                 let (Some(ns), Some(name)) = (pod.metadata.namespace.as_deref(), pod.metadata.name.as_deref()) else {
                     continue;
                 };
@@ -796,9 +821,14 @@ mod tests {
 
     #[test]
     fn the_controller_keeps_off_karpenter_nodes_and_tolerates_critical_add_on_nodes() {
-        let s = KarpenterSettings { cluster_name: "c1".into(), region: "r".into(), aws_endpoint: "e".into() };
+        let s = KarpenterSettings {
+            cluster_name: "c1".into(),
+            region: "r".into(),
+            aws_endpoint: "e".into(),
+            ..KarpenterSettings::default()
+        };
         let d: Deployment = serde_json::from_value(deployment(&s)).unwrap();
-        let p: Pod = serde_json::from_value(controller_pod()).unwrap();
+        let p: Pod = serde_json::from_value(controller_pod(NAME)).unwrap();
         for spec in [d.spec.unwrap().template.spec.unwrap(), p.spec.unwrap()] {
             let terms = spec
                 .affinity
@@ -838,13 +868,48 @@ mod tests {
     #[test]
     fn only_unbound_unmarked_workload_pods_are_marked_unschedulable() {
         let pod = |v: Value| -> Pod { serde_json::from_value(v).unwrap() };
-        assert!(needs_unschedulable_mark(&pod(json!({"metadata": {"name": "w"}, "spec": {"containers": []}}))));
-        assert!(!needs_unschedulable_mark(&pod(
-            json!({"metadata": {"name": "w"}, "spec": {"containers": [], "nodeName": "n"}})
-        )));
-        assert!(!needs_unschedulable_mark(&pod(json!({"metadata": {"name": "w"}, "spec": {"containers": []},
-            "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}}))));
-        assert!(!needs_unschedulable_mark(&pod(controller_pod())));
+        assert!(needs_unschedulable_mark(&pod(json!({"metadata": {"name": "w"}, "spec": {"containers": []}})), NAME));
+        assert!(!needs_unschedulable_mark(
+            &pod(json!({"metadata": {"name": "w"}, "spec": {"containers": [], "nodeName": "n"}})),
+            NAME
+        ));
+        assert!(!needs_unschedulable_mark(
+            &pod(json!({"metadata": {"name": "w"}, "spec": {"containers": []},
+            "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}})),
+            NAME
+        ));
+        assert!(!needs_unschedulable_mark(&pod(controller_pod(NAME)), NAME));
+        // under another chart name, that name's pod is the controller's, and a pod of the default
+        // name is a workload's like any other
+        let renamed = "karpenter-controller";
+        assert!(!needs_unschedulable_mark(&pod(controller_pod(renamed)), renamed));
+        assert!(needs_unschedulable_mark(&pod(controller_pod(NAME)), renamed));
+    }
+
+    #[test]
+    fn under_the_charts_name_override_everything_the_controller_is_known_by_follows_the_name() {
+        let name = "karpenter-controller";
+        let s = KarpenterSettings { cluster_name: "c1".into(), name: name.into(), ..KarpenterSettings::default() };
+        let d: Deployment = serde_json::from_value(deployment(&s)).unwrap();
+        assert_eq!(d.metadata.name.as_deref(), Some(name));
+        assert_eq!(d.metadata.namespace.as_deref(), Some(NAMESPACE));
+        let want: BTreeMap<String, String> = [
+            ("app.kubernetes.io/name".to_string(), name.to_string()),
+            ("app.kubernetes.io/instance".to_string(), name.to_string()),
+        ]
+        .into();
+        assert_eq!(d.metadata.labels.as_ref(), Some(&want));
+        let spec = d.spec.unwrap();
+        assert_eq!(spec.selector.match_labels.as_ref(), Some(&want));
+        assert_eq!(spec.template.metadata.and_then(|m| m.labels).as_ref(), Some(&want));
+        let pod_spec = spec.template.spec.unwrap();
+        assert_eq!(pod_spec.service_account_name.as_deref(), Some(name));
+        // what the tool knows it by whatever its name: the controller's image
+        assert_eq!(pod_spec.containers[0].image.as_deref(), Some("public.ecr.aws/karpenter/controller"));
+        let p: Pod = serde_json::from_value(controller_pod(name)).unwrap();
+        assert_eq!(p.metadata.name.as_deref(), Some("karpenter-controller-0"));
+        assert_eq!(p.metadata.labels.as_ref(), Some(&want));
+        assert_eq!(KarpenterSettings::default().name, NAME);
     }
 
     #[test]
@@ -853,6 +918,7 @@ mod tests {
             cluster_name: "c1".into(),
             region: "us-west-2".into(),
             aws_endpoint: "http://127.0.0.1:4566".into(),
+            ..KarpenterSettings::default()
         };
         let env: BTreeMap<String, String> =
             environment(KarpenterVersion::V1_14, &s, Path::new("/k"), "https://127.0.0.1:6443", 1, 2, None)
@@ -874,6 +940,7 @@ mod tests {
             cluster_name: "c1".into(),
             region: "us-west-2".into(),
             aws_endpoint: "http://127.0.0.1:4566".into(),
+            ..KarpenterSettings::default()
         };
         let relay = AwsRelay { proxy_url: "http://127.0.0.1:9".into(), ca_file: PathBuf::from("/d/relay.crt") };
         let env: BTreeMap<String, String> =
