@@ -309,18 +309,18 @@ pub(crate) async fn check(
             })
             .await
         };
-        let (write, answer) =
+        let (target, answer) =
             release_or_delete(client, &ar, read, "Node", name, karpenter::FINALIZER_TERMINATION, "patch").await?;
         findings.dry_runs += 1;
         if let Err(e) = answer {
-            judge(&mut findings, write, e, &webhooks, false)?;
+            judge(&mut findings, format!("patch nodes ({target})"), e, &webhooks, false)?;
         }
     }
     if need.iter().any(|p| p.resource == "customresourcedefinitions" && p.verb == "patch") {
-        for (write, answer) in conversion_dry_runs(client).await? {
+        for (target, answer) in conversion_dry_runs(client).await? {
             findings.dry_runs += 1;
             if let Err(e) = answer {
-                judge(&mut findings, write, e, &webhooks, false)?;
+                judge(&mut findings, format!("patch customresourcedefinitions ({target})"), e, &webhooks, false)?;
             }
         }
     }

@@ -315,11 +315,14 @@ async fn the_admission_chain_is_asked_before_the_first_write_and_names_who_refus
     settled(&p, (false, true)).await;
     let run = teardown(&p, true).await;
     assert_eq!(run.code, 2, "{}", run.dump());
+    // both writes of nodes it refuses are named: the cordon and the release's finalizer removal
     let blockers = admission_blockers(&run);
-    assert_eq!(blockers.len(), 1, "{}", run.dump());
-    assert_eq!(blockers[0].0, "ValidatingAdmissionPolicy/no-cordons");
+    assert_eq!(blockers.len(), 2, "{}", run.dump());
+    assert!(blockers.iter().all(|(n, _)| n == "ValidatingAdmissionPolicy/no-cordons"), "{blockers:?}");
+    assert!(blockers.iter().all(|(_, r)| r.contains("no one cordons production")), "{blockers:?}");
+    assert!(blockers.iter().any(|(_, r)| r.contains("patch nodes")), "{blockers:?}");
     assert!(
-        blockers[0].1.contains("patch nodes") && blockers[0].1.contains("no one cordons production"),
+        blockers.iter().any(|(_, r)| r.contains("remove finalizer karpenter.sh/termination from Node")),
         "{blockers:?}"
     );
     untouched(&p, &run).await;
@@ -337,7 +340,12 @@ async fn the_admission_chain_is_asked_before_the_first_write_and_names_who_refus
     //    whatever the cluster's size.
     let clean = teardown(&p, true).await;
     assert_eq!(clean.code, 0, "{}", clean.dump());
-    assert_eq!(dry_runs(&clean), 10, "one dry run per kind of write of the default plan:\n{}", clean.dump());
+    assert_eq!(
+        dry_runs(&clean),
+        11,
+        "one dry run per kind of write of the default plan, and the node's finalizer removal:\n{}",
+        clean.dump()
+    );
     p.assert_torn_down(&p.instances).await;
     eprintln!("admission cases took {:?}", t.elapsed());
     p.end().await;
