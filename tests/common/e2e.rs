@@ -335,3 +335,45 @@ pub async fn lbc_deployment(client: &kube::Client) {
         .await
         .unwrap();
 }
+
+/// A plan of preflight and verify, "just check": with `--reclaim` it is refused when loaded.
+pub const VERIFY_ONLY: &str = r#"
+version = 1
+name = "verify-only"
+[[step]]
+id = "preflight"
+action = "preflight"
+[[step]]
+id = "check"
+action = "verify"
+after = ["preflight"]
+"#;
+
+/// Drains, then verifies: the nodes are still there (nothing released them) when verify runs, so
+/// a reclaim there would terminate instances under them.
+pub const DRAIN_THEN_VERIFY: &str = r#"
+version = 1
+name = "drain-then-verify"
+[[step]]
+id = "preflight"
+action = "preflight"
+[[step]]
+id = "fence"
+action = "fence"
+after = ["preflight"]
+[[step]]
+id = "cordon"
+action = "cordon"
+after = ["fence"]
+[[step]]
+id = "drain"
+action = "drain"
+for_each = "machine"
+after = ["cordon"]
+[step.params]
+deadline = "2m"
+[[step]]
+id = "verify"
+action = "verify"
+after = ["drain"]
+"#;

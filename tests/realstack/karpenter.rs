@@ -225,6 +225,35 @@ async fn other_clusters_leftovers(
     (lt, profile)
 }
 
+/// The workload: namespace `web` with a Deployment of `pods` pods, each asking for a whole
+/// m5.large, and the pods themselves (nothing creates pods from the Deployment on a stack without
+/// kube-controller-manager, so they are made as its ReplicaSet would make them).
+pub(super) async fn web_workload(admin: &kube::Client, pods: usize) {
+    let pp = PostParams::default();
+    let ns: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(admin.clone());
+    ns.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "web"}})).unwrap()).await.unwrap();
+    let labels = json!({"app": "web"});
+    let container =
+        json!({"name": "web", "image": "registry.k8s.io/pause:3.10", "resources": {"requests": {"cpu": "1"}}});
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(admin.clone(), "web");
+    deployments
+        .create(
+            &pp,
+            &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": pods,
+                "selector": {"matchLabels": labels},
+                "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}}))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let api: Api<Pod> = Api::namespaced(admin.clone(), "web");
+    for i in 0..pods {
+        let pod =
+            json!({"metadata": {"name": format!("web-{i}"), "labels": labels}, "spec": {"containers": [container]}});
+        api.create(&pp, &serde_json::from_value(pod).unwrap()).await.unwrap();
+    }
+}
+
 async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs(version: KarpenterVersion) {
     let cluster = common::unique_cluster("rk");
     let s = super::stack(&cluster).await;
@@ -252,33 +281,9 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs(vers
         .unwrap();
     let decoy = decoy.instances()[0].instance_id().unwrap().to_string();
 
-    let pp = PostParams::default();
     let classes = class_and_pool(&admin, &ami, &cluster).await;
 
-    // The workload: a Deployment's pods, each asking for a whole m5.large (nothing creates pods
-    // from the Deployment here, so the test creates them as its ReplicaSet would)
-    let ns: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(admin.clone());
-    ns.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "web"}})).unwrap()).await.unwrap();
-    let labels = json!({"app": "web"});
-    let container =
-        json!({"name": "web", "image": "registry.k8s.io/pause:3.10", "resources": {"requests": {"cpu": "1"}}});
-    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(admin.clone(), "web");
-    deployments
-        .create(
-            &pp,
-            &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": PODS,
-                "selector": {"matchLabels": labels},
-                "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}}))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), "web");
-    for i in 0..PODS {
-        let pod =
-            json!({"metadata": {"name": format!("web-{i}"), "labels": labels}, "spec": {"containers": [container]}});
-        pods.create(&pp, &serde_json::from_value(pod).unwrap()).await.unwrap();
-    }
+    web_workload(&admin, PODS).await;
 
     let t = Instant::now();
     let karpenter = RealKarpenter::start_version(
@@ -387,7 +392,8 @@ async fn the_tool_tears_down_what_the_real_karpenter_launched_while_it_runs(vers
     let left = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
     assert!(left.items.is_empty(), "Karpenter nodes left");
     // the workload is the user's: still there, still pending
-    assert_eq!(pods.list(&ListParams::default()).await.unwrap().items.len(), PODS);
+    let web: Api<Pod> = Api::namespaced(admin.clone(), "web");
+    assert_eq!(web.list(&ListParams::default()).await.unwrap().items.len(), PODS);
 
     ec2.terminate_instances().instance_ids(&decoy).send().await.unwrap();
     ec2.delete_launch_template().launch_template_id(&other_lt).send().await.unwrap();

@@ -182,47 +182,6 @@ async fn a_stale_claim_naming_a_managed_nodes_reused_name_never_touches_it_on_th
     terminate_the_rest(&world, &[]).await;
 }
 
-/// A plan of preflight and verify, "just check".
-const VERIFY_ONLY: &str = r#"
-version = 1
-name = "verify-only"
-[[step]]
-id = "preflight"
-action = "preflight"
-[[step]]
-id = "check"
-action = "verify"
-after = ["preflight"]
-"#;
-
-/// Drains, then verifies: the nodes are still there (nothing released them) when verify runs.
-const DRAIN_THEN_VERIFY: &str = r#"
-version = 1
-name = "drain-then-verify"
-[[step]]
-id = "preflight"
-action = "preflight"
-[[step]]
-id = "fence"
-action = "fence"
-after = ["preflight"]
-[[step]]
-id = "cordon"
-action = "cordon"
-after = ["fence"]
-[[step]]
-id = "drain"
-action = "drain"
-for_each = "machine"
-after = ["cordon"]
-[step.params]
-deadline = "2m"
-[[step]]
-id = "verify"
-action = "verify"
-after = ["drain"]
-"#;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reclaim_never_terminates_under_a_real_node_whatever_the_plan() {
     let (s, admin, world) = world_on_full_stack("rs-own-reclaim", 3).await;
@@ -246,7 +205,7 @@ async fn reclaim_never_terminates_under_a_real_node_whatever_the_plan() {
     };
 
     // a plan whose verify would reclaim before any drain is refused when it is loaded
-    let check = plan("verify-only.toml", VERIFY_ONLY);
+    let check = plan("verify-only.toml", crate::common::e2e::VERIFY_ONLY);
     let refused = run(&s, &world.cluster, &["--plan", &check, "--reclaim", "--yes"]).await;
     assert_eq!(refused.code, 2, "{}", refused.dump());
     assert!(
@@ -267,7 +226,7 @@ async fn reclaim_never_terminates_under_a_real_node_whatever_the_plan() {
 
     // a plan that drains (the real Eviction API, the real disruption controller's budgets) but
     // releases nothing: at verify every instance still stands for a real Node
-    let drained = plan("drain-then-verify.toml", DRAIN_THEN_VERIFY);
+    let drained = plan("drain-then-verify.toml", crate::common::e2e::DRAIN_THEN_VERIFY);
     let blocked = run(&s, &world.cluster, &["--plan", &drained, "--reclaim", "--yes"]).await;
     assert_eq!(blocked.code, 5, "the reclaim is refused, the run blocked: {}", blocked.dump());
     let steps = blocked.report["steps"].as_array().cloned().unwrap_or_default();
@@ -327,30 +286,7 @@ async fn the_real_karpenter_installed_under_another_name_is_found_by_its_image_a
     let decoy = decoy.instances()[0].instance_id().unwrap().to_string();
     let classes = super::karpenter::class_and_pool(&admin, &ami, &cluster).await;
 
-    // the workload: pods each asking for a whole m5.large (the stack has no ReplicaSet controller,
-    // so the test creates them as the Deployment's would)
-    let pp = PostParams::default();
-    let ns: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(admin.clone());
-    ns.create(&pp, &serde_json::from_value(json!({"metadata": {"name": "web"}})).unwrap()).await.unwrap();
-    let labels = json!({"app": "web"});
-    let container =
-        json!({"name": "web", "image": "registry.k8s.io/pause:3.10", "resources": {"requests": {"cpu": "1"}}});
-    let web: Api<Deployment> = Api::namespaced(admin.clone(), "web");
-    web.create(
-        &pp,
-        &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": PODS,
-            "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}}))
-        .unwrap(),
-    )
-    .await
-    .unwrap();
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), "web");
-    for i in 0..PODS {
-        let pod =
-            json!({"metadata": {"name": format!("web-{i}"), "labels": labels}, "spec": {"containers": [container]}});
-        pods.create(&pp, &serde_json::from_value(pod).unwrap()).await.unwrap();
-    }
+    super::karpenter::web_workload(&admin, PODS).await;
 
     let t = Instant::now();
     let karpenter = RealKarpenter::start_version(
@@ -450,7 +386,8 @@ async fn the_real_karpenter_installed_under_another_name_is_found_by_its_image_a
     let left = nodes.list(&ListParams::default().labels("karpenter.sh/nodepool")).await.unwrap();
     assert!(left.items.is_empty(), "Karpenter nodes left");
     // the workload is the user's: still there, still pending
-    assert_eq!(pods.list(&ListParams::default()).await.unwrap().items.len(), PODS);
+    let web: Api<Pod> = Api::namespaced(admin.clone(), "web");
+    assert_eq!(web.list(&ListParams::default()).await.unwrap().items.len(), PODS);
 
     ec2.terminate_instances().instance_ids(&decoy).send().await.unwrap();
     drop(karpenter);

@@ -109,47 +109,6 @@ async fn a_stale_claim_naming_a_managed_nodes_reused_name_never_touches_that_nod
     b.server.shutdown().await;
 }
 
-/// A plan of preflight and verify, "just check".
-const VERIFY_ONLY: &str = r#"
-version = 1
-name = "verify-only"
-[[step]]
-id = "preflight"
-action = "preflight"
-[[step]]
-id = "check"
-action = "verify"
-after = ["preflight"]
-"#;
-
-/// Drains, then verifies: the nodes are still there (nothing released them) when verify runs.
-const DRAIN_THEN_VERIFY: &str = r#"
-version = 1
-name = "drain-then-verify"
-[[step]]
-id = "preflight"
-action = "preflight"
-[[step]]
-id = "fence"
-action = "fence"
-after = ["preflight"]
-[[step]]
-id = "cordon"
-action = "cordon"
-after = ["fence"]
-[[step]]
-id = "drain"
-action = "drain"
-for_each = "machine"
-after = ["cordon"]
-[step.params]
-deadline = "2m"
-[[step]]
-id = "verify"
-action = "verify"
-after = ["drain"]
-"#;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reclaim_never_terminates_under_a_node_whatever_the_plan() {
     let spec = small_world("e2e-own-reclaim", 3);
@@ -159,7 +118,7 @@ async fn reclaim_never_terminates_under_a_node_whatever_the_plan() {
     assert_eq!(ours.len(), 3);
 
     // a plan whose verify would reclaim before any drain is refused when it is loaded
-    let check = plan_file(&b, "verify-only.toml", VERIFY_ONLY);
+    let check = plan_file(&b, "verify-only.toml", crate::common::e2e::VERIFY_ONLY);
     let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", check.to_str().unwrap(), "--reclaim"]).await;
     assert_eq!(run.code, 2, "{}", run.dump());
     assert!(run.stderr.contains("step \"check\"") && run.stderr.contains("--reclaim"), "{}", run.dump());
@@ -172,7 +131,7 @@ async fn reclaim_never_terminates_under_a_node_whatever_the_plan() {
     assert!(after.values().all(|s| *s == InstanceState::Running), "{after:?}");
 
     // a plan that drains but releases nothing: at verify every instance still stands for a Node
-    let drained = plan_file(&b, "drain-then-verify.toml", DRAIN_THEN_VERIFY);
+    let drained = plan_file(&b, "drain-then-verify.toml", crate::common::e2e::DRAIN_THEN_VERIFY);
     let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", drained.to_str().unwrap(), "--reclaim"]).await;
     assert_eq!(run.code, 5, "the reclaim is refused, the run blocked: {}", run.dump());
     let verify: Vec<&Value> =
