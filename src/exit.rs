@@ -104,9 +104,11 @@ Exit codes:
   2    bad input or configuration (plan, flags, kubeconfig, credentials, endpoints, a missing
        permission, a webhook or admission policy that would refuse a write); nothing changed
   3    refused by a safety guard (wrong cluster, too many nodes, a GitOps owner, a load balancer
-       or volume controller the drain would strand); nothing changed
+       or volume controller the drain would strand or that cannot be placed, a Karpenter leader
+       no Deployment runs); nothing changed
   4    finished, but leftovers remain (listed in the report; --reclaim removes them)
-  5    blocked past a deadline under --on-drain-deadline fail (the blockers are named)
+  5    blocked past a deadline under --on-drain-deadline fail, an instance EC2 never described,
+       or a --reclaim under a live node (the blockers are named)
   6    unverified: the plan has no verify step, so nothing proves what is left
   130  interrupted (Ctrl-C or SIGTERM); run again to resume";
 

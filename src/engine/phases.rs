@@ -213,6 +213,10 @@ pub(crate) async fn inventory(kube: &Kube, aws: &AwsClients, settings: &RunSetti
             Some(inv) => inv,
             None => return Err(Stop::failed(e)),
         },
+        // a live Karpenter nothing could keep stopped: a guard's refusal, not a failure
+        Err(e @ crate::k8s::KubeError::UntracedController { .. }) => {
+            return Err(Stop { exit: Exit::Refused, ..Stop::failed(e) });
+        }
         Err(e) => return Err(Stop::failed(e)),
     };
     tracing::info!(

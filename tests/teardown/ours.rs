@@ -293,7 +293,7 @@ async fn a_lease_held_by_a_pod_no_deployment_runs_stops_the_run_before_any_write
     let version = crate::common::e2e::settled_resource_version(&b.server).await;
 
     let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
-    assert_ne!(run.code, 0, "{}", run.dump());
+    assert_eq!(run.code, 3, "refused by a guard: {}", run.dump());
     assert!(
         run.stderr.contains("cannot tell where Karpenter runs") && run.stderr.contains("platform/karpenter-by-hand"),
         "{}",
