@@ -294,30 +294,33 @@ pub(super) async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, 
     }
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
     match api.get_opt(machine).await {
-        Ok(Some(c)) => node_of_claim(&ctx.kube.client, &c).await,
+        Ok(Some(c)) => Ok(node_of_claim(&ctx.kube.client, &c).await?.map(|(n, _)| n)),
         Ok(None) => Ok(None),
         Err(e) => Err(KubeError::api(format!("read NodeClaim {machine}"), e)),
     }
 }
 
 /// The Node of a NodeClaim ([`claim_node`]): the one its `status.nodeName` names, read alone,
-/// when that one passes the evidence rule; otherwise the Karpenter-labelled Nodes are listed
-/// and the one on the claim's instance taken, if any.
-async fn node_of_claim(client: &kube::Client, claim: &DynamicObject) -> Result<Option<String>, KubeError> {
+/// when that one passes the evidence rule (returned with the Node as read, so the caller need
+/// not read it again); otherwise the Karpenter-labelled Nodes are listed and the one on the
+/// claim's instance taken, if any.
+async fn node_of_claim(
+    client: &kube::Client,
+    claim: &DynamicObject,
+) -> Result<Option<(String, Option<Node>)>, KubeError> {
     if claim.data.pointer("/status/providerID").and_then(Value::as_str).is_none() {
         return Ok(None);
     }
     if let Some(n) = claim.data.pointer("/status/nodeName").and_then(Value::as_str) {
         let api: Api<Node> = Api::all(client.clone());
-        let named = api.get_opt(n).await.map_err(|e| KubeError::api(format!("read Node {n}"), e))?;
-        if let Some(node) = named.map(NodeSeen::of)
-            && let Some(found) = claim_node(claim, std::slice::from_ref(&node))
+        if let Some(node) = api.get_opt(n).await.map_err(|e| KubeError::api(format!("read Node {n}"), e))?
+            && let Some(found) = claim_node(claim, &[NodeSeen::of(node.clone())])
         {
-            return Ok(Some(found));
+            return Ok(Some((found, Some(node))));
         }
     }
     let nodes = karpenter_nodes(client).await?;
-    Ok(claim_node(claim, &nodes))
+    Ok(claim_node(claim, &nodes).map(|n| (n, None)))
 }
 
 /// Of a Node what the evidence rule reads.
@@ -521,6 +524,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     let mut provider: Option<ProviderId> = None;
     let mut claim_exists = false;
     let mut claim_uid: Option<String> = None;
+    let mut named_node: Option<Node> = None;
     if let Some(c) = &claim_name {
         match claims.get_opt(c).await {
             Ok(Some(obj)) => {
@@ -531,8 +535,11 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
                     .pointer("/status/providerID")
                     .and_then(Value::as_str)
                     .and_then(|p| ProviderId::parse(p).ok());
-                if node_name.is_none() {
-                    node_name = node_of_claim(&ctx.kube.client, &obj).await?;
+                if node_name.is_none()
+                    && let Some((n, read)) = node_of_claim(&ctx.kube.client, &obj).await?
+                {
+                    node_name = Some(n);
+                    named_node = read;
                 }
             }
             Ok(None) => {}
@@ -541,7 +548,12 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     }
     let mut node_read = None;
     if let Some(n) = &node_name {
-        match nodes.get_opt(n).await {
+        // the Node the evidence rule just read is not read again
+        let got = match named_node {
+            Some(node) => Ok(Some(node)),
+            None => nodes.get_opt(n).await,
+        };
+        match got {
             Ok(Some(node)) => {
                 if provider.is_none() {
                     provider = node
