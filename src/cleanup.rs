@@ -18,8 +18,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, PersistentVolumeSpec, Pod};
 use serde::Serialize;
 
-use crate::aws::elb::LbKind;
-use crate::k8s::pods::tolerates;
+use crate::scheduling::tolerates;
 
 /// A controller that cleans up in AWS behind a finalizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -147,6 +146,20 @@ pub(crate) const FINALIZER_PROVISIONER: &str = "external-provisioner.volume.kube
 pub(crate) const EBS_CSI_DRIVER: &str = "ebs.csi.aws.com";
 /// csi-attacher's on a VolumeAttachment of the EBS driver.
 pub(crate) const FINALIZER_EBS_ATTACHER: &str = "external-attacher/ebs-csi-aws-com";
+
+/// A kind of load-balancing object in AWS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LbKind {
+    /// An ELBv2 load balancer (application, network, gateway).
+    LoadBalancer,
+    /// A classic load balancer.
+    ClassicLoadBalancer,
+    /// An ELBv2 target group.
+    TargetGroup,
+    /// An EC2 security group.
+    SecurityGroup,
+}
 
 /// The tag the Load Balancer Controller puts on every load balancer, target group, listener and
 /// security group it makes, valued with the cluster's name (`pkg/deploy/tracking/provider.go`:

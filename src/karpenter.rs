@@ -367,6 +367,28 @@ pub(crate) const LABEL_AUTO_NODECLASS: &str = "eks.amazonaws.com/nodeclass";
 pub const TAG_AUTO_NODECLASS: &str = "eks:kubernetes-node-class-name";
 /// The kind of this controller's node class.
 pub(crate) const NODECLASS_KIND: &str = "EC2NodeClass";
+/// The kinds of [`KARPENTER_GROUP`].
+pub(crate) const NODEPOOL_KIND: &str = "NodePool";
+pub(crate) const NODECLAIM_KIND: &str = "NodeClaim";
+
+/// A Karpenter object in the cluster that is not this cluster's self-managed Karpenter's (EKS
+/// Auto Mode's, another provider's): named in the plan and the report, never acted on.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct Foreign {
+    /// `NodePool`, `NodeClaim` or `Node`.
+    pub kind: &'static str,
+    /// Its name.
+    pub name: String,
+    /// Whose it is instead.
+    #[serde(flatten)]
+    pub why: NotOurs,
+}
+
+impl std::fmt::Display for Foreign {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} ({})", self.kind, self.name, self.why)
+    }
+}
 
 /// Why a NodePool, NodeClaim, Node or instance is not this cluster's self-managed Karpenter's.
 /// Such an object is left alone: never fenced, cordoned, drained, deleted or terminated.

@@ -23,6 +23,7 @@ pub(crate) mod progress;
 #[cfg(feature = "sandbox")]
 pub(crate) mod rehearse;
 pub mod report;
+pub(crate) mod scheduling;
 pub mod snapshot;
 pub(crate) mod tfprune;
 pub mod verify;

@@ -270,7 +270,7 @@ pub struct Report {
     /// NodePools, NodeClaims and Nodes of Karpenter's kinds that are not this cluster's
     /// self-managed Karpenter's (EKS Auto Mode's, another provider's): left alone, and why.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub not_ours: Vec<crate::engine::inventory::Foreign>,
+    pub not_ours: Vec<crate::karpenter::Foreign>,
     /// The error, when the outcome is `failed` or `refused`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

@@ -31,11 +31,11 @@ use crate::karpenter::{self, ProviderId};
 pub(crate) const SNAPSHOT_FORMAT: &str = "karpenter-teardown/snapshot";
 /// The schema version this build writes and reads.
 pub(crate) const SNAPSHOT_VERSION: u32 = 1;
-/// The only environment variable a snapshot keeps (the controller's cluster name).
-const KEPT_ENV: &str = "CLUSTER_NAME";
+/// The only environment variables a snapshot keeps: the controller's cluster name and its own
+/// Service's name, which with its image say that a container is Karpenter's controller.
+const KEPT_ENV: [&str; 2] = [karpenter::ENV_CLUSTER_NAME, karpenter::ENV_SERVICE];
 /// Karpenter's CRDs, the only ones a snapshot copies.
-pub(crate) const KARPENTER_CRDS: [&str; 3] =
-    ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"];
+pub(crate) use karpenter::CRDS as KARPENTER_CRDS;
 
 /// Why a snapshot could not be taken, read or written.
 #[derive(Debug, thiserror::Error)]
@@ -595,12 +595,7 @@ async fn read_aws(aws: &AwsClients, cluster: &str, region: &str, k: &KubeObjects
 }
 
 fn karpenter_facts(k: &KubeObjects) -> KarpenterFacts {
-    let controllers: Vec<Value> = k
-        .deployments
-        .iter()
-        .map(RawObject::value)
-        .filter(|d| d["metadata"]["labels"][karpenter::CONTROLLER_LABEL.0] == karpenter::CONTROLLER_LABEL.1)
-        .collect();
+    let controllers: Vec<Value> = k.deployments.iter().map(RawObject::value).filter(is_karpenter_controller).collect();
     // the same preference as the teardown's own inventory: kube-system, then the name karpenter
     let controller = controllers
         .iter()
@@ -692,14 +687,42 @@ fn reduce_pod_spec(spec: &mut Value) {
 
 fn reduce_container(c: &mut Value) {
     let Some(m) = c.as_object_mut() else { return };
-    let cluster_name = m
+    let kept: Vec<Value> = m
         .get("env")
         .and_then(Value::as_array)
-        .and_then(|env| env.iter().find(|e| e["name"] == KEPT_ENV && e["value"].is_string()).cloned());
+        .map(|env| {
+            env.iter()
+                .filter(|e| e["name"].as_str().is_some_and(|n| KEPT_ENV.contains(&n)) && e["value"].is_string())
+                .map(|e| serde_json::json!({"name": e["name"], "value": e["value"]}))
+                .collect()
+        })
+        .unwrap_or_default();
     m.retain(|k, _| matches!(k.as_str(), "name" | "image" | "ports" | "resources" | "restartPolicy"));
-    if let Some(e) = cluster_name {
-        m.insert("env".into(), Value::Array(vec![serde_json::json!({"name": KEPT_ENV, "value": e["value"]})]));
+    if !kept.is_empty() {
+        m.insert("env".into(), Value::Array(kept));
     }
+}
+
+/// Whether a Deployment or pod (as JSON) is Karpenter's controller, by what the inventory goes
+/// by: a container that runs its image or has its chart's environment
+/// (`karpenter::controller_container`), or its chart's label.
+pub(crate) fn is_karpenter_controller(object: &Value) -> bool {
+    let labelled = object["metadata"]["labels"][karpenter::CONTROLLER_LABEL.0] == karpenter::CONTROLLER_LABEL.1;
+    let spec = match object["kind"].as_str() {
+        Some("Pod") => &object["spec"],
+        _ if object["spec"]["template"].is_object() => &object["spec"]["template"]["spec"],
+        _ => &object["spec"],
+    };
+    let runs = spec["containers"].as_array().into_iter().flatten().any(|c| {
+        let env: Vec<(&str, Option<&str>)> = c["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| Some((e["name"].as_str()?, e["value"].as_str())))
+            .collect();
+        karpenter::controller_container(c["image"].as_str(), &env).is_some()
+    });
+    labelled || runs
 }
 
 /// A volume as `{name, <kind>: {}}`; a claim keeps its claim name, an emptyDir its medium.

@@ -22,6 +22,7 @@ use kube::api::{Api, DynamicObject};
 use serde_json::Value;
 
 use crate::k8s::{self, KubeError};
+use crate::karpenter;
 
 /// Failures of `tf-prune`, with what to do about them.
 #[derive(Debug, thiserror::Error)]
@@ -69,9 +70,9 @@ impl ObjectKind {
     pub fn as_str(self) -> &'static str {
         match self {
             ObjectKind::Node => "Node",
-            ObjectKind::NodePool => "NodePool",
-            ObjectKind::NodeClaim => "NodeClaim",
-            ObjectKind::Ec2NodeClass => "EC2NodeClass",
+            ObjectKind::NodePool => karpenter::NODEPOOL_KIND,
+            ObjectKind::NodeClaim => karpenter::NODECLAIM_KIND,
+            ObjectKind::Ec2NodeClass => karpenter::NODECLASS_KIND,
         }
     }
 
@@ -81,9 +82,9 @@ impl ObjectKind {
         let group = api_version.rsplit_once('/').map(|(g, _)| g).unwrap_or("");
         match (group, kind) {
             ("", "Node") => Some(ObjectKind::Node),
-            ("karpenter.sh", "NodePool") => Some(ObjectKind::NodePool),
-            ("karpenter.sh", "NodeClaim") => Some(ObjectKind::NodeClaim),
-            ("karpenter.k8s.aws", "EC2NodeClass") => Some(ObjectKind::Ec2NodeClass),
+            (karpenter::KARPENTER_GROUP, karpenter::NODEPOOL_KIND) => Some(ObjectKind::NodePool),
+            (karpenter::KARPENTER_GROUP, karpenter::NODECLAIM_KIND) => Some(ObjectKind::NodeClaim),
+            (karpenter::AWS_GROUP, karpenter::NODECLASS_KIND) => Some(ObjectKind::Ec2NodeClass),
             _ => None,
         }
     }

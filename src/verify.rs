@@ -1,7 +1,7 @@
 //! The EC2 proof: what of the cluster's Karpenter is still there, read through AWS with
 //! Karpenter's own filter, twice, some seconds apart (design §2.7), and reclaimed when asked.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use crate::aws::ec2::{DetachedResource, InstanceScope, LaunchTemplateInfo};
@@ -214,6 +214,20 @@ fn second_read_pause(settle: Duration, quiet_since: Option<Instant>, now: Instan
     }
 }
 
+/// What of a live cluster holds an instance, a launch template or an instance profile
+/// (`engine::inventory::cluster_holders` reads it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ClusterHolders {
+    /// Instance id → `Node <name>` or `NodeClaim <name>`.
+    pub instances: BTreeMap<String, String>,
+    /// Every NodeClaim's name.
+    pub claims: BTreeSet<String>,
+    /// Instance profiles named by an EC2NodeClass's `spec.instanceProfile`.
+    pub user_profiles: BTreeSet<String>,
+    /// The EC2NodeClasses that exist: their launch templates and instance profiles are in use.
+    pub nodeclasses: BTreeSet<String>,
+}
+
 /// What `verify --reclaim` knows of the cluster before it removes anything from AWS alone
 /// (design §2.7): terminating an instance without a drain is right only when no Kubernetes node
 /// runs on it any more.
@@ -222,7 +236,7 @@ pub(crate) enum ClusterSeen {
     /// EKS has no cluster of that name, or is deleting it: nothing can run on its instances.
     Gone(String),
     /// The cluster is there and its API, proven to be that cluster's, was read.
-    Live(crate::engine::inventory::ClusterHolders),
+    Live(ClusterHolders),
     /// The cluster is there, but its API could not be read as that cluster's.
     Unproven(String),
 }
@@ -559,7 +573,7 @@ mod tests {
     }
 
     fn live(instances: &[(&str, &str)], claims: &[&str]) -> ClusterSeen {
-        ClusterSeen::Live(crate::engine::inventory::ClusterHolders {
+        ClusterSeen::Live(ClusterHolders {
             instances: instances.iter().map(|(i, h)| (i.to_string(), h.to_string())).collect(),
             claims: claims.iter().map(|c| c.to_string()).collect(),
             user_profiles: BTreeSet::new(),

@@ -6,26 +6,12 @@ use std::collections::BTreeMap;
 
 use super::AwsError;
 use super::ec2::Ec2;
-use crate::cleanup::{TAG_LBC_CLUSTER, judge_load_balancing};
+use crate::cleanup::{LbKind, TAG_LBC_CLUSTER, judge_load_balancing};
 
 /// The most ARNs or names one `DescribeTags` takes (both APIs).
 const DESCRIBE_TAGS_MAX: usize = 20;
 /// The largest page `DescribeLoadBalancers` and `DescribeTargetGroups` return (both APIs).
 const DESCRIBE_PAGE: i32 = 400;
-
-/// A kind of load-balancing object in AWS.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum LbKind {
-    /// An ELBv2 load balancer (application, network, gateway).
-    LoadBalancer,
-    /// A classic load balancer.
-    ClassicLoadBalancer,
-    /// An ELBv2 target group.
-    TargetGroup,
-    /// An EC2 security group.
-    SecurityGroup,
-}
 
 /// A load balancer, target group or security group a cleanup controller made for this cluster.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]

@@ -16,10 +16,11 @@ pub(crate) mod pacing;
 use aws_config::{BehaviorVersion, Region, retry::RetryConfig};
 use aws_credential_types::provider::ProvideCredentials;
 
+pub use crate::cleanup::LbKind;
 pub(crate) use calls::AwsCalls;
 pub use ec2::{Ec2, InstanceInfo, InstanceState};
 pub use eks::{Eks, EksCluster, EksLookup};
-pub use elb::{Elb, LbKind, LoadBalancing};
+pub use elb::{Elb, LoadBalancing};
 pub use iam::{Iam, InstanceProfileInfo};
 
 /// Failures of the AWS side, with what the user can do about them.

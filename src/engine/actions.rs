@@ -18,6 +18,8 @@ use super::context::Ctx;
 use super::drain::{Release, drain};
 use super::events::{EngineEvent, TaskRef};
 use super::inventory::{Inventory, Machine, claim_owner, find_controllers, list_dynamic, pool_owner};
+use super::machine_node::{claim_node, karpenter_nodes, node_of, node_of_claim};
+use super::task::{Outcome, TaskError, TaskOutcome};
 use crate::k8s::nodes::cordon_node;
 use crate::k8s::objects::{
     FinalizerRemoval, delete_and_remove_finalizer, delete_if_present, last_manager_in, patch_params, remove_finalizer,
@@ -25,100 +27,8 @@ use crate::k8s::objects::{
 use crate::k8s::{self, KubeError, status_code};
 use crate::karpenter::{self, ProviderId};
 use crate::plan::{OnDeadline, Params};
-use crate::report::{BlockerKind, TaskResult};
+use crate::report::BlockerKind;
 use crate::verify;
-
-/// How a task ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TaskOutcome {
-    /// Done; what was done.
-    Done(String),
-    /// Nothing to do, or skipped by policy.
-    Skipped(String),
-    /// Blocked past its deadline under policy `fail`.
-    Blocked(String),
-    /// Verification found leftovers.
-    Leftovers(String),
-    /// Failed.
-    Failed(String),
-    /// Failed on something that may pass (429, 5xx, a lost connection): the engine runs the
-    /// task again (actions are idempotent functions of the live state) with backoff.
-    Transient(String),
-    /// Stopped by Ctrl-C / SIGTERM.
-    Interrupted,
-}
-
-impl TaskOutcome {
-    /// The report's `result`.
-    pub fn result(&self) -> TaskResult {
-        match self {
-            TaskOutcome::Done(_) => TaskResult::Done,
-            TaskOutcome::Skipped(_) => TaskResult::Skipped,
-            TaskOutcome::Blocked(_) => TaskResult::Blocked,
-            TaskOutcome::Leftovers(_) => TaskResult::Leftovers,
-            TaskOutcome::Failed(_) | TaskOutcome::Transient(_) => TaskResult::Failed,
-            TaskOutcome::Interrupted => TaskResult::Interrupted,
-        }
-    }
-
-    /// The detail sentence.
-    pub fn detail(&self) -> &str {
-        match self {
-            TaskOutcome::Done(d)
-            | TaskOutcome::Skipped(d)
-            | TaskOutcome::Blocked(d)
-            | TaskOutcome::Leftovers(d)
-            | TaskOutcome::Failed(d)
-            | TaskOutcome::Transient(d) => d,
-            TaskOutcome::Interrupted => "interrupted",
-        }
-    }
-
-    /// Whether dependents may run after this.
-    pub fn lets_dependents_run(&self) -> bool {
-        matches!(self, TaskOutcome::Done(_) | TaskOutcome::Skipped(_) | TaskOutcome::Leftovers(_))
-    }
-}
-
-impl From<KubeError> for TaskOutcome {
-    fn from(e: KubeError) -> Self {
-        match &e {
-            KubeError::Api { source, .. } if k8s::is_transient(source) => TaskOutcome::Transient(e.to_string()),
-            _ => TaskOutcome::Failed(e.to_string()),
-        }
-    }
-}
-
-impl From<crate::aws::AwsError> for TaskOutcome {
-    fn from(e: crate::aws::AwsError) -> Self {
-        if e.is_transient() { TaskOutcome::Transient(e.to_string()) } else { TaskOutcome::Failed(e.to_string()) }
-    }
-}
-
-/// Why a task could not do its work. The engine turns it into a `failed` task, or runs the task
-/// again when it is transient (actions are idempotent functions of the live state).
-#[derive(Debug, thiserror::Error)]
-pub enum TaskError {
-    /// A Kubernetes call failed.
-    #[error(transparent)]
-    Kube(#[from] KubeError),
-    /// An EC2 or IAM call failed.
-    #[error(transparent)]
-    Aws(#[from] crate::aws::AwsError),
-}
-
-impl From<TaskError> for TaskOutcome {
-    fn from(e: TaskError) -> Self {
-        match e {
-            TaskError::Kube(e) => e.into(),
-            TaskError::Aws(e) => e.into(),
-        }
-    }
-}
-
-/// What an action returns: how it ended, or the error that stopped it, so that a failed call
-/// propagates with `?` and the engine alone decides between `failed` and another attempt.
-pub type Outcome = Result<TaskOutcome, TaskError>;
 
 /// A batched EC2 call's failure: throttling that outlasted the SDK's retries runs the task again.
 fn batch_failure(detail: String, e: &super::batcher::BatchError) -> TaskOutcome {
@@ -282,97 +192,6 @@ async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
             None => by_claim.get(m).cloned(),
         })
         .collect())
-}
-
-// ---------------------------------------------------------------- drain (see `drain.rs`)
-
-/// The node of a machine (its NodeClaim's node, see [`claim_node`], or `node/<name>`); `None`
-/// when the NodeClaim is gone or has no node.
-pub(super) async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, KubeError> {
-    if let Some(n) = machine.strip_prefix("node/") {
-        return Ok(Some(n.to_string()));
-    }
-    let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
-    match api.get_opt(machine).await {
-        Ok(Some(c)) => Ok(node_of_claim(&ctx.kube.client, &c).await?.map(|(n, _)| n)),
-        Ok(None) => Ok(None),
-        Err(e) => Err(KubeError::api(format!("read NodeClaim {machine}"), e)),
-    }
-}
-
-/// The Node of a NodeClaim ([`claim_node`]): the one its `status.nodeName` names, read alone,
-/// when that one passes the evidence rule (returned with the Node as read, so the caller need
-/// not read it again); otherwise the Karpenter-labelled Nodes are listed and the one on the
-/// claim's instance taken, if any.
-async fn node_of_claim(
-    client: &kube::Client,
-    claim: &DynamicObject,
-) -> Result<Option<(String, Option<Node>)>, KubeError> {
-    if claim.data.pointer("/status/providerID").and_then(Value::as_str).is_none() {
-        return Ok(None);
-    }
-    if let Some(n) = claim.data.pointer("/status/nodeName").and_then(Value::as_str) {
-        let api: Api<Node> = Api::all(client.clone());
-        if let Some(node) = api.get_opt(n).await.map_err(|e| KubeError::api(format!("read Node {n}"), e))?
-            && let Some(found) = claim_node(claim, &[NodeSeen::of(node.clone())])
-        {
-            return Ok(Some((found, Some(node))));
-        }
-    }
-    let nodes = karpenter_nodes(client).await?;
-    Ok(claim_node(claim, &nodes).map(|n| (n, None)))
-}
-
-/// Of a Node what the evidence rule reads.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct NodeSeen {
-    name: String,
-    instance: Option<ProviderId>,
-    nodepool: Option<String>,
-}
-
-impl NodeSeen {
-    fn of(n: Node) -> NodeSeen {
-        NodeSeen {
-            instance: n.spec.and_then(|s| s.provider_id).and_then(|p| ProviderId::parse(&p).ok()),
-            nodepool: n.metadata.labels.and_then(|mut l| l.remove(karpenter::LABEL_NODEPOOL)),
-            name: n.metadata.name.unwrap_or_default(),
-        }
-    }
-}
-
-/// The Nodes labelled with a NodePool (those the inventory takes as Karpenter's).
-async fn karpenter_nodes(client: &kube::Client) -> Result<Vec<NodeSeen>, KubeError> {
-    let api: Api<Node> = Api::all(client.clone());
-    k8s::list_pages(&api, &ListParams::default().labels(karpenter::LABEL_NODEPOOL), |n: Node| Some(NodeSeen::of(n)))
-        .await
-        .map_err(|e| KubeError::api("list Karpenter nodes", e))
-}
-
-/// The Node a NodeClaim's machine runs as: of `nodes`, the one that passes the evidence rule
-/// (`crate::evidence`: on the claim's instance, with the claim's NodePool label), the one its
-/// `status.nodeName` names first. A name alone proves nothing (EKS names nodes after their
-/// reused private IPs). The claim may name none: at registration Karpenter patches the Node
-/// first, lifting its `karpenter.sh/unregistered` taint so pods are scheduled there, and writes
-/// `status.nodeName` after (sigs.k8s.io/karpenter pkg/controllers/nodeclaim/lifecycle/
-/// registration.go): a controller that stops in between, or is gone when the kubelet registers,
-/// leaves a Node, pods and all, that its NodeClaim does not name, which must still be fenced and
-/// drained before its instance goes.
-pub(crate) fn claim_node(claim: &DynamicObject, nodes: &[NodeSeen]) -> Option<String> {
-    let instance = ProviderId::parse(claim.data.pointer("/status/providerID")?.as_str()?).ok()?;
-    let pool = claim.metadata.labels.as_ref().and_then(|l| l.get(karpenter::LABEL_NODEPOOL));
-    let facts = crate::evidence::Facts { instance: Some(&instance), nodepool: pool.map(String::as_str) };
-    let named = claim.data.pointer("/status/nodeName").and_then(Value::as_str);
-    let passes = |n: &&NodeSeen| {
-        let node = crate::evidence::Facts { instance: n.instance.as_ref(), nodepool: n.nodepool.as_deref() };
-        crate::evidence::node_is_claims(facts, node).is_ok()
-    };
-    let mut ours = nodes.iter().filter(passes);
-    match named {
-        Some(name) => nodes.iter().filter(passes).find(|n| n.name == name).or_else(|| ours.next()),
-        None => ours.next(),
-    }
-    .map(|n| n.name.clone())
 }
 
 // ---------------------------------------------------------------- remove controller
@@ -956,60 +775,5 @@ mod future_sizes {
         );
         assert!(task <= 1024, "a task's future is {task} bytes: box the action it awaits");
         assert!(drain <= 2048, "a drain's future is {drain} bytes: box the request it awaits");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn claim(status: Value) -> DynamicObject {
-        serde_json::from_value(json!({
-            "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
-            "metadata": {"name": "c", "labels": {karpenter::LABEL_NODEPOOL: "web"}},
-            "status": status,
-        }))
-        .unwrap()
-    }
-
-    fn seen(name: &str, instance: Option<&str>, pool: Option<&str>) -> NodeSeen {
-        NodeSeen {
-            name: name.into(),
-            instance: instance.and_then(|p| ProviderId::parse(p).ok()),
-            nodepool: pool.map(str::to_string),
-        }
-    }
-
-    #[test]
-    fn a_claim_that_does_not_name_its_node_has_the_node_on_its_instance() {
-        let nodes = [
-            seen("other", Some("aws:///us-west-2a/i-0aaa"), Some("web")),
-            seen("ip-10-0-0-4", Some("aws:///us-west-2b/i-0bbb"), Some("web")),
-        ];
-        // registered by Karpenter, which then stopped before writing status.nodeName
-        let unnamed = claim(json!({"providerID": "aws:///us-west-2b/i-0bbb"}));
-        assert_eq!(claim_node(&unnamed, &nodes), Some("ip-10-0-0-4".to_string()));
-        // no instance yet, or no Node on it: nothing to fence or drain
-        assert_eq!(claim_node(&claim(json!({})), &nodes), None);
-        let elsewhere = claim(json!({"providerID": "aws:///us-west-2c/i-0ccc"}));
-        assert_eq!(claim_node(&elsewhere, &nodes), None);
-        assert_eq!(claim_node(&elsewhere, &[seen("no-id", None, Some("web"))]), None);
-    }
-
-    #[test]
-    fn a_node_name_a_claim_gives_is_taken_only_when_the_node_is_on_its_instance_and_pool() {
-        let on_instance = seen("named", Some("aws:///us-west-2b/i-0bbb"), Some("web"));
-        let named = claim(json!({"providerID": "aws:///us-west-2b/i-0bbb", "nodeName": "named"}));
-        assert_eq!(claim_node(&named, std::slice::from_ref(&on_instance)), Some("named".to_string()));
-        // the reused name: a managed node group's node, another instance, no NodePool label
-        let reused = seen("named", Some("aws:///us-west-2b/i-0fff"), None);
-        assert_eq!(claim_node(&named, &[reused]), None);
-        // the right instance but not a Karpenter node of the claim's pool
-        assert_eq!(claim_node(&named, &[seen("named", Some("aws:///us-west-2b/i-0bbb"), None)]), None);
-        assert_eq!(claim_node(&named, &[seen("named", Some("aws:///us-west-2b/i-0bbb"), Some("batch"))]), None);
-        // a stale name, and the claim's own node registered under another
-        let own = seen("ip-10-0-0-7", Some("aws:///us-west-2b/i-0bbb"), Some("web"));
-        let stale = seen("named", Some("aws:///us-west-2b/i-0fff"), Some("web"));
-        assert_eq!(claim_node(&named, &[stale, own]), Some("ip-10-0-0-7".to_string()));
     }
 }

@@ -51,6 +51,30 @@ impl Budget {
     fn left(&self) -> i64 {
         self.allowed - self.pending.len() as i64
     }
+
+    /// The budget's answer for one ready pod it selects at `now`, as a transition of its own
+    /// state: an allowance left is reserved for the pod; none left, and nothing heard for
+    /// [`PROBE`], the pod probes the server (and the budget counts as heard, so one pod probes at
+    /// a time); otherwise wait for its next status.
+    fn admit(&mut self, pod: &str, now: Instant) -> Verdict {
+        if self.left() > 0 {
+            self.pending.insert(pod.to_string(), now);
+            Verdict::Ask
+        } else if now.saturating_duration_since(self.heard) >= PROBE {
+            self.heard = now;
+            Verdict::Probe
+        } else {
+            Verdict::Wait
+        }
+    }
+}
+
+/// [`Budget::admit`]'s answer, before [`Budgets::admit`] names the budget and registers a waiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Ask,
+    Probe,
+    Wait,
 }
 
 /// How long a granted eviction counts against its budget while no status lists it: the API
@@ -168,15 +192,16 @@ impl Budgets {
         let _ = rx.wait_for(|s| *s).await;
     }
 
-    /// Decides whether to ask the server to evict pod `pod` in `namespace` with `labels` now;
-    /// `ready` says whether the pod counts as healthy for its budget. A `Wait` registers `wake`
-    /// to be notified at the budget's next status change.
+    /// Whether to ask the server to evict pod `pod` in `namespace` with `labels` at `now`
+    /// (decided by [`Budget::admit`]); `ready` says whether the pod counts as healthy for its
+    /// budget. A `Wait` registers `wake` to be notified at the budget's next status change.
     pub fn admit(
         &self,
         namespace: &str,
         pod: &str,
         labels: &impl LabelLookup,
         ready: bool,
+        now: Instant,
         wake: &Arc<Notify>,
     ) -> Admission {
         let mut idx = self.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -186,21 +211,19 @@ impl Budgets {
             // none, or several (which the server refuses with a 500 the drain reports)
             return Admission::Ask(None);
         };
-        let key = format!("{namespace}/{name}");
         if !ready {
             // an unhealthy pod does not spend the allowance and may be evictable anyway
             return Admission::Ask(None);
         }
-        if budget.left() > 0 {
-            budget.pending.insert(pod.to_string(), Instant::now());
-            return Admission::Ask(Some(key));
+        let key = format!("{namespace}/{name}");
+        match budget.admit(pod, now) {
+            Verdict::Ask => Admission::Ask(Some(key)),
+            Verdict::Probe => Admission::Probe(key),
+            Verdict::Wait => {
+                idx.waiters.entry(key.clone()).or_default().push(wake.clone());
+                Admission::Wait(key)
+            }
         }
-        if budget.heard.elapsed() >= PROBE {
-            budget.heard = Instant::now();
-            return Admission::Probe(key);
-        }
-        idx.waiters.entry(key.clone()).or_default().push(wake.clone());
-        Admission::Wait(key)
     }
 
     /// Gives back an allowance the server did not spend (the pod was gone, the request failed).
@@ -319,29 +342,38 @@ mod tests {
     fn an_allowance_is_spent_once_and_then_the_drain_waits_for_the_next_status() {
         let b = Budgets::from_list(&[pdb("web", "web", 1, 1, 1)]);
         let wake = Arc::new(Notify::new());
-        assert_eq!(b.admit("ns", "web-0", &labels("web"), true, &wake), Admission::Ask(Some("ns/web".into())));
-        assert_eq!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait("ns/web".into()));
+        assert_eq!(
+            b.admit("ns", "web-0", &labels("web"), true, Instant::now(), &wake),
+            Admission::Ask(Some("ns/web".into()))
+        );
+        assert_eq!(
+            b.admit("ns", "web-1", &labels("web"), true, Instant::now(), &wake),
+            Admission::Wait("ns/web".into())
+        );
         // a status written before the server granted web-0 (delivered late) still allows one:
         // web-0 is not in its disruptedPods, so it still counts, and nothing more is allowed
         b.apply(watcher::Event::Apply(pdb("web", "web", 1, 1, 1)));
         assert!(futures::FutureExt::now_or_never(wake.notified()).is_some(), "the waiting drain was woken");
-        assert!(matches!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait(_)));
+        assert!(matches!(b.admit("ns", "web-1", &labels("web"), true, Instant::now(), &wake), Admission::Wait(_)));
         // the status that lists web-0 as disrupted, then the one after its replacement is ready
         b.apply(watcher::Event::Apply(disrupted("web", "web", 0, 1, 1, &["web-0"])));
-        assert!(matches!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait(_)));
+        assert!(matches!(b.admit("ns", "web-1", &labels("web"), true, Instant::now(), &wake), Admission::Wait(_)));
         b.apply(watcher::Event::Apply(pdb("web", "web", 1, 1, 1)));
-        assert_eq!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Ask(Some("ns/web".into())));
+        assert_eq!(
+            b.admit("ns", "web-1", &labels("web"), true, Instant::now(), &wake),
+            Admission::Ask(Some("ns/web".into()))
+        );
     }
 
     #[test]
     fn a_silent_budget_is_probed_by_one_pod_at_a_time() {
         let b = Budgets::from_list(&[pdb("web", "web", 0, 1, 1)]);
         let wake = Arc::new(Notify::new());
-        assert!(matches!(b.admit("ns", "web-0", &labels("web"), true, &wake), Admission::Wait(_)));
-        b.with_budget(&"ns/web".to_string(), |budget| budget.heard -= PROBE);
-        assert_eq!(b.admit("ns", "web-0", &labels("web"), true, &wake), Admission::Probe("ns/web".into()));
+        assert!(matches!(b.admit("ns", "web-0", &labels("web"), true, Instant::now(), &wake), Admission::Wait(_)));
+        let later = Instant::now() + PROBE;
+        assert_eq!(b.admit("ns", "web-0", &labels("web"), true, later, &wake), Admission::Probe("ns/web".into()));
         assert!(
-            matches!(b.admit("ns", "web-1", &labels("web"), true, &wake), Admission::Wait(_)),
+            matches!(b.admit("ns", "web-1", &labels("web"), true, later, &wake), Admission::Wait(_)),
             "one probe per budget"
         );
     }
@@ -350,12 +382,18 @@ mod tests {
     fn a_refusal_zeroes_the_allowance_and_a_release_gives_it_back() {
         let b = Budgets::from_list(&[pdb("web", "web", 2, 1, 1)]);
         let wake = Arc::new(Notify::new());
-        let Admission::Ask(Some(key)) = b.admit("ns", "web-0", &labels("web"), true, &wake) else { panic!() };
+        let Admission::Ask(Some(key)) = b.admit("ns", "web-0", &labels("web"), true, Instant::now(), &wake) else {
+            panic!()
+        };
         b.release(&key, "web-0");
-        let Admission::Ask(Some(_)) = b.admit("ns", "web-1", &labels("web"), true, &wake) else { panic!() };
-        let Admission::Ask(Some(_)) = b.admit("ns", "web-2", &labels("web"), true, &wake) else { panic!() };
+        let Admission::Ask(Some(_)) = b.admit("ns", "web-1", &labels("web"), true, Instant::now(), &wake) else {
+            panic!()
+        };
+        let Admission::Ask(Some(_)) = b.admit("ns", "web-2", &labels("web"), true, Instant::now(), &wake) else {
+            panic!()
+        };
         b.refused(&key, "web-2");
-        assert!(matches!(b.admit("ns", "web-3", &labels("web"), true, &wake), Admission::Wait(_)));
+        assert!(matches!(b.admit("ns", "web-3", &labels("web"), true, Instant::now(), &wake), Admission::Wait(_)));
     }
 
     #[test]
@@ -363,20 +401,27 @@ mod tests {
         let b = Budgets::from_list(&[pdb("a", "a", 0, 1, 1), pdb("b1", "b", 1, 1, 1), pdb("b2", "b", 1, 1, 1)]);
         let wake = Arc::new(Notify::new());
         assert_eq!(
-            b.admit("ns", "p", &labels("a"), false, &wake),
+            b.admit("ns", "p", &labels("a"), false, Instant::now(), &wake),
             Admission::Ask(None),
             "unready: the server may allow it"
         );
-        assert_eq!(b.admit("ns", "p", &labels("none"), true, &wake), Admission::Ask(None));
-        assert_eq!(b.admit("other", "p", &labels("a"), true, &wake), Admission::Ask(None), "budgets are per namespace");
+        assert_eq!(b.admit("ns", "p", &labels("none"), true, Instant::now(), &wake), Admission::Ask(None));
         assert_eq!(
-            b.admit("ns", "p", &labels("b"), true, &wake),
+            b.admit("other", "p", &labels("a"), true, Instant::now(), &wake),
+            Admission::Ask(None),
+            "budgets are per namespace"
+        );
+        assert_eq!(
+            b.admit("ns", "p", &labels("b"), true, Instant::now(), &wake),
             Admission::Ask(None),
             "two budgets: the server's 500"
         );
-        assert!(matches!(b.admit("ns", "p", &labels("a"), true, &wake), Admission::Wait(_)));
+        assert!(matches!(b.admit("ns", "p", &labels("a"), true, Instant::now(), &wake), Admission::Wait(_)));
         let stale = Budgets::from_list(&[pdb("s", "s", 5, 2, 1)]);
-        assert!(matches!(stale.admit("ns", "p", &labels("s"), true, &wake), Admission::Wait(_)), "not yet observed");
+        assert!(
+            matches!(stale.admit("ns", "p", &labels("s"), true, Instant::now(), &wake), Admission::Wait(_)),
+            "not yet observed"
+        );
     }
 
     #[test]

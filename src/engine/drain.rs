@@ -17,10 +17,11 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams};
 use tokio::time::Instant;
 
-use super::actions::{Outcome, TaskError, TaskOutcome, node_of};
 use super::budgets::{self, Admission};
 use super::context::Ctx;
 use super::events::{EngineEvent, TaskRef, Waiting};
+use super::machine_node::node_of;
+use super::task::{Outcome, TaskError, TaskOutcome};
 use crate::config::DrainPolicy;
 use crate::k8s::nodes::{CordonOutcome, LIFTER_NOT_RECORDED, cordon_node, cordon_read_node};
 use crate::k8s::pods::{EvictionOutcome, PodRef, delete_pod, evict, eviction_wave};
@@ -462,7 +463,14 @@ async fn ask_eviction(
         turn = ctx.evictions.acquire(node, p.grace()) => turn,
     };
     // the budget is asked once the turn has come, so it answers with what is true then
-    let reserved = match ctx.budgets.admit(&p.namespace, &p.name, &*p.labels, p.ready, budget_changed) {
+    let reserved = match ctx.budgets.admit(
+        &p.namespace,
+        &p.name,
+        &*p.labels,
+        p.ready,
+        std::time::Instant::now(),
+        budget_changed,
+    ) {
         Admission::Ask(reserved) => reserved,
         // nothing heard of the budget for a while: the watch may be behind the server
         Admission::Probe(budget) => {

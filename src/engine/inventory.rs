@@ -12,9 +12,9 @@ use kube::core::DynamicObject;
 use serde_json::Value;
 
 use crate::k8s::{self, KubeError};
-use crate::karpenter::{self, ProviderId};
+use crate::karpenter::{self, Foreign, ProviderId};
 use crate::plan::ObjectSets;
-use crate::{evidence, gitops};
+use crate::{evidence, gitops, verify};
 
 /// A Karpenter machine: a NodeClaim and the Node it registered, either of which may be gone.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -31,25 +31,6 @@ pub struct Machine {
     pub nodepool: Option<String>,
     /// The EC2NodeClass it was launched from.
     pub nodeclass: Option<String>,
-}
-
-/// A Karpenter object in the cluster that is not this cluster's self-managed Karpenter's (EKS
-/// Auto Mode's, another provider's): named in the plan and the report, never acted on.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
-pub struct Foreign {
-    /// `NodePool`, `NodeClaim` or `Node`.
-    pub kind: &'static str,
-    /// Its name.
-    pub name: String,
-    /// Whose it is instead.
-    #[serde(flatten)]
-    pub why: karpenter::NotOurs,
-}
-
-impl std::fmt::Display for Foreign {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{} ({})", self.kind, self.name, self.why)
-    }
 }
 
 /// The Karpenter controller Deployment.
@@ -418,7 +399,7 @@ async fn list_karpenter_nodes(client: &kube::Client) -> Result<Vec<NodeFacts>, K
 /// NodeClaim's instance id (all Nodes, not only Karpenter's: a node that lost its labels still
 /// runs pods), the names of the NodeClaims (an instance not yet named by its claim carries the
 /// claim's name as a tag), the instance profiles the EC2NodeClasses name, and the classes.
-pub(crate) async fn cluster_holders(client: &kube::Client) -> Result<ClusterHolders, KubeError> {
+pub(crate) async fn cluster_holders(client: &kube::Client) -> Result<verify::ClusterHolders, KubeError> {
     let nodes: Api<Node> = Api::all(client.clone());
     let node_ids = k8s::list_pages(&nodes, &ListParams::default(), |n: Node| {
         let pid = n.spec.and_then(|s| s.provider_id).and_then(|p| ProviderId::parse(&p).ok())?;
@@ -428,7 +409,7 @@ pub(crate) async fn cluster_holders(client: &kube::Client) -> Result<ClusterHold
     .map_err(|e| KubeError::api("list nodes", e))?;
     let claims = list_dynamic(client, &k8s::nodeclaim_resource()).await?;
     let classes = list_dynamic(client, &k8s::nodeclass_resource()).await?;
-    let mut holders = ClusterHolders::default();
+    let mut holders = verify::ClusterHolders::default();
     for c in &claims {
         let name = c.metadata.name.clone().unwrap_or_default();
         if let Some(pid) = claim_provider_id(c) {
@@ -455,19 +436,6 @@ fn user_instance_profiles(classes: &[DynamicObject]) -> BTreeSet<String> {
         .filter_map(|c| c.data.pointer("/spec/instanceProfile").and_then(Value::as_str))
         .map(str::to_string)
         .collect()
-}
-
-/// See [`cluster_holders`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct ClusterHolders {
-    /// Instance id → `Node <name>` or `NodeClaim <name>`.
-    pub instances: BTreeMap<String, String>,
-    /// Every NodeClaim's name.
-    pub claims: BTreeSet<String>,
-    /// Instance profiles named by an EC2NodeClass's `spec.instanceProfile`.
-    pub user_profiles: BTreeSet<String>,
-    /// The EC2NodeClasses that exist: their launch templates and instance profiles are in use.
-    pub nodeclasses: BTreeSet<String>,
 }
 
 /// Lists a Karpenter kind; a kind the server does not know (CRD not installed, or already

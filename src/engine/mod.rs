@@ -12,6 +12,7 @@ pub mod drain;
 pub mod events;
 mod gate;
 pub mod inventory;
+mod machine_node;
 pub mod permissions;
 mod phases;
 pub mod podindex;
@@ -19,6 +20,7 @@ pub mod preflight;
 mod record;
 pub(crate) mod refusal;
 mod release;
+pub mod task;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -30,12 +32,12 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use self::actions::TaskOutcome;
 use self::context::{Ctx, DrainOverrides};
 use self::events::{EngineEvent, TaskRef};
 use self::inventory::Inventory;
 use self::phases::{Ended, Learnt, Phase, Stop};
 use self::refusal::Refusal;
+use self::task::TaskOutcome;
 use crate::aws::AwsClients;
 use crate::config::DrainPolicy;
 use crate::exit::Exit;
@@ -100,7 +102,7 @@ pub struct RunResult {
     /// The GitOps owners of the Karpenter objects, and what the run did with them.
     pub gitops: Survey,
     /// Karpenter-kind objects that are not this cluster's self-managed Karpenter's, left alone.
-    pub not_ours: Vec<inventory::Foreign>,
+    pub not_ours: Vec<crate::karpenter::Foreign>,
 }
 
 /// A refusal decided before the first write, with the blockers that explain it.

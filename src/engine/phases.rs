@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use super::admission;
-use super::inventory::{Foreign, Inventory};
+use super::inventory::Inventory;
 use super::permissions::{self, KubePermission};
 use super::preflight;
 use super::record::RunRecord;
@@ -17,6 +17,7 @@ use crate::config::DrainPolicy;
 use crate::exit::Exit;
 use crate::gitops::Survey;
 use crate::k8s::Kube;
+use crate::karpenter::Foreign;
 use crate::plan::TaskGraph;
 use crate::report::{Blocker, StepRecord, TaskResult};
 

@@ -11,6 +11,7 @@ use kube::api::{Api, DeleteParams, PostParams};
 
 use super::{KubeError, status_code};
 use crate::karpenter;
+use crate::scheduling::tolerates;
 
 /// Pod priority classes Karpenter evicts last.
 const CRITICAL_CLASSES: [&str; 2] = ["system-cluster-critical", "system-node-critical"];
@@ -142,20 +143,6 @@ pub(crate) fn tolerated_fence(tolerations: &[Toleration]) -> Option<&'static str
         (karpenter::TAINT_DISRUPTED, "karpenter.sh/disrupted:NoSchedule"),
     ];
     FENCES.iter().find(|(key, _)| tolerations.iter().any(|t| tolerates(t, key, "NoSchedule", ""))).map(|(_, f)| *f)
-}
-
-/// Kubernetes' toleration matching (`Toleration.ToleratesTaint`): the effect matches when the
-/// toleration names none; an empty key with `Exists` matches every key; `Exists` matches any
-/// value, `Equal` (the default) the same value.
-pub(crate) fn tolerates(t: &Toleration, key: &str, effect: &str, value: &str) -> bool {
-    let effect_ok = t.effect.as_deref().is_none_or(|e| e.is_empty() || e == effect);
-    let exists = t.operator.as_deref() == Some("Exists");
-    let key_ok = match t.key.as_deref() {
-        None | Some("") => exists,
-        Some(k) => k == key,
-    };
-    let value_ok = exists || t.value.as_deref().unwrap_or_default() == value;
-    effect_ok && key_ok && value_ok
 }
 
 /// The order a drain evicts in: Karpenter's waves (non-critical pods first, critical ones once

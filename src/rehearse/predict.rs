@@ -417,10 +417,7 @@ fn controller_grace(snap: &Snapshot) -> f64 {
         .pods
         .iter()
         .map(RawObject::value)
-        .filter(|p| {
-            p["metadata"]["namespace"] == ns
-                && p["metadata"]["labels"][crate::karpenter::CONTROLLER_LABEL.0] == crate::karpenter::CONTROLLER_LABEL.1
-        })
+        .filter(|p| p["metadata"]["namespace"] == ns && crate::snapshot::is_karpenter_controller(p))
         .map(|p| grace(&p))
         .max()
         .unwrap_or(0) as f64
