@@ -112,6 +112,22 @@ Exit codes:
   6    unverified: the plan has no verify step, so nothing proves what is left
   130  interrupted (Ctrl-C or SIGTERM); run again to resume";
 
+/// An error and its causes in one message, each cause said once: what the user reads after
+/// `error:` (the AWS SDK's `DisplayErrorContext` would append the whole structure as `Debug`,
+/// response headers and all; kube's top error names only the layer that failed).
+pub(crate) fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(e);
+    while let Some(err) = next {
+        let msg = err.to_string();
+        if !msg.is_empty() && !parts.iter().any(|p| p.contains(&msg)) {
+            parts.push(msg);
+        }
+        next = err.source();
+    }
+    parts.join(": ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

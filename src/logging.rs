@@ -22,9 +22,22 @@ pub fn init(format: LogFormat, filter: &str) {
     init_with(format, filter, tty && format == LogFormat::Text);
 }
 
+/// Libraries' log lines that only say ahead of time what the tool's own error then says with the
+/// fix (the credential chain's warning per provider that found nothing, kube's line per failed
+/// connection), each quieted unless `--log-level` names the crate.
+const SAID_BY_OUR_ERRORS: [(&str, &str); 2] =
+    [("aws_config", "aws_config::meta::credentials::chain=error"), ("kube_client", "kube_client::client::builder=off")];
+
 /// [`init`] with the progress view chosen by the caller.
 pub(crate) fn init_with(format: LogFormat, filter: &str, progress: bool) {
-    let (filter, bad) = match EnvFilter::try_new(filter) {
+    let mut directives = filter.to_string();
+    for (krate, quiet) in SAID_BY_OUR_ERRORS {
+        if !filter.contains(krate) {
+            directives.push(',');
+            directives.push_str(quiet);
+        }
+    }
+    let (filter, bad) = match EnvFilter::try_new(&directives) {
         Ok(f) => (f, None),
         Err(e) => (EnvFilter::new("info"), Some(format!("ignoring --log-level {filter:?}: {e}"))),
     };

@@ -336,7 +336,8 @@ impl Report {
         std::fs::write(path, json + "\n")
     }
 
-    /// The short human summary for the end of every run.
+    /// The short human summary for the end of every run: the outcome line and what the report
+    /// holds, never the error (the command has said it on stderr).
     pub(crate) fn summary(&self) -> String {
         let mut s = format!(
             "{}{} on cluster {} ({}): {} in {:.1}s, exit {}",
@@ -370,6 +371,10 @@ impl Report {
         }
         for st in self.steps.iter().filter(|st| matches!(st.result, TaskResult::Blocked | TaskResult::Failed)) {
             let what = st.object.as_ref().map(|o| format!("{}[{o}]", st.step)).unwrap_or_else(|| st.step.clone());
+            // the run's error, said once on stderr, is not said again here
+            if self.error.as_deref() == Some(&format!("{what}: {}", st.detail)) {
+                continue;
+            }
             s.push_str(&format!("\n  {} {what}: {}", st.result, st.detail));
         }
         for b in &self.blockers {
@@ -399,9 +404,8 @@ impl Report {
         for r in &self.would_reclaim {
             s.push_str(&format!("\n  would reclaim with --yes: {r}"));
         }
-        if let Some(e) = &self.error {
-            s.push_str(&format!("\n  error: {e}"));
-        }
+        // the error is printed once, as the command's `error:` line on stderr, and kept in the
+        // report's `error`: the summary does not repeat it
         s
     }
 }

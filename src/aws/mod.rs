@@ -244,9 +244,7 @@ impl AwsClients {
         let provider = config
             .credentials_provider()
             .ok_or_else(|| AwsError::NoCredentials("no credentials provider configured".into()))?;
-        provider.provide_credentials().await.map_err(|e| {
-            AwsError::NoCredentials(aws_smithy_types::error::display::DisplayErrorContext(&e).to_string())
-        })?;
+        provider.provide_credentials().await.map_err(|e| AwsError::NoCredentials(crate::exit::causes(&e)))?;
         let endpoint = |svc: &str| {
             std::env::var(format!("AWS_ENDPOINT_URL_{}", svc.to_uppercase()))
                 .ok()

@@ -152,7 +152,8 @@ pub(crate) fn conclude(ended: Ended, learnt: Learnt) -> RunResult {
     };
     match ended {
         Ended::Stopped { phase, stop } => {
-            tracing::warn!(phase = phase.name(), exit = stop.exit.code(), "the run stopped");
+            // the command says the error itself, once
+            tracing::debug!(phase = phase.name(), exit = stop.exit.code(), "the run stopped");
             result.exit = stop.exit;
             result.error = Some(stop.error);
             result.blockers = stop.blockers;

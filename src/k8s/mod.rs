@@ -145,6 +145,15 @@ pub enum KubeError {
     },
 }
 
+/// What is wrong with a kubeconfig, once: kube's own message for a file it cannot read quotes
+/// the path it was given (`'"/path"'`), which the error already names.
+fn kubeconfig_detail(e: &kube::config::KubeconfigError) -> String {
+    match e {
+        kube::config::KubeconfigError::ReadConfig(io, _) => io.to_string(),
+        other => other.to_string(),
+    }
+}
+
 impl KubeError {
     /// True for failures of configuration or reachability (exit 2), not of an operation.
     pub(crate) fn is_configuration(&self) -> bool {
@@ -287,7 +296,7 @@ impl Kube {
             Some(p) => Kubeconfig::read_from(p),
             None => Kubeconfig::read(),
         }
-        .map_err(|e| bad(e.to_string()))?;
+        .map_err(|e| bad(kubeconfig_detail(&e)))?;
         let context = target.context.clone().or_else(|| kubeconfig.current_context.clone());
         if let Some(name) = &context
             && !kubeconfig.contexts.iter().any(|c| &c.name == name)
@@ -323,7 +332,7 @@ impl Kube {
     pub(crate) async fn check_reachable(&self) -> Result<(), KubeError> {
         self.client.apiserver_version().await.map(|_| ()).map_err(|e| match e {
             kube::Error::Api(_) => KubeError::api("GET /version", e),
-            other => KubeError::Unreachable { server: self.server.clone(), detail: other.to_string() },
+            other => KubeError::Unreachable { server: self.server.clone(), detail: crate::exit::causes(&other) },
         })
     }
 }

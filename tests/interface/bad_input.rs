@@ -226,3 +226,113 @@ async fn a_missing_iam_permission_is_refused_before_any_change() {
     proxy.shutdown().await;
     g.assert_unchanged(&run).await;
 }
+
+/// The binary with only the environment a case gives it (no AWS or kubeconfig of the machine's),
+/// logging as text, as a new user runs it.
+fn bare(home: &std::path::Path, env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", home)
+        .envs(env.iter().copied())
+        .args(["run", "--cluster", "prod", "--region", "us-west-2"])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+/// Each bad input is said once, on stderr, exactly as held here: kube's quoting of a path and
+/// the SDK's debug dump of its causes are not passed on, no library logs the same failure ahead
+/// of it, and the summary on stdout gives the outcome without repeating the error.
+#[test]
+fn each_bad_input_is_said_once_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path();
+    let missing = home.join("nonexistent").display().to_string();
+    let port = closed_port();
+    let closed = home.join("closed-kubeconfig");
+    std::fs::write(
+        &closed,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://127.0.0.1:{port}\n\
+             contexts:\n- name: prod\n  context:\n    cluster: c\n    user: u\ncurrent-context: prod\n\
+             users:\n- name: u\n  user:\n    token: t\n"
+        ),
+    )
+    .unwrap();
+    let closed = closed.display().to_string();
+    let plan = fixture("syntax-error.toml");
+    let creds = [("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")];
+    // what, its environment, its flags, the exact stderr, whether a summary follows
+    type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, Vec<&'a str>, String, bool);
+    let cases: [Case; 4] = [
+        (
+            "a kubeconfig that does not exist",
+            vec![("KUBECONFIG", &missing)],
+            vec![],
+            format!(
+                "error: cannot use the kubeconfig {missing}: No such file or directory (os error 2); pass --kubeconfig \
+                 FILE (and --context NAME) or set KUBECONFIG\n"
+            ),
+            true,
+        ),
+        (
+            "an API server nothing listens at",
+            [("KUBECONFIG", closed.as_str())].into_iter().chain(creds).collect(),
+            vec![],
+            format!(
+                "error: cannot reach the Kubernetes API server http://127.0.0.1:{port}/: ServiceError: client error \
+                 (Connect): tcp connect error: Connection refused (os error 111); check the kubeconfig's server \
+                 address, the network, and that the cluster is up\n"
+            ),
+            true,
+        ),
+        (
+            "no AWS credentials",
+            vec![("KUBECONFIG", &closed), ("AWS_EC2_METADATA_DISABLED", "true")],
+            vec![],
+            "error: no AWS credentials found (the credential provider was not enabled: no credentials found in chain. \
+             Attempted:\n  Environment: the credential provider was not enabled: environment variable not set\n  \
+             Profile: the credential provider was not enabled\n  WebIdentityToken: the credential provider was not \
+             enabled: $AWS_WEB_IDENTITY_TOKEN_FILE was not set\n  EcsContainer: the credential provider was not \
+             enabled: ECS provider not configured\n  Ec2InstanceMetadata: the credential provider was not enabled: \
+             IMDS disabled by AWS_EC2_METADATA_DISABLED env var set to `true`); set AWS_PROFILE or \
+             AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or run where an instance or pod role is available (for \
+             LocalStack any non-empty pair works, e.g. test/test)\n"
+                .to_string(),
+            true,
+        ),
+        (
+            "a plan that is not TOML",
+            vec![("KUBECONFIG", &closed)],
+            vec!["--plan", &plan],
+            format!(
+                "error: {plan}:8:8: invalid plan: unclosed array table, expected `]`; see plans/default.toml for a \
+                 valid plan\n"
+            ),
+            // refused before the run starts: no report, no summary
+            false,
+        ),
+    ];
+    for (case, env, args, stderr, summary) in cases {
+        let (code, out, err) = bare(home, &env, &args);
+        assert_eq!(code, 2, "{case}: exit {code}\nstdout:\n{out}\nstderr:\n{err}");
+        assert_eq!(err, stderr, "{case}: stderr");
+        if summary {
+            let first = out.lines().next().unwrap_or_default();
+            assert!(
+                first.starts_with("run [plan default] on cluster prod (us-west-2): failed in ")
+                    && first.ends_with(", exit 2"),
+                "{case}: the summary's outcome line: {out}"
+            );
+        } else {
+            assert_eq!(out, "", "{case}: nothing on stdout");
+        }
+        assert!(!out.contains("error"), "{case}: the summary repeats the error:\n{out}");
+    }
+}
