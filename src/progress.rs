@@ -81,6 +81,15 @@ impl Board {
                 self.total = Some(*tasks);
                 self.steps = steps.clone();
             }
+            EngineEvent::MachineFoundLate { machine, why, tasks } => {
+                self.total = self.total.map(|t| t + tasks.len() as u64);
+                for t in tasks {
+                    if let Some((_, n)) = self.steps.iter_mut().find(|(s, _)| *s == t.step) {
+                        *n += 1;
+                    }
+                }
+                self.push_blocker(format!("found late: NodeClaim {machine}: {why}"));
+            }
             EngineEvent::TaskStarted(t) => {
                 self.tasks
                     .insert(TaskKey::of(t), TaskLine { state: TaskState::Running(now), action: t.action, drain: None });

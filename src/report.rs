@@ -109,8 +109,6 @@ pub enum BlockerKind {
     FieldManager,
     /// A leftover `--reclaim` could not remove.
     Reclaim,
-    /// A NodeClaim launched during the run.
-    Nodeclaim,
     /// A pod that tolerates the fence and went with its node (blocked nothing).
     PodGoesWithNode,
     /// A GitOps owner whose sync or reconcile was still in flight at the deadline.
@@ -135,7 +133,6 @@ impl BlockerKind {
             BlockerKind::Pdb => "pdb",
             BlockerKind::FieldManager => "field-manager",
             BlockerKind::Reclaim => "reclaim",
-            BlockerKind::Nodeclaim => "nodeclaim",
             BlockerKind::PodGoesWithNode => "pod-goes-with-node",
             BlockerKind::GitopsOwner => "gitops-owner",
             BlockerKind::PodLost => "pod-lost",
@@ -199,6 +196,10 @@ pub struct StepRecord {
     /// What happened, in a sentence.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub detail: String,
+    /// For a task of a machine found after the plan was expanded (a NodeClaim launched during
+    /// the run): why it was late, and which task found it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub found_late: Option<String>,
 }
 
 /// Something that kept the run from going on.
@@ -376,6 +377,15 @@ impl Report {
                 continue;
             }
             s.push_str(&format!("\n  {} {what}: {}", st.result, st.detail));
+        }
+        let mut late: BTreeMap<&str, &str> = BTreeMap::new();
+        for st in &self.steps {
+            if let (Some(machine), Some(why)) = (&st.object, &st.found_late) {
+                late.entry(machine.as_str()).or_insert(why.as_str());
+            }
+        }
+        for (machine, why) in late {
+            s.push_str(&format!("\n  found late: {machine}: {why}"));
         }
         for b in &self.blockers {
             if b.kind == BlockerKind::PodGoesWithNode {

@@ -15,11 +15,11 @@ use tokio::time::Instant;
 
 use super::batcher::Sent;
 use super::context::Ctx;
-use super::drain::{Release, drain};
-use super::events::{EngineEvent, TaskRef};
+use super::drain::Release;
+use super::events::EngineEvent;
 use super::inventory::{Inventory, Machine, claim_owner, find_controllers, list_dynamic, pool_owner};
 use super::machine_node::{claim_node, karpenter_nodes, node_of, node_of_claim};
-use super::task::{Outcome, TaskError, TaskOutcome};
+use super::task::{LateMachine, Outcome, TaskError, TaskOutcome};
 use crate::k8s::nodes::cordon_node;
 use crate::k8s::objects::{
     FinalizerRemoval, delete_and_remove_finalizer, delete_if_present, last_manager_in, patch_params, remove_finalizer,
@@ -611,7 +611,6 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
         .collect::<Vec<_>>();
     let limit = params.deadline.unwrap_or(Duration::from_secs(300));
     let mut done = Vec::new();
-    let mut swept: BTreeSet<String> = BTreeSet::new();
     for class in classes {
         let name = class.metadata.name.clone().unwrap_or_default();
         let start = Instant::now();
@@ -623,13 +622,10 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
             if users.is_empty() {
                 break;
             }
-            for m in users.iter().filter(|m| !ctx.inventoried.contains(&m.name)) {
-                if swept.insert(m.name.clone()) {
-                    match sweep_machine(ctx, &m.name).await? {
-                        TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
-                        other => return Ok(other),
-                    }
-                }
+            // a machine launched during the run: its drain and release are the plan's own steps' tasks
+            let late = found_late(ctx, &users, &format!("it uses EC2NodeClass {name}"));
+            if !late.is_empty() {
+                return Ok(TaskOutcome::FoundLate(late));
             }
             let users = users.len();
             if start.elapsed() >= limit {
@@ -669,42 +665,22 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
     Ok(TaskOutcome::Done(format!("EC2NodeClass(es) deleted: {}", done.join(", "))))
 }
 
-/// A NodeClaim that appeared after the inventory (launched by a controller that was not fenced,
-/// or was still finishing a launch when it was removed): no task of the graph knows it, and its
-/// EC2NodeClass cannot go while it exists. It gets what every inventoried machine got: a drain
-/// with the default policy (PDBs respected, `--drain-deadline` / `--on-drain-deadline` apply),
-/// then its instance terminated and confirmed before its finalizers are released.
-async fn sweep_machine(ctx: &Ctx, machine: &str) -> Outcome {
-    tracing::warn!(nodeclaim = %machine, "a NodeClaim launched during the run: draining and terminating it too");
-    ctx.note(
-        BlockerKind::Nodeclaim,
-        machine,
-        "launched during the run (not in the inventory): a controller that was not fenced chased the drain; drained and terminated it too",
-    );
-    let params = Params {
-        deadline: None,
-        on_deadline: OnDeadline::Fail,
-        concurrency: std::num::NonZeroUsize::MIN,
-        settle: Duration::ZERO,
-    };
-    // shown as a drain of its own: it is not a task of the graph
-    let task = TaskRef { step: "sweep".into(), action: crate::plan::Action::Drain, object: Some(machine.to_string()) };
-    // An error is taken as its outcome here rather than propagated, so that a failure names the
-    // NodeClaim that no task of the graph knows.
-    match drain(ctx, machine, &params, &task).await.unwrap_or_else(TaskOutcome::from) {
-        TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => {}
-        TaskOutcome::Blocked(d) => {
-            return Ok(TaskOutcome::Blocked(format!("NodeClaim {machine} launched during the run: {d}")));
-        }
-        TaskOutcome::Failed(d) => {
-            return Ok(TaskOutcome::Failed(format!("NodeClaim {machine} launched during the run: {d}")));
-        }
-        other => return Ok(other),
-    }
-    Ok(match discharge_finalizers(ctx, machine, &params).await.unwrap_or_else(TaskOutcome::from) {
-        TaskOutcome::Failed(d) => TaskOutcome::Failed(format!("NodeClaim {machine} launched during the run: {d}")),
-        other => other,
-    })
+/// The NodeClaims of `claimed` the graph has no tasks for: launched during the run, by a
+/// controller that was not fenced or a launch in flight when the controller went. The step that
+/// finds one hands it to the executor, which runs the plan's machine steps for it.
+fn found_late(ctx: &Ctx, claimed: &[&Machine], found: &str) -> Vec<LateMachine> {
+    claimed
+        .iter()
+        .filter(|m| !ctx.knows(&m.name))
+        .map(|m| LateMachine {
+            name: m.name.clone(),
+            why: format!(
+                "NodeClaim {} is not in the run's inventory: launched during the run (a controller that was not \
+                 fenced, or a launch in flight when it went); {found}",
+                m.name
+            ),
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------- verify
@@ -713,6 +689,11 @@ async fn sweep_machine(ctx: &Ctx, machine: &str) -> Outcome {
 /// the first) and the API that nothing is left; reclaims the AWS leftovers when asked and
 /// verifies again.
 pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
+    let claimed = Inventory::read_claimed_machines(&ctx.kube.client).await?;
+    let late = found_late(ctx, &claimed.iter().collect::<Vec<_>>(), "it was still there when verification began");
+    if !late.is_empty() {
+        return Ok(TaskOutcome::FoundLate(late));
+    }
     let quiet_since = ctx.controller_gone_at.get().copied();
     let mut left =
         verify::verify(&ctx.aws, &ctx.cluster, &ctx.user_instance_profiles, params.settle, quiet_since).await?;
@@ -755,6 +736,8 @@ pub async fn verify_step(ctx: &Ctx, params: &Params) -> Outcome {
 #[cfg(test)]
 mod future_sizes {
     use super::*;
+    use crate::engine::drain::drain;
+    use crate::engine::events::TaskRef;
     use crate::plan::TaskNode;
 
     /// The size of the future `f` returns for arguments `A`, without calling it.

@@ -51,10 +51,12 @@ pub struct Ctx {
     pub drain: DrainOverrides,
     /// `--reclaim`.
     pub reclaim: bool,
-    /// The machines of the inventory the plan was expanded over. A NodeClaim not among them was
-    /// launched during the run (by a controller that was not fenced); no task of the graph
-    /// handles it, so the step that would otherwise wait for it forever sweeps it up.
+    /// The machines of the inventory the plan was expanded over. A NodeClaim not among them
+    /// (nor in `late`) was launched during the run (by a controller that was not fenced): the
+    /// step that finds it hands it to the executor (`TaskOutcome::FoundLate`).
     pub inventoried: BTreeSet<String>,
+    /// The machines found late that the executor has given tasks of the plan's machine steps.
+    pub(crate) late: Mutex<BTreeSet<String>>,
     /// The NodePools the inventory found another controller's, and whose: their NodeClaims are
     /// not this run's to wait for or act on, whatever their own labels say.
     pub(crate) foreign_pools: BTreeMap<String, crate::karpenter::NotOurs>,
@@ -82,6 +84,16 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// Whether the graph has tasks for this machine: inventoried, or found late and added.
+    pub(crate) fn knows(&self, machine: &str) -> bool {
+        self.inventoried.contains(machine) || self.late.lock().unwrap_or_else(|p| p.into_inner()).contains(machine)
+    }
+
+    /// Records that the executor gave a machine found late its tasks.
+    pub(crate) fn know_late(&self, machine: &str) {
+        self.late.lock().unwrap_or_else(|p| p.into_inner()).insert(machine.to_string());
+    }
+
     /// Records that the Karpenter controller's pods are gone (the first time counts).
     pub fn controller_seen_gone(&self) {
         let _ = self.controller_gone_at.set(std::time::Instant::now());

@@ -96,6 +96,16 @@ pub enum EngineEvent {
         /// What `--reclaim` removed.
         reclaimed: Vec<String>,
     },
+    /// A machine the plan was not expanded over (a NodeClaim launched during the run) was found:
+    /// it gets the plan's machine steps as tasks of their own.
+    MachineFoundLate {
+        /// The NodeClaim.
+        machine: String,
+        /// Why it is late, and which task found it.
+        why: String,
+        /// Its tasks, in run order.
+        tasks: Vec<TaskRef>,
+    },
     /// A task is over.
     TaskEnded {
         /// The task.

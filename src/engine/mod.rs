@@ -466,6 +466,7 @@ impl Launch<'_> {
             drain: settings.drain,
             reclaim: settings.reclaim,
             inventoried: inv.machines.keys().cloned().collect(),
+            late: Mutex::new(std::collections::BTreeSet::new()),
             foreign_pools: inv.foreign_pools(),
             user_instance_profiles: inv.user_instance_profiles.clone(),
             volumes,
@@ -476,7 +477,7 @@ impl Launch<'_> {
             drain_clocks: Mutex::new(HashMap::new()),
         });
 
-        let (exit, steps) = execute(&graph, ctx.clone()).await;
+        let (exit, steps) = execute(graph, &settings.plan, ctx.clone()).await;
         background.shutdown().await;
         drop(ctx);
         let _ = flush.send(());
@@ -612,13 +613,21 @@ fn phase_record(step: &str, started: SystemTime, stop: Option<&Stop>, detail: St
             Some(_) => TaskResult::Failed,
         },
         detail,
+        found_late: None,
     }
 }
 
-/// Runs the graph; returns the exit status and the records.
-async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
-    let mut tracker = ReadyTracker::new(graph);
-    let mut ready: VecDeque<TaskId> = tracker.start(graph).into();
+/// Runs the graph; returns the exit status and the records. A task that finds machines the graph
+/// does not know (`TaskOutcome::FoundLate`) grows it: each machine gets the plan's machine steps
+/// as tasks ([`TaskGraph::grow`]), what runs after those steps waits for them, and the finder
+/// runs again once they are through.
+async fn execute(mut graph: TaskGraph, plan: &Plan, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
+    let mut tracker = ReadyTracker::new(&graph);
+    let mut ready: VecDeque<TaskId> = tracker.start(&graph).into();
+    // the tasks of machines found late, with why they were
+    let mut late: HashMap<TaskId, String> = HashMap::new();
+    // each late machine's tasks, so that a second finder waits for the same ones
+    let mut late_tasks: HashMap<String, Vec<TaskId>> = HashMap::new();
     let mut limits: HashMap<String, Arc<Semaphore>> = HashMap::new();
     let mut running: JoinSet<(TaskId, StepRecord, TaskOutcome)> = JoinSet::new();
     // what each running task is, by tokio's id: a task that panics returns nothing of its own
@@ -638,7 +647,8 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
             let ctx = ctx.clone();
             let span = tracing::info_span!("task", step = %node.step, object = node.object.as_deref().unwrap_or(""));
             let task = TaskRef { step: node.step.clone(), action: node.action, object: node.object.clone() };
-            let what = Spawned { id, task, started: SystemTime::now() };
+            let found_late = late.get(&id).cloned();
+            let what = Spawned { id, task, started: SystemTime::now(), found_late: found_late.clone() };
             let handle = running.spawn(
                 async move {
                     // closed only if the semaphore is dropped, which happens after every task ends
@@ -648,11 +658,13 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                     ctx.events.send(EngineEvent::TaskStarted(task.clone()));
                     tracing::debug!("started");
                     let (outcome, attempts) = run_with_retries(&ctx, &node).await;
-                    ctx.events.send(EngineEvent::TaskEnded {
-                        task,
-                        result: outcome.result(),
-                        detail: outcome.detail().to_string(),
-                    });
+                    if !matches!(outcome, TaskOutcome::FoundLate(_)) {
+                        ctx.events.send(EngineEvent::TaskEnded {
+                            task,
+                            result: outcome.result(),
+                            detail: outcome.detail().to_string(),
+                        });
+                    }
                     match &outcome {
                         TaskOutcome::Failed(d) => {
                             tracing::error!(result = outcome.result().as_str(), detail = %d, "task ended")
@@ -673,6 +685,7 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                         attempts,
                         result: outcome.result(),
                         detail: outcome.detail().to_string(),
+                        found_late,
                     };
                     (id, record, outcome)
                 }
@@ -705,6 +718,33 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
                 }
             },
         };
+        if let TaskOutcome::FoundLate(machines) = &outcome {
+            let finder = graph[id].label();
+            let mut waits_for = Vec::new();
+            let mut touched = vec![id];
+            for m in machines {
+                if !late_tasks.contains_key(&m.name) {
+                    let growth = graph.grow(plan, &m.name, |t| tracker.is_open(t));
+                    let why = format!("{} (found by {finder})", m.why);
+                    tracing::warn!(nodeclaim = %m.name, why = %why, tasks = growth.tasks.len(), "a machine found late joins the plan");
+                    ctx.know_late(&m.name);
+                    ctx.events.send(EngineEvent::MachineFoundLate {
+                        machine: m.name.clone(),
+                        why: why.clone(),
+                        tasks: growth.tasks.iter().map(|&t| task_ref(&graph[t])).collect(),
+                    });
+                    late.extend(growth.tasks.iter().map(|&t| (t, why.clone())));
+                    touched.extend(&growth.tasks);
+                    touched.extend(&growth.waiting);
+                    late_tasks.insert(m.name.clone(), growth.tasks);
+                }
+                waits_for.extend(late_tasks[&m.name].iter().copied().filter(|&t| !tracker.is_done(t)));
+            }
+            graph.wait_for(id, &waits_for);
+            tracker.reopen(id);
+            ready.extend(tracker.resync(&graph, &touched));
+            continue;
+        }
         records.push(record);
         exit = exit.worst(match &outcome {
             TaskOutcome::Done(_) | TaskOutcome::Skipped(_) => Exit::Clean,
@@ -712,9 +752,10 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
             TaskOutcome::Blocked(_) => Exit::Blocked,
             TaskOutcome::Failed(_) | TaskOutcome::Transient(_) => Exit::Failure,
             TaskOutcome::Interrupted => Exit::Interrupted,
+            TaskOutcome::FoundLate(_) => Exit::Clean,
         });
         if outcome.lets_dependents_run() {
-            ready.extend(tracker.complete(graph, id));
+            ready.extend(tracker.complete(&graph, id));
         } else {
             let held: Vec<String> = graph
                 .descendants(id)
@@ -734,11 +775,16 @@ async fn execute(graph: &TaskGraph, ctx: Arc<Ctx>) -> (Exit, Vec<StepRecord>) {
     (exit, records)
 }
 
+fn task_ref(node: &TaskNode) -> TaskRef {
+    TaskRef { step: node.step.clone(), action: node.action, object: node.object.clone() }
+}
+
 /// A task the executor started: what its record needs if it returns none.
 struct Spawned {
     id: TaskId,
     task: TaskRef,
     started: SystemTime,
+    found_late: Option<String>,
 }
 
 /// The record of a task that panicked (or was aborted): it ran and failed, and says so, rather
@@ -765,6 +811,7 @@ fn panicked(what: &Spawned, e: tokio::task::JoinError) -> (StepRecord, TaskOutco
         attempts: 1,
         result: outcome.result(),
         detail: outcome.detail().to_string(),
+        found_late: what.found_late.clone(),
     };
     (record, outcome)
 }
@@ -939,6 +986,7 @@ mod tests {
                 object: Some("web-a".into()),
             },
             started: SystemTime::now(),
+            found_late: None,
         };
         let Some(Err(e)) = set.join_next().await else { panic!("the task did not panic") };
         assert_eq!(e.id(), handle.id());

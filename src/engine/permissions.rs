@@ -167,17 +167,13 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
             // the release check drains what was bound since the drain (`release-check`)
             Action::DischargeFinalizers => need.extend(release_needs().into_iter().chain(drain_needs())),
             Action::DeleteNodepools => need.extend([p("delete", karpenter::KARPENTER_GROUP, "nodepools")]),
-            // a NodeClaim launched during the run is drained and released here (`sweep`)
-            Action::DeleteNodeclasses => need.extend(
-                [
-                    p("get", karpenter::AWS_GROUP, "ec2nodeclasses"),
-                    p("patch", karpenter::AWS_GROUP, "ec2nodeclasses"),
-                    p("delete", karpenter::AWS_GROUP, "ec2nodeclasses"),
-                ]
-                .into_iter()
-                .chain(release_needs())
-                .chain(drain_needs()),
-            ),
+            // a NodeClaim launched during the run is drained and released by the plan's own
+            // machine steps, whose needs are their own
+            Action::DeleteNodeclasses => need.extend([
+                p("get", karpenter::AWS_GROUP, "ec2nodeclasses"),
+                p("patch", karpenter::AWS_GROUP, "ec2nodeclasses"),
+                p("delete", karpenter::AWS_GROUP, "ec2nodeclasses"),
+            ]),
         }
     }
     need
@@ -233,9 +229,8 @@ pub fn ec2_needs(plan: &Plan, reclaim: bool) -> BTreeSet<Ec2Need> {
             Action::DischargeFinalizers => {
                 need.insert(Ec2Need::TerminateInstances);
             }
-            // and the machines launched during the run, which it releases (`sweep`)
             Action::DeleteNodeclasses => {
-                need.extend([Ec2Need::DeleteLaunchTemplate, Ec2Need::TerminateInstances]);
+                need.insert(Ec2Need::DeleteLaunchTemplate);
             }
             Action::Verify if reclaim => {
                 need.extend([
@@ -398,12 +393,13 @@ mod tests {
 
     #[test]
     fn the_work_a_step_does_beyond_its_graph_is_asked_for_too() {
-        // delete-nodeclasses drains and releases the machines launched during the run (`sweep`)
+        // delete-nodeclasses hands a machine launched during the run to the plan's machine steps:
+        // it drains and terminates nothing itself
         let classes = plan_with("classes", "delete-nodeclasses", None);
         let need = kubernetes_needs(&classes, false, false);
-        assert!(has(&need, "create", "pods", "eviction") && has(&need, "delete", "nodes", ""), "{need:?}");
-        assert!(has(&need, "delete", "nodeclaims", "") && has(&need, "patch", "nodes", ""), "{need:?}");
-        assert!(ec2_needs(&classes, false).contains(&Ec2Need::TerminateInstances));
+        assert!(!has(&need, "create", "pods", "eviction") && !has(&need, "delete", "nodes", ""), "{need:?}");
+        assert!(has(&need, "delete", "ec2nodeclasses", ""), "{need:?}");
+        assert!(!ec2_needs(&classes, false).contains(&Ec2Need::TerminateInstances));
         // discharge-finalizers drains what was bound to a node since its drain (`release-check`)
         let release = plan_with("release", "discharge-finalizers", Some("machine"));
         assert!(has(&kubernetes_needs(&release, false, false), "create", "pods", "eviction"));

@@ -493,6 +493,7 @@ mod tests {
             attempts: 1,
             result,
             detail: detail.into(),
+            found_late: None,
         }
     }
 

@@ -53,6 +53,7 @@ impl RunRecord {
                 self.reclaimed.extend(reclaimed.iter().cloned());
             }
             EngineEvent::RunStarted { .. }
+            | EngineEvent::MachineFoundLate { .. }
             | EngineEvent::TaskStarted(_)
             | EngineEvent::DrainProgress { .. }
             | EngineEvent::DrainDeadlinePassed { .. }

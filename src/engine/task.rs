@@ -22,6 +22,19 @@ pub enum TaskOutcome {
     Transient(String),
     /// Stopped by Ctrl-C / SIGTERM.
     Interrupted,
+    /// Found machines the graph does not know (NodeClaims launched during the run) that its
+    /// work must wait for: the executor adds their tasks from the plan's own machine steps and
+    /// runs this task again after them.
+    FoundLate(Vec<LateMachine>),
+}
+
+/// A machine (a NodeClaim) found after the plan was expanded, and why it is late.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LateMachine {
+    /// The NodeClaim's name.
+    pub name: String,
+    /// Why it is late, and who found it.
+    pub why: String,
 }
 
 impl TaskOutcome {
@@ -34,6 +47,8 @@ impl TaskOutcome {
             TaskOutcome::Leftovers(_) => TaskResult::Leftovers,
             TaskOutcome::Failed(_) | TaskOutcome::Transient(_) => TaskResult::Failed,
             TaskOutcome::Interrupted => TaskResult::Interrupted,
+            // never the end of a task: it runs again once the machines' tasks have
+            TaskOutcome::FoundLate(_) => TaskResult::Done,
         }
     }
 
@@ -47,6 +62,7 @@ impl TaskOutcome {
             | TaskOutcome::Failed(d)
             | TaskOutcome::Transient(d) => d,
             TaskOutcome::Interrupted => "interrupted",
+            TaskOutcome::FoundLate(_) => "found machines launched during the run",
         }
     }
 

@@ -76,8 +76,8 @@ impl TaskNode {
 
 /// The tasks of a plan over a set of objects, with their dependencies.
 ///
-/// Invariant: every edge goes from a lower [`TaskId`] index to a higher one, so index order is a
-/// topological order ([`TaskGraph::topological_order`]).
+/// Invariant: the graph has no cycle. As expanded, every edge goes from a lower [`TaskId`] index to
+/// a higher one; a machine added later ([`TaskGraph::grow`]) is waited for by tasks made before it.
 #[derive(Clone, Debug)]
 pub struct TaskGraph {
     plan: String,
@@ -112,6 +112,15 @@ pub struct TaskSummary {
     pub barriers: usize,
     /// Dependency edges.
     pub edges: usize,
+}
+
+/// What [`TaskGraph::grow`] added for one machine.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Growth {
+    /// The machine's tasks, in run order.
+    pub tasks: Vec<TaskId>,
+    /// Tasks made before it that now wait for its tasks.
+    pub waiting: Vec<TaskId>,
 }
 
 impl fmt::Display for TaskSummary {
@@ -364,9 +373,102 @@ impl TaskGraph {
     }
 
     /// A topological order of every node: dependencies come before their dependents.
-    pub fn topological_order(&self) -> impl Iterator<Item = TaskId> + '_ {
-        // Holds by construction (see the invariant on TaskGraph); tests check it.
-        self.graph.node_indices()
+    pub fn topological_order(&self) -> Vec<TaskId> {
+        // the graph has no cycle (see the invariant on TaskGraph): the fallback is never taken
+        petgraph::algo::toposort(&self.graph, None).unwrap_or_else(|_| self.graph.node_indices().collect())
+    }
+
+    /// Adds the tasks of a machine found after the expansion (a NodeClaim launched during the
+    /// run): one per `for_each = "machine"` step of `plan` (the plan this graph was expanded
+    /// from), with the plan's params and edges. Each waits for the same machine's task of an
+    /// earlier machine step and for every task of the other steps it runs after; every task
+    /// of a step that runs after a machine step, and for which `open` holds (it has not started),
+    /// waits for it in turn. Returns the new tasks, in run order, and the open tasks that now wait
+    /// for them. A plan without machine steps adds nothing.
+    pub fn grow(&mut self, plan: &Plan, machine: &str, open: impl Fn(TaskId) -> bool) -> Growth {
+        let n = plan.steps.len();
+        let is_machine = |si: usize| plan.steps[si].for_each == Some(ObjectKind::Machine);
+        let mut mine: Vec<Option<TaskId>> = vec![None; n];
+        let mut growth = Growth::default();
+        for &si in &plan.order {
+            if !is_machine(si) {
+                continue;
+            }
+            let step = &plan.steps[si];
+            let task = self.graph.add_node(TaskNode {
+                step: step.id.clone(),
+                action: step.action,
+                for_each: step.for_each,
+                object: Some(machine.to_string()),
+                params: step.params,
+                barrier: false,
+            });
+            for dep in self.upstream(plan, si, &mine) {
+                self.graph.add_edge(dep, task, ());
+            }
+            if let Some(summary) = self.steps.iter_mut().find(|s| s.step == step.id) {
+                summary.tasks += 1;
+            }
+            mine[si] = Some(task);
+            growth.tasks.push(task);
+        }
+        // the steps that run after a machine step, through any chain of `after`
+        let mut after_machines = vec![false; n];
+        for &si in &plan.order {
+            after_machines[si] = plan.steps[si].after_idx.iter().any(|&d| is_machine(d) || after_machines[d]);
+        }
+        let waiting: Vec<TaskId> = self
+            .tasks()
+            .filter(|(id, node)| {
+                !growth.tasks.contains(id)
+                    && node.for_each != Some(ObjectKind::Machine)
+                    && plan.steps.iter().position(|st| st.id == node.step).is_some_and(|si| after_machines[si])
+                    && open(*id)
+            })
+            .map(|(id, _)| id)
+            .collect();
+        for &w in &waiting {
+            for &t in &growth.tasks {
+                self.graph.add_edge(t, w, ());
+            }
+        }
+        growth.waiting = waiting;
+        growth
+    }
+
+    /// What a new machine task of step `si` waits for: its own task of each earlier machine step
+    /// it runs after, and every task of each other step it runs after (through that step's own
+    /// dependencies when it has no tasks).
+    fn upstream(&self, plan: &Plan, si: usize, mine: &[Option<TaskId>]) -> Vec<TaskId> {
+        let mut out = Vec::new();
+        let mut todo: Vec<usize> = plan.steps[si].after_idx.clone();
+        let mut seen = vec![false; plan.steps.len()];
+        while let Some(d) = todo.pop() {
+            if std::mem::replace(&mut seen[d], true) {
+                continue;
+            }
+            if plan.steps[d].for_each == Some(ObjectKind::Machine) {
+                out.extend(mine[d]);
+                continue;
+            }
+            let tasks = self.step_tasks(&plan.steps[d].id);
+            if tasks.is_empty() {
+                todo.extend(plan.steps[d].after_idx.iter().copied());
+            }
+            out.extend(tasks);
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Makes `task` wait for `deps` too (a step that found a machine late waits for its tasks).
+    pub fn wait_for(&mut self, task: TaskId, deps: &[TaskId]) {
+        for &d in deps {
+            if d != task && self.graph.find_edge(d, task).is_none() {
+                self.graph.add_edge(d, task, ());
+            }
+        }
     }
 
     /// The nodes `id` waits for directly.
@@ -450,6 +552,8 @@ pub struct ReadyTracker {
     /// Per node: dependencies not yet completed.
     waiting: Vec<usize>,
     done: Vec<bool>,
+    /// Per node: handed out as ready (it runs, or ran) and not reopened since.
+    released: Vec<bool>,
     /// Work tasks not yet completed.
     remaining: usize,
 }
@@ -460,6 +564,7 @@ impl ReadyTracker {
         ReadyTracker {
             waiting: graph.graph.node_indices().map(|i| graph.in_degree(i)).collect(),
             done: vec![false; graph.node_count()],
+            released: vec![false; graph.node_count()],
             remaining: graph.task_count(),
         }
     }
@@ -478,6 +583,46 @@ impl ReadyTracker {
     pub fn complete(&mut self, graph: &TaskGraph, id: TaskId) -> Vec<TaskId> {
         let mut ready = Vec::new();
         self.finish(graph, id, &mut ready);
+        ready
+    }
+
+    /// Whether `id` is still to be handed out: not done, not running, waiting for dependencies.
+    pub fn is_open(&self, id: TaskId) -> bool {
+        let i = id.index();
+        !self.done.get(i).copied().unwrap_or(false) && !self.released.get(i).copied().unwrap_or(false)
+    }
+
+    /// Takes a task that ran back among those to hand out (it found work it must wait for).
+    pub fn reopen(&mut self, id: TaskId) {
+        if let Some(r) = self.released.get_mut(id.index()) {
+            *r = false;
+        }
+    }
+
+    /// Catches up with a graph that grew ([`TaskGraph::grow`], [`TaskGraph::wait_for`]): new
+    /// nodes are tracked, and `touched` (new or given new dependencies) wait for what of theirs
+    /// is not done. Returns those of them that can start right away.
+    pub fn resync(&mut self, graph: &TaskGraph, touched: &[TaskId]) -> Vec<TaskId> {
+        for i in self.done.len()..graph.node_count() {
+            self.done.push(false);
+            self.released.push(false);
+            self.waiting.push(0);
+            if !graph.graph[TaskId::new(i)].barrier {
+                self.remaining += 1;
+            }
+        }
+        let mut ready = Vec::new();
+        for &id in touched {
+            if !self.is_open(id) {
+                continue;
+            }
+            let waiting = graph.dependencies(id).filter(|d| !self.is_done(*d)).count();
+            self.waiting[id.index()] = waiting;
+            if waiting == 0 {
+                self.became_ready(graph, id, &mut ready);
+            }
+        }
+        ready.sort_unstable();
         ready
     }
 
@@ -500,6 +645,7 @@ impl ReadyTracker {
         if graph.graph[id].barrier {
             self.finish(graph, id, ready);
         } else {
+            self.released[id.index()] = true;
             ready.push(id);
         }
     }
@@ -520,10 +666,11 @@ impl ReadyTracker {
             for next in graph.dependents(id) {
                 let waiting = &mut self.waiting[next.index()];
                 *waiting = waiting.saturating_sub(1);
-                if *waiting == 0 {
+                if *waiting == 0 && !self.released[next.index()] {
                     if graph.graph[next].barrier {
                         work.push(next);
                     } else {
+                        self.released[next.index()] = true;
                         ready.push(next);
                     }
                 }
@@ -594,6 +741,87 @@ after = ["d"]
         let first = g.find("a", None).unwrap();
         assert!(tracker.complete(&g, first).is_empty());
         assert_eq!(tracker.remaining(), 0);
+    }
+
+    #[test]
+    fn a_machine_found_late_gets_the_plans_machine_steps_and_what_runs_after_them_waits_for_it() {
+        let p = plan();
+        let mut g = p.expand(&machines(2));
+        let mut tracker = ReadyTracker::new(&g);
+        let mut ready = tracker.start(&g);
+        // run a, b[m0], b[m1], c, d[m0]: d[m1] and e are still to come
+        for label in ["a", "b[m0]", "b[m1]", "c", "d[m0]"] {
+            let id = ready.iter().copied().find(|&id| g[id].label() == label).unwrap_or_else(|| panic!("{label}"));
+            ready.retain(|&r| r != id);
+            ready.extend(tracker.complete(&g, id));
+        }
+        let d_m1 = g.find("d", Some("m1")).unwrap();
+        let e = g.find("e", None).unwrap();
+        assert_eq!(ready, [d_m1], "d[m1] runs; e waits");
+        let before = g.task_count();
+        let growth = g.grow(&p, "late", |id| tracker.is_open(id));
+        assert_eq!(growth.tasks.len(), 2, "one task per machine step");
+        let labels: Vec<String> = growth.tasks.iter().map(|&t| g[t].label()).collect();
+        assert_eq!(labels, ["b[late]", "d[late]"]);
+        assert_eq!(g[growth.tasks[0]].params, p.steps[1].params, "the plan's own params");
+        assert_eq!(growth.waiting, [e], "the running d[m1] is not made to wait; e is");
+        assert_eq!(g.task_count(), before + 2);
+        assert_eq!(g.summary().steps.iter().map(|s| s.tasks).collect::<Vec<_>>(), [1, 3, 1, 3, 1]);
+        // b[late] waits for a (done), d[late] for b[late] and c (done): b[late] starts at once
+        let mut touched = growth.tasks.clone();
+        touched.extend(&growth.waiting);
+        let now = tracker.resync(&g, &touched);
+        assert_eq!(now, [growth.tasks[0]]);
+        assert!(g.dependencies(growth.tasks[1]).any(|d| d == growth.tasks[0]));
+        assert_eq!(g.topological_order().len(), g.node_count(), "still acyclic");
+        // e runs only once both d[m1] and the late machine are through
+        assert!(tracker.complete(&g, d_m1).is_empty(), "e waits for the late machine");
+        assert_eq!(tracker.complete(&g, growth.tasks[0]), [growth.tasks[1]]);
+        assert_eq!(tracker.complete(&g, growth.tasks[1]), [e]);
+        assert!(tracker.complete(&g, e).is_empty());
+        assert!(tracker.all_done());
+    }
+
+    #[test]
+    fn a_task_that_found_a_machine_runs_again_after_the_machines_tasks() {
+        let p = plan();
+        let mut g = p.expand(&machines(1));
+        let mut tracker = ReadyTracker::new(&g);
+        let mut ready = tracker.start(&g);
+        while let Some(id) = ready.pop() {
+            if g[id].label() == "e" {
+                // e is running and finds a machine: it goes back to wait for the machine's tasks
+                let growth = g.grow(&p, "late", |t| tracker.is_open(t));
+                assert!(growth.waiting.is_empty(), "nothing open runs after the machine steps");
+                g.wait_for(id, &growth.tasks);
+                tracker.reopen(id);
+                let mut touched = growth.tasks.clone();
+                touched.push(id);
+                assert_eq!(tracker.resync(&g, &touched), [growth.tasks[0]]);
+                let after_b = tracker.complete(&g, growth.tasks[0]);
+                assert_eq!(after_b, [growth.tasks[1]]);
+                assert_eq!(tracker.complete(&g, growth.tasks[1]), [id], "e runs again");
+                assert!(tracker.complete(&g, id).is_empty());
+                assert!(tracker.all_done());
+                return;
+            }
+            ready.extend(tracker.complete(&g, id));
+        }
+        panic!("e never ran");
+    }
+
+    #[test]
+    fn a_plan_without_machine_steps_adds_nothing_for_a_late_machine() {
+        let p = Plan::from_str(
+            "version = 1\nname = \"p\"\n[[step]]\nid = \"a\"\naction = \"preflight\"\n[[step]]\nid = \"v\"\naction = \"verify\"\nafter = [\"a\"]\n",
+            "p.toml",
+        )
+        .unwrap();
+        let mut g = p.expand(&machines(1));
+        let edges = g.edge_count();
+        let growth = g.grow(&p, "late", |_| true);
+        assert_eq!(growth, Growth::default());
+        assert_eq!(g.edge_count(), edges);
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub use action::{
     Action, ActionSpec, DEFAULT_CONCURRENCY, DEFAULT_SETTLE, ForEachRule, ObjectKind, OnDeadline, ParamKey, Params,
 };
 pub use error::{Location, PlanError};
-pub use graph::{ObjectSets, ReadyTracker, StepSummary, TaskGraph, TaskId, TaskNode, TaskSummary};
+pub use graph::{Growth, ObjectSets, ReadyTracker, StepSummary, TaskGraph, TaskId, TaskNode, TaskSummary};
 pub use render::{RenderFormat, UnknownRenderFormat};
 
 /// The only plan format version this program reads.

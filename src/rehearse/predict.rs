@@ -462,6 +462,7 @@ mod tests {
             attempts: 1,
             result,
             detail: String::new(),
+            found_late: None,
         }
     }
 

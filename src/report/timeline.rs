@@ -27,6 +27,8 @@ struct Bar {
     result: String,
     from_ms: u64,
     to_ms: u64,
+    /// A task of a machine found after the plan was expanded.
+    late: bool,
 }
 
 /// The report as a Mermaid Gantt chart.
@@ -50,6 +52,7 @@ pub fn timeline(report: &Value) -> Result<String, TimelineError> {
             s["result"].as_str().unwrap_or("?"),
             time("started")?,
             time("finished")?,
+            s["found_late"].is_string(),
         ));
     }
     let Some(t0) = read.iter().map(|r| r.3).min() else {
@@ -58,12 +61,13 @@ pub fn timeline(report: &Value) -> Result<String, TimelineError> {
     let ms = |t: SystemTime| t.duration_since(t0).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let bars: Vec<Bar> = read
         .into_iter()
-        .map(|(step, object, result, from, to)| Bar {
+        .map(|(step, object, result, from, to, late)| Bar {
             step,
             object,
             result: result.to_string(),
             from_ms: ms(from),
             to_ms: ms(to).max(ms(from)),
+            late,
         })
         .collect();
 
@@ -98,13 +102,14 @@ pub fn timeline(report: &Value) -> Result<String, TimelineError> {
         if tasks.iter().all(|b| b.object.is_none()) {
             continue;
         }
-        // the slowest machines, and every one that did not end done
+        // the slowest machines, and every one that did not end done or was found late
         let mut shown: Vec<&Bar> = tasks.clone();
         shown.sort_by_key(|b| std::cmp::Reverse(b.to_ms - b.from_ms));
         let mut picked: Vec<&Bar> = shown.iter().take(SLOWEST).copied().collect();
-        picked.extend(shown.iter().skip(SLOWEST).filter(|b| b.result != "done").take(10));
+        picked.extend(shown.iter().skip(SLOWEST).filter(|b| b.result != "done" || b.late).take(10));
         for b in picked {
-            let object = label(b.object.as_deref().unwrap_or("-"));
+            let late = if b.late { " (found late)" } else { "" };
+            let object = format!("{}{}", label(b.object.as_deref().unwrap_or("-")), label(late));
             let (tag, result) =
                 if b.result == "done" { ("", String::new()) } else { ("crit, ", format!(" {}", b.result)) };
             let _ = writeln!(out, "    {object}{result} : {tag}{}, {}", b.from_ms, b.to_ms.max(b.from_ms + 1));

@@ -81,7 +81,7 @@ fn assert_topological(graph: &TaskGraph) {
         assert!(edge.source().index() < edge.target().index(), "edge against index order");
     }
     assert!(petgraph::algo::toposort(graph.graph(), None).is_ok());
-    assert_eq!(graph.topological_order().count(), graph.node_count());
+    assert_eq!(graph.topological_order().len(), graph.node_count());
 }
 
 // ---- The shipped plans ----

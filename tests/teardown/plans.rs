@@ -145,6 +145,21 @@ async fn delegate_plan_falls_back_when_karpenter_is_broken() {
     b.server.shutdown().await;
 }
 
+/// Per machine found late, the steps of its tasks (sorted), each marked with why it was late.
+fn late_tasks(run: &Run) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut late: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for t in run.report["steps"].as_array().into_iter().flatten() {
+        if let Some(why) = t["found_late"].as_str() {
+            assert!(why.contains("launched during the run") && why.contains("found by"), "{t}");
+            late.entry(t["object"].as_str().unwrap_or_default().to_string())
+                .or_default()
+                .push(t["step"].as_str().unwrap_or_default().to_string());
+        }
+    }
+    late.values_mut().for_each(|v| v.sort());
+    late
+}
+
 /// A world whose NodePools may grow, a live controller, and pods that take a moment to terminate
 /// (server time scale 0.3: a 1 s grace period is 0.3 s) so that evicted pods' replacements are
 /// Pending long enough for the controller (pending grace 20 ms) to react.
@@ -167,16 +182,26 @@ async fn without_the_fence_karpenter_chases_the_drain() {
     let stats = sim.stats();
     sim.shutdown().await;
     assert!(stats.nodeclaims_launched > 0, "evicted pods made Karpenter launch replacements: {stats:?}");
-    // The replacements are not in the run's inventory. The engine sweeps them up before it deletes
-    // their EC2NodeClass (drain, terminate, confirm, release), names them, and ends clean.
+    // The replacements are not in the run's inventory. The step that finds them (the classes'
+    // deletion, or verification) hands them to the executor: each gets the plan's own machine
+    // steps as tasks, marked as found late, before the class goes; the run ends clean.
     assert_eq!(run.code, 0, "{}", explain(&run));
     assert_eq!(run.report["outcome"], "clean");
-    let swept: Vec<&Value> = run.report["blockers"]
-        .as_array()
-        .map(|bs| bs.iter().filter(|x| x["kind"] == "nodeclaim").collect())
-        .unwrap_or_default();
-    assert!(!swept.is_empty(), "the report names the NodeClaims launched during the run: {}", explain(&run));
-    assert!(swept.len() as u64 <= stats.nodeclaims_launched);
+    let late = late_tasks(&run);
+    assert!(!late.is_empty(), "the report lists the machines launched during the run: {}", explain(&run));
+    assert!(late.len() as u64 <= stats.nodeclaims_launched);
+    for (machine, steps) in &late {
+        assert_eq!(steps, &["discharge-finalizers", "drain"], "{machine}: the plan's machine steps: {}", explain(&run));
+    }
+    assert!(
+        !run.report["steps"].as_array().into_iter().flatten().any(|t| t["step"] == "sweep"),
+        "no task outside the plan's steps: {}",
+        explain(&run)
+    );
+    assert!(
+        !run.report["blockers"].as_array().into_iter().flatten().any(|b| b["kind"] == "nodeclaim"),
+        "a machine found late is a task, not a blocker"
+    );
     let live = b.aws.ec2.cluster_instances(&world.cluster, InstanceScope::KarpenterLive).await.unwrap();
     assert!(live.is_empty(), "replacement instances left running: {live:?}");
     assert_torn_down(&b, &world, &before).await;
@@ -409,5 +434,102 @@ async fn a_plan_without_verify_ends_unverified_and_a_skip_policy_says_what_it_by
     let left = states(&b.aws, &world.karpenter_instance_ids()).await;
     assert_eq!(left.len(), 2);
     assert!(left.values().all(|st| *st == InstanceState::Terminated), "the plan did its work: {left:?}");
+    b.server.shutdown().await;
+}
+
+/// A machine found late runs the plan's own drain: a PodDisruptionBudget that holds a pod on it
+/// blocks that drain at the plan's deadline with the plan's escalation (`fail`: blocked), the
+/// EC2NodeClass it uses is not deleted behind it, and its instance keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_holding_a_machine_found_late_blocks_its_drain_with_the_plans_escalation() {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    let (b, world, sim) = growing_world("plans-late-pdb").await;
+    let text = default_without_fence();
+    assert!(text.contains("deadline = \"10m\""), "the drain's deadline in plans/default.toml changed");
+    let plan = plan_file(&b, "no-fence-6s.toml", &text.replace("deadline = \"10m\"", "deadline = \"6s\""));
+    let inventoried: std::collections::BTreeSet<&str> = world.nodes.iter().map(|n| n.node.as_str()).collect();
+    // once a pod is Ready on a node the world did not have (launched by the unfenced controller
+    // while the run drains), a budget that allows it no disruption
+    let hold = async {
+        let pods: Api<Pod> = Api::all(b.client.clone());
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(b.client.clone());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(tokio::time::Instant::now() < deadline, "the controller launched no machine with a ready pod");
+            let karpenter: std::collections::BTreeSet<String> = nodes
+                .list(&ListParams::default().labels("karpenter.sh/nodepool"))
+                .await
+                .unwrap()
+                .into_iter()
+                .filter_map(|n| n.metadata.name)
+                .filter(|n| !inventoried.contains(n.as_str()))
+                .collect();
+            let ready = pods.list(&ListParams::default()).await.unwrap().into_iter().find(|p| {
+                let on_late = p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some_and(|n| karpenter.contains(n));
+                let is_ready = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                on_late && is_ready && p.metadata.deletion_timestamp.is_none()
+            });
+            if let Some(p) = ready {
+                let (ns, name) = (p.metadata.namespace.clone().unwrap(), p.metadata.name.clone().unwrap());
+                let node = p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap();
+                let api: Api<Pod> = Api::namespaced(b.client.clone(), &ns);
+                let label = serde_json::json!({"metadata": {"labels": {"hold": "late"}}});
+                api.patch(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&label)).await.unwrap();
+                let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
+                    "metadata": {"name": "hold-late", "namespace": ns},
+                    "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"hold": "late"}}},
+                }))
+                .unwrap();
+                Api::<PodDisruptionBudget>::namespaced(b.client.clone(), &ns)
+                    .create(&PostParams::default(), &pdb)
+                    .await
+                    .unwrap();
+                return (format!("{ns}/{name}"), node);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let args = ["--plan", plan.to_str().unwrap()];
+    let (run, (held, node)) = tokio::join!(teardown(&b, &world.cluster, Consent::Yes, &args), hold);
+    sim.shutdown().await;
+    assert_eq!(run.code, 5, "blocked: {}", explain(&run));
+    let late = late_tasks(&run);
+    assert!(!late.is_empty(), "{}", explain(&run));
+    // the held machine's drain: a task of the plan's drain step, blocked at the plan's 6 s
+    let drains: Vec<&Value> = run.report["steps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| t["step"] == "drain" && t["found_late"].is_string() && t["result"] == "blocked")
+        .collect();
+    assert_eq!(drains.len(), 1, "one late drain blocked, on the held pod: {}", explain(&run));
+    let detail = drains[0]["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(&held) || crate::common::safety::blockers_name(&run.report, &held),
+        "{held}: {}",
+        explain(&run)
+    );
+    let machine = drains[0]["object"].as_str().unwrap_or_default();
+    assert!(
+        !run.report["steps"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|t| t["step"] == "discharge-finalizers" && t["object"] == machine),
+        "the blocked machine is not released: {}",
+        explain(&run)
+    );
+    // its node's instance still runs, and its class is still there
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(b.client.clone());
+    let n = nodes.get(&node).await.unwrap();
+    let provider = n.spec.and_then(|s| s.provider_id).unwrap_or_default();
+    let id = provider.rsplit('/').next().unwrap_or_default().to_string();
+    let state = states(&b.aws, std::slice::from_ref(&id)).await;
+    assert_eq!(state.get(&id), Some(&InstanceState::Running), "{state:?}");
+    assert!(count(&b.client, &k8s::nodeclass_resource()).await > 0, "a class in use was deleted");
     b.server.shutdown().await;
 }
