@@ -377,3 +377,29 @@ id = "verify"
 action = "verify"
 after = ["drain"]
 "#;
+
+/// A copy of the shipped default plan with the controller removed only after every drain: a live
+/// controller sees the whole drain (as when something scales it back up, or in the delegate plan's
+/// fallback), and no machine is released before every drain is over. The default plan removes it
+/// beside the drain, which would hide what the fence is for.
+pub fn controller_through_the_drain(text: &str) -> String {
+    let early = "id = \"remove-controller\"\naction = \"remove-controller\"\nafter = [\"fence\"]";
+    assert!(text.contains(early), "plans/default.toml changed: update this test");
+    text.replacen(early, &early.replace("[\"fence\"]", "[\"drain\"]"), 1)
+        .replace("name = \"default\"", "name = \"controller-through-the-drain\"")
+}
+
+/// The shipped default plan without its fence step, the controller live through the drain: the
+/// drain follows the preflight directly, and a controller that sees pods evicted launches for them.
+pub fn default_without_fence() -> String {
+    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/plans/default.toml")).unwrap();
+    let text = controller_through_the_drain(&shipped);
+    let start = text.find("[[step]]\nid = \"fence\"").expect("default.toml has a fence step");
+    let end = start + text[start..].find("\n[[step]]").expect("a step follows the fence") + 1;
+    let mut out = format!("{}{}", &text[..start], &text[end..]);
+    assert!(out.contains("after = [\"fence\"]"));
+    out = out
+        .replace("after = [\"fence\"]", "after = [\"preflight\"]")
+        .replace("name = \"controller-through-the-drain\"", "name = \"no-fence\"");
+    out
+}

@@ -422,11 +422,15 @@ pub(crate) fn node_of(p: &Pod) -> Option<&str> {
 /// On the full control plane: the real scheduler marks the workload unschedulable and later binds
 /// it to the nodes Karpenter launched, kwok makes those nodes Ready and runs the pods, and the
 /// ReplicaSet and disruption controllers act; the teardown then evicts running pods with Karpenter
-/// alive.
+/// alive. `unfenced`: the plan has no fence and removes the controller only after the drain, and
+/// the budget lets one pod go at a time, so the drain goes on only once the real Karpenter has
+/// launched a machine for the first evicted pod's replacement and it runs there: a machine the run
+/// finds late, which it must drain and release as the plan's own tasks.
 async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(
     version: KarpenterVersion,
+    unfenced: bool,
 ) {
-    let cluster = common::unique_cluster("rkf");
+    let cluster = common::unique_cluster(if unfenced { "rku" } else { "rkf" });
     let s = super::control_plane::full_stack(&cluster).await;
     let admin = s.admin_client().await.unwrap();
     let config = sandbox_sim::localstack::config_as(REGION, "test").await;
@@ -488,10 +492,11 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     // the pods would hold the teardown forever. This one lets all of them go, counted by the
     // disruption controller and enforced by the Eviction API.
     let pdbs: Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> = Api::namespaced(admin.clone(), "web");
+    let allowed = if unfenced { 1 } else { PODS };
     pdbs.create(
         &pp,
         &serde_json::from_value(json!({"metadata": {"name": "web"},
-            "spec": {"maxUnavailable": PODS, "selector": {"matchLabels": labels}}}))
+            "spec": {"maxUnavailable": allowed, "selector": {"matchLabels": labels}}}))
         .unwrap(),
     )
     .await
@@ -576,7 +581,7 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let status = pdbs.get("web").await.unwrap().status.unwrap_or_default();
-        if status.current_healthy == PODS as i32 && status.disruptions_allowed == PODS as i32 {
+        if status.current_healthy == PODS as i32 && status.disruptions_allowed == allowed as i32 {
             break;
         }
         assert!(Instant::now() < deadline, "the budget was not computed: {status:?}");
@@ -591,9 +596,66 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
     let (other_lt, other_profile) = other_clusters_leftovers(&ec2, &iam, &cluster).await;
 
     // the teardown, with the real Karpenter alive
-    let run = super::teardown(&s, &cluster).await;
+    let run = if unfenced {
+        let dir = tempfile::tempdir().unwrap();
+        let plan = dir.path().join("no-fence.toml");
+        std::fs::write(&plan, common::e2e::default_without_fence()).unwrap();
+        let plan = plan.display().to_string();
+        let inventoried: Vec<String> = before.iter().filter_map(|p| node_of(p).map(str::to_string)).collect();
+        // once a replacement runs on a machine launched during the run, the budget lets every pod
+        // go: the late machine's drain is then held by nothing but the plan
+        let relax = async {
+            let deadline = Instant::now() + Duration::from_secs(240);
+            loop {
+                let list = pods.list(&ListParams::default()).await.unwrap();
+                let late = list.items.iter().find(|p| {
+                    phase(p) == "Running"
+                        && node_of(p).is_some_and(|n| n != "system-0" && !inventoried.iter().any(|i| i == n))
+                });
+                if let Some(p) = late {
+                    let relaxed = json!({"spec": {"maxUnavailable": PODS}});
+                    pdbs.patch("web", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&relaxed))
+                        .await
+                        .unwrap();
+                    return node_of(p).map(str::to_string);
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "no replacement ran on a new machine; Karpenter:\n{}",
+                    karpenter.log_tail(40)
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        };
+        let args = ["--plan", plan.as_str()];
+        let (run, late_node) = tokio::join!(super::teardown_with(&s, &cluster, &args), relax);
+        eprintln!("a replacement ran on {late_node:?}, a machine launched during the run");
+        run
+    } else {
+        super::teardown(&s, &cluster).await
+    };
     assert_eq!(run.code, 0, "{}\nKarpenter:\n{}", run.dump(), karpenter.log_tail(40));
     assert_eq!(run.report["outcome"], "clean", "{}", run.dump());
+    // a machine found late runs the plan's machine steps, as tasks of its own
+    let mut late: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for t in run.report["steps"].as_array().into_iter().flatten().filter(|t| t["found_late"].is_string()) {
+        late.entry(t["object"].as_str().unwrap_or_default().into())
+            .or_default()
+            .push(t["step"].as_str().unwrap_or_default().into());
+    }
+    if unfenced {
+        assert!(
+            !late.is_empty(),
+            "the machine Karpenter launched during the drain is not in the report: {}",
+            run.dump()
+        );
+        for (machine, steps) in &mut late {
+            steps.sort();
+            assert_eq!(steps, &["discharge-finalizers", "drain"], "{machine}: {}", run.dump());
+        }
+    } else {
+        assert!(late.is_empty(), "the fence let Karpenter launch: {late:?}");
+    }
 
     assert!(!karpenter.running(), "Karpenter still runs after the teardown");
     assert_eq!(karpenter.starts(), 1);
@@ -659,10 +721,23 @@ async fn the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tool_drains_running_pods_off_the_real_karpenter_1_14s_nodes_on_the_full_control_plane() {
-    the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(KarpenterVersion::V1_14).await;
+    the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(
+        KarpenterVersion::V1_14,
+        false,
+    )
+    .await;
+}
+
+/// Without the fence, the real Karpenter 1.14 launches for the pods the drain evicts: the machine
+/// it launched is found late, drained and released by the plan's own steps, and the run ends clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_the_real_karpenter_launches_during_the_drain_is_torn_down_by_the_plans_own_steps() {
+    the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(KarpenterVersion::V1_14, true)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tool_drains_running_pods_off_the_real_karpenter_1_0s_nodes_on_the_full_control_plane() {
-    the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(KarpenterVersion::V1_0).await;
+    the_tool_drains_running_pods_off_the_real_karpenters_nodes_on_the_full_control_plane(KarpenterVersion::V1_0, false)
+        .await;
 }

@@ -769,7 +769,7 @@ async fn pods_bound_after_the_fence_was_lifted_are_evicted_before_their_node_goe
     // marks the end of the drains and the start of the releases.
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/plans/default.toml")).unwrap();
     let plan = b.dir.path().join("controller-through-the-drain.toml");
-    std::fs::write(&plan, crate::plans::controller_through_the_drain(&text)).unwrap();
+    std::fs::write(&plan, crate::common::e2e::controller_through_the_drain(&text)).unwrap();
 
     let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", plan.to_str().unwrap()]).await;
     reverter.abort();

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::common::e2e::{
-    Bed, Consent, REGION, Run, assert_torn_down, bed, bed_with, count, real_crds, scale_controller, small_world,
-    states, teardown, untouchable_nodes,
+    Bed, Consent, REGION, Run, assert_torn_down, bed, bed_with, controller_through_the_drain, count,
+    default_without_fence, real_crds, scale_controller, small_world, states, teardown, untouchable_nodes,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -35,32 +35,6 @@ fn delegate_waiting(deadline: &str) -> String {
     let wait = "deadline = \"15m\"\non_deadline = \"continue\"";
     assert!(text.contains(wait), "plans/delegate.toml changed: update this test");
     text.replacen(wait, &format!("deadline = \"{deadline}\"\non_deadline = \"continue\""), 1)
-}
-
-/// A copy of the shipped default plan with the controller removed only after every drain: a live
-/// controller sees the whole drain (as when something scales it back up, or in the delegate plan's
-/// fallback), and no machine is released before every drain is over. The default plan removes it
-/// beside the drain, which would hide what the fence is for.
-pub(crate) fn controller_through_the_drain(text: &str) -> String {
-    let early = "id = \"remove-controller\"\naction = \"remove-controller\"\nafter = [\"fence\"]";
-    assert!(text.contains(early), "plans/default.toml changed: update this test");
-    text.replacen(early, &early.replace("[\"fence\"]", "[\"drain\"]"), 1)
-        .replace("name = \"default\"", "name = \"controller-through-the-drain\"")
-}
-
-/// The shipped default plan without its fence step, the controller live through the drain: the
-/// drain follows the preflight directly.
-fn default_without_fence() -> String {
-    let text =
-        controller_through_the_drain(&std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap());
-    let start = text.find("[[step]]\nid = \"fence\"").expect("default.toml has a fence step");
-    let end = start + text[start..].find("\n[[step]]").expect("a step follows the fence") + 1;
-    let mut out = format!("{}{}", &text[..start], &text[end..]);
-    assert!(out.contains("after = [\"fence\"]"));
-    out = out
-        .replace("after = [\"fence\"]", "after = [\"preflight\"]")
-        .replace("name = \"controller-through-the-drain\"", "name = \"no-fence\"");
-    out
 }
 
 /// The report record of a step that is not expanded per object.
