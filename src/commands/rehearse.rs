@@ -322,12 +322,13 @@ fn render(p: &Prediction) -> String {
     for st in &p.timing.steps {
         let _ = writeln!(
             s,
-            "    {:<22} {:>8.1}s {:>5.1}%  {} ({} task(s), {})",
+            "    {:<22} {:>8.1}s {:>5.1}%  {} ({} task(s){}, {})",
             st.step,
             st.predicted_seconds,
             st.share * 100.0,
             st.basis,
             st.tasks,
+            if st.found_late > 0 { format!(", {} of machines found late", st.found_late) } else { String::new() },
             st.result
         );
     }

@@ -34,6 +34,9 @@ pub(crate) struct StepPrediction {
     pub action: String,
     /// Tasks it ran in the rehearsal.
     pub tasks: usize,
+    /// Of those, the tasks of machines found after the expansion (launched during the run).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub found_late: usize,
     /// How the step ended in the rehearsal (its worst task).
     pub result: TaskResult,
     /// Wall time in the rehearsal, seconds.
@@ -46,6 +49,10 @@ pub(crate) struct StepPrediction {
     pub share: f64,
     /// Where its waits come from.
     pub basis: String,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// The per-step predictions and their total.
@@ -178,6 +185,7 @@ pub(crate) fn timing(waits: &Waits, records: &[StepRecord], inputs: &TimingInput
             step,
             action,
             tasks: recs.len(),
+            found_late: recs.iter().filter(|r| r.found_late.is_some()).count(),
             result,
             rehearsal_seconds: measured,
             waits_seconds: wait,
@@ -499,6 +507,23 @@ mod tests {
         assert!((t.steps[1].predicted_seconds - 61.0).abs() < 1e-9, "{:?}", t.steps[1]);
         assert!((t.predicted_seconds - 63.0).abs() < 1e-9);
         assert!((t.steps.iter().map(|s| s.share).sum::<f64>() - 62.0 / 63.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_step_counts_the_tasks_of_machines_found_late() {
+        let s = snap(vec![pod("a", 0, false)]);
+        let late = StepRecord {
+            found_late: Some("launched during the run".into()),
+            ..record("drain", Some("b"), 2.0, 3.0, TaskResult::Done)
+        };
+        let records = [record("drain", Some("node/a"), 1.0, 2.0, TaskResult::Done), late];
+        let t = timing(&Waits::of(&s), &records, &inputs(3.0, &[]));
+        assert_eq!(t.steps.len(), 1);
+        assert_eq!((t.steps[0].tasks, t.steps[0].found_late), (2, 1));
+        let json = serde_json::to_value(&t).unwrap();
+        assert_eq!(json["steps"][0]["found_late"], 1);
+        let none = timing(&Waits::of(&s), &records[..1], &inputs(3.0, &[]));
+        assert!(serde_json::to_value(&none).unwrap()["steps"][0].get("found_late").is_none(), "absent when none");
     }
 
     #[test]
