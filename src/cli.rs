@@ -28,7 +28,7 @@ AWS_ENDPOINT_URL, ...); the Kubernetes API from the standard kubeconfig rules (K
 
 /// The whole command line.
 #[derive(Debug, Parser)]
-#[command(name = "karpenter-teardown", version, about = ABOUT, after_long_help = format!("{EXAMPLES}\n\n{EXIT_CODES_HELP}"), after_help = EXIT_CODES_HELP)]
+#[command(name = "karpenter-teardown", version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("KARPENTER_TEARDOWN_COMMIT"), ")"), about = ABOUT, after_long_help = format!("{EXAMPLES}\n\n{EXIT_CODES_HELP}"), after_help = EXIT_CODES_HELP)]
 pub struct Cli {
     /// Log line format when stderr is not a terminal (text or json).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "KARPENTER_TEARDOWN_LOG_FORMAT")]
