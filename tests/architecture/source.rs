@@ -14,7 +14,7 @@ pub struct Module {
 
 impl Module {
     /// Reads a module's source.
-    pub fn parse(_name: &str, _is_dir: bool, source: &str) -> Module {
+    pub fn parse(source: &str) -> Module {
         Module { code: without_tests(tokens(source)) }
     }
 }
@@ -37,8 +37,8 @@ pub fn modules(src: &Path) -> BTreeMap<String, Module> {
             let rel = path.strip_prefix(src).unwrap().with_extension("");
             let mut segs: Vec<String> =
                 rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
-            let is_dir = segs.last().is_some_and(|s| s == "mod");
-            if is_dir {
+            // a directory's `mod.rs` is the directory's module
+            if segs.last().is_some_and(|s| s == "mod") {
                 segs.pop();
             }
             if segs.len() == 1 && (segs[0] == "lib" || segs[0] == "main") {
@@ -46,7 +46,7 @@ pub fn modules(src: &Path) -> BTreeMap<String, Module> {
             }
             let name = segs.join("::");
             let source = std::fs::read_to_string(&path).unwrap();
-            out.insert(name.clone(), Module::parse(&name, is_dir, &source));
+            out.insert(name.clone(), Module::parse(&source));
         }
     }
     out
