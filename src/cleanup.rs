@@ -243,10 +243,22 @@ pub(crate) struct Held {
 
 /// What the user consented to release before the drain (`--release`): the objects its cleaner
 /// holds are deleted while the cleaner still runs, and the run waits until they and what they
-/// stand for in AWS are gone.
+/// stand for in AWS are gone. By default only where the drain would strand the cleaner: one that
+/// keeps running after the drain deletes in AWS by itself whenever its objects go, so deleting
+/// them before the drain would only take load balancers or data the teardown does not need to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Release {
+    /// What is released.
+    pub what: Releasable,
+    /// Whether it is released also when the drain leaves its cleaner running
+    /// (`--release load-balancers=all`).
+    pub all: bool,
+}
+
+/// The kinds of `--release`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Release {
+pub enum Releasable {
     /// The Services, Ingresses, Gateways and TargetGroupBindings the Load Balancer Controller
     /// holds, and so their load balancers, target groups and security groups.
     LoadBalancers,
@@ -256,13 +268,40 @@ pub enum Release {
     Volumes,
 }
 
+impl Releasable {
+    /// The cleaner whose objects it is.
+    pub(crate) fn cleaner(self) -> Cleaner {
+        match self {
+            Releasable::LoadBalancers => Cleaner::LoadBalancerController,
+            Releasable::Volumes => Cleaner::EbsCsi,
+        }
+    }
+
+    /// Its `--release` value.
+    pub(crate) fn flag(self) -> &'static str {
+        match self {
+            Releasable::LoadBalancers => "load-balancers",
+            Releasable::Volumes => "volumes",
+        }
+    }
+}
+
 impl Release {
     /// Whether the consent covers what `cleaner` holds.
     pub(crate) fn covers(self, cleaner: Cleaner) -> bool {
-        match self {
-            Release::LoadBalancers => cleaner == Cleaner::LoadBalancerController,
-            Release::Volumes => cleaner == Cleaner::EbsCsi,
-        }
+        self.what.cleaner() == cleaner
+    }
+
+    /// The consent given for `cleaner`'s objects, if any: `Some(true)` when given also for a
+    /// cleaner the drain leaves running (the wider of two consents for one kind).
+    pub(crate) fn consent(release: &std::collections::BTreeSet<Release>, cleaner: Cleaner) -> Option<bool> {
+        release.iter().filter(|r| r.covers(cleaner)).map(|r| r.all).max()
+    }
+
+    /// Whether `verdict`'s objects are released under `release`: its cleaner is covered, and the
+    /// drain would strand it or the consent reaches the objects of a cleaner that survives.
+    pub(crate) fn releases(release: &std::collections::BTreeSet<Release>, verdict: &Verdict) -> bool {
+        Release::consent(release, verdict.cleaner).is_some_and(|all| all || verdict.stranded)
     }
 }
 
@@ -513,6 +552,23 @@ impl Verdict {
             "cleanup: {} ({runs}) holds {} object(s) for their {}; {fate}",
             self.cleaner,
             self.held.len(),
+            self.cleaner.cleans()
+        )
+    }
+
+    /// The plan's line for a cleaner `--release` covers that the drain leaves running: what
+    /// it holds stays, and how to release it anyway.
+    pub(crate) fn not_released_line(&self) -> String {
+        let flag = match self.cleaner {
+            Cleaner::LoadBalancerController => Some(Releasable::LoadBalancers),
+            Cleaner::EbsCsi => Some(Releasable::Volumes),
+            Cleaner::EfsCsi => None,
+        };
+        let anyway = flag.map(|f| format!("; --release {}=all releases them anyway", f.flag())).unwrap_or_default();
+        format!(
+            "release: nothing of the {} object(s) {} holds: it keeps running through the drain and deletes their {} in AWS itself when they go{anyway}",
+            self.held.len(),
+            self.cleaner,
             self.cleaner.cleans()
         )
     }
@@ -816,8 +872,8 @@ mod tests {
 
     #[test]
     fn a_release_covers_its_cleaners_objects_and_names_their_stacks() {
-        assert!(Release::LoadBalancers.covers(Cleaner::LoadBalancerController));
-        assert!(!Release::LoadBalancers.covers(Cleaner::EbsCsi));
+        let lb = Release { what: Releasable::LoadBalancers, all: false };
+        assert!(lb.covers(Cleaner::LoadBalancerController) && !lb.covers(Cleaner::EbsCsi));
         let svc = held("Service", "shop/front", FINALIZER_SERVICE, Cleaner::LoadBalancerController);
         assert_eq!(stack_of(&svc).as_deref(), Some("service.k8s.aws/stack shop/front"));
         let ing = held("Ingress", "shop/front", FINALIZER_INGRESS, Cleaner::LoadBalancerController);
@@ -931,7 +987,8 @@ mod tests {
             refused.iter().any(|(o, why)| o == "PersistentVolume/pv-db-1" && why.contains("no uid")),
             "{refused:?}"
         );
-        assert!(Release::Volumes.covers(Cleaner::EbsCsi) && !Release::Volumes.covers(Cleaner::EfsCsi));
+        let volumes = Release { what: Releasable::Volumes, all: false };
+        assert!(volumes.covers(Cleaner::EbsCsi) && !volumes.covers(Cleaner::EfsCsi));
     }
 
     #[test]
@@ -1043,6 +1100,32 @@ mod tests {
             "{}",
             blockers[0].1
         );
+    }
+
+    #[test]
+    fn a_release_reaches_a_surviving_cleaners_objects_only_when_all_is_named() {
+        let objects = vec![held("Service", "web/front", FINALIZER_SERVICE, Cleaner::LoadBalancerController)];
+        let verdict = |stranded| Verdict {
+            cleaner: Cleaner::LoadBalancerController,
+            runs: vec!["kube-system/lbc-0 on system-0".into()],
+            stranded,
+            unplaced: false,
+            held: objects.clone(),
+        };
+        let lb = |all| Release { what: Releasable::LoadBalancers, all };
+        let volumes = Release { what: Releasable::Volumes, all: true };
+        let set = |r: &[Release]| r.iter().copied().collect::<std::collections::BTreeSet<_>>();
+        // stranded: the default consent releases it
+        assert!(Release::releases(&set(&[lb(false)]), &verdict(true)));
+        // it survives the drain: only `=all` reaches its objects
+        assert!(!Release::releases(&set(&[lb(false)]), &verdict(false)));
+        assert!(Release::releases(&set(&[lb(true)]), &verdict(false)));
+        assert!(Release::releases(&set(&[lb(false), lb(true)]), &verdict(false)), "the wider consent wins");
+        // another kind's consent covers nothing of it
+        assert!(!Release::releases(&set(&[volumes]), &verdict(true)));
+        assert_eq!(Release::consent(&set(&[volumes]), Cleaner::LoadBalancerController), None);
+        let line = verdict(false).not_released_line();
+        assert!(line.contains("nothing of the 1 object(s)") && line.contains("--release load-balancers=all"), "{line}");
     }
 
     #[test]

@@ -317,9 +317,11 @@ pub struct TeardownArgs {
     /// Ingresses, Gateways and TargetGroupBindings the AWS Load Balancer Controller holds, and so
     /// their load balancers, target groups and security groups); `volumes` (the StatefulSets mounting
     /// the claims of the EBS CSI controller's Delete-policy PVs are scaled to zero and the claims
-    /// deleted, and so the PVs and their EBS volumes). Refused (exit 3) for a load balancer with
-    /// deletion protection, and for a claim mounted by a pod no StatefulSet owns. Finalizers are
-    /// never removed; the data on the volumes is gone.
+    /// deleted, and so the PVs and their EBS volumes). Only what the drain would strand (its
+    /// controller runs only where the drain takes it); `load-balancers=all`, `volumes=all` also
+    /// where the controller keeps running. Refused (exit 3) for a load balancer with deletion
+    /// protection, and for a claim mounted by a pod no StatefulSet owns. Finalizers are never
+    /// removed; the data on the volumes is gone.
     #[arg(long, env = "KARPENTER_TEARDOWN_RELEASE", value_enum, value_delimiter = ',', value_name = "WHAT")]
     pub release: Vec<ReleaseArg>,
 
@@ -357,6 +359,12 @@ pub enum ReleaseArg {
     /// The EBS CSI controller's PersistentVolumes (reclaim policy Delete): the StatefulSets
     /// mounting their claims are scaled to zero and the claims deleted, and so their volumes.
     Volumes,
+    /// `load-balancers`, also when the Load Balancer Controller keeps running through the drain.
+    #[value(name = "load-balancers=all")]
+    LoadBalancersAll,
+    /// `volumes`, also when the EBS CSI controller keeps running through the drain.
+    #[value(name = "volumes=all")]
+    VolumesAll,
 }
 
 /// `--on-drain-deadline`.

@@ -234,9 +234,18 @@ impl TeardownConfig {
             release: a
                 .release
                 .iter()
-                .map(|r| match r {
-                    crate::cli::ReleaseArg::LoadBalancers => crate::cleanup::Release::LoadBalancers,
-                    crate::cli::ReleaseArg::Volumes => crate::cleanup::Release::Volumes,
+                .map(|r| {
+                    use crate::cleanup::{Releasable, Release};
+                    match r {
+                        crate::cli::ReleaseArg::LoadBalancers => {
+                            Release { what: Releasable::LoadBalancers, all: false }
+                        }
+                        crate::cli::ReleaseArg::LoadBalancersAll => {
+                            Release { what: Releasable::LoadBalancers, all: true }
+                        }
+                        crate::cli::ReleaseArg::Volumes => Release { what: Releasable::Volumes, all: false },
+                        crate::cli::ReleaseArg::VolumesAll => Release { what: Releasable::Volumes, all: true },
+                    }
                 })
                 .collect(),
             assume_stopped: a
@@ -311,11 +320,16 @@ mod tests {
             crate::cli::Command::Rehearse(a) => TeardownConfig::from_args(&a.teardown).unwrap(),
             other => panic!("{other:?}"),
         };
-        let both = [crate::cleanup::Release::LoadBalancers, crate::cleanup::Release::Volumes].into();
+        use crate::cleanup::{Releasable, Release};
+        let stranded = |what| Release { what, all: false };
+        let both = [stranded(Releasable::LoadBalancers), stranded(Releasable::Volumes)].into();
         let run = ["kt", "run", "--cluster", "c", "--region", "eu-west-1", "--release", "load-balancers,volumes"];
         assert_eq!(teardown(&run).release, both);
         let rehearse = ["kt", "rehearse", "--cluster", "c", "--region", "eu-west-1", "--release", "volumes"];
-        assert_eq!(teardown(&rehearse).release, [crate::cleanup::Release::Volumes].into());
+        assert_eq!(teardown(&rehearse).release, [stranded(Releasable::Volumes)].into());
+        let all = ["kt", "run", "--cluster", "c", "--region", "eu-west-1", "--release", "load-balancers=all,volumes"];
+        let wide = Release { what: Releasable::LoadBalancers, all: true };
+        assert_eq!(teardown(&all).release, [wide, stranded(Releasable::Volumes)].into());
         assert!(crate::cli::Cli::try_parse_from(["kt", "run", "--cluster", "c", "--release", "disks"]).is_err());
     }
 

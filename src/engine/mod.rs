@@ -185,7 +185,7 @@ pub(crate) async fn cleanup_verdict(
     let seen = crate::k8s::retry_transient(|| crate::k8s::cleanup::read(client, &karpenter_nodes)).await?;
     let nodes: Vec<String> = karpenter_nodes.into_iter().collect();
     let verdicts = crate::cleanup::survey(&seen.held, &seen.running, &nodes, &seen.other_nodes, &seen.requested);
-    let covered = |c: crate::cleanup::Cleaner| release.iter().any(|r| r.covers(c));
+    let covered = |c: crate::cleanup::Cleaner| crate::cleanup::Release::consent(release, c).is_some();
     let mut out = CleanupVerdict { volumes: seen.volumes, ..CleanupVerdict::default() };
     let mut idle = Vec::new();
     let mut unreleasable: Vec<(String, String)> = Vec::new();
@@ -197,6 +197,12 @@ pub(crate) async fn cleanup_verdict(
         }
         if v.runs.is_empty() {
             idle.push(v);
+            continue;
+        }
+        if !crate::cleanup::Release::releases(release, v) {
+            // it deletes in AWS by itself after the drain, whenever its objects go
+            plan_text.push_str(&v.not_released_line());
+            plan_text.push('\n');
             continue;
         }
         if v.cleaner == crate::cleanup::Cleaner::EbsCsi {

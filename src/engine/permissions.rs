@@ -72,15 +72,15 @@ pub(crate) fn conversion_repair_needs() -> BTreeSet<KubePermission> {
 pub fn cleanup_release_needs(release: &BTreeSet<crate::cleanup::Release>) -> BTreeSet<KubePermission> {
     let mut need = BTreeSet::new();
     for r in release {
-        match r {
-            crate::cleanup::Release::LoadBalancers => need.extend([
+        match r.what {
+            crate::cleanup::Releasable::LoadBalancers => need.extend([
                 p("delete", "", "services"),
                 p("delete", "networking.k8s.io", "ingresses"),
                 p("delete", "elbv2.k8s.aws", "targetgroupbindings"),
                 p("delete", "gateway.networking.k8s.io", "gateways"),
             ]),
             // the claims' pods are found by the pod list the drain has anyway
-            crate::cleanup::Release::Volumes => need.extend([
+            crate::cleanup::Releasable::Volumes => need.extend([
                 KubePermission { subresource: "scale", ..p("get", "apps", "statefulsets") },
                 KubePermission { subresource: "scale", ..p("patch", "apps", "statefulsets") },
                 p("delete", "", "persistentvolumeclaims"),

@@ -336,6 +336,39 @@ pub async fn lbc_deployment(client: &kube::Client) {
         .unwrap();
 }
 
+/// The Load Balancer Controller as a test needs it running: its chart's Deployment, its pod
+/// `lbc-0` on `node` (needing Karpenter's capacity when `karpenter_only`), and the stand-in
+/// (`sandbox_sim::lbc`) acting for it against the AWS of `config`.
+pub async fn running_lbc(
+    b: &Bed,
+    config: &aws_config::SdkConfig,
+    cluster: &str,
+    node: &str,
+    karpenter_only: bool,
+) -> sandbox_sim::standin::StandIn {
+    lbc_deployment(&b.client).await;
+    let pods: Api<Pod> = Api::namespaced(b.client.clone(), "kube-system");
+    pods.create(&PostParams::default(), &controller_pod("lbc-0", node, karpenter_only)).await.unwrap();
+    sandbox_sim::lbc::start(b.client.clone(), config, cluster, Duration::from_millis(100))
+}
+
+/// Namespace `shop` and in it a Service `shop/<name>` of type LoadBalancer for each of `names`;
+/// returns the namespace's Services.
+pub async fn shop_services(client: &Client, names: &[&str]) -> Api<k8s_openapi::api::core::v1::Service> {
+    use k8s_openapi::api::core::v1::{Namespace, Service};
+    let pp = PostParams::default();
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
+    Api::<Namespace>::all(client.clone()).create(&pp, &ns).await.unwrap();
+    let services: Api<Service> = Api::namespaced(client.clone(), "shop");
+    for name in names {
+        let svc: Service = serde_json::from_value(json!({"metadata": {"name": name, "namespace": "shop"},
+                                                          "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}}))
+        .unwrap();
+        services.create(&pp, &svc).await.unwrap();
+    }
+    services
+}
+
 /// A plan of preflight and verify, "just check": with `--reclaim` it is refused when loaded.
 pub const VERIFY_ONLY: &str = r#"
 version = 1

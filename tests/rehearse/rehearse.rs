@@ -472,26 +472,15 @@ async fn rehearse_predicts_a_run_that_pauses_flux_owners() {
 /// real run, not its time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rehearse_predicts_the_runs_with_and_without_the_release_of_a_stranded_controllers_service() {
-    use k8s_openapi::api::core::v1::{Namespace, Service};
     let _serial = crate::SERIAL.lock().await;
     let s = live_spec("reh-release", 3);
     let rbac = Rbac::from_yaml(&format!("{RUN_RBAC}\n---\n{REHEARSE_RBAC}\n---\n{RELEASE_RBAC}")).unwrap();
     let b = live_bed(&s.cluster, rbac).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let sim = live_sim(&b, &world);
-    let pp = PostParams::default();
-    common::e2e::lbc_deployment(&b.client).await;
-    let pods: Api<Pod> = Api::namespaced(b.client.clone(), "kube-system");
-    pods.create(&pp, &common::e2e::controller_pod("lbc-0", &world.nodes[0].node, true)).await.unwrap();
     let config = sandbox_sim::localstack::config_at(common::LOCALSTACK, REGION, &account_of(&world.cluster)).await;
-    let lbc = sandbox_sim::lbc::start(b.client.clone(), &config, &world.cluster, Duration::from_millis(100));
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
-    Api::<Namespace>::all(b.client.clone()).create(&pp, &ns).await.unwrap();
-    let services: Api<Service> = Api::namespaced(b.client.clone(), "shop");
-    let svc: Service = serde_json::from_value(json!({"metadata": {"name": "front", "namespace": "shop"},
-                                                      "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}}))
-    .unwrap();
-    services.create(&pp, &svc).await.unwrap();
+    let lbc = common::e2e::running_lbc(&b, &config, &world.cluster, &world.nodes[0].node, true).await;
+    let services = common::e2e::shop_services(&b.client, &["front"]).await;
     let stack = "service.k8s.aws/stack shop/front";
     let in_aws = || async {
         let found = karpenter_teardown::verify::load_balancing(&b.aws, &world.cluster).await.unwrap();

@@ -11,7 +11,7 @@ use serde_json::json;
 
 use crate::common::e2e::{
     Consent, assert_no_node_fenced, assert_torn_down, bed, bed_with, blockers_of, controller_pod, lbc_deployment,
-    scale_controller, small_world, teardown, untouchable_nodes,
+    running_lbc, scale_controller, shop_services, small_world, teardown, untouchable_nodes,
 };
 
 /// Service `shop/front` of type LoadBalancer, held by the Load Balancer Controller's finalizer.
@@ -166,26 +166,16 @@ async fn with_consent_load_balancers_are_released_before_the_drain_and_verificat
     let b = release_bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     scale_controller(&b.client, 0).await;
-    let pp = PostParams::default();
-    lbc_deployment(&b.client).await;
-    let pods: Api<Pod> = Api::namespaced(b.client.clone(), "kube-system");
-    pods.create(&pp, &controller_pod("lbc-0", &world.nodes[0].node, true)).await.unwrap();
     let config = sandbox_sim::localstack::config_as(crate::common::e2e::REGION, "test").await;
-    let lbc = sandbox_sim::lbc::start(b.client.clone(), &config, &world.cluster, std::time::Duration::from_millis(100));
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "shop"}})).unwrap();
-    Api::<Namespace>::all(b.client.clone()).create(&pp, &ns).await.unwrap();
-    let services: Api<Service> = Api::namespaced(b.client.clone(), "shop");
-    let service = |name: &str, protected: bool| -> Service {
-        let mut svc = json!({"metadata": {"name": name, "namespace": "shop"},
-                             "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}});
-        if protected {
-            svc["metadata"]["annotations"] =
-                json!({(sandbox_sim::lbc::ATTRIBUTES_ANNOTATION): "deletion_protection.enabled=true"});
-        }
-        serde_json::from_value(svc).unwrap()
-    };
-    services.create(&pp, &service("front", false)).await.unwrap();
-    services.create(&pp, &service("locked", true)).await.unwrap();
+    let lbc = running_lbc(&b, &config, &world.cluster, &world.nodes[0].node, true).await;
+    let services = shop_services(&b.client, &["front"]).await;
+    // made protected: the stand-in sets the annotation's attributes on the load balancer it makes
+    let locked: Service = serde_json::from_value(json!({
+        "metadata": {"name": "locked", "namespace": "shop",
+                     "annotations": {(sandbox_sim::lbc::ATTRIBUTES_ANNOTATION): "deletion_protection.enabled=true"}},
+        "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}}))
+    .unwrap();
+    services.create(&PostParams::default(), &locked).await.unwrap();
     made(&b.aws, &world.cluster, "shop/front").await;
     made(&b.aws, &world.cluster, "shop/locked").await;
     // another cluster's load balancer for a Service of the same name
@@ -282,6 +272,52 @@ async fn with_consent_load_balancers_are_released_before_the_drain_and_verificat
     let still = v2.describe_load_balancers().load_balancer_arns(&decoy).send().await.unwrap();
     assert_eq!(still.load_balancers().len(), 1);
     v2.delete_load_balancer().load_balancer_arn(&decoy).send().await.unwrap();
+    lbc.shutdown().await;
+    b.server.shutdown().await;
+}
+
+/// `--release load-balancers` reaches only what the drain would strand: a Load Balancer
+/// Controller that keeps running on the managed node group deletes in AWS by itself whenever its
+/// Services go, so the run leaves its Service and load balancer alone and says so; naming
+/// `load-balancers=all` is what reaches them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_leaves_what_a_surviving_controller_holds_unless_all_is_named() {
+    let s = small_world("e2e-release-kept", 2);
+    let b = release_bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    scale_controller(&b.client, 0).await;
+    let config = sandbox_sim::localstack::config_as(crate::common::e2e::REGION, "test").await;
+    let lbc = running_lbc(&b, &config, &world.cluster, &world.managed_nodes[0].node, false).await;
+    let services = shop_services(&b.client, &["front"]).await;
+    made(&b.aws, &world.cluster, "shop/front").await;
+
+    // named with =all, a dry run plans its deletion
+    let dry = teardown(&b, &world.cluster, Consent::DryRun, &["--release", "load-balancers=all"]).await;
+    assert_eq!(dry.code, 0, "{}", dry.dump());
+    assert!(
+        dry.stdout.contains("release: delete Service shop/front while the AWS Load Balancer Controller runs"),
+        "{}",
+        dry.dump()
+    );
+    // the default consent plans nothing for it, and says how to reach it
+    let dry = teardown(&b, &world.cluster, Consent::DryRun, &["--release", "load-balancers"]).await;
+    assert_eq!(dry.code, 0, "{}", dry.dump());
+    assert!(
+        dry.stdout.contains("release: nothing of the 1 object(s) the AWS Load Balancer Controller holds")
+            && dry.stdout.contains("--release load-balancers=all releases them anyway")
+            && !dry.stdout.contains("release: delete Service"),
+        "{}",
+        dry.dump()
+    );
+    let before = untouchable_nodes(&b.client, &world).await;
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--release", "load-balancers"]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let steps = run.report["steps"].as_array().unwrap();
+    assert!(steps.iter().all(|r| r["step"] != "release"), "{}", run.dump());
+    let front = services.get("front").await.unwrap();
+    assert!(front.metadata.deletion_timestamp.is_none(), "the run deleted a Service its controller outlives");
+    assert_eq!(stack_in_aws(&b.aws, &world.cluster, "shop/front").await.len(), 3, "its load balancer was touched");
+    assert_torn_down(&b, &world, &before).await;
     lbc.shutdown().await;
     b.server.shutdown().await;
 }

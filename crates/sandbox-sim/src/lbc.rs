@@ -162,10 +162,13 @@ fn annotated_protection(kind: Kind, obj: &DynamicObject) -> bool {
     })
 }
 
-/// The load balancer's name: `k8s-<namespace>-<name>-<hash>` within ELBv2's 32 characters.
-fn lb_name(ns: &str, name: &str, uid: &str) -> String {
+/// The load balancer's name: `k8s-<namespace>-<name>-<hash>` within ELBv2's 32 characters. The
+/// hash takes the cluster's name as the real one's does (`pkg/deploy/elbv2/`), so two clusters'
+/// objects of one name and uid (a test server's uids repeat) never share a name in one account.
+fn lb_name(cluster: &str, ns: &str, name: &str, uid: &str) -> String {
     let short = |s: &str, n: usize| s.chars().take(n).collect::<String>();
-    let hash: u32 = uid.bytes().fold(2166136261u32, |h, b| (h ^ u32::from(b)).wrapping_mul(16777619));
+    let hash: u32 =
+        cluster.bytes().chain(uid.bytes()).fold(2166136261u32, |h, b| (h ^ u32::from(b)).wrapping_mul(16777619));
     format!("k8s-{}-{}-{hash:08x}", short(ns, 8), short(name, 8))
 }
 
@@ -349,7 +352,7 @@ async fn ensure(ctx: &Ctx, kind: Kind, obj: &DynamicObject) -> Result<(), String
             .map(|(k, v)| V2Tag::builder().key(*k).value(*v).build())
             .collect::<Vec<_>>()
     };
-    let lb_name = lb_name(&ns, &name, &obj.uid().unwrap_or_default());
+    let lb_name = lb_name(&ctx.cluster, &ns, &name, &obj.uid().unwrap_or_default());
     let sg_tags = TagSpecification::builder()
         .resource_type(ResourceType::SecurityGroup)
         .set_tags(Some(
