@@ -10,6 +10,13 @@
 //! own tags are the third fact, checked by the EC2 batcher right before a termination.) A claim
 //! whose named Node fails the rule is handled as a claim without a node: its instance is settled
 //! through EC2, and the other Node is never written.
+//!
+//! A claim that names no instance yet ([`launch_of_claim`]) may still have one: a launch in
+//! flight when the controller went. Its instance carries only the launch's own tags (cluster,
+//! NodePool, EC2NodeClass: Karpenter's tagging controller adds `karpenter.sh/nodeclaim` only
+//! after the claim has named the instance), so it is the claim's when those tags are the claim's,
+//! it was launched after the claim was made, no Node or other claim names it, and it is the only
+//! such instance.
 
 use crate::karpenter::ProviderId;
 
@@ -76,6 +83,74 @@ pub(crate) fn node_is_claims(claim: Facts<'_>, node: Facts<'_>) -> Result<(), Mi
     Ok(())
 }
 
+/// How much EC2's launch time may precede the claim's creation and still be its launch: the two
+/// clocks (the API server's, EC2's) are synchronised but not equal, and both count whole seconds.
+pub(crate) const LAUNCH_CLOCK_SKEW_SECS: i64 = 5;
+
+/// What a claim that names no instance says of its launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Launch<'a> {
+    /// The claim's name (an instance already tagged `karpenter.sh/nodeclaim` must name it).
+    pub(crate) claim: &'a str,
+    /// Its `karpenter.sh/nodepool` label.
+    pub(crate) nodepool: Option<&'a str>,
+    /// Its `spec.nodeClassRef.name`.
+    pub(crate) nodeclass: Option<&'a str>,
+    /// Its creation, in seconds since the epoch.
+    pub(crate) created: Option<i64>,
+}
+
+/// What EC2 says of one live instance of the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Launched<'a> {
+    pub(crate) id: &'a str,
+    /// Its `karpenter.sh/nodepool` tag.
+    pub(crate) nodepool: Option<&'a str>,
+    /// Its `karpenter.k8s.aws/ec2nodeclass` tag.
+    pub(crate) nodeclass: Option<&'a str>,
+    /// Its `karpenter.sh/nodeclaim` tag.
+    pub(crate) nodeclaim: Option<&'a str>,
+    /// Its launch time, in seconds since the epoch.
+    pub(crate) launched: Option<i64>,
+}
+
+/// Which instance a claim that names none has, by its launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum LaunchMatch {
+    /// Exactly one instance fits.
+    One(String),
+    /// None fits (or the claim lacks a fact to match on: then nothing can fit).
+    Nothing,
+    /// Several fit: which is the claim's cannot be told.
+    Several(Vec<String>),
+}
+
+/// The instance of the claim `launch` among `live`, EC2's live instances of the cluster, none of
+/// which `named` (the instances every Node and NodeClaim names) may hold. Fails closed: a claim
+/// without its pool, class or creation time matches nothing, and an instance without a launch
+/// time or either tag is never its.
+pub(crate) fn launch_of_claim(
+    launch: Launch<'_>,
+    live: &[Launched<'_>],
+    named: &std::collections::BTreeSet<&str>,
+) -> LaunchMatch {
+    let (Some(pool), Some(class), Some(created)) = (launch.nodepool, launch.nodeclass, launch.created) else {
+        return LaunchMatch::Nothing;
+    };
+    let mut fits: Vec<String> = live
+        .iter()
+        .filter(|i| !named.contains(i.id))
+        .filter(|i| i.nodepool == Some(pool) && i.nodeclass == Some(class))
+        .filter(|i| i.nodeclaim.is_none_or(|c| c == launch.claim))
+        .filter(|i| i.launched.is_some_and(|t| t >= created - LAUNCH_CLOCK_SKEW_SECS))
+        .map(|i| i.id.to_string())
+        .collect();
+    if fits.len() > 1 {
+        return LaunchMatch::Several(fits);
+    }
+    fits.pop().map_or(LaunchMatch::Nothing, LaunchMatch::One)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,6 +189,59 @@ mod tests {
             node_is_claims(facts(Some(&a), Some("web")), facts(None, Some("web"))),
             Err(Mismatch::NodeHasNoInstance)
         );
+    }
+
+    fn launched<'a>(id: &'a str, pool: &'a str, class: &'a str, claim: Option<&'a str>, at: i64) -> Launched<'a> {
+        Launched { id, nodepool: Some(pool), nodeclass: Some(class), nodeclaim: claim, launched: Some(at) }
+    }
+
+    #[test]
+    fn a_claim_without_an_instance_has_the_one_launch_its_tags_and_time_agree_on() {
+        let claim =
+            Launch { claim: "web-abcde", nodepool: Some("web"), nodeclass: Some("default"), created: Some(1_000) };
+        let none = std::collections::BTreeSet::new();
+        let mine = launched("i-1", "web", "default", None, 1_002);
+        let other_pool = launched("i-2", "batch", "default", None, 1_002);
+        let other_class = launched("i-3", "web", "gpu", None, 1_002);
+        let older = launched("i-4", "web", "default", None, 900);
+        let other_claim = launched("i-5", "web", "default", Some("web-zzzzz"), 1_002);
+        let live = [mine, other_pool, other_class, older, other_claim];
+        assert_eq!(launch_of_claim(claim, &live, &none), LaunchMatch::One("i-1".into()));
+        // tagged for it already: its own
+        let tagged = launched("i-6", "web", "default", Some("web-abcde"), 1_002);
+        assert_eq!(launch_of_claim(claim, &[tagged], &none), LaunchMatch::One("i-6".into()));
+        // a launch a second or two before the claim's whole-second creation still counts
+        let skewed = launched("i-7", "web", "default", None, 1_000 - LAUNCH_CLOCK_SKEW_SECS);
+        assert_eq!(launch_of_claim(claim, &[skewed], &none), LaunchMatch::One("i-7".into()));
+        // an instance a Node or another claim names is theirs
+        let named = std::collections::BTreeSet::from(["i-1"]);
+        assert_eq!(launch_of_claim(claim, &live, &named), LaunchMatch::Nothing);
+        // two fit: which one cannot be told
+        let twin = launched("i-8", "web", "default", None, 1_010);
+        assert_eq!(
+            launch_of_claim(claim, &[mine, twin], &none),
+            LaunchMatch::Several(vec!["i-1".into(), "i-8".into()])
+        );
+    }
+
+    #[test]
+    fn a_launch_missing_a_fact_on_either_side_matches_nothing() {
+        let none = std::collections::BTreeSet::new();
+        let full =
+            Launch { claim: "web-abcde", nodepool: Some("web"), nodeclass: Some("default"), created: Some(1_000) };
+        let mine = launched("i-1", "web", "default", None, 1_002);
+        for claim in
+            [Launch { nodepool: None, ..full }, Launch { nodeclass: None, ..full }, Launch { created: None, ..full }]
+        {
+            assert_eq!(launch_of_claim(claim, &[mine], &none), LaunchMatch::Nothing, "{claim:?}");
+        }
+        for instance in [
+            Launched { launched: None, ..mine },
+            Launched { nodepool: None, ..mine },
+            Launched { nodeclass: None, ..mine },
+        ] {
+            assert_eq!(launch_of_claim(full, &[instance], &none), LaunchMatch::Nothing, "{instance:?}");
+        }
     }
 
     #[test]

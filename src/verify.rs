@@ -426,6 +426,7 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
             managed_by: None,
+            launched: None,
         }
     }
 

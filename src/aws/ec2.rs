@@ -90,6 +90,9 @@ pub struct InstanceInfo {
     /// `eks.amazonaws.com` for EKS Auto Mode's): such an instance is never this tool's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub managed_by: Option<String>,
+    /// When it was launched, in seconds since the epoch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub launched: Option<i64>,
 }
 
 impl InstanceInfo {
@@ -107,6 +110,7 @@ impl InstanceInfo {
                 .operator()
                 .filter(|o| o.managed() == Some(true))
                 .map(|o| o.principal().unwrap_or("an AWS service").to_string()),
+            launched: i.launch_time().map(|t| t.secs()),
         }
     }
 
@@ -266,6 +270,29 @@ impl Ec2 {
             .into_iter()
             .filter(|i| {
                 i.tag(karpenter::TAG_NODECLAIM) == Some(claim) && i.state.is_live() && i.is_karpenters(cluster).is_ok()
+            })
+            .collect())
+    }
+
+    /// The live instances of `cluster` launched for NodePool `pool` from EC2NodeClass `class`, by
+    /// the tags Karpenter launches with (the claim's own tag comes later): the candidates for a
+    /// claim that names no instance ([`crate::evidence::launch_of_claim`] decides). Only this
+    /// cluster's Karpenter's ([`InstanceInfo::is_karpenters`]).
+    pub async fn live_launches(&self, cluster: &str, pool: &str, class: &str) -> Result<Vec<InstanceInfo>, AwsError> {
+        let filters = vec![
+            tag_filter(karpenter::TAG_EKS_CLUSTER, cluster),
+            tag_filter(karpenter::TAG_NODEPOOL, pool),
+            tag_filter(karpenter::TAG_NODECLASS, class),
+            live_state_filter(),
+        ];
+        let all = self.describe(Some(filters)).await?;
+        Ok(all
+            .into_iter()
+            .filter(|i| {
+                i.tag(karpenter::TAG_NODEPOOL) == Some(pool)
+                    && i.tag(karpenter::TAG_NODECLASS) == Some(class)
+                    && i.state.is_live()
+                    && i.is_karpenters(cluster).is_ok()
             })
             .collect())
     }

@@ -344,6 +344,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     let mut claim_exists = false;
     let mut claim_uid: Option<String> = None;
     let mut named_node: Option<Node> = None;
+    let mut claim_read: Option<DynamicObject> = None;
     if let Some(c) = &claim_name {
         match claims.get_opt(c).await {
             Ok(Some(obj)) => {
@@ -360,6 +361,7 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
                     node_name = Some(n);
                     named_node = read;
                 }
+                claim_read = Some(obj);
             }
             Ok(None) => {}
             Err(e) => return Err(KubeError::api(format!("read NodeClaim {c}"), e).into()),
@@ -403,16 +405,28 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         None => None,
     };
     // A claim that names no instance may still have one: EC2 decides, not the claim's silence.
-    // Only an instance Karpenter's tagging controller already tagged with the claim's name is
-    // found this way (it tags after the claim named it; launch tags do not name the claim); an
-    // untagged one of a launch that never reached the claim is verification's, which reads by
-    // Karpenter's own tags and reports it.
+    // First an instance Karpenter's tagging controller already tagged with the claim's name;
+    // then one of a launch in flight when the controller went, which carries only the launch's
+    // tags (`evidence::launch_of_claim` decides which is the claim's).
+    let mut what = Vec::new();
     if provider.is_none()
         && let Some(c) = claim_name.as_deref().filter(|_| claim_exists)
     {
         let found = ctx.aws.ec2.live_instances_of_nodeclaim(&ctx.cluster, c).await.map_err(TaskError::from)?;
         match found.as_slice() {
-            [] => {}
+            [] => {
+                if let Some(obj) = &claim_read {
+                    match launch_of_claim(ctx, c, obj).await? {
+                        Ok(Some(one)) => {
+                            tracing::info!(instance = %one.instance_id, "the NodeClaim names no instance, but EC2 holds one launched for it");
+                            what.push(format!("instance {} found by its launch's tags", one.instance_id));
+                            provider = Some(one);
+                        }
+                        Ok(None) => {}
+                        Err(several) => return Ok(TaskOutcome::Failed(several)),
+                    }
+                }
+            }
             [one] => {
                 tracing::info!(instance = %one.id, "the NodeClaim names no instance, but EC2 holds one tagged for it");
                 provider = Some(ProviderId { zone: one.zone.clone(), instance_id: one.id.clone() });
@@ -427,7 +441,6 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
             }
         }
     }
-    let mut what = Vec::new();
     if let Some(p) = &provider {
         loop {
             let guard = node_name.as_deref().zip(ready.take()).map(|(n, (held, abandoned))| {
@@ -494,6 +507,70 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         }
     }
     Ok(TaskOutcome::Done(what.join("; ")))
+}
+
+/// The instance of a launch in flight for claim `name` (`obj`), which names none: EC2's live
+/// instances launched for its pool and class, less those a Node or another NodeClaim names, as
+/// `evidence::launch_of_claim` rules. `Err` names the instances when several fit.
+async fn launch_of_claim(
+    ctx: &Ctx,
+    name: &str,
+    obj: &DynamicObject,
+) -> Result<Result<Option<ProviderId>, String>, TaskError> {
+    let pool = obj.metadata.labels.as_ref().and_then(|l| l.get(karpenter::LABEL_NODEPOOL)).map(String::as_str);
+    let class = obj.data.pointer("/spec/nodeClassRef/name").and_then(Value::as_str);
+    let launch = crate::evidence::Launch {
+        claim: name,
+        nodepool: pool,
+        nodeclass: class,
+        created: obj.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second()),
+    };
+    let (Some(pool), Some(class)) = (pool, class) else { return Ok(Ok(None)) };
+    let live = ctx.aws.ec2.live_launches(&ctx.cluster, pool, class).await.map_err(TaskError::from)?;
+    if live.is_empty() {
+        return Ok(Ok(None));
+    }
+    // every instance a Node or a NodeClaim names is theirs, whatever its tags say
+    let lp = kube::api::ListParams::default();
+    let nodes = Api::<Node>::all(ctx.kube.client.clone())
+        .list(&lp)
+        .await
+        .map_err(|e| KubeError::api("list Nodes".to_string(), e))?;
+    let claims = Api::<DynamicObject>::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource())
+        .list(&lp)
+        .await
+        .map_err(|e| KubeError::api("list NodeClaims".to_string(), e))?;
+    let named_ids: Vec<String> = nodes
+        .items
+        .iter()
+        .filter_map(|n| n.spec.as_ref()?.provider_id.as_deref())
+        .chain(claims.items.iter().filter_map(|c| c.data.pointer("/status/providerID")?.as_str()))
+        .filter_map(|p| ProviderId::parse(p).ok())
+        .map(|p| p.instance_id)
+        .collect();
+    let named: std::collections::BTreeSet<&str> = named_ids.iter().map(String::as_str).collect();
+    let launched: Vec<crate::evidence::Launched<'_>> = live
+        .iter()
+        .map(|i| crate::evidence::Launched {
+            id: &i.id,
+            nodepool: i.tag(karpenter::TAG_NODEPOOL),
+            nodeclass: i.tag(karpenter::TAG_NODECLASS),
+            nodeclaim: i.tag(karpenter::TAG_NODECLAIM),
+            launched: i.launched,
+        })
+        .collect();
+    Ok(match crate::evidence::launch_of_claim(launch, &launched, &named) {
+        crate::evidence::LaunchMatch::One(id) => {
+            let zone = live.iter().find(|i| i.id == id).map(|i| i.zone.clone()).unwrap_or_default();
+            Ok(Some(ProviderId { zone, instance_id: id }))
+        }
+        crate::evidence::LaunchMatch::Nothing => Ok(None),
+        crate::evidence::LaunchMatch::Several(ids) => Err(format!(
+            "NodeClaim {name} names no instance and EC2 holds {} launched for its NodePool and EC2NodeClass since it was made ({}), none named by a Node or claim: which is its cannot be told; left for verification (--reclaim) or a person",
+            ids.len(),
+            ids.join(", ")
+        )),
+    })
 }
 
 /// Deletes a machine's Node (the one that was read: a Node of the same name made since is another

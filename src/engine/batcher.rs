@@ -380,6 +380,7 @@ mod tests {
             zone: "us-west-2a".into(),
             tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
             managed_by: managed_by.map(str::to_string),
+            launched: None,
         }
     }
 

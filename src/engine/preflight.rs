@@ -390,6 +390,7 @@ mod tests {
             zone: "us-west-2a".into(),
             tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
             managed_by: None,
+            launched: None,
         }
     }
 

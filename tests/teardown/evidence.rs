@@ -105,14 +105,9 @@ async fn verify_reclaim_never_terminates_under_a_live_cluster_and_finishes_once_
     b.server.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_nodeclaim_that_names_no_instance_is_released_only_after_the_instance_tagged_for_it() {
-    let spec = small_world("e2e-ev-claimtag", 3);
-    let b = bed(&spec.cluster).await;
-    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
-    // a claim that names no instance and no node, whose instance carries the claim's tag (written
-    // by Karpenter's tagging controller once the claim had named it)
-    let n = &world.nodes[0];
+/// Makes `n`'s claim name no instance and no node, and removes its Node: a machine whose claim
+/// never learnt its instance. Returns the NodeClaims.
+async fn forget_instance(b: &Bed, n: &sandbox_sim::world::GeneratedNode) -> Api<DynamicObject> {
     let claims: Api<DynamicObject> = Api::all_with(b.client.clone(), &k8s::nodeclaim_resource());
     let unset = json!({"status": {"providerID": null, "nodeName": null}});
     claims.patch_status(&n.nodeclaim, &PatchParams::default(), &Patch::Merge(&unset)).await.unwrap();
@@ -122,6 +117,18 @@ async fn a_nodeclaim_that_names_no_instance_is_released_only_after_the_instance_
         .await
         .unwrap();
     nodes.delete(&n.node, &Default::default()).await.unwrap();
+    claims
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodeclaim_that_names_no_instance_is_released_only_after_the_instance_tagged_for_it() {
+    let spec = small_world("e2e-ev-claimtag", 3);
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    // a claim that names no instance and no node, whose instance carries the claim's tag (written
+    // by Karpenter's tagging controller once the claim had named it)
+    let n = &world.nodes[0];
+    let claims = forget_instance(&b, n).await;
     let claim = claims.get(&n.nodeclaim).await.unwrap();
     assert!(claim.data.pointer("/status/providerID").is_none_or(serde_json::Value::is_null), "{claim:?}");
 
@@ -138,6 +145,69 @@ async fn a_nodeclaim_that_names_no_instance_is_released_only_after_the_instance_
     let states = states(&b.aws, &world.karpenter_instance_ids()).await;
     assert_eq!(states.len(), 3);
     assert!(states.values().all(|s| *s == InstanceState::Terminated), "{states:?}");
+    b.server.shutdown().await;
+}
+
+/// A launch in flight when the controller went: the claim names no instance, and its instance
+/// carries only the launch's tags (Karpenter's tagging controller names the claim later). The
+/// instance launched for the claim's pool and class since it was made, that no Node or claim
+/// names, is its; two such are refused (which is its cannot be told) and left running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodeclaim_whose_launch_was_in_flight_is_released_only_after_the_instance_launched_for_it() {
+    let spec = small_world("e2e-ev-inflight", 2);
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let n = &world.nodes[0];
+    let claims = forget_instance(&b, n).await;
+    b.cloud.terminate(std::slice::from_ref(&n.instance_id)).await.unwrap();
+    // launched since the claim was made (EC2 and the API server count whole seconds)
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let tags = sandbox_sim::naming::launch_tags(&world.cluster, &n.pool, &n.class);
+    let launch = |count| b.cloud.launch_tagged(sandbox_sim::naming::IMAGE_ID, "m5.large", None, count, &tags);
+    let twins: Vec<String> = launch(2).await.unwrap().into_iter().map(|i| i.id).collect();
+    assert_eq!(twins.len(), 2);
+
+    // two fit: the claim keeps its finalizer and both instances run
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
+    assert_ne!(run.code, 0, "{}", run.dump());
+    let discharged = |run: &Run| -> Vec<(String, String)> {
+        run.report["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["object"] == n.nodeclaim.as_str() && s["action"] == "discharge-finalizers")
+            .map(|s| (s["result"].as_str().unwrap().to_string(), s["detail"].as_str().unwrap().to_string()))
+            .collect()
+    };
+    let first = discharged(&run);
+    assert_eq!(first.len(), 1, "{}", run.dump());
+    assert_eq!(first[0].0, "failed", "{first:?}");
+    assert!(
+        first[0].1.contains("EC2 holds 2 launched for its NodePool and EC2NodeClass")
+            && twins.iter().all(|id| first[0].1.contains(id.as_str())),
+        "{first:?}"
+    );
+    let running = states(&b.aws, &twins).await;
+    assert_eq!(running.len(), 2);
+    assert!(running.values().all(|s| *s == InstanceState::Running), "{running:?}");
+    assert!(claims.get_opt(&n.nodeclaim).await.unwrap().is_some(), "the claim was released without its instance");
+
+    // one of them ends: the other is the claim's, terminated before the claim is released
+    b.cloud.terminate(&twins[..1]).await.unwrap();
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let second = discharged(&run);
+    assert_eq!(second.len(), 1, "{}", run.dump());
+    assert_eq!(second[0].0, "done", "{second:?}");
+    assert!(
+        second[0].1.contains(&format!("instance {} terminated", twins[1]))
+            && second[0].1.contains("found by its launch's tags"),
+        "{second:?}"
+    );
+    assert!(claims.get_opt(&n.nodeclaim).await.unwrap().is_none());
+    let ended = states(&b.aws, &twins).await;
+    assert_eq!(ended.len(), 2);
+    assert!(ended.values().all(|s| *s == InstanceState::Terminated), "{ended:?}");
     b.server.shutdown().await;
 }
 
