@@ -658,6 +658,17 @@ impl Survey {
     }
 }
 
+/// The Karpenter objects the owners' own records list (Argo CD's `status.resources`, Flux's
+/// inventory), as subjects without metadata: what a survey can go on when the objects cannot be
+/// read themselves (Karpenter 1.0.x's CRDs behind a dead conversion webhook). Each is found only
+/// through the owner that lists it.
+pub(crate) fn listed_karpenter_objects(listed: &[OwnerObject]) -> Vec<Tracked> {
+    let groups = [crate::karpenter::KARPENTER_GROUP, crate::karpenter::AWS_GROUP];
+    let keys: BTreeSet<&ObjectKey> =
+        listed.iter().flat_map(|o| &o.manages).filter(|k| groups.contains(&k.group.as_str())).collect();
+    keys.into_iter().map(|key| Tracked { key: key.clone(), ..Tracked::default() }).collect()
+}
+
 /// Finds the owners of `objects` (and their owners) among `listed`. `this_server` is the API
 /// server URL the tool talks to (see [`Destination::elsewhere`]). Only owners that apply to this
 /// cluster count: one that applies elsewhere and merely lists an object of the same name is set

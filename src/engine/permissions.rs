@@ -65,6 +65,17 @@ pub(crate) fn conversion_repair_needs() -> BTreeSet<KubePermission> {
         .collect()
 }
 
+/// Listing the GitOps owners (Argo CD Applications, Flux Kustomizations and HelmReleases), for
+/// the survey of who applies the Karpenter objects.
+pub(crate) fn gitops_survey_needs() -> BTreeSet<KubePermission> {
+    [
+        p("list", "argoproj.io", "applications"),
+        p("list", "kustomize.toolkit.fluxcd.io", "kustomizations"),
+        p("list", "helm.toolkit.fluxcd.io", "helmreleases"),
+    ]
+    .into()
+}
+
 /// What `--release` adds (`deploy/rbac-release.yaml`): deleting the objects the Load Balancer
 /// Controller holds; for volumes, scaling StatefulSets to zero and deleting their claims.
 /// Waiting until they are gone lists them, as the survey does. Not sent through the admission check's
@@ -109,17 +120,15 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
         p("list", karpenter::KARPENTER_GROUP, "nodeclaims"),
         p("list", karpenter::KARPENTER_GROUP, "nodepools"),
         p("list", karpenter::AWS_GROUP, "ec2nodeclasses"),
-        // the GitOps owners of the Karpenter objects, whatever the plan: without them a run
-        // cannot tell whether Argo CD or Flux will put back what it removes
-        p("list", "argoproj.io", "applications"),
-        p("list", "kustomize.toolkit.fluxcd.io", "kustomizations"),
-        p("list", "helm.toolkit.fluxcd.io", "helmreleases"),
         // the admission check: the webhooks that may refuse a write, and where their services run
         p("list", "admissionregistration.k8s.io", "validatingwebhookconfigurations"),
         p("list", "admissionregistration.k8s.io", "mutatingwebhookconfigurations"),
         p("list", "discovery.k8s.io", "endpointslices"),
     ]
     .into();
+    // the GitOps owners of the Karpenter objects, whatever the plan: without them a run cannot
+    // tell whether Argo CD or Flux will put back what it removes
+    need.extend(gitops_survey_needs());
     // what the cleanup controllers (load balancers, volumes) still hold, and where they run,
     // for a plan whose nodes go away
     if plan.steps().iter().any(|s| drains(s.action)) {

@@ -245,11 +245,14 @@ async fn unstrand(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Resu
     if !evidence.contradictions.is_empty() {
         return Err(Refusal::WrongClusterStranded { contradictions: evidence.contradictions }.into());
     }
-    // The checks that concern this write come before it: the permission to make it, and the
-    // admission chain's answer to a dry run of it. (The Karpenter objects' GitOps owners and the
-    // other writes' dry runs need those objects, which only this write makes readable: they
-    // follow it, before any other write.)
-    let need = permissions::conversion_repair_needs();
+    // The checks that concern this write come before it: the permission to make it and to list
+    // the GitOps owners, the owners' survey, and the admission chain's answer to a dry run of
+    // it. The Karpenter objects cannot be read yet, so the survey goes on what can be: the
+    // controller, and the objects the owners' own records list. (The other writes' dry runs
+    // need those objects, which only this write makes readable, and the full survey reads their
+    // metadata: both follow it, before any other write.)
+    let mut need = permissions::conversion_repair_needs();
+    need.extend(permissions::gitops_survey_needs());
     let missing = permissions::missing_kubernetes(&kube.client, &need).await.map_err(Stop::failed)?.unwrap_or_default();
     if !missing.is_empty() {
         return Err(Refusal::MissingPermissions {
@@ -257,6 +260,14 @@ async fn unstrand(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Resu
             ec2: Vec::new(),
         }
         .into());
+    }
+    let owners =
+        crate::k8s::retry_transient(|| crate::k8s::gitops::list_owners(&kube.client)).await.map_err(Stop::failed)?;
+    let mut subjects = core.gitops_subjects();
+    subjects.extend(crate::gitops::listed_karpenter_objects(&owners.objects));
+    let survey = crate::gitops::survey(&subjects, &owners.objects, &kube.server);
+    if let Some(refusal) = survey.refusal(settings.gitops) {
+        return Err(Refusal::GitOps(refusal).into());
     }
     let findings = super::admission::check_conversion_repair(&kube.client).await.map_err(Stop::failed)?;
     let mut text = String::new();

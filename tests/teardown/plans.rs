@@ -382,6 +382,47 @@ async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
     b.server.shutdown().await;
 }
 
+/// Karpenter 1.0.x after `helm uninstall`, its objects under Argo CD and Flux: the objects cannot
+/// be read until the CRDs' dead conversion webhook is turned off, but the owners' own records
+/// list them, so the GitOps check refuses the run (no `--pause-gitops`) before that first write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_1_0_crd_repair_waits_for_the_gitops_check_on_what_the_owners_list() {
+    let s = sandbox_sim::WorldSpec {
+        version: KarpenterVersion::V1_0,
+        karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
+        node_pools: 1,
+        node_classes: 1,
+        decoys: 0,
+        ..small_world("plans-conv-gitops", 1)
+    };
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    sandbox_sim::gitops::adopt(&b.client, &world, &crate::common::e2e::gitops_crds()).await.unwrap();
+    // an object stored at v1beta1: unreadable once the controller is gone
+    let v1beta1 = Api::<DynamicObject>::all_with(
+        b.client.clone(),
+        &karpenter_resource("karpenter.sh", "v1beta1", "NodePool", "nodepools"),
+    );
+    let legacy: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
+        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name},
+            "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}}},
+    }))
+    .unwrap();
+    v1beta1.create(&PostParams::default(), &legacy).await.unwrap();
+    scale_controller(&b.client, 0).await;
+    wait_controller_pods_gone(&b.client).await;
+    assert!(v1beta1.list(&ListParams::default()).await.is_err(), "the webhook is not dead yet");
+
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
+    assert_eq!(run.code, 3, "{}", explain(&run));
+    for owner in ["argocd/karpenter-nodepools", "flux-system/karpenter-nodeclasses"] {
+        assert!(run.stderr.contains(owner), "{owner} is named: {}", explain(&run));
+    }
+    assert_eq!(conversion_strategies(&b.client).await, ["Webhook"; 3], "the CRDs were changed before the check");
+    b.server.shutdown().await;
+}
+
 /// A plan of one's own without `verify` tears down what it says and ends `unverified` (exit 6):
 /// nothing proved what is left, so it is never `clean`. Its dry run says what `skip` bypasses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
