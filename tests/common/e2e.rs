@@ -369,6 +369,28 @@ pub async fn shop_services(client: &Client, names: &[&str]) -> Api<k8s_openapi::
     services
 }
 
+/// NodePool `legacy` of class `class`, written at `v1beta1` while Karpenter 1.0.x's conversion
+/// webhook answers: it stays stored at `v1beta1`, unreadable once the webhook is gone. Returns
+/// the NodePools at `v1beta1`.
+pub async fn legacy_v1beta1_pool(client: &Client, class: &str) -> Api<DynamicObject> {
+    let v1beta1 = Api::<DynamicObject>::all_with(
+        client.clone(),
+        &kube::core::ApiResource::from_gvk_with_plural(
+            &kube::core::GroupVersionKind::gvk("karpenter.sh", "v1beta1", "NodePool"),
+            "nodepools",
+        ),
+    );
+    let legacy: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
+        // `requirements` is required by the v1beta1 schema too: the real server refuses the pool without it
+        "spec": {"template": {"spec": {"nodeClassRef": {"name": class},
+            "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}}},
+    }))
+    .unwrap();
+    v1beta1.create(&PostParams::default(), &legacy).await.unwrap();
+    v1beta1
+}
+
 /// A plan of preflight and verify, "just check": with `--reclaim` it is refused when loaded.
 pub const VERIFY_ONLY: &str = r#"
 version = 1

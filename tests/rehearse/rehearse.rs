@@ -11,8 +11,7 @@ use std::time::Duration;
 use crate::common;
 use crate::common::e2e::{Bed, REGION, Run, bed_with, real_crds, run_of, scale_controller, small_world};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DynamicObject, ListParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
+use kube::api::{Api, ListParams, PostParams};
 use sandbox_apiserver::ServerOptions;
 use sandbox_apiserver::authz::Rbac;
 use sandbox_sim::ec2proxy::{Ec2Proxy, ProxyFaults};
@@ -411,18 +410,7 @@ async fn rehearse_predicts_karpenter_1_0_with_objects_stored_at_v1beta1() {
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     let sim = live_sim(&b, &world);
     // an object written at v1beta1 while the webhook answers stays stored at v1beta1
-    let v1beta1 = Api::<DynamicObject>::all_with(
-        b.client.clone(),
-        &ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("karpenter.sh", "v1beta1", "NodePool"), "nodepools"),
-    );
-    let legacy: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
-        // `requirements` is required by the v1beta1 schema too: the real server refuses the pool without it
-        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name},
-            "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}}},
-    }))
-    .unwrap();
-    v1beta1.create(&PostParams::default(), &legacy).await.unwrap();
+    common::e2e::legacy_v1beta1_pool(&b.client, &world.node_classes[0].name).await;
     let (prediction, _) = prediction_matches_the_real_run(&b, &world.cluster, &[]).await;
     assert_eq!(prediction["copy"]["karpenter"], "1.0.14");
     assert_eq!(prediction["outcome"], "clean", "the tool turns the stranded webhook off itself");

@@ -7,18 +7,19 @@ use std::time::Duration;
 
 use crate::common::e2e::{
     Bed, Consent, REGION, Run, assert_torn_down, bed, bed_with, controller_through_the_drain, count,
-    default_without_fence, real_crds, scale_controller, small_world, states, teardown, untouchable_nodes,
+    default_without_fence, legacy_v1beta1_pool, real_crds, scale_controller, small_world, states, teardown,
+    untouchable_nodes,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use karpenter_teardown::aws::InstanceState;
 use karpenter_teardown::aws::ec2::InstanceScope;
 use karpenter_teardown::k8s;
-use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use kube::api::{Api, DynamicObject, ListParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use sandbox_apiserver::ServerOptions;
 use sandbox_sim::{KarpenterVersion, SimController, SimSettings, generate, naming};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -309,34 +310,37 @@ async fn karpenter_1_0_default_plan_leaves_nothing_unreachable() {
     b.server.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
-    let s = sandbox_sim::WorldSpec {
+/// A Karpenter 1.0.x world of one machine, one pool and one class.
+fn one_machine_1_0(prefix: &str) -> sandbox_sim::WorldSpec {
+    sandbox_sim::WorldSpec {
         version: KarpenterVersion::V1_0,
         karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
         node_pools: 1,
         node_classes: 1,
         decoys: 0,
-        ..small_world("plans-conv", 1)
-    };
+        ..small_world(prefix, 1)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
+    let s = one_machine_1_0("plans-conv");
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
-    let v1beta1 = Api::<DynamicObject>::all_with(
-        b.client.clone(),
-        &karpenter_resource("karpenter.sh", "v1beta1", "NodePool", "nodepools"),
-    );
     let v1 = Api::<DynamicObject>::all_with(b.client.clone(), &k8s::nodepool_resource());
 
     // the controller is up: conversion works, and an object written at v1beta1 stays stored so
-    assert_eq!(v1beta1.list(&ListParams::default()).await.unwrap().items.len(), 1);
-    let legacy: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
-        // `requirements` is required by the v1beta1 schema too: the real server refuses the pool without it
-        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name},
-            "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}}},
-    }))
-    .unwrap();
-    v1beta1.create(&PostParams::default(), &legacy).await.unwrap();
+    let at_v1beta1 = karpenter_resource("karpenter.sh", "v1beta1", "NodePool", "nodepools");
+    assert_eq!(
+        Api::<DynamicObject>::all_with(b.client.clone(), &at_v1beta1)
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len(),
+        1
+    );
+    let v1beta1 = legacy_v1beta1_pool(&b.client, &world.node_classes[0].name).await;
     assert_eq!(v1.list(&ListParams::default()).await.unwrap().items.len(), 2);
 
     scale_controller(&b.client, 0).await;
@@ -387,29 +391,12 @@ async fn conversion_needs_the_webhook_until_the_crds_stop_using_it() {
 /// list them, so the GitOps check refuses the run (no `--pause-gitops`) before that first write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_1_0_crd_repair_waits_for_the_gitops_check_on_what_the_owners_list() {
-    let s = sandbox_sim::WorldSpec {
-        version: KarpenterVersion::V1_0,
-        karpenter_crds: Some(real_crds(KarpenterVersion::V1_0)),
-        node_pools: 1,
-        node_classes: 1,
-        decoys: 0,
-        ..small_world("plans-conv-gitops", 1)
-    };
+    let s = one_machine_1_0("plans-conv-gitops");
     let b = bed(&s.cluster).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
     sandbox_sim::gitops::adopt(&b.client, &world, &crate::common::e2e::gitops_crds()).await.unwrap();
     // an object stored at v1beta1: unreadable once the controller is gone
-    let v1beta1 = Api::<DynamicObject>::all_with(
-        b.client.clone(),
-        &karpenter_resource("karpenter.sh", "v1beta1", "NodePool", "nodepools"),
-    );
-    let legacy: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "karpenter.sh/v1beta1", "kind": "NodePool", "metadata": {"name": "legacy"},
-        "spec": {"template": {"spec": {"nodeClassRef": {"name": world.node_classes[0].name},
-            "requirements": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}}},
-    }))
-    .unwrap();
-    v1beta1.create(&PostParams::default(), &legacy).await.unwrap();
+    let v1beta1 = legacy_v1beta1_pool(&b.client, &world.node_classes[0].name).await;
     scale_controller(&b.client, 0).await;
     wait_controller_pods_gone(&b.client).await;
     assert!(v1beta1.list(&ListParams::default()).await.is_err(), "the webhook is not dead yet");
