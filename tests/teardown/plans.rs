@@ -139,7 +139,11 @@ fn late_tasks(run: &Run) -> std::collections::BTreeMap<String, Vec<String>> {
 /// (server time scale 0.3: a 1 s grace period is 0.3 s) so that evicted pods' replacements are
 /// Pending long enough for the controller (pending grace 20 ms) to react.
 async fn growing_world(prefix: &str) -> (Bed, sandbox_sim::World, SimController) {
-    let s = small_world(prefix, 4);
+    grown(small_world(prefix, 4)).await
+}
+
+/// [`growing_world`] of the spec `s`.
+async fn grown(s: sandbox_sim::WorldSpec) -> (Bed, sandbox_sim::World, SimController) {
     assert_eq!(s.pool_cpu_limit, None, "the pools must allow growth");
     let b = bed_with(&s.cluster, ServerOptions { time_scale: 0.3, ..ServerOptions::default() }).await;
     let world = generate(&s, &b.client, &b.cloud).await.unwrap();
@@ -180,6 +184,64 @@ async fn without_the_fence_karpenter_chases_the_drain() {
     let live = b.aws.ec2.cluster_instances(&world.cluster, InstanceScope::KarpenterLive).await.unwrap();
     assert!(live.is_empty(), "replacement instances left running: {live:?}");
     assert_torn_down(&b, &world, &before).await;
+    b.server.shutdown().await;
+}
+
+/// A machine found late runs the plan's own drain, held by the plan's own deadline and
+/// escalation. Every workload's budget lets one pod go at a time: the unfenced controller moves
+/// each evicted pod to a machine it launches during the drain, so the inventoried drains finish;
+/// once the controller is gone, a late machine's drain evicts one pod of a workload, whose
+/// replacement can run nowhere, and the budget holds the next at the plan's deadline (`fail`:
+/// blocked). The blocked machine is not released, its instance runs, and its class stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_holding_a_machine_found_late_blocks_its_drain_with_the_plans_escalation() {
+    let spec = sandbox_sim::WorldSpec { pdb_max_unavailable: Some(1), ..small_world("plans-late-pdb", 4) };
+    let (b, world, sim) = grown(spec).await;
+    let text = default_without_fence();
+    assert!(text.contains("deadline = \"10m\""), "the drain's deadline in plans/default.toml changed");
+    let plan = plan_file(&b, "no-fence-20s.toml", &text.replace("deadline = \"10m\"", "deadline = \"20s\""));
+
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--plan", plan.to_str().unwrap()]).await;
+    let stats = sim.stats();
+    sim.shutdown().await;
+    assert!(stats.nodeclaims_launched > 0, "evicted pods made the controller launch: {stats:?}");
+    assert_eq!(run.code, 5, "blocked: {}", explain(&run));
+    let tasks: Vec<&Value> = run.report["steps"].as_array().into_iter().flatten().collect();
+    let inventoried: std::collections::BTreeSet<&str> = world.nodes.iter().map(|n| n.nodeclaim.as_str()).collect();
+    // every inventoried machine's drain finished: the budget let each pod go once its
+    // replacement ran on a machine the controller launched
+    let drained: Vec<&&Value> = tasks
+        .iter()
+        .filter(|t| t["step"] == "drain" && inventoried.contains(t["object"].as_str().unwrap_or_default()))
+        .collect();
+    assert_eq!(drained.len(), world.nodes.len(), "{}", explain(&run));
+    assert!(drained.iter().all(|t| t["result"] == "done"), "{}", explain(&run));
+    // the late machines' drains are the plan's drain step's tasks; at least one is held
+    let late = late_tasks(&run);
+    assert!(!late.is_empty(), "{}", explain(&run));
+    let blocked: Vec<&&Value> = tasks.iter().filter(|t| t["step"] == "drain" && t["result"] == "blocked").collect();
+    assert!(!blocked.is_empty(), "{}", explain(&run));
+    for t in &blocked {
+        let machine = t["object"].as_str().unwrap_or_default();
+        assert!(t["found_late"].is_string(), "only a late machine's drain is held: {t}");
+        let detail = t["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("after 20s") && detail.contains("(PDB "),
+            "held by a budget at the plan's deadline: {t}"
+        );
+        assert!(
+            !tasks.iter().any(|r| r["step"] == "discharge-finalizers" && r["object"] == machine),
+            "the blocked machine is not released: {}",
+            explain(&run)
+        );
+        let claim =
+            Api::<DynamicObject>::all_with(b.client.clone(), &k8s::nodeclaim_resource()).get(machine).await.unwrap();
+        let provider = claim.data.pointer("/status/providerID").and_then(Value::as_str).unwrap_or_default();
+        let id = provider.rsplit('/').next().unwrap_or_default().to_string();
+        let state = states(&b.aws, std::slice::from_ref(&id)).await;
+        assert_eq!(state.get(&id), Some(&InstanceState::Running), "{machine}: {state:?}");
+    }
+    assert!(count(&b.client, &k8s::nodeclass_resource()).await > 0, "a class in use was deleted");
     b.server.shutdown().await;
 }
 
