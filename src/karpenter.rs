@@ -83,6 +83,10 @@ pub const TAG_NODECLASS: &str = "karpenter.k8s.aws/ec2nodeclass";
 /// tag: Karpenter's tagging controller (`pkg/controllers/nodeclaim/tagging`, 1.0 to 1.14) writes
 /// it once the claim's `status.providerID` names the instance.
 pub const TAG_NODECLAIM: &str = "karpenter.sh/nodeclaim";
+/// Instance tag naming the cluster before 1.0 (v1beta1 releases; `v1beta1.ManagedByAnnotationKey`).
+pub const TAG_MANAGED_BY: &str = "karpenter.sh/managed-by";
+/// Instance tag naming the Provisioner of Karpenter's alpha API (before v1beta1's NodePools).
+pub const TAG_PROVISIONER: &str = "karpenter.sh/provisioner-name";
 /// Launch-template tag naming the cluster in Karpenter 1.0.x (later releases use the EKS tag).
 pub const TAG_LEGACY_CLUSTER: &str = "karpenter.k8s.aws/cluster";
 /// Launch templates Karpenter creates are named with this prefix and a hash.

@@ -1,0 +1,383 @@
+//! `sweep`: what Karpenter left behind, region by region, by clusters that may no longer exist.
+//! Each resource is attributed to the cluster its own tags name; each cluster gets one verdict,
+//! the first that matches: protected, uncertain, active, too young, orphaned. Only orphans are
+//! reclaimable. `verify --reclaim` of a cluster EKS no longer knows takes the same verdict, so the
+//! two paths cannot drift apart. Pure: the drivers read AWS and hand the facts in.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use crate::karpenter;
+
+/// A tag that keeps a resource, and with it its whole cluster, out of every sweep (any value).
+pub const TAG_KEEP: &str = "karpenter-teardown.io/keep";
+
+/// What kind of resource a sweep found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    Instance,
+    LaunchTemplate,
+    InstanceProfile,
+}
+
+/// One resource of Karpenter's, as AWS described it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Found {
+    pub kind: Kind,
+    /// Instance id, launch template id, instance profile name.
+    pub id: String,
+    /// The region it is in (an instance profile: the region its path or tag names).
+    pub region: String,
+    /// Its tags.
+    #[serde(skip)]
+    pub tags: BTreeMap<String, String>,
+    /// An instance profile's path.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// When it was launched or created, in seconds since the epoch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub created: Option<i64>,
+    /// An instance's type.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instance_type: Option<String>,
+    /// The AWS service that manages an instance (EKS Auto Mode's): never swept.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub managed_by: Option<String>,
+}
+
+/// The cluster names a resource's own tags (and an instance profile's path) give, one per
+/// generation of Karpenter that wrote them: `eks:eks-cluster-name` (1.0+),
+/// `kubernetes.io/cluster/<name>=owned` (every generation), `karpenter.sh/managed-by` (before
+/// 1.0), `karpenter.k8s.aws/cluster` (1.0's launch templates), `/karpenter/<region>/<name>/`.
+pub(crate) fn cluster_names(found: &Found) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for key in [karpenter::TAG_EKS_CLUSTER, karpenter::TAG_MANAGED_BY, karpenter::TAG_LEGACY_CLUSTER] {
+        if let Some(v) = found.tags.get(key).filter(|v| !v.is_empty()) {
+            names.insert(v.clone());
+        }
+    }
+    for (k, v) in &found.tags {
+        if let Some(name) = k.strip_prefix("kubernetes.io/cluster/")
+            && v == "owned"
+            && !name.is_empty()
+        {
+            names.insert(name.to_string());
+        }
+    }
+    if let Some(rest) = found.path.as_deref().and_then(|p| p.strip_prefix("/karpenter/")) {
+        let mut parts = rest.split('/');
+        if let (Some(_region), Some(name)) = (parts.next(), parts.next())
+            && !name.is_empty()
+        {
+            names.insert(name.to_string());
+        }
+    }
+    names
+}
+
+/// Whose a resource is, by its own tags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// Every tag that names a cluster names this one.
+    Cluster(String),
+    /// Its tags name several clusters.
+    Disagree(Vec<String>),
+    /// No tag names a cluster.
+    Unnamed,
+}
+
+pub(crate) fn owner_of(found: &Found) -> Owner {
+    let names = cluster_names(found);
+    match names.len() {
+        0 => Owner::Unnamed,
+        1 => names.into_iter().next().map_or(Owner::Unnamed, Owner::Cluster),
+        _ => Owner::Disagree(names.into_iter().collect()),
+    }
+}
+
+/// The resources of one region, grouped under the cluster their tags name; resources whose tags
+/// disagree are grouped under every name they give, joined with ` | `, and those that name none
+/// under `(no cluster tag)`: both groups can only be uncertain.
+pub(crate) fn group(found: Vec<Found>) -> BTreeMap<(String, String), Group> {
+    let mut out: BTreeMap<(String, String), Group> = BTreeMap::new();
+    for f in found {
+        let (name, disagree) = match owner_of(&f) {
+            Owner::Cluster(c) => (c, false),
+            Owner::Disagree(names) => (names.join(" | "), true),
+            Owner::Unnamed => (UNNAMED.to_string(), true),
+        };
+        let g = out.entry((f.region.clone(), name)).or_default();
+        g.disagree |= disagree;
+        g.found.push(f);
+    }
+    out
+}
+
+/// The group of resources no tag attributes to a cluster.
+pub(crate) const UNNAMED: &str = "(no cluster tag)";
+
+/// The resources of one cluster in one region.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Group {
+    pub(crate) found: Vec<Found>,
+    /// Some resource's tags disagree on the cluster, or name none.
+    pub(crate) disagree: bool,
+}
+
+/// What EKS says of a cluster name in a region, for these credentials.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EksAnswer {
+    /// It exists (`ACTIVE`, `CREATING`, `UPDATING`, `DELETING`, ...), created at `created`.
+    Exists { status: String, created: Option<i64> },
+    /// `DescribeCluster` answered `ResourceNotFoundException`.
+    NotFound,
+    /// No answer that can be relied on (access denied, throttled past retries, a region not
+    /// enabled), and why.
+    Unknown(String),
+}
+
+/// A cluster's verdict, first match wins. Only [`Verdict::Orphaned`] is reclaimable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "verdict", content = "why", rename_all = "kebab-case")]
+pub enum Verdict {
+    /// A resource carries [`TAG_KEEP`].
+    Protected(String),
+    /// The tags disagree, or EKS could not answer: never taken for absent.
+    Uncertain(String),
+    /// EKS has the cluster: its own Karpenter, or `run`, owns it.
+    Active(String),
+    /// Something of it is newer than `--min-age`.
+    TooYoung(String),
+    /// EKS answers not found, in the region the resources are in, for these credentials, and
+    /// every other check passed.
+    Orphaned(String),
+}
+
+impl Verdict {
+    /// Its name in the table and the report.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Verdict::Protected(_) => "protected",
+            Verdict::Uncertain(_) => "uncertain",
+            Verdict::Active(_) => "active",
+            Verdict::TooYoung(_) => "too-young",
+            Verdict::Orphaned(_) => "orphaned",
+        }
+    }
+
+    /// Why.
+    pub fn why(&self) -> &str {
+        match self {
+            Verdict::Protected(w)
+            | Verdict::Uncertain(w)
+            | Verdict::Active(w)
+            | Verdict::TooYoung(w)
+            | Verdict::Orphaned(w) => w,
+        }
+    }
+}
+
+/// What a verdict weighs besides the resources and EKS's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rules {
+    /// Now, in seconds since the epoch.
+    pub(crate) now: i64,
+    /// `--min-age`, in seconds.
+    pub(crate) min_age: i64,
+}
+
+/// The verdict on cluster `name`'s `group` in `region`, given EKS's `eks` answer.
+pub(crate) fn verdict(name: &str, region: &str, group: &Group, eks: &EksAnswer, rules: Rules) -> Verdict {
+    if let Some(kept) = group.found.iter().find(|f| f.tags.contains_key(TAG_KEEP)) {
+        return Verdict::Protected(format!("{} {} carries {TAG_KEEP}", kind_name(kept.kind), kept.id));
+    }
+    if group.disagree {
+        let odd: Vec<String> = group
+            .found
+            .iter()
+            .filter(|f| !matches!(owner_of(f), Owner::Cluster(_)))
+            .map(|f| format!("{} {}", kind_name(f.kind), f.id))
+            .collect();
+        return Verdict::Uncertain(format!("the tags of {} name no single cluster", odd.join(", ")));
+    }
+    if let Some(managed) = group.found.iter().find(|f| f.managed_by.is_some()) {
+        return Verdict::Uncertain(format!(
+            "instance {} is managed by {} (EKS Auto Mode's, not a self-managed Karpenter's)",
+            managed.id,
+            managed.managed_by.as_deref().unwrap_or_default()
+        ));
+    }
+    match eks {
+        EksAnswer::Unknown(why) => {
+            return Verdict::Uncertain(format!("EKS could not say whether cluster {name} exists in {region}: {why}"));
+        }
+        EksAnswer::Exists { status, created } => {
+            let earlier = created.map_or(0, |c| {
+                group.found.iter().filter(|f| f.kind == Kind::Instance && f.created.is_some_and(|l| l < c)).count()
+            });
+            let incarnation = if earlier > 0 {
+                format!(
+                    "; {earlier} instance(s) launched before it was created are an earlier incarnation's, left to `verify --reclaim` of the live cluster"
+                )
+            } else {
+                String::new()
+            };
+            return Verdict::Active(format!("EKS has cluster {name} in {region} ({status}){incarnation}"));
+        }
+        EksAnswer::NotFound => {}
+    }
+    if let Some(unknown) = group.found.iter().find(|f| f.created.is_none()) {
+        return Verdict::TooYoung(format!(
+            "{} {} has no creation time: its age cannot be told",
+            kind_name(unknown.kind),
+            unknown.id
+        ));
+    }
+    let youngest = group.found.iter().filter_map(|f| f.created.map(|c| (c, f))).max_by_key(|(c, _)| *c);
+    if let Some((created, f)) = youngest
+        && rules.now - created < rules.min_age
+    {
+        return Verdict::TooYoung(format!(
+            "{} {} is {} old, younger than --min-age {}",
+            kind_name(f.kind),
+            f.id,
+            humantime::format_duration(std::time::Duration::from_secs((rules.now - created).max(0) as u64)),
+            humantime::format_duration(std::time::Duration::from_secs(rules.min_age.max(0) as u64))
+        ));
+    }
+    Verdict::Orphaned(format!("EKS has no cluster {name} in {region} for these credentials"))
+}
+
+fn kind_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Instance => "instance",
+        Kind::LaunchTemplate => "launch template",
+        Kind::InstanceProfile => "instance profile",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn found(kind: Kind, id: &str, tags: &[(&str, &str)], created: Option<i64>) -> Found {
+        Found {
+            kind,
+            id: id.into(),
+            region: "eu-west-1".into(),
+            tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            path: None,
+            created,
+            instance_type: Some("m5.large".into()),
+            managed_by: None,
+        }
+    }
+
+    fn tags_of(cluster: &str) -> Vec<(String, String)> {
+        vec![
+            (karpenter::TAG_EKS_CLUSTER.into(), cluster.into()),
+            (format!("kubernetes.io/cluster/{cluster}"), "owned".into()),
+            (karpenter::TAG_NODEPOOL.into(), "default".into()),
+        ]
+    }
+
+    fn instance(id: &str, cluster: &str, created: i64) -> Found {
+        let tags = tags_of(cluster);
+        let tags: Vec<(&str, &str)> = tags.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        found(Kind::Instance, id, &tags, Some(created))
+    }
+
+    const DAY: i64 = 86_400;
+    const NOW: i64 = 100 * DAY;
+    const RULES: Rules = Rules { now: NOW, min_age: DAY };
+
+    fn one(f: Vec<Found>) -> Group {
+        let groups = group(f);
+        assert_eq!(groups.len(), 1, "{groups:?}");
+        groups.into_values().next().unwrap()
+    }
+
+    #[test]
+    fn every_generation_of_tags_names_its_cluster() {
+        let v1 = instance("i-1", "prod", NOW - 2 * DAY);
+        assert_eq!(owner_of(&v1), Owner::Cluster("prod".into()));
+        let pre_1_0 = found(
+            Kind::Instance,
+            "i-2",
+            &[("karpenter.sh/managed-by", "old"), ("kubernetes.io/cluster/old", "owned"), ("karpenter.sh/nodepool", "x")],
+            None,
+        );
+        assert_eq!(owner_of(&pre_1_0), Owner::Cluster("old".into()));
+        let lt_1_0 = found(Kind::LaunchTemplate, "lt-1", &[("karpenter.k8s.aws/cluster", "mid")], None);
+        assert_eq!(owner_of(&lt_1_0), Owner::Cluster("mid".into()));
+        let profile = Found {
+            path: Some("/karpenter/eu-west-1/new/abc/".into()),
+            ..found(Kind::InstanceProfile, "new_1", &[("kubernetes.io/cluster/new", "owned")], None)
+        };
+        assert_eq!(owner_of(&profile), Owner::Cluster("new".into()));
+        // `shared` is not ownership
+        let shared = found(Kind::Instance, "i-3", &[("kubernetes.io/cluster/x", "shared")], None);
+        assert_eq!(owner_of(&shared), Owner::Unnamed);
+        let torn = found(
+            Kind::Instance,
+            "i-4",
+            &[(karpenter::TAG_EKS_CLUSTER, "a"), ("kubernetes.io/cluster/b", "owned")],
+            Some(NOW - 2 * DAY),
+        );
+        assert_eq!(owner_of(&torn), Owner::Disagree(vec!["a".into(), "b".into()]));
+    }
+
+    #[test]
+    fn one_verdict_per_cluster_first_match_wins() {
+        let old = one(vec![instance("i-1", "gone", NOW - 3 * DAY)]);
+        assert!(matches!(verdict("gone", "eu-west-1", &old, &EksAnswer::NotFound, RULES), Verdict::Orphaned(_)));
+        // EKS cannot answer: uncertain, never absent
+        let denied = EksAnswer::Unknown("AccessDeniedException".into());
+        assert!(matches!(verdict("gone", "eu-west-1", &old, &denied, RULES), Verdict::Uncertain(_)));
+        // EKS has it: active, and an earlier incarnation's instances are named as such
+        let live = EksAnswer::Exists { status: "ACTIVE".into(), created: Some(NOW - DAY) };
+        let v = verdict("gone", "eu-west-1", &old, &live, RULES);
+        assert!(matches!(&v, Verdict::Active(w) if w.contains("earlier incarnation")), "{v:?}");
+        // young: one resource newer than --min-age holds the whole cluster back
+        let young = one(vec![instance("i-1", "gone", NOW - 3 * DAY), instance("i-2", "gone", NOW - 60)]);
+        let v = verdict("gone", "eu-west-1", &young, &EksAnswer::NotFound, RULES);
+        assert!(matches!(&v, Verdict::TooYoung(w) if w.contains("i-2")), "{v:?}");
+        // an age that cannot be told is not old
+        let mut unknown = instance("i-3", "gone", 0);
+        unknown.created = None;
+        let v = verdict("gone", "eu-west-1", &one(vec![unknown]), &EksAnswer::NotFound, RULES);
+        assert!(matches!(v, Verdict::TooYoung(_)), "{v:?}");
+        // protected beats everything, whatever EKS says
+        let mut kept = instance("i-4", "gone", NOW - 3 * DAY);
+        kept.tags.insert(TAG_KEEP.into(), String::new());
+        let g = one(vec![kept, instance("i-5", "gone", NOW - 3 * DAY)]);
+        assert!(matches!(verdict("gone", "eu-west-1", &g, &EksAnswer::NotFound, RULES), Verdict::Protected(_)));
+        // an EKS Auto Mode instance is never a self-managed Karpenter's orphan
+        let mut managed = instance("i-6", "gone", NOW - 3 * DAY);
+        managed.managed_by = Some("eks.amazonaws.com".into());
+        let v = verdict("gone", "eu-west-1", &one(vec![managed]), &EksAnswer::NotFound, RULES);
+        assert!(matches!(v, Verdict::Uncertain(_)), "{v:?}");
+    }
+
+    #[test]
+    fn disagreeing_tags_make_their_own_uncertain_group() {
+        let torn = found(
+            Kind::Instance,
+            "i-4",
+            &[(karpenter::TAG_EKS_CLUSTER, "a"), ("kubernetes.io/cluster/b", "owned")],
+            Some(NOW - 3 * DAY),
+        );
+        let groups = group(vec![torn, instance("i-1", "a", NOW - 3 * DAY)]);
+        assert_eq!(groups.len(), 2, "{groups:?}");
+        let key = ("eu-west-1".to_string(), "a | b".to_string());
+        let g = &groups[&key];
+        assert!(g.disagree);
+        let v = verdict(&key.1, "eu-west-1", g, &EksAnswer::NotFound, RULES);
+        assert!(matches!(&v, Verdict::Uncertain(w) if w.contains("i-4")), "{v:?}");
+        // the cluster the tags agree on is judged on its own resources
+        let a = &groups[&("eu-west-1".to_string(), "a".to_string())];
+        assert!(matches!(verdict("a", "eu-west-1", a, &EksAnswer::NotFound, RULES), Verdict::Orphaned(_)));
+    }
+}
