@@ -63,6 +63,10 @@ pub enum Command {
     /// Prove through EC2 (and IAM) that nothing of the cluster's Karpenter is left.
     #[command(after_long_help = EXIT_CODES_HELP)]
     Verify(VerifyArgs),
+    /// Find what Karpenter left behind in whole regions, cluster by cluster, and (with --yes)
+    /// reclaim what belongs to clusters EKS no longer has.
+    #[command(after_long_help = SWEEP_HELP)]
+    Sweep(SweepArgs),
     /// Predict a teardown: read the live cluster (read-only), play the plan on a copy of it in
     /// the sandbox with the clock accelerated, and report the predicted outcome, exit code,
     /// blockers and wall time. Changes nothing anywhere; exits with the predicted exit code.
@@ -85,6 +89,24 @@ pub enum Command {
     /// Print a shell completion script (e.g. `karpenter-teardown completions bash > /etc/bash_completion.d/karpenter-teardown`).
     Completions(CompletionsArgs),
 }
+
+const SWEEP_HELP: &str = "\
+Each cluster gets one verdict, the first that matches:
+  protected   a resource carries the tag karpenter-teardown.io/keep (any value)
+  uncertain   its resources' tags disagree on the cluster, an instance is EKS Auto Mode's,
+              or EKS could not answer (access denied, throttled, region not enabled)
+  active      EKS has the cluster: its own Karpenter, or `run`, owns it
+  too-young   something of it is newer than --min-age (or its age is unknown)
+  orphaned    EKS answers not found in that region for these credentials: reclaimable
+Only orphans are reclaimed (--yes): instances (their tags untouched) until terminated, then
+launch templates, instance profiles (roles removed first), detached network interfaces.
+
+Exit codes: 0 nothing orphaned is left; 4 orphans left (a dry run lists them, or a reclaim
+failed); 3 a cluster is uncertain, or --max-instances / --account refused (nothing changed);
+2 bad input or missing permissions; 1 failure.
+
+Example (a nightly CI job):
+  karpenter-teardown sweep --region eu-west-1 --region us-east-1 --report sweep.json";
 
 const TF_PRUNE_HELP: &str = "\
 Examples:
@@ -427,6 +449,42 @@ pub struct VerifyArgs {
     /// With --reclaim: refuse (exit 3) when it would terminate more instances than this.
     #[arg(long, env = "KARPENTER_TEARDOWN_MAX_NODES", value_name = "N")]
     pub max_nodes: Option<u32>,
+}
+
+/// `sweep`.
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    /// A region to sweep; repeat for several.
+    #[arg(long = "region", env = "KARPENTER_TEARDOWN_SWEEP_REGIONS", value_delimiter = ',', required = true)]
+    pub regions: Vec<String>,
+
+    /// Only these clusters (by the name their resources' tags give); repeat for several.
+    #[arg(long = "cluster", value_delimiter = ',')]
+    pub clusters: Vec<String>,
+
+    /// Leave these clusters out; repeat for several.
+    #[arg(long = "exclude-cluster", value_delimiter = ',')]
+    pub exclude_clusters: Vec<String>,
+
+    /// A cluster with anything newer than this is too young to sweep (`24h`, `3d`, `90m`).
+    #[arg(long, env = "KARPENTER_TEARDOWN_MIN_AGE", default_value = "24h", value_name = "DURATION")]
+    pub min_age: String,
+
+    /// Refuse (exit 3, nothing changed) when the orphans hold more instances than this.
+    #[arg(long, env = "KARPENTER_TEARDOWN_MAX_INSTANCES", value_name = "N")]
+    pub max_instances: Option<u32>,
+
+    /// AWS account id the credentials must belong to (checked through STS first).
+    #[arg(long, env = "KARPENTER_TEARDOWN_ACCOUNT")]
+    pub account: Option<String>,
+
+    /// Reclaim the orphans. Without it the sweep lists what it would reclaim and changes nothing.
+    #[arg(long, short = 'y', env = "KARPENTER_TEARDOWN_YES")]
+    pub yes: bool,
+
+    /// Write a JSON report of the sweep to this file.
+    #[arg(long, env = "KARPENTER_TEARDOWN_REPORT", value_name = "FILE")]
+    pub report: Option<PathBuf>,
 }
 
 /// `sandbox ...`.

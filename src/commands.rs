@@ -78,6 +78,7 @@ impl CommandError {
 mod rehearse;
 #[cfg(feature = "sandbox")]
 mod sandbox;
+mod sweep;
 
 /// Runs the parsed command line and returns the exit status.
 pub async fn execute(cli: Cli) -> Exit {
@@ -86,6 +87,7 @@ pub async fn execute(cli: Cli) -> Exit {
         Command::Completions(args) => completions_command(&args),
         Command::Report(crate::cli::ReportCommand::Timeline(args)) => report_timeline_command(&args),
         Command::Verify(args) => verify_command(&args).await,
+        Command::Sweep(args) => sweep::sweep_command(&args).await,
         Command::Run(args) => run_command(&args).await,
         Command::Plan(args) => plan_command(&args),
         #[cfg(feature = "sandbox")]

@@ -36,6 +36,56 @@ pub(crate) enum ConfigError {
     /// A zero limit would refuse every run.
     #[error("--max-nodes 0 would refuse every run; give a positive number or leave it out")]
     ZeroMaxNodes,
+    /// A zero limit would refuse every sweep that found an orphan.
+    #[error("--max-instances 0 would refuse every sweep with an orphan; give a positive number or leave it out")]
+    ZeroMaxInstances,
+}
+
+/// `sweep`, validated.
+#[derive(Debug, Clone)]
+pub(crate) struct SweepConfig {
+    pub(crate) regions: Vec<String>,
+    /// Only these clusters (empty: all).
+    pub(crate) clusters: std::collections::BTreeSet<String>,
+    pub(crate) exclude: std::collections::BTreeSet<String>,
+    pub(crate) min_age: Duration,
+    pub(crate) max_instances: Option<u32>,
+    pub(crate) account: Option<String>,
+    pub(crate) consent: Consent,
+    pub(crate) report: Option<PathBuf>,
+}
+
+impl SweepConfig {
+    pub(crate) fn from_args(a: &crate::cli::SweepArgs) -> Result<SweepConfig, ConfigError> {
+        let mut regions: Vec<String> = Vec::new();
+        for r in &a.regions {
+            validate_region(r)?;
+            if !regions.contains(r) {
+                regions.push(r.clone());
+            }
+        }
+        for c in a.clusters.iter().chain(&a.exclude_clusters) {
+            validate_cluster(c)?;
+        }
+        if let Some(acct) = &a.account
+            && (acct.len() != 12 || !acct.bytes().all(|b| b.is_ascii_digit()))
+        {
+            return Err(ConfigError::BadAccount(acct.clone()));
+        }
+        if a.max_instances == Some(0) {
+            return Err(ConfigError::ZeroMaxInstances);
+        }
+        Ok(SweepConfig {
+            regions,
+            clusters: a.clusters.iter().cloned().collect(),
+            exclude: a.exclude_clusters.iter().cloned().collect(),
+            min_age: parse_duration("min-age", &a.min_age)?,
+            max_instances: a.max_instances,
+            account: a.account.clone(),
+            consent: if a.yes { Consent::Yes } else { Consent::DryRun },
+            report: a.report.clone(),
+        })
+    }
 }
 
 /// What to do with pods still on a node when its drain deadline passes.

@@ -295,6 +295,13 @@ pub fn instance_profile_tags(cluster: &str, region: &str, class: &str) -> std::c
 
 /// `<cluster>_<digits>`: Karpenter names profiles with a decimal 64-bit hash after the cluster
 /// name, so a suffix with anything but digits (or too many of them) is someone else's.
+/// The cluster a profile at `/` named like Karpenter ≤ 1.6's (`<cluster>_<digits>`) would be
+/// of: the name before its last `_`. Only a candidate: its tags decide.
+pub(crate) fn legacy_profile_cluster(name: &str) -> Option<String> {
+    let (cluster, _) = name.rsplit_once('_')?;
+    is_legacy_profile_name(name, cluster).then(|| cluster.to_string())
+}
+
 fn is_legacy_profile_name(name: &str, cluster: &str) -> bool {
     name.strip_prefix(&legacy_instance_profile_prefix(cluster))
         .is_some_and(|h| !h.is_empty() && h.len() <= 20 && h.bytes().all(|b| b.is_ascii_digit()))

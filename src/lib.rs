@@ -25,6 +25,6 @@ pub(crate) mod rehearse;
 pub mod report;
 pub(crate) mod scheduling;
 pub mod snapshot;
-pub mod sweep;
+pub(crate) mod sweep;
 pub(crate) mod tfprune;
 pub mod verify;

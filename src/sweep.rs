@@ -11,12 +11,12 @@ use serde::Serialize;
 use crate::karpenter;
 
 /// A tag that keeps a resource, and with it its whole cluster, out of every sweep (any value).
-pub const TAG_KEEP: &str = "karpenter-teardown.io/keep";
+pub(crate) const TAG_KEEP: &str = "karpenter-teardown.io/keep";
 
 /// What kind of resource a sweep found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Kind {
+pub(crate) enum Kind {
     Instance,
     LaunchTemplate,
     InstanceProfile,
@@ -24,27 +24,27 @@ pub enum Kind {
 
 /// One resource of Karpenter's, as AWS described it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Found {
-    pub kind: Kind,
+pub(crate) struct Found {
+    pub(crate) kind: Kind,
     /// Instance id, launch template id, instance profile name.
-    pub id: String,
+    pub(crate) id: String,
     /// The region it is in (an instance profile: the region its path or tag names).
-    pub region: String,
+    pub(crate) region: String,
     /// Its tags.
     #[serde(skip)]
-    pub tags: BTreeMap<String, String>,
+    pub(crate) tags: BTreeMap<String, String>,
     /// An instance profile's path.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub path: Option<String>,
+    pub(crate) path: Option<String>,
     /// When it was launched or created, in seconds since the epoch.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub created: Option<i64>,
+    pub(crate) created: Option<i64>,
     /// An instance's type.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub instance_type: Option<String>,
+    pub(crate) instance_type: Option<String>,
     /// The AWS service that manages an instance (EKS Auto Mode's): never swept.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub managed_by: Option<String>,
+    pub(crate) managed_by: Option<String>,
 }
 
 /// The cluster names a resource's own tags (and an instance profile's path) give, one per
@@ -128,7 +128,7 @@ pub(crate) struct Group {
 
 /// What EKS says of a cluster name in a region, for these credentials.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EksAnswer {
+pub(crate) enum EksAnswer {
     /// It exists (`ACTIVE`, `CREATING`, `UPDATING`, `DELETING`, ...), created at `created`.
     Exists { status: String, created: Option<i64> },
     /// `DescribeCluster` answered `ResourceNotFoundException`.
@@ -141,7 +141,7 @@ pub enum EksAnswer {
 /// A cluster's verdict, first match wins. Only [`Verdict::Orphaned`] is reclaimable.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "verdict", content = "why", rename_all = "kebab-case")]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// A resource carries [`TAG_KEEP`].
     Protected(String),
     /// The tags disagree, or EKS could not answer: never taken for absent.
@@ -157,7 +157,7 @@ pub enum Verdict {
 
 impl Verdict {
     /// Its name in the table and the report.
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Verdict::Protected(_) => "protected",
             Verdict::Uncertain(_) => "uncertain",
@@ -168,7 +168,7 @@ impl Verdict {
     }
 
     /// Why.
-    pub fn why(&self) -> &str {
+    pub(crate) fn why(&self) -> &str {
         match self {
             Verdict::Protected(w)
             | Verdict::Uncertain(w)
@@ -306,7 +306,11 @@ mod tests {
         let pre_1_0 = found(
             Kind::Instance,
             "i-2",
-            &[("karpenter.sh/managed-by", "old"), ("kubernetes.io/cluster/old", "owned"), ("karpenter.sh/nodepool", "x")],
+            &[
+                ("karpenter.sh/managed-by", "old"),
+                ("kubernetes.io/cluster/old", "owned"),
+                ("karpenter.sh/nodepool", "x"),
+            ],
             None,
         );
         assert_eq!(owner_of(&pre_1_0), Owner::Cluster("old".into()));

@@ -427,6 +427,7 @@ mod tests {
             .collect(),
             managed_by: None,
             launched: None,
+            instance_type: None,
         }
     }
 
@@ -438,6 +439,7 @@ mod tests {
             evidence: ProfileEvidence::ClusterPath,
             nodeclass: "default".into(),
             tags: Default::default(),
+            created: None,
         }
     }
 
@@ -451,6 +453,7 @@ mod tests {
             name: format!("karpenter.k8s.aws/{id}"),
             nodeclass: None,
             tags: Default::default(),
+            created: None,
         }
     }
 

@@ -90,9 +90,12 @@ pub struct InstanceInfo {
     /// `eks.amazonaws.com` for EKS Auto Mode's): such an instance is never this tool's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub managed_by: Option<String>,
-    /// When it was launched, in seconds since the epoch.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// When it was launched, in seconds since the epoch (not part of the report).
+    #[serde(skip)]
     pub launched: Option<i64>,
+    /// Its instance type (not part of the report).
+    #[serde(skip)]
+    pub instance_type: Option<String>,
 }
 
 impl InstanceInfo {
@@ -111,6 +114,7 @@ impl InstanceInfo {
                 .filter(|o| o.managed() == Some(true))
                 .map(|o| o.principal().unwrap_or("an AWS service").to_string()),
             launched: i.launch_time().map(|t| t.secs()),
+            instance_type: i.instance_type().map(|t| t.as_str().to_string()),
         }
     }
 
@@ -138,6 +142,9 @@ pub struct LaunchTemplateInfo {
     /// All its tags (what a rehearsal seeds its copy with; not part of the report).
     #[serde(skip)]
     pub tags: BTreeMap<String, String>,
+    /// When it was created, in seconds since the epoch (not part of the report).
+    #[serde(skip)]
+    pub created: Option<i64>,
 }
 
 /// EC2's answer about one instance asked for by id ([`Ec2::lookup`]).
@@ -433,25 +440,38 @@ impl Ec2 {
                 .send();
             while let Some(page) = pages.next().await {
                 let page = page.map_err(|e| self.err("DescribeLaunchTemplates", e))?;
-                for lt in page.launch_templates() {
-                    let name = lt.launch_template_name().unwrap_or_default();
-                    // The name prefix keeps templates the cluster's other tooling made (tagged
-                    // with the cluster too) out of our hands.
-                    if !name.starts_with(karpenter::LAUNCH_TEMPLATE_PREFIX) {
-                        continue;
-                    }
-                    let id = lt.launch_template_id().unwrap_or_default().to_string();
-                    let tags: BTreeMap<String, String> = lt
-                        .tags()
-                        .iter()
-                        .filter_map(|t| Some((t.key()?.to_string(), t.value().unwrap_or_default().to_string())))
-                        .collect();
-                    let nodeclass = tags.get(karpenter::TAG_NODECLASS).cloned();
-                    out.insert(id.clone(), LaunchTemplateInfo { id, name: name.to_string(), nodeclass, tags });
+                // The name prefix keeps templates the cluster's other tooling made (tagged with
+                // the cluster too) out of our hands.
+                for info in page.launch_templates().iter().filter_map(karpenters_template) {
+                    out.insert(info.id.clone(), info);
                 }
             }
         }
         Ok(out.into_values().collect())
+    }
+
+    /// Every live instance (stopped ones included) of any cluster's Karpenter in the region, by
+    /// the tag keys its generations launch with (`karpenter.sh/nodepool`; before 1.0
+    /// `karpenter.sh/managed-by` and the alpha `karpenter.sh/provisioner-name`): what `sweep`
+    /// attributes to clusters by their other tags.
+    pub async fn karpenter_instances_anywhere(&self) -> Result<Vec<InstanceInfo>, AwsError> {
+        let keys = [karpenter::TAG_NODEPOOL, karpenter::TAG_PROVISIONER, karpenter::TAG_MANAGED_BY];
+        let by_key = Filter::builder().name("tag-key").set_values(Some(keys.map(str::to_string).to_vec())).build();
+        let all = self.describe(Some(vec![by_key, live_state_filter()])).await?;
+        Ok(all.into_iter().filter(|i| i.state.is_live() && keys.iter().any(|k| i.tags.contains_key(*k))).collect())
+    }
+
+    /// Every launch template of any cluster's Karpenter in the region (named
+    /// `karpenter.k8s.aws/<hash>`), whichever cluster its tags name.
+    pub async fn karpenter_launch_templates_anywhere(&self) -> Result<Vec<LaunchTemplateInfo>, AwsError> {
+        let mut out = Vec::new();
+        let mut pages =
+            self.client.describe_launch_templates().max_results(DESCRIBE_LAUNCH_TEMPLATES_PAGE).into_paginator().send();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.err("DescribeLaunchTemplates", e))?;
+            out.extend(page.launch_templates().iter().filter_map(karpenters_template));
+        }
+        Ok(out)
     }
 
     /// Deletes a launch template; one already gone counts as deleted.
@@ -623,6 +643,26 @@ impl Ec2 {
         }
         Ok(out)
     }
+}
+
+/// A launch template as the tool reports it, when it is named as Karpenter names its own.
+fn karpenters_template(lt: &aws_sdk_ec2::types::LaunchTemplate) -> Option<LaunchTemplateInfo> {
+    let name = lt.launch_template_name().unwrap_or_default();
+    if !name.starts_with(karpenter::LAUNCH_TEMPLATE_PREFIX) {
+        return None;
+    }
+    let tags: BTreeMap<String, String> = lt
+        .tags()
+        .iter()
+        .filter_map(|t| Some((t.key()?.to_string(), t.value().unwrap_or_default().to_string())))
+        .collect();
+    Some(LaunchTemplateInfo {
+        id: lt.launch_template_id().unwrap_or_default().to_string(),
+        name: name.to_string(),
+        nodeclass: tags.get(karpenter::TAG_NODECLASS).cloned(),
+        tags,
+        created: lt.create_time().map(|t| t.secs()),
+    })
 }
 
 fn live_state_filter() -> Filter {

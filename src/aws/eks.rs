@@ -29,6 +29,8 @@ pub struct EksCluster {
     pub certificate_authority: Vec<Vec<u8>>,
     /// EKS Auto Mode's compute is enabled (`computeConfig.enabled`).
     pub auto_mode: bool,
+    /// When it was created, in seconds since the epoch.
+    pub created: Option<i64>,
 }
 
 impl EksCluster {
@@ -70,6 +72,7 @@ impl Eks {
                 .map(certificates_of_base64_pem)
                 .unwrap_or_default(),
             auto_mode: c.compute_config().and_then(|cc| cc.enabled()).unwrap_or(false),
+            created: c.created_at().map(|t| t.secs()),
         }))
     }
 }

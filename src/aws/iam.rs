@@ -24,6 +24,9 @@ pub struct InstanceProfileInfo {
     /// All its tags (what a rehearsal seeds its copy with; not part of the report).
     #[serde(skip)]
     pub tags: BTreeMap<String, String>,
+    /// When it was created, in seconds since the epoch (not part of the report).
+    #[serde(skip)]
+    pub created: Option<i64>,
 }
 
 /// The IAM client.
@@ -63,32 +66,15 @@ impl Iam {
         let prefix = karpenter::instance_profile_path_prefix(region, cluster);
         let mut candidates: Vec<InstanceProfileInfo> = Vec::new();
         for path_prefix in [prefix.as_str(), "/"] {
-            let mut pages = self
-                .client
-                .list_instance_profiles()
-                .path_prefix(path_prefix)
-                .max_items(IAM_MAX_ITEMS)
-                .into_paginator()
-                .send();
-            while let Some(page) = pages.next().await {
-                let page = page.map_err(|e| self.err("ListInstanceProfiles", e))?;
-                for p in page.instance_profiles() {
-                    let name = p.instance_profile_name();
-                    let Some(evidence) = karpenter::instance_profile_location(name, p.path(), cluster, region) else {
-                        continue;
-                    };
-                    if candidates.iter().any(|o| o.name == name) {
-                        continue;
-                    }
-                    candidates.push(InstanceProfileInfo {
-                        name: name.to_string(),
-                        path: p.path().to_string(),
-                        roles: p.roles().iter().map(|r| r.role_name().to_string()).collect(),
-                        evidence,
-                        nodeclass: String::new(),
-                        tags: BTreeMap::new(),
-                    });
+            for p in self.profiles_under(path_prefix).await? {
+                let name = p.instance_profile_name();
+                let Some(evidence) = karpenter::instance_profile_location(name, p.path(), cluster, region) else {
+                    continue;
+                };
+                if candidates.iter().any(|o| o.name == name) {
+                    continue;
                 }
+                candidates.push(profile_info(&p, evidence));
             }
         }
         let mut out = Vec::new();
@@ -109,6 +95,64 @@ impl Iam {
             profile.nodeclass = tags.get(karpenter::TAG_NODECLASS).cloned().unwrap_or_default();
             profile.tags = tags;
             out.push(profile);
+        }
+        Ok(out)
+    }
+
+    /// Every instance profile Karpenter made for any cluster in `region`, each with the cluster
+    /// its location names: under `/karpenter/<region>/<cluster>/` (≥ 1.7), or at `/` named
+    /// `<cluster>_<digits>` (≤ 1.6) and tagged `topology.kubernetes.io/region=<region>`; every
+    /// tag Karpenter's own IAM policy requires to delete one must name that cluster too. What
+    /// `sweep` attributes; the tags decide in the end.
+    pub async fn karpenter_instance_profiles_anywhere(
+        &self,
+        region: &str,
+    ) -> Result<Vec<InstanceProfileInfo>, AwsError> {
+        let prefix = format!("/karpenter/{region}/");
+        let mut candidates: Vec<(InstanceProfileInfo, String)> = Vec::new();
+        for path_prefix in [prefix.as_str(), "/"] {
+            for p in self.profiles_under(path_prefix).await? {
+                let (name, path) = (p.instance_profile_name(), p.path());
+                let cluster = match path.strip_prefix(prefix.as_str()) {
+                    Some(rest) => rest.split('/').next().unwrap_or_default().to_string(),
+                    None if path == "/" => karpenter::legacy_profile_cluster(name).unwrap_or_default(),
+                    None => String::new(),
+                };
+                if cluster.is_empty() || candidates.iter().any(|(o, _)| o.name == name) {
+                    continue;
+                }
+                let Some(evidence) = karpenter::instance_profile_location(name, path, &cluster, region) else {
+                    continue;
+                };
+                candidates.push((profile_info(&p, evidence), cluster));
+            }
+        }
+        let mut out = Vec::new();
+        for (mut profile, cluster) in candidates {
+            let Some(tags) = self.instance_profile_tags(&profile.name).await? else { continue };
+            if !karpenter::missing_instance_profile_tags(&tags, &cluster, region).is_empty() {
+                continue;
+            }
+            profile.nodeclass = tags.get(karpenter::TAG_NODECLASS).cloned().unwrap_or_default();
+            profile.tags = tags;
+            out.push(profile);
+        }
+        Ok(out)
+    }
+
+    /// Every instance profile under `path_prefix`, all pages.
+    async fn profiles_under(&self, path_prefix: &str) -> Result<Vec<aws_sdk_iam::types::InstanceProfile>, AwsError> {
+        let mut out = Vec::new();
+        let mut pages = self
+            .client
+            .list_instance_profiles()
+            .path_prefix(path_prefix)
+            .max_items(IAM_MAX_ITEMS)
+            .into_paginator()
+            .send();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.err("ListInstanceProfiles", e))?;
+            out.extend(page.instance_profiles().iter().cloned());
         }
         Ok(out)
     }
@@ -159,5 +203,18 @@ impl Iam {
                 if e.code() == Some("NoSuchEntity") { Ok(()) } else { Err(e) }
             }
         }
+    }
+}
+
+/// A listed profile as the tool reports it, its tags not read yet.
+fn profile_info(p: &aws_sdk_iam::types::InstanceProfile, evidence: karpenter::ProfileEvidence) -> InstanceProfileInfo {
+    InstanceProfileInfo {
+        name: p.instance_profile_name().to_string(),
+        path: p.path().to_string(),
+        roles: p.roles().iter().map(|r| r.role_name().to_string()).collect(),
+        evidence,
+        nodeclass: String::new(),
+        tags: BTreeMap::new(),
+        created: Some(p.create_date().secs()),
     }
 }

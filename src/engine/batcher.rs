@@ -381,6 +381,7 @@ mod tests {
             tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
             managed_by: managed_by.map(str::to_string),
             launched: None,
+            instance_type: None,
         }
     }
 

@@ -391,6 +391,7 @@ mod tests {
             tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
             managed_by: None,
             launched: None,
+            instance_type: None,
         }
     }
 
@@ -487,6 +488,7 @@ mod tests {
             endpoint: Some(endpoint.into()),
             certificate_authority: vec![ca.to_vec()],
             auto_mode: false,
+            created: None,
         })
     }
 

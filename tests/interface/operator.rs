@@ -86,6 +86,7 @@ fn a_report_with_every_kind_of_leftover_matches_the_schema() {
         name: "karpenter.k8s.aws/1".into(),
         nodeclass: Some("default".into()),
         tags: Default::default(),
+        created: Some(1_700_000_000),
     }];
     report.leftovers.instance_profiles = vec![InstanceProfileInfo {
         name: "c_123".into(),
@@ -94,6 +95,7 @@ fn a_report_with_every_kind_of_leftover_matches_the_schema() {
         evidence: ProfileEvidence::LegacyName,
         nodeclass: "default".into(),
         tags: Default::default(),
+        created: Some(1_700_000_000),
     }];
     let eni =
         |id: &str, why: &str| DetachedResource { id: id.into(), status: "available".into(), reason: Some(why.into()) };

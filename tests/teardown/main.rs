@@ -19,3 +19,4 @@ mod not_ours;
 mod ours;
 mod plans;
 mod resume;
+mod sweep;

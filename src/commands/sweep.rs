@@ -1,0 +1,325 @@
+//! `sweep`: the driver of [`crate::sweep`]. Reads each region's Karpenter instances, launch
+//! templates and instance profiles, asks EKS about each cluster their tags name, prints one
+//! verdict per cluster, and with `--yes` reclaims the orphans through [`verify::reclaim`] (the
+//! same calls, in the same order, as `verify --reclaim`).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use super::{CommandError, fail};
+use crate::aws::{AwsClients, EksLookup, InstanceInfo};
+use crate::config::{Consent, SweepConfig};
+use crate::exit::Exit;
+use crate::sweep::{EksAnswer, Found, Group, Kind, Rules, UNNAMED, Verdict};
+use crate::verify::{self, Leftovers};
+
+/// One cluster's line of the sweep, as the table and the report show it.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ClusterSweep {
+    pub(crate) region: String,
+    pub(crate) cluster: String,
+    #[serde(flatten)]
+    pub(crate) verdict: Verdict,
+    pub(crate) instances: Vec<String>,
+    pub(crate) launch_templates: Vec<String>,
+    pub(crate) instance_profiles: Vec<String>,
+    /// Detached network interfaces tagged for an orphan (read only for orphans).
+    pub(crate) network_interfaces: Vec<String>,
+    /// Running instances by type.
+    pub(crate) instance_types: BTreeMap<String, usize>,
+    /// The oldest launch or creation among its resources (RFC 3339).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) oldest: Option<String>,
+    /// What a `--yes` sweep removes (a dry run), or removed.
+    pub(crate) reclaim: Vec<String>,
+    /// Whether `reclaim` was carried out.
+    pub(crate) reclaimed: bool,
+    /// What could not be removed, and why.
+    pub(crate) failures: Vec<String>,
+}
+
+/// The sweep's JSON report.
+#[derive(Debug, Serialize)]
+struct SweepReport {
+    command: &'static str,
+    regions: Vec<String>,
+    min_age_seconds: u64,
+    dry_run: bool,
+    clusters: Vec<ClusterSweep>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    exit_code: u8,
+    outcome: String,
+}
+
+pub(crate) async fn sweep_command(args: &crate::cli::SweepArgs) -> Exit {
+    let config = match SweepConfig::from_args(args) {
+        Ok(c) => c,
+        Err(e) => return fail(&e.into()),
+    };
+    let mut clusters = Vec::new();
+    let (exit, error) = match sweep(&config, &mut clusters).await {
+        Ok(exit) => (exit, None),
+        Err(e) => (fail(&e), Some(e.to_string())),
+    };
+    crate::progress::finish();
+    print_table(&clusters);
+    let report = SweepReport {
+        command: "sweep",
+        regions: config.regions.clone(),
+        min_age_seconds: config.min_age.as_secs(),
+        dry_run: config.consent == Consent::DryRun,
+        clusters,
+        error,
+        exit_code: exit.code(),
+        outcome: exit.to_string(),
+    };
+    println!("{}", summary(&report));
+    if let Some(path) = &config.report {
+        let written = serde_json::to_vec_pretty(&report)
+            .map_err(std::io::Error::other)
+            .and_then(|json| std::fs::write(path, json));
+        if let Err(source) = written {
+            return exit.worst(fail(&CommandError::Report { path: path.display().to_string(), source }));
+        }
+    }
+    exit
+}
+
+/// Sweeps every region: reads, judges and (with consent) reclaims; fills `out` as it goes, so a
+/// failure still reports what was judged before it.
+async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit, CommandError> {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    let rules = Rules { now, min_age: config.min_age.as_secs() as i64 };
+    let mut orphans: Vec<(usize, Leftovers, AwsClients)> = Vec::new();
+    for (i, region) in config.regions.iter().enumerate() {
+        let aws = AwsClients::connect(region).await?;
+        if i == 0
+            && let Some(account) = &config.account
+        {
+            aws.check_account(account).await?;
+        }
+        let (found, instances) = read_region(&aws, region).await?;
+        for ((region, cluster), group) in crate::sweep::group(found) {
+            if !wanted(config, &cluster) {
+                continue;
+            }
+            let eks = if group.disagree { EksAnswer::NotFound } else { ask_eks(&aws, &cluster).await };
+            let verdict = crate::sweep::verdict(&cluster, &region, &group, &eks, rules);
+            tracing::info!(%region, %cluster, verdict = verdict.name(), why = verdict.why(), "sweep");
+            let mut line = line_of(&region, &cluster, &group, verdict);
+            if matches!(line.verdict, Verdict::Orphaned(_)) {
+                let left = reclaim_set(&aws, &cluster, &group, &instances).await?;
+                line.network_interfaces = left.network_interfaces.iter().map(|n| n.id.clone()).collect();
+                line.reclaim = left.describe();
+                orphans.push((out.len(), left, aws.clone()));
+            }
+            out.push(line);
+        }
+    }
+    let uncertain = out.iter().any(|c| matches!(c.verdict, Verdict::Uncertain(_)));
+    let mut exit = if uncertain { Exit::Refused } else { Exit::Clean };
+    if orphans.is_empty() {
+        return Ok(exit);
+    }
+    let total: usize = orphans.iter().map(|(_, l, _)| l.instances.len()).sum();
+    if let Some(max) = config.max_instances
+        && total > max as usize
+    {
+        eprintln!(
+            "error: refusing to sweep: the orphans hold {total} instances, more than --max-instances {max}. Nothing \
+             was changed; narrow the sweep with --cluster, or raise --max-instances"
+        );
+        return Ok(Exit::Refused);
+    }
+    if config.consent == Consent::DryRun {
+        tracing::warn!("without --yes: listing what would be reclaimed, changing nothing");
+        return Ok(exit.worst(Exit::Leftovers));
+    }
+    for (at, left, aws) in &orphans {
+        let failures = verify::reclaim(aws, left).await?;
+        let line = &mut out[*at];
+        line.reclaimed = true;
+        if !failures.is_empty() {
+            exit = exit.worst(Exit::Leftovers);
+        }
+        line.failures = failures;
+    }
+    Ok(exit)
+}
+
+fn wanted(config: &SweepConfig, cluster: &str) -> bool {
+    // a group of disagreeing tags is named by all of its names: wanted when any is
+    let names: Vec<&str> = cluster.split(" | ").collect();
+    let named = config.clusters.is_empty() || names.iter().any(|n| config.clusters.contains(*n));
+    let excluded = names.iter().any(|n| config.exclude.contains(*n));
+    (named || cluster == UNNAMED && config.clusters.is_empty()) && !excluded
+}
+
+/// EKS's answer for `cluster` in the clients' region; any error is no answer.
+async fn ask_eks(aws: &AwsClients, cluster: &str) -> EksAnswer {
+    match aws.eks.describe_cluster(cluster).await {
+        Ok(EksLookup::NotFound) => EksAnswer::NotFound,
+        Ok(EksLookup::Found(c)) => EksAnswer::Exists { status: c.status, created: c.created },
+        Err(e) => EksAnswer::Unknown(e.to_string()),
+    }
+}
+
+/// Every Karpenter instance, launch template and instance profile of the region, as facts for
+/// the verdicts; the instances also as read, for the reclaim.
+async fn read_region(aws: &AwsClients, region: &str) -> Result<(Vec<Found>, Vec<InstanceInfo>), CommandError> {
+    let (instances, templates, profiles) = tokio::try_join!(
+        aws.ec2.karpenter_instances_anywhere(),
+        aws.ec2.karpenter_launch_templates_anywhere(),
+        aws.iam.karpenter_instance_profiles_anywhere(region),
+    )?;
+    let mut found = Vec::new();
+    for i in &instances {
+        found.push(Found {
+            kind: Kind::Instance,
+            id: i.id.clone(),
+            region: region.to_string(),
+            tags: i.tags.clone(),
+            path: None,
+            created: i.launched,
+            instance_type: i.instance_type.clone(),
+            managed_by: i.managed_by.clone(),
+        });
+    }
+    for lt in templates {
+        found.push(Found {
+            kind: Kind::LaunchTemplate,
+            id: lt.id,
+            region: region.to_string(),
+            tags: lt.tags,
+            path: None,
+            created: lt.created,
+            instance_type: None,
+            managed_by: None,
+        });
+    }
+    for p in profiles {
+        found.push(Found {
+            kind: Kind::InstanceProfile,
+            id: p.name,
+            region: region.to_string(),
+            tags: p.tags,
+            path: Some(p.path),
+            created: p.created,
+            instance_type: None,
+            managed_by: None,
+        });
+    }
+    Ok((found, instances))
+}
+
+/// What reclaiming an orphan removes: exactly the instances, launch templates and instance
+/// profiles judged (re-read by the cluster's own lookups, which hold every evidence rule
+/// `verify` holds), and its detached network interfaces that the tool may delete.
+async fn reclaim_set(
+    aws: &AwsClients,
+    cluster: &str,
+    group: &Group,
+    instances: &[InstanceInfo],
+) -> Result<Leftovers, CommandError> {
+    let ids = |kind: Kind| -> BTreeSet<&str> {
+        group.found.iter().filter(|f| f.kind == kind).map(|f| f.id.as_str()).collect()
+    };
+    let (instance_ids, template_ids, profile_names) =
+        (ids(Kind::Instance), ids(Kind::LaunchTemplate), ids(Kind::InstanceProfile));
+    let (templates, profiles, (interfaces, _left_alone)) = tokio::try_join!(
+        aws.ec2.launch_templates(cluster),
+        aws.iam.cluster_instance_profiles(aws.region(), cluster),
+        aws.ec2.detached_network_interfaces(cluster),
+    )?;
+    Ok(Leftovers {
+        instances: instances.iter().filter(|i| instance_ids.contains(i.id.as_str())).cloned().collect(),
+        launch_templates: templates.into_iter().filter(|t| template_ids.contains(t.id.as_str())).collect(),
+        instance_profiles: profiles.into_iter().filter(|p| profile_names.contains(p.name.as_str())).collect(),
+        network_interfaces: interfaces,
+        ..Leftovers::default()
+    })
+}
+
+fn line_of(region: &str, cluster: &str, group: &Group, verdict: Verdict) -> ClusterSweep {
+    let of =
+        |kind: Kind| -> Vec<String> { group.found.iter().filter(|f| f.kind == kind).map(|f| f.id.clone()).collect() };
+    let mut instance_types = BTreeMap::new();
+    for f in group.found.iter().filter(|f| f.kind == Kind::Instance) {
+        *instance_types.entry(f.instance_type.clone().unwrap_or_else(|| "unknown".into())).or_insert(0) += 1;
+    }
+    let oldest = group.found.iter().filter_map(|f| f.created).min().map(|secs| {
+        humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs.max(0) as u64))
+            .to_string()
+    });
+    ClusterSweep {
+        region: region.to_string(),
+        cluster: cluster.to_string(),
+        verdict,
+        instances: of(Kind::Instance),
+        launch_templates: of(Kind::LaunchTemplate),
+        instance_profiles: of(Kind::InstanceProfile),
+        network_interfaces: Vec::new(),
+        instance_types,
+        oldest,
+        reclaim: Vec::new(),
+        reclaimed: false,
+        failures: Vec::new(),
+    }
+}
+
+fn print_table(clusters: &[ClusterSweep]) {
+    if clusters.is_empty() {
+        println!("no Karpenter instance, launch template or instance profile found");
+        return;
+    }
+    println!(
+        "{:<14} {:<28} {:<10} {:>9} {:>9} {:>8}  {:<20}  WHY",
+        "REGION", "CLUSTER", "VERDICT", "INSTANCES", "TEMPLATES", "PROFILES", "OLDEST"
+    );
+    for c in clusters {
+        println!(
+            "{:<14} {:<28} {:<10} {:>9} {:>9} {:>8}  {:<20}  {}",
+            c.region,
+            c.cluster,
+            c.verdict.name(),
+            c.instances.len(),
+            c.launch_templates.len(),
+            c.instance_profiles.len(),
+            c.oldest.as_deref().unwrap_or("-"),
+            c.verdict.why()
+        );
+        if !c.instance_types.is_empty() {
+            let types: Vec<String> = c.instance_types.iter().map(|(t, n)| format!("{n} × {t}")).collect();
+            println!("    instances: {}", types.join(", "));
+        }
+        for r in &c.reclaim {
+            println!("    {} {r}", if c.reclaimed { "reclaimed:" } else { "would reclaim:" });
+        }
+        for f in &c.failures {
+            println!("    not reclaimed: {f}");
+        }
+    }
+}
+
+fn summary(report: &SweepReport) -> String {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for c in &report.clusters {
+        *counts.entry(c.verdict.name()).or_insert(0) += 1;
+    }
+    let counts: Vec<String> = counts.iter().map(|(v, n)| format!("{n} {v}")).collect();
+    format!(
+        "sweep of {} ({}): {} cluster(s){}{}, exit {}",
+        report.regions.join(", "),
+        if report.dry_run { "dry run" } else { "--yes" },
+        report.clusters.len(),
+        if counts.is_empty() { String::new() } else { format!(": {}", counts.join(", ")) },
+        if report.dry_run && report.clusters.iter().any(|c| !c.reclaim.is_empty()) {
+            "; run again with --yes to reclaim the orphans"
+        } else {
+            ""
+        },
+        report.exit_code
+    )
+}

@@ -1,0 +1,229 @@
+//! `sweep` end to end against LocalStack in two regions of their own: one verdict per cluster,
+//! only the orphans reclaimed, a dry run that changes nothing and lists what `--yes` removes,
+//! and no reclaim at all without EKS's answer. Every call is held to
+//! `deploy/iam-policy-sweep.json` by the enforcing proxy.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use karpenter_teardown::aws::InstanceState;
+use serde_json::Value;
+
+use crate::common::e2e::{Run, run_of, states};
+
+/// Regions no other test uses: a region-wide sweep sees only what this test made there.
+const A: &str = "eu-north-1";
+const B: &str = "ap-southeast-2";
+
+fn sweep_policy_text() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/iam-policy-sweep.json")).unwrap()
+}
+
+/// `karpenter-teardown sweep` over both regions, only `clusters`, with `extra`, signing with `key`.
+async fn sweep(dir: &std::path::Path, key: &str, clusters: &[&str], extra: &[&str]) -> Run {
+    let report = dir.join("sweep.json");
+    let _ = std::fs::remove_file(&report);
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    cmd.args(["sweep", "--region", A, "--region", B, "--report"]).arg(&report);
+    for c in clusters {
+        cmd.args(["--cluster", c]);
+    }
+    cmd.args(extra)
+        .envs(crate::common::localstack_env())
+        .env("AWS_ACCESS_KEY_ID", key)
+        .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+    run_of(cmd, &report).await
+}
+
+/// The tags Karpenter ≥ 1.0 launches an instance of `cluster` with.
+fn launch_tags(cluster: &str) -> BTreeMap<String, String> {
+    sandbox_sim::naming::launch_tags(cluster, "default", "default")
+}
+
+/// `count` instances of `tags` in `region`: their ids.
+async fn launch(region: &str, count: i32, tags: &BTreeMap<String, String>) -> Vec<String> {
+    let cloud = crate::common::cloud(region).await;
+    let made = cloud.launch_tagged(sandbox_sim::naming::IMAGE_ID, "m5.large", None, count, tags).await.unwrap();
+    made.into_iter().map(|i| i.id).collect()
+}
+
+/// A Karpenter launch template and instance profile of `cluster` in `region`: (template id,
+/// profile name).
+async fn class_resources(region: &str, cluster: &str) -> (String, String) {
+    let cloud = crate::common::cloud(region).await;
+    let mut lt_tags = launch_tags(cluster);
+    lt_tags.remove(karpenter_teardown::karpenter::TAG_NODEPOOL);
+    let lt = cloud
+        .create_launch_template(&format!("karpenter.k8s.aws/{cluster}"), sandbox_sim::naming::IMAGE_ID, &lt_tags)
+        .await
+        .unwrap();
+    let profile = format!("{cluster}_1234567");
+    let profile_tags = BTreeMap::from([
+        (karpenter_teardown::karpenter::cluster_tag_key(cluster), "owned".to_string()),
+        ("topology.kubernetes.io/region".to_string(), region.to_string()),
+        (karpenter_teardown::karpenter::TAG_NODECLASS.to_string(), "default".to_string()),
+        (karpenter_teardown::karpenter::TAG_EKS_CLUSTER.to_string(), cluster.to_string()),
+    ]);
+    cloud
+        .create_instance_profile(&profile, &format!("/karpenter/{region}/{cluster}/uid-1/"), &profile_tags)
+        .await
+        .unwrap();
+    (lt, profile)
+}
+
+/// The report's line of `cluster` in `region`.
+fn line<'a>(run: &'a Run, region: &str, cluster: &str) -> &'a Value {
+    run.report["clusters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["region"] == region && c["cluster"] == cluster)
+        .unwrap_or_else(|| panic!("no line for {cluster} in {region}: {}", run.dump()))
+}
+
+async fn live_states(region: &str, ids: &[String]) -> BTreeMap<String, InstanceState> {
+    states(&crate::common::localstack_as_aws(region).await, ids).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_destroyed_clusters_are_reclaimed_each_cluster_with_its_verdict() {
+    let name = |p: &str| crate::common::unique_cluster(p);
+    let (gone, old, torn, kept, live, reborn, elsewhere, young) = (
+        name("sw-gone"),
+        name("sw-old"),
+        name("sw-torn"),
+        name("sw-kept"),
+        name("sw-live"),
+        name("sw-reborn"),
+        name("sw-else"),
+        name("sw-young"),
+    );
+    // what a destroyed cluster left in A: a running and a stopped instance, a launch template
+    // and an instance profile
+    let gone_ids = launch(A, 2, &launch_tags(&gone)).await;
+    let ec2 = aws_sdk_ec2::Client::new(&sandbox_sim::localstack::config_as(A, "test").await);
+    ec2.stop_instances().instance_ids(&gone_ids[1]).send().await.unwrap();
+    let (gone_lt, gone_profile) = class_resources(A, &gone).await;
+    // a destroyed cluster of Karpenter before 1.0 (tags `karpenter.sh/managed-by`)
+    let old_tags = BTreeMap::from([
+        ("karpenter.sh/managed-by".to_string(), old.clone()),
+        (karpenter_teardown::karpenter::cluster_tag_key(&old), "owned".to_string()),
+        ("karpenter.sh/nodepool".to_string(), "default".to_string()),
+        ("karpenter.k8s.aws/ec2nodeclass".to_string(), "default".to_string()),
+    ]);
+    let old_ids = launch(A, 1, &old_tags).await;
+    // tags that disagree on the cluster
+    let mut torn_tags = launch_tags(&torn);
+    torn_tags.insert(karpenter_teardown::karpenter::cluster_tag_key(&gone), "owned".to_string());
+    let torn_ids = launch(A, 1, &torn_tags).await;
+    // a protected one
+    let mut kept_tags = launch_tags(&kept);
+    kept_tags.insert("karpenter-teardown.io/keep".to_string(), "until-audit".to_string());
+    let kept_ids = launch(A, 1, &kept_tags).await;
+    // a live one, and one recreated under the same name after its instances were launched
+    let live_ids = launch(A, 1, &launch_tags(&live)).await;
+    crate::common::register_eks(&live, A, "https://live.example", None).await;
+    let reborn_ids = launch(A, 1, &launch_tags(&reborn)).await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    crate::common::register_eks(&reborn, A, "https://reborn.example", None).await;
+    // B: a cluster EKS has in A only, so none in B, where its resources are
+    let else_ids = launch(B, 1, &launch_tags(&elsewhere)).await;
+    crate::common::register_eks(&elsewhere, A, "https://else.example", None).await;
+    // everything above is older than --min-age by the time the young cluster is made
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let young_ids = launch(A, 1, &launch_tags(&young)).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let key = crate::common::key_with_policy(crate::common::policy_from(&sweep_policy_text(), "", A));
+    let all = [&gone, &old, &torn, &kept, &live, &reborn, &elsewhere, &young].map(String::as_str);
+    let everything: Vec<String> = [&gone_ids, &old_ids, &torn_ids, &kept_ids, &live_ids, &reborn_ids, &young_ids]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
+
+    // the dry run: one verdict per cluster, and what --yes would remove, changing nothing
+    let dry = sweep(dir.path(), &key, &all, &["--min-age", "15s"]).await;
+    assert_eq!(dry.code, 3, "a cluster is uncertain: {}", dry.dump());
+    let clusters = dry.report["clusters"].as_array().map(Vec::len).unwrap_or_default();
+    // the torn instance is grouped under both names it gives (torn | gone)
+    assert_eq!(clusters, 8, "{}", dry.dump());
+    let verdict = |run: &Run, region: &str, c: &str| line(run, region, c)["verdict"].as_str().unwrap().to_string();
+    assert_eq!(verdict(&dry, A, &gone), "orphaned", "{}", dry.dump());
+    assert_eq!(verdict(&dry, A, &old), "orphaned");
+    assert_eq!(verdict(&dry, A, &kept), "protected");
+    assert_eq!(verdict(&dry, A, &live), "active");
+    assert_eq!(verdict(&dry, A, &reborn), "active");
+    assert!(line(&dry, A, &reborn)["why"].as_str().unwrap().contains("earlier incarnation"), "{}", dry.dump());
+    assert_eq!(verdict(&dry, A, &young), "too-young");
+    assert_eq!(verdict(&dry, B, &elsewhere), "orphaned");
+    let mut both = [gone.clone(), torn.clone()];
+    both.sort();
+    assert_eq!(verdict(&dry, A, &both.join(" | ")), "uncertain");
+    let gone_line = line(&dry, A, &gone);
+    let would: Vec<&str> = gone_line["reclaim"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    let listed = would.join("\n");
+    let gone_lt_name = format!("karpenter.k8s.aws/{gone}");
+    for id in gone_ids.iter().chain([&gone_lt_name, &gone_profile]) {
+        assert!(listed.contains(id.as_str()), "{id} is listed: {listed}");
+    }
+    assert_eq!(gone_line["launch_templates"][0], gone_lt.as_str(), "{}", dry.dump());
+    assert!(dry.stdout.contains("would reclaim:"), "{}", dry.dump());
+    let still = live_states(A, &everything).await;
+    assert_eq!(still.len(), everything.len());
+    assert!(still.values().all(|s| s.is_live()), "a dry run changed an instance: {still:?}");
+
+    // --yes: the orphans and nothing else
+    let run = sweep(dir.path(), &key, &all, &["--min-age", "15s", "--yes"]).await;
+    assert_eq!(run.code, 3, "the uncertain cluster still says so: {}", run.dump());
+    for c in [&gone, &old] {
+        let l = line(&run, A, c);
+        assert_eq!(l["reclaimed"], true, "{}", run.dump());
+        assert_eq!(l["failures"].as_array().map(Vec::len), Some(0), "{}", run.dump());
+    }
+    let gone_now = live_states(A, &[gone_ids.clone(), old_ids.clone()].concat()).await;
+    assert!(gone_now.values().all(|s| !s.is_live()), "{gone_now:?}");
+    let else_now = live_states(B, &else_ids).await;
+    assert!(else_now.values().all(|s| !s.is_live()), "{else_now:?}");
+    let untouched: Vec<String> =
+        [&torn_ids, &kept_ids, &live_ids, &reborn_ids, &young_ids].into_iter().flatten().cloned().collect();
+    let kept_now = live_states(A, &untouched).await;
+    assert_eq!(kept_now.len(), untouched.len());
+    assert!(kept_now.values().all(|s| *s == InstanceState::Running), "{kept_now:?}");
+    let cloud = crate::common::cloud(A).await;
+    assert_eq!(cloud.launch_template_id(&format!("karpenter.k8s.aws/{gone}")).await.unwrap(), None);
+    assert!(!cloud.delete_instance_profile(&gone_profile).await.unwrap(), "the orphan's profile is gone");
+
+    // run again: nothing orphaned is left (the instance whose tags also name `gone` is left out
+    // by --exclude-cluster, whichever of its names the exclusion gives)
+    let extra = ["--min-age", "15s", "--yes", "--exclude-cluster", torn.as_str()];
+    let again = sweep(dir.path(), &key, &[&gone, &old, &elsewhere], &extra).await;
+    assert_eq!(again.code, 0, "{}", again.dump());
+    assert_eq!(again.report["clusters"].as_array().map(Vec::len), Some(0), "{}", again.dump());
+    cloud.terminate(&untouched).await.unwrap();
+}
+
+/// With `eks:DescribeCluster` denied, no cluster can be proven absent: every cluster is
+/// uncertain and nothing is deleted, `--yes` or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_eks_answering_every_cluster_is_uncertain_and_nothing_is_deleted() {
+    let gone = crate::common::unique_cluster("sw-denied");
+    let ids = launch(B, 1, &launch_tags(&gone)).await;
+    let mut policy: Value = serde_json::from_str(&sweep_policy_text()).unwrap();
+    let statements = policy["Statement"].as_array_mut().unwrap();
+    let before = statements.len();
+    statements.retain(|s| s["Action"].as_array().is_none_or(|a| !a.iter().any(|x| x == "eks:DescribeCluster")));
+    assert_eq!(statements.len(), before - 1, "the sweep policy grants eks:DescribeCluster in one statement");
+    let key = crate::common::key_with_policy(crate::common::policy_from(&policy.to_string(), "", B));
+    let dir = tempfile::tempdir().unwrap();
+    let run = sweep(dir.path(), &key, &[&gone], &["--min-age", "0s", "--yes"]).await;
+    assert_eq!(run.code, 3, "{}", run.dump());
+    let l = line(&run, B, &gone);
+    assert_eq!(l["verdict"], "uncertain", "{}", run.dump());
+    assert!(l["why"].as_str().unwrap().contains("EKS could not say"), "{}", run.dump());
+    assert_eq!(l["reclaimed"], false);
+    let now = live_states(B, &ids).await;
+    assert_eq!(now.len(), 1);
+    assert!(now.values().all(|s| *s == InstanceState::Running), "{now:?}");
+    crate::common::cloud(B).await.terminate(&ids).await.unwrap();
+}
