@@ -449,6 +449,12 @@ pub struct VerifyArgs {
     /// With --reclaim: refuse (exit 3) when it would terminate more instances than this.
     #[arg(long, env = "KARPENTER_TEARDOWN_MAX_NODES", value_name = "N")]
     pub max_nodes: Option<u32>,
+
+    /// With --reclaim of a cluster EKS no longer has: refuse (exit 3) while anything left of it
+    /// is newer than this (`sweep`'s rule; naming the cluster is consent for its young
+    /// resources, so the default is none).
+    #[arg(long, env = "KARPENTER_TEARDOWN_VERIFY_MIN_AGE", default_value = "0s", value_name = "DURATION")]
+    pub min_age: String,
 }
 
 /// `sweep`.

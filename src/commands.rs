@@ -113,10 +113,14 @@ async fn verify_command(args: &VerifyArgs) -> Exit {
     if args.max_nodes == Some(0) {
         return fail(&ConfigError::ZeroMaxNodes.into());
     }
+    let min_age = match crate::config::parse_duration("min-age", &args.min_age) {
+        Ok(d) => d,
+        Err(e) => return fail(&e.into()),
+    };
     let (mut report, started) = Report::start("verify", &target.cluster, &target.region, "");
     let consent = if args.yes { Consent::Yes } else { Consent::DryRun };
     let kube = KubeTarget { kubeconfig: args.kubeconfig.clone(), context: args.context.clone() };
-    let result = verify_target(&target, consent, &kube, args.max_nodes, &mut report).await;
+    let result = verify_target(&target, consent, &kube, (args.max_nodes, min_age), &mut report).await;
     let exit = match &result {
         Ok(exit) => *exit,
         Err(e) => {
@@ -128,15 +132,16 @@ async fn verify_command(args: &VerifyArgs) -> Exit {
     finish_report(&target, &report, exit)
 }
 
+/// `limits`: `--max-nodes` and `--min-age`.
 async fn verify_target(
     target: &Target,
     consent: Consent,
     kube: &KubeTarget,
-    max_nodes: Option<u32>,
+    limits: (Option<u32>, Duration),
     report: &mut Report,
 ) -> Result<Exit, CommandError> {
     let aws = AwsClients::connect(&target.region).await?;
-    let result = verify_with(target, consent, kube, max_nodes, report, &aws).await;
+    let result = verify_with(target, consent, kube, limits, report, &aws).await;
     report.api_calls.extend(aws.calls.snapshot());
     result
 }
@@ -145,7 +150,7 @@ async fn verify_with(
     target: &Target,
     consent: Consent,
     kube: &KubeTarget,
-    max_nodes: Option<u32>,
+    (max_nodes, min_age): (Option<u32>, Duration),
     report: &mut Report,
     aws: &AwsClients,
 ) -> Result<Exit, CommandError> {
@@ -166,6 +171,24 @@ async fn verify_with(
             report.error = Some(refusal.to_string());
             report.leftovers = left;
             return Ok(Exit::Refused);
+        }
+        // EKS no longer has it: `sweep`'s verdict decides, so the two paths cannot drift apart
+        if let verify::ClusterSeen::Gone(gone) = &seen {
+            let found = sweep::found_in(&left, &target.region);
+            let verdict =
+                crate::sweep::verdict_of_named(&target.cluster, &target.region, found, sweep::rules_now(min_age));
+            if !matches!(verdict, crate::sweep::Verdict::Orphaned(_)) {
+                let error = format!(
+                    "refusing to reclaim: {gone}, but what is left of it is {} ({}). Nothing was changed",
+                    verdict.name(),
+                    verdict.why()
+                );
+                crate::progress::finish();
+                eprintln!("error: {error}");
+                report.error = Some(error);
+                report.leftovers = left;
+                return Ok(Exit::Refused);
+            }
         }
         if let verify::ClusterSeen::Live(holders) = seen {
             user_profiles = holders.user_profiles;

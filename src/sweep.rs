@@ -250,6 +250,21 @@ pub(crate) fn verdict(name: &str, region: &str, group: &Group, eks: &EksAnswer, 
     Verdict::Orphaned(format!("EKS has no cluster {name} in {region} for these credentials"))
 }
 
+/// The verdict on what `verify --reclaim` found of the named cluster `name`, which EKS no longer
+/// has in `region`: the sweep's rules, with every resource's tags required to name that cluster
+/// alone. Only [`Verdict::Orphaned`] may be reclaimed.
+pub(crate) fn verdict_of_named(name: &str, region: &str, found: Vec<Found>, rules: Rules) -> Verdict {
+    let groups = group(found);
+    if let Some(((_, other), g)) = groups.iter().find(|((_, n), _)| n != name) {
+        let ids: Vec<String> = g.found.iter().map(|f| format!("{} {}", kind_name(f.kind), f.id)).collect();
+        return Verdict::Uncertain(format!("the tags of {} name {other}, not {name} alone", ids.join(", ")));
+    }
+    match groups.into_values().next() {
+        Some(g) => verdict(name, region, &g, &EksAnswer::NotFound, rules),
+        None => Verdict::Orphaned(format!("nothing of cluster {name} is left in {region}")),
+    }
+}
+
 fn kind_name(kind: Kind) -> &'static str {
     match kind {
         Kind::Instance => "instance",

@@ -90,8 +90,7 @@ pub(crate) async fn sweep_command(args: &crate::cli::SweepArgs) -> Exit {
 /// Sweeps every region: reads, judges and (with consent) reclaims; fills `out` as it goes, so a
 /// failure still reports what was judged before it.
 async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit, CommandError> {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
-    let rules = Rules { now, min_age: config.min_age.as_secs() as i64 };
+    let rules = rules_now(config.min_age);
     let mut orphans: Vec<(usize, Leftovers, AwsClients)> = Vec::new();
     for (i, region) in config.regions.iter().enumerate() {
         let aws = AwsClients::connect(region).await?;
@@ -149,6 +148,12 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
     Ok(exit)
 }
 
+/// The verdicts' rules as of now.
+pub(super) fn rules_now(min_age: std::time::Duration) -> Rules {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    Rules { now, min_age: min_age.as_secs() as i64 }
+}
+
 fn wanted(config: &SweepConfig, cluster: &str) -> bool {
     // a group of disagreeing tags is named by all of its names: wanted when any is
     let names: Vec<&str> = cluster.split(" | ").collect();
@@ -169,13 +174,20 @@ async fn ask_eks(aws: &AwsClients, cluster: &str) -> EksAnswer {
 /// Every Karpenter instance, launch template and instance profile of the region, as facts for
 /// the verdicts; the instances also as read, for the reclaim.
 async fn read_region(aws: &AwsClients, region: &str) -> Result<(Vec<Found>, Vec<InstanceInfo>), CommandError> {
-    let (instances, templates, profiles) = tokio::try_join!(
+    let (instances, launch_templates, instance_profiles) = tokio::try_join!(
         aws.ec2.karpenter_instances_anywhere(),
         aws.ec2.karpenter_launch_templates_anywhere(),
         aws.iam.karpenter_instance_profiles_anywhere(region),
     )?;
+    let read = Leftovers { instances, launch_templates, instance_profiles, ..Leftovers::default() };
+    Ok((found_in(&read, region), read.instances))
+}
+
+/// The instances, launch templates and instance profiles of `left`, in `region`, as facts for
+/// the verdicts.
+pub(super) fn found_in(left: &Leftovers, region: &str) -> Vec<Found> {
     let mut found = Vec::new();
-    for i in &instances {
+    for i in &left.instances {
         found.push(Found {
             kind: Kind::Instance,
             id: i.id.clone(),
@@ -187,31 +199,31 @@ async fn read_region(aws: &AwsClients, region: &str) -> Result<(Vec<Found>, Vec<
             managed_by: i.managed_by.clone(),
         });
     }
-    for lt in templates {
+    for lt in &left.launch_templates {
         found.push(Found {
             kind: Kind::LaunchTemplate,
-            id: lt.id,
+            id: lt.id.clone(),
             region: region.to_string(),
-            tags: lt.tags,
+            tags: lt.tags.clone(),
             path: None,
             created: lt.created,
             instance_type: None,
             managed_by: None,
         });
     }
-    for p in profiles {
+    for p in &left.instance_profiles {
         found.push(Found {
             kind: Kind::InstanceProfile,
-            id: p.name,
+            id: p.name.clone(),
             region: region.to_string(),
-            tags: p.tags,
-            path: Some(p.path),
+            tags: p.tags.clone(),
+            path: Some(p.path.clone()),
             created: p.created,
             instance_type: None,
             managed_by: None,
         });
     }
-    Ok((found, instances))
+    found
 }
 
 /// What reclaiming an orphan removes: exactly the instances, launch templates and instance

@@ -94,6 +94,24 @@ async fn verify_reclaim_never_terminates_under_a_live_cluster_and_finishes_once_
     assert_eq!(too_many.code, 3, "{}", too_many.dump());
     assert!(too_many.stderr.contains("more than --max-nodes 2"), "{}", too_many.dump());
     assert!(states(&b.aws, &ours).await.values().all(|s| *s == InstanceState::Running));
+    // `sweep`'s verdict holds for the named cluster too: a protected resource, or one younger
+    // than --min-age, keeps everything of it
+    let keep_tag = std::collections::BTreeMap::from([("karpenter-teardown.io/keep".to_string(), String::new())]);
+    b.cloud.tag_instance(&ours[0], &keep_tag).await.unwrap();
+    let protected = verify_reclaim(&b, &world.cluster, &["--yes"]).await;
+    assert_eq!(protected.code, 3, "{}", protected.dump());
+    assert!(
+        protected.stderr.contains("is protected") && protected.stderr.contains(ours[0].as_str()),
+        "{}",
+        protected.dump()
+    );
+    let ec2 = aws_sdk_ec2::Client::new(&sandbox_sim::localstack::config_as(REGION, "test").await);
+    let untag = aws_sdk_ec2::types::Tag::builder().key("karpenter-teardown.io/keep").build();
+    ec2.delete_tags().resources(&ours[0]).tags(untag).send().await.unwrap();
+    let young = verify_reclaim(&b, &world.cluster, &["--yes", "--min-age", "1h"]).await;
+    assert_eq!(young.code, 3, "{}", young.dump());
+    assert!(young.stderr.contains("is too-young") && young.stderr.contains("--min-age 1h"), "{}", young.dump());
+    assert!(states(&b.aws, &ours).await.values().all(|s| *s == InstanceState::Running));
     let reclaimed = verify_reclaim(&b, &world.cluster, &["--yes"]).await;
     assert_eq!(reclaimed.code, 0, "{}", reclaimed.dump());
     let gone = states(&b.aws, &ours).await;
