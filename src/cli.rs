@@ -97,7 +97,9 @@ Each cluster gets one verdict, the first that matches:
               or EKS could not answer (access denied, throttled, region not enabled)
   active      EKS has the cluster: its own Karpenter, or `run`, owns it
   too-young   something of it is newer than --min-age (or its age is unknown)
-  orphaned    EKS answers not found in that region for these credentials: reclaimable
+  orphaned    EKS answers not found in that region for these credentials, and the user data
+              of its instances or launch templates names an EKS endpoint (a self-managed
+              cluster cannot be proven gone through EKS: --cluster NAME --not-eks): reclaimable
 Only orphans are reclaimed (--yes): instances (their tags untouched) until terminated, then
 launch templates, instance profiles (roles removed first), detached network interfaces.
 
@@ -479,6 +481,11 @@ pub struct SweepArgs {
     /// Refuse (exit 3, nothing changed) when the orphans hold more instances than this.
     #[arg(long, env = "KARPENTER_TEARDOWN_MAX_INSTANCES", value_name = "N")]
     pub max_instances: Option<u32>,
+
+    /// The clusters named with --cluster were not EKS clusters (a self-managed Karpenter on
+    /// EC2): EKS's "not found" is taken as gone without the evidence that they ran on EKS.
+    #[arg(long, requires = "clusters")]
+    pub not_eks: bool,
 
     /// AWS account id the credentials must belong to (checked through STS first).
     #[arg(long, env = "KARPENTER_TEARDOWN_ACCOUNT")]

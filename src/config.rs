@@ -50,6 +50,8 @@ pub(crate) struct SweepConfig {
     pub(crate) exclude: std::collections::BTreeSet<String>,
     pub(crate) min_age: Duration,
     pub(crate) max_instances: Option<u32>,
+    /// `--not-eks`: the named clusters need no evidence that they ran on EKS.
+    pub(crate) not_eks: bool,
     pub(crate) account: Option<String>,
     pub(crate) consent: Consent,
     pub(crate) report: Option<PathBuf>,
@@ -81,6 +83,7 @@ impl SweepConfig {
             exclude: a.exclude_clusters.iter().cloned().collect(),
             min_age: parse_duration("min-age", &a.min_age)?,
             max_instances: a.max_instances,
+            not_eks: a.not_eks,
             account: a.account.clone(),
             consent: if a.yes { Consent::Yes } else { Consent::DryRun },
             report: a.report.clone(),

@@ -179,6 +179,40 @@ impl Verdict {
     }
 }
 
+/// Whether the cluster is shown to have run on EKS: only then does EKS's "not found" prove it
+/// gone. A self-managed Karpenter cluster on EC2 tags its compute as an EKS cluster's does, and
+/// EKS has never heard of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RanOnEks {
+    /// The user data of one of its instances or launch templates names an EKS API endpoint.
+    Shown(String),
+    /// Nothing read shows it.
+    NotShown,
+    /// The user named the cluster with `--not-eks`: EKS's answer is taken as it is.
+    Waived,
+}
+
+/// The EKS API endpoint user data names, if any: Karpenter writes the cluster's endpoint into
+/// every AMI family's bootstrap (AL2 `--apiserver-endpoint`, AL2023 `apiServerEndpoint`,
+/// Bottlerocket `api-server`, Windows `-APIServerEndpoint`), and an EKS cluster's is
+/// `https://<id>.<zone>.<region>.eks.amazonaws.com` (`.amazonaws.com.cn` in China).
+pub(crate) fn eks_endpoint_in(user_data: &str) -> Option<String> {
+    let mut rest = user_data;
+    while let Some(at) = rest.find("https://") {
+        let url = &rest[at..];
+        let end = url
+            .find(|c: char| c.is_whitespace() || matches!(c, '\'' | '"' | '<' | '>' | ',' | ';'))
+            .unwrap_or(url.len());
+        let url = &url[..end];
+        let host = url["https://".len()..].split(['/', ':']).next().unwrap_or_default();
+        if host.ends_with(".eks.amazonaws.com") || host.ends_with(".eks.amazonaws.com.cn") {
+            return Some(url.to_string());
+        }
+        rest = &rest[at + "https://".len()..];
+    }
+    None
+}
+
 /// What a verdict weighs besides the resources and EKS's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Rules {
@@ -188,8 +222,17 @@ pub(crate) struct Rules {
     pub(crate) min_age: i64,
 }
 
-/// The verdict on cluster `name`'s `group` in `region`, given EKS's `eks` answer.
-pub(crate) fn verdict(name: &str, region: &str, group: &Group, eks: &EksAnswer, rules: Rules) -> Verdict {
+/// The verdict on cluster `name`'s `group` in `region`, given EKS's `eks` answer and whether
+/// the cluster is shown to have run on EKS (`ran`; read only for what would otherwise be an
+/// orphan: [`RanOnEks::Waived`] judges as if shown).
+pub(crate) fn verdict(
+    name: &str,
+    region: &str,
+    group: &Group,
+    eks: &EksAnswer,
+    rules: Rules,
+    ran: &RanOnEks,
+) -> Verdict {
     if let Some(kept) = group.found.iter().find(|f| f.tags.contains_key(TAG_KEEP)) {
         return Verdict::Protected(format!("{} {} carries {TAG_KEEP}", kind_name(kept.kind), kept.id));
     }
@@ -247,7 +290,19 @@ pub(crate) fn verdict(name: &str, region: &str, group: &Group, eks: &EksAnswer, 
             humantime::format_duration(std::time::Duration::from_secs(rules.min_age.max(0) as u64))
         ));
     }
-    Verdict::Orphaned(format!("EKS has no cluster {name} in {region} for these credentials"))
+    match ran {
+        RanOnEks::NotShown => Verdict::Uncertain(format!(
+            "EKS has no cluster {name} in {region}, and nothing shows it ran on EKS (no instance's or launch \
+             template's user data names an EKS endpoint): a self-managed cluster cannot be proven gone through \
+             EKS; name it with --cluster {name} --not-eks if it is gone"
+        )),
+        RanOnEks::Shown(endpoint) => Verdict::Orphaned(format!(
+            "EKS has no cluster {name} in {region} for these credentials, and its nodes joined the EKS endpoint {endpoint}"
+        )),
+        RanOnEks::Waived => Verdict::Orphaned(format!(
+            "EKS has no cluster {name} in {region} for these credentials (--not-eks: not shown to have run on EKS)"
+        )),
+    }
 }
 
 /// The verdict on what `verify --reclaim` found of the named cluster `name`, which EKS no longer
@@ -259,8 +314,9 @@ pub(crate) fn verdict_of_named(name: &str, region: &str, found: Vec<Found>, rule
         let ids: Vec<String> = g.found.iter().map(|f| format!("{} {}", kind_name(f.kind), f.id)).collect();
         return Verdict::Uncertain(format!("the tags of {} name {other}, not {name} alone", ids.join(", ")));
     }
+    // the user named the cluster, and `verify` proved EKS's answer for it
     match groups.into_values().next() {
-        Some(g) => verdict(name, region, &g, &EksAnswer::NotFound, rules),
+        Some(g) => verdict(name, region, &g, &EksAnswer::NotFound, rules, &RanOnEks::Waived),
         None => Verdict::Orphaned(format!("nothing of cluster {name} is left in {region}")),
     }
 }
@@ -307,6 +363,7 @@ mod tests {
     const DAY: i64 = 86_400;
     const NOW: i64 = 100 * DAY;
     const RULES: Rules = Rules { now: NOW, min_age: DAY };
+    const SHOWN: RanOnEks = RanOnEks::Waived;
 
     fn one(f: Vec<Found>) -> Group {
         let groups = group(f);
@@ -351,33 +408,57 @@ mod tests {
     #[test]
     fn one_verdict_per_cluster_first_match_wins() {
         let old = one(vec![instance("i-1", "gone", NOW - 3 * DAY)]);
-        assert!(matches!(verdict("gone", "eu-west-1", &old, &EksAnswer::NotFound, RULES), Verdict::Orphaned(_)));
+        assert!(matches!(
+            verdict("gone", "eu-west-1", &old, &EksAnswer::NotFound, RULES, &SHOWN),
+            Verdict::Orphaned(_)
+        ));
         // EKS cannot answer: uncertain, never absent
         let denied = EksAnswer::Unknown("AccessDeniedException".into());
-        assert!(matches!(verdict("gone", "eu-west-1", &old, &denied, RULES), Verdict::Uncertain(_)));
+        assert!(matches!(verdict("gone", "eu-west-1", &old, &denied, RULES, &SHOWN), Verdict::Uncertain(_)));
         // EKS has it: active, and an earlier incarnation's instances are named as such
         let live = EksAnswer::Exists { status: "ACTIVE".into(), created: Some(NOW - DAY) };
-        let v = verdict("gone", "eu-west-1", &old, &live, RULES);
+        let v = verdict("gone", "eu-west-1", &old, &live, RULES, &SHOWN);
         assert!(matches!(&v, Verdict::Active(w) if w.contains("earlier incarnation")), "{v:?}");
         // young: one resource newer than --min-age holds the whole cluster back
         let young = one(vec![instance("i-1", "gone", NOW - 3 * DAY), instance("i-2", "gone", NOW - 60)]);
-        let v = verdict("gone", "eu-west-1", &young, &EksAnswer::NotFound, RULES);
+        let v = verdict("gone", "eu-west-1", &young, &EksAnswer::NotFound, RULES, &SHOWN);
         assert!(matches!(&v, Verdict::TooYoung(w) if w.contains("i-2")), "{v:?}");
         // an age that cannot be told is not old
         let mut unknown = instance("i-3", "gone", 0);
         unknown.created = None;
-        let v = verdict("gone", "eu-west-1", &one(vec![unknown]), &EksAnswer::NotFound, RULES);
+        let v = verdict("gone", "eu-west-1", &one(vec![unknown]), &EksAnswer::NotFound, RULES, &SHOWN);
         assert!(matches!(v, Verdict::TooYoung(_)), "{v:?}");
         // protected beats everything, whatever EKS says
         let mut kept = instance("i-4", "gone", NOW - 3 * DAY);
         kept.tags.insert(TAG_KEEP.into(), String::new());
         let g = one(vec![kept, instance("i-5", "gone", NOW - 3 * DAY)]);
-        assert!(matches!(verdict("gone", "eu-west-1", &g, &EksAnswer::NotFound, RULES), Verdict::Protected(_)));
+        assert!(matches!(verdict("gone", "eu-west-1", &g, &EksAnswer::NotFound, RULES, &SHOWN), Verdict::Protected(_)));
         // an EKS Auto Mode instance is never a self-managed Karpenter's orphan
         let mut managed = instance("i-6", "gone", NOW - 3 * DAY);
         managed.managed_by = Some("eks.amazonaws.com".into());
-        let v = verdict("gone", "eu-west-1", &one(vec![managed]), &EksAnswer::NotFound, RULES);
+        let v = verdict("gone", "eu-west-1", &one(vec![managed]), &EksAnswer::NotFound, RULES, &SHOWN);
         assert!(matches!(v, Verdict::Uncertain(_)), "{v:?}");
+    }
+
+    #[test]
+    fn eks_not_knowing_a_cluster_proves_it_gone_only_when_it_ran_on_eks() {
+        let old = one(vec![instance("i-1", "gone", NOW - 3 * DAY)]);
+        let at = |ran: &RanOnEks| verdict("gone", "eu-west-1", &old, &EksAnswer::NotFound, RULES, ran);
+        assert!(matches!(at(&RanOnEks::NotShown), Verdict::Uncertain(w) if w.contains("--not-eks")));
+        let shown = RanOnEks::Shown("https://ABC.gr7.eu-west-1.eks.amazonaws.com".into());
+        assert!(matches!(at(&shown), Verdict::Orphaned(w) if w.contains("ABC.gr7")));
+        assert!(matches!(at(&RanOnEks::Waived), Verdict::Orphaned(_)));
+        // every AMI family's bootstrap names the endpoint its own way
+        let al2 = "#!/bin/bash\n/etc/eks/bootstrap.sh 'gone' --apiserver-endpoint 'https://ABC.gr7.eu-west-1.eks.amazonaws.com' --b64-cluster-ca 'x'";
+        let al2023 = "apiVersion: node.eks.aws/v1alpha1\nkind: NodeConfig\nspec:\n  cluster:\n    apiServerEndpoint: https://ABC.yl4.eu-west-1.eks.amazonaws.com\n";
+        let bottlerocket = "[settings.kubernetes]\napi-server = \"https://ABC.sk1.cn-north-1.eks.amazonaws.com.cn\"\n";
+        assert_eq!(eks_endpoint_in(al2).as_deref(), Some("https://ABC.gr7.eu-west-1.eks.amazonaws.com"));
+        assert_eq!(eks_endpoint_in(al2023).as_deref(), Some("https://ABC.yl4.eu-west-1.eks.amazonaws.com"));
+        assert_eq!(eks_endpoint_in(bottlerocket).as_deref(), Some("https://ABC.sk1.cn-north-1.eks.amazonaws.com.cn"));
+        // a self-managed control plane, or a look-alike host, is no EKS endpoint
+        assert_eq!(eks_endpoint_in("api-server = \"https://k8s.internal.example:6443\""), None);
+        assert_eq!(eks_endpoint_in("https://eks.amazonaws.com.evil.example/"), None);
+        assert_eq!(eks_endpoint_in(""), None);
     }
 
     #[test]
@@ -393,10 +474,10 @@ mod tests {
         let key = ("eu-west-1".to_string(), "a | b".to_string());
         let g = &groups[&key];
         assert!(g.disagree);
-        let v = verdict(&key.1, "eu-west-1", g, &EksAnswer::NotFound, RULES);
+        let v = verdict(&key.1, "eu-west-1", g, &EksAnswer::NotFound, RULES, &SHOWN);
         assert!(matches!(&v, Verdict::Uncertain(w) if w.contains("i-4")), "{v:?}");
         // the cluster the tags agree on is judged on its own resources
         let a = &groups[&("eu-west-1".to_string(), "a".to_string())];
-        assert!(matches!(verdict("a", "eu-west-1", a, &EksAnswer::NotFound, RULES), Verdict::Orphaned(_)));
+        assert!(matches!(verdict("a", "eu-west-1", a, &EksAnswer::NotFound, RULES, &SHOWN), Verdict::Orphaned(_)));
     }
 }

@@ -474,6 +474,51 @@ impl Ec2 {
         Ok(out)
     }
 
+    /// An instance's user data, decoded (`DescribeInstanceAttribute`); `None` when it has none or
+    /// EC2 no longer knows it.
+    pub async fn instance_user_data(&self, id: &str) -> Result<Option<String>, AwsError> {
+        let out = match self
+            .client
+            .describe_instance_attribute()
+            .instance_id(id)
+            .attribute(aws_sdk_ec2::types::InstanceAttributeName::UserData)
+            .send()
+            .await
+        {
+            Ok(out) => out,
+            Err(e) => {
+                let e = self.err("DescribeInstanceAttribute", e);
+                return if e.code().is_some_and(is_not_found) { Ok(None) } else { Err(e) };
+            }
+        };
+        Ok(out.user_data().and_then(|v| v.value()).and_then(decode_user_data))
+    }
+
+    /// The user data of a launch template's latest version, decoded; `None` when it has none or
+    /// EC2 no longer knows it.
+    pub async fn launch_template_user_data(&self, id: &str) -> Result<Option<String>, AwsError> {
+        let out = match self
+            .client
+            .describe_launch_template_versions()
+            .launch_template_id(id)
+            .versions("$Latest")
+            .send()
+            .await
+        {
+            Ok(out) => out,
+            Err(e) => {
+                let e = self.err("DescribeLaunchTemplateVersions", e);
+                return if e.code().is_some_and(is_not_found) { Ok(None) } else { Err(e) };
+            }
+        };
+        Ok(out
+            .launch_template_versions()
+            .first()
+            .and_then(|v| v.launch_template_data())
+            .and_then(|d| d.user_data())
+            .and_then(decode_user_data))
+    }
+
     /// Deletes a launch template; one already gone counts as deleted.
     pub async fn delete_launch_template(&self, id: &str) -> Result<(), AwsError> {
         match self.client.delete_launch_template().launch_template_id(id).send().await {
@@ -663,6 +708,13 @@ fn karpenters_template(lt: &aws_sdk_ec2::types::LaunchTemplate) -> Option<Launch
         tags,
         created: lt.create_time().map(|t| t.secs()),
     })
+}
+
+/// User data as EC2 returns it (base64), as text; what does not decode is none.
+fn decode_user_data(b64: &str) -> Option<String> {
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(b64.trim()).ok()?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 fn live_state_filter() -> Filter {

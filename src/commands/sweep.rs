@@ -11,7 +11,7 @@ use super::{CommandError, fail};
 use crate::aws::{AwsClients, EksLookup, InstanceInfo};
 use crate::config::{Consent, SweepConfig};
 use crate::exit::Exit;
-use crate::sweep::{EksAnswer, Found, Group, Kind, Rules, UNNAMED, Verdict};
+use crate::sweep::{EksAnswer, Found, Group, Kind, RanOnEks, Rules, UNNAMED, Verdict};
 use crate::verify::{self, Leftovers};
 
 /// One cluster's line of the sweep, as the table and the report show it.
@@ -105,7 +105,13 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
                 continue;
             }
             let eks = if group.disagree { EksAnswer::NotFound } else { ask_eks(&aws, &cluster).await };
-            let verdict = crate::sweep::verdict(&cluster, &region, &group, &eks, rules);
+            // whether it ran on EKS is read only for what would otherwise be an orphan
+            let waived = config.not_eks && config.clusters.contains(&cluster);
+            let mut verdict = crate::sweep::verdict(&cluster, &region, &group, &eks, rules, &RanOnEks::Waived);
+            if matches!(verdict, Verdict::Orphaned(_)) && !waived {
+                let ran = ran_on_eks(&aws, &group).await?;
+                verdict = crate::sweep::verdict(&cluster, &region, &group, &eks, rules, &ran);
+            }
             tracing::info!(%region, %cluster, verdict = verdict.name(), why = verdict.why(), "sweep");
             let mut line = line_of(&region, &cluster, &group, verdict);
             if matches!(line.verdict, Verdict::Orphaned(_)) {
@@ -160,6 +166,29 @@ fn wanted(config: &SweepConfig, cluster: &str) -> bool {
     let named = config.clusters.is_empty() || names.iter().any(|n| config.clusters.contains(*n));
     let excluded = names.iter().any(|n| config.exclude.contains(*n));
     (named || cluster == UNNAMED && config.clusters.is_empty()) && !excluded
+}
+
+/// Whether the user data of one of the group's instances, or else of its launch templates, names
+/// an EKS endpoint; at most a few reads (one answer is enough, and a cluster's nodes share their
+/// bootstrap).
+async fn ran_on_eks(aws: &AwsClients, group: &Group) -> Result<RanOnEks, CommandError> {
+    const READS: usize = 3;
+    let of = |kind: Kind| group.found.iter().filter(move |f| f.kind == kind).take(READS);
+    for f in of(Kind::Instance) {
+        if let Some(endpoint) =
+            aws.ec2.instance_user_data(&f.id).await?.as_deref().and_then(crate::sweep::eks_endpoint_in)
+        {
+            return Ok(RanOnEks::Shown(endpoint));
+        }
+    }
+    for f in of(Kind::LaunchTemplate) {
+        if let Some(endpoint) =
+            aws.ec2.launch_template_user_data(&f.id).await?.as_deref().and_then(crate::sweep::eks_endpoint_in)
+        {
+            return Ok(RanOnEks::Shown(endpoint));
+        }
+    }
+    Ok(RanOnEks::NotShown)
 }
 
 /// EKS's answer for `cluster` in the clients' region; any error is no answer.

@@ -40,11 +40,43 @@ fn launch_tags(cluster: &str) -> BTreeMap<String, String> {
     sandbox_sim::naming::launch_tags(cluster, "default", "default")
 }
 
-/// `count` instances of `tags` in `region`: their ids.
+/// The user data Karpenter writes for AL2023 nodes of an EKS cluster: it names the cluster's
+/// EKS endpoint, the evidence that EKS's "not found" means the cluster is gone.
+fn eks_user_data(region: &str) -> String {
+    format!(
+        "apiVersion: node.eks.aws/v1alpha1\nkind: NodeConfig\nspec:\n  cluster:\n    name: x\n    \
+         apiServerEndpoint: https://0123456789ABCDEF.gr7.{region}.eks.amazonaws.com\n"
+    )
+}
+
+/// `count` instances of `tags` in `region`, bootstrapped with `user_data`: their ids.
+async fn launch_with(region: &str, count: i32, tags: &BTreeMap<String, String>, user_data: &str) -> Vec<String> {
+    use base64::Engine as _;
+    let ec2 = aws_sdk_ec2::Client::new(&sandbox_sim::localstack::config_as(region, "test").await);
+    let tag_list: Vec<aws_sdk_ec2::types::Tag> =
+        tags.iter().map(|(k, v)| aws_sdk_ec2::types::Tag::builder().key(k).value(v).build()).collect();
+    let out = ec2
+        .run_instances()
+        .image_id(sandbox_sim::naming::IMAGE_ID)
+        .instance_type(aws_sdk_ec2::types::InstanceType::M5Large)
+        .min_count(count)
+        .max_count(count)
+        .user_data(base64::engine::general_purpose::STANDARD.encode(user_data))
+        .tag_specifications(
+            aws_sdk_ec2::types::TagSpecification::builder()
+                .resource_type(aws_sdk_ec2::types::ResourceType::Instance)
+                .set_tags(Some(tag_list))
+                .build(),
+        )
+        .send()
+        .await
+        .unwrap();
+    out.instances().iter().filter_map(|i| i.instance_id().map(str::to_string)).collect()
+}
+
+/// `count` instances of an EKS cluster with `tags` in `region`: their ids.
 async fn launch(region: &str, count: i32, tags: &BTreeMap<String, String>) -> Vec<String> {
-    let cloud = crate::common::cloud(region).await;
-    let made = cloud.launch_tagged(sandbox_sim::naming::IMAGE_ID, "m5.large", None, count, tags).await.unwrap();
-    made.into_iter().map(|i| i.id).collect()
+    launch_with(region, count, tags, &eks_user_data(region)).await
 }
 
 /// A Karpenter launch template and instance profile of `cluster` in `region`: (template id,
@@ -88,6 +120,7 @@ async fn live_states(region: &str, ids: &[String]) -> BTreeMap<String, InstanceS
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_destroyed_clusters_are_reclaimed_each_cluster_with_its_verdict() {
     let name = |p: &str| crate::common::unique_cluster(p);
+    let selfmanaged = name("sw-self");
     let (gone, old, torn, kept, live, reborn, elsewhere, young) = (
         name("sw-gone"),
         name("sw-old"),
@@ -126,6 +159,9 @@ async fn only_the_destroyed_clusters_are_reclaimed_each_cluster_with_its_verdict
     let reborn_ids = launch(A, 1, &launch_tags(&reborn)).await;
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     crate::common::register_eks(&reborn, A, "https://reborn.example", None).await;
+    // a self-managed Karpenter on EC2: tagged like an EKS cluster's, joined to its own endpoint
+    let self_data = "[settings.kubernetes]\napi-server = \"https://k8s.internal.example:6443\"\n";
+    let self_ids = launch_with(A, 1, &launch_tags(&selfmanaged), self_data).await;
     // B: a cluster EKS has in A only, so none in B, where its resources are
     let else_ids = launch(B, 1, &launch_tags(&elsewhere)).await;
     crate::common::register_eks(&elsewhere, A, "https://else.example", None).await;
@@ -135,19 +171,20 @@ async fn only_the_destroyed_clusters_are_reclaimed_each_cluster_with_its_verdict
 
     let dir = tempfile::tempdir().unwrap();
     let key = crate::common::key_with_policy(crate::common::policy_from(&sweep_policy_text(), "", A));
-    let all = [&gone, &old, &torn, &kept, &live, &reborn, &elsewhere, &young].map(String::as_str);
-    let everything: Vec<String> = [&gone_ids, &old_ids, &torn_ids, &kept_ids, &live_ids, &reborn_ids, &young_ids]
-        .into_iter()
-        .flatten()
-        .cloned()
-        .collect();
+    let all = [&gone, &old, &torn, &kept, &live, &reborn, &elsewhere, &young, &selfmanaged].map(String::as_str);
+    let everything: Vec<String> =
+        [&gone_ids, &old_ids, &torn_ids, &kept_ids, &live_ids, &reborn_ids, &young_ids, &self_ids]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
 
     // the dry run: one verdict per cluster, and what --yes would remove, changing nothing
     let dry = sweep(dir.path(), &key, &all, &["--min-age", "15s"]).await;
     assert_eq!(dry.code, 3, "a cluster is uncertain: {}", dry.dump());
     let clusters = dry.report["clusters"].as_array().map(Vec::len).unwrap_or_default();
     // the torn instance is grouped under both names it gives (torn | gone)
-    assert_eq!(clusters, 8, "{}", dry.dump());
+    assert_eq!(clusters, 9, "{}", dry.dump());
     let verdict = |run: &Run, region: &str, c: &str| line(run, region, c)["verdict"].as_str().unwrap().to_string();
     assert_eq!(verdict(&dry, A, &gone), "orphaned", "{}", dry.dump());
     assert_eq!(verdict(&dry, A, &old), "orphaned");
@@ -157,6 +194,11 @@ async fn only_the_destroyed_clusters_are_reclaimed_each_cluster_with_its_verdict
     assert!(line(&dry, A, &reborn)["why"].as_str().unwrap().contains("earlier incarnation"), "{}", dry.dump());
     assert_eq!(verdict(&dry, A, &young), "too-young");
     assert_eq!(verdict(&dry, B, &elsewhere), "orphaned");
+    assert!(line(&dry, A, &gone)["why"].as_str().unwrap().contains(".eks.amazonaws.com"), "{}", dry.dump());
+    // EKS never knew the self-managed cluster: not proven gone, unless the user says it was not EKS
+    assert_eq!(verdict(&dry, A, &selfmanaged), "uncertain");
+    assert!(line(&dry, A, &selfmanaged)["why"].as_str().unwrap().contains("--not-eks"), "{}", dry.dump());
+
     let mut both = [gone.clone(), torn.clone()];
     both.sort();
     assert_eq!(verdict(&dry, A, &both.join(" | ")), "uncertain");
@@ -186,13 +228,18 @@ async fn only_the_destroyed_clusters_are_reclaimed_each_cluster_with_its_verdict
     let else_now = live_states(B, &else_ids).await;
     assert!(else_now.values().all(|s| !s.is_live()), "{else_now:?}");
     let untouched: Vec<String> =
-        [&torn_ids, &kept_ids, &live_ids, &reborn_ids, &young_ids].into_iter().flatten().cloned().collect();
+        [&torn_ids, &kept_ids, &live_ids, &reborn_ids, &young_ids, &self_ids].into_iter().flatten().cloned().collect();
     let kept_now = live_states(A, &untouched).await;
     assert_eq!(kept_now.len(), untouched.len());
     assert!(kept_now.values().all(|s| *s == InstanceState::Running), "{kept_now:?}");
     let cloud = crate::common::cloud(A).await;
     assert_eq!(cloud.launch_template_id(&format!("karpenter.k8s.aws/{gone}")).await.unwrap(), None);
     assert!(!cloud.delete_instance_profile(&gone_profile).await.unwrap(), "the orphan's profile is gone");
+
+    // named with --not-eks, the self-managed cluster is taken as gone when EKS does not know it
+    let named = sweep(dir.path(), &key, &[&selfmanaged], &["--min-age", "15s", "--not-eks"]).await;
+    assert_eq!(named.code, 4, "a dry run lists it: {}", named.dump());
+    assert_eq!(verdict(&named, A, &selfmanaged), "orphaned");
 
     // run again: nothing orphaned is left (the instance whose tags also name `gone` is left out
     // by --exclude-cluster, whichever of its names the exclusion gives)
