@@ -105,7 +105,7 @@ launch templates, instance profiles (roles removed first), detached network inte
 
 Exit codes: 0 nothing orphaned is left; 4 orphans left (a dry run lists them, or a reclaim
 failed); 3 a cluster is uncertain, or --max-instances / --account refused (nothing changed);
-2 bad input or missing permissions; 1 failure.
+2 bad input, or a call the reclaim needs that EC2's dry run refuses (nothing changed); 1 failure.
 
 Example (a nightly CI job):
   karpenter-teardown sweep --region eu-west-1 --region us-east-1 --report sweep.json";

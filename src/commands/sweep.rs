@@ -138,6 +138,17 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
         );
         return Ok(Exit::Refused);
     }
+    // the calls the reclaim makes, asked before any of them (also in a dry run, which then
+    // says what a real sweep would be refused for)
+    let missing = missing_permissions(&orphans, out).await?;
+    if !missing.is_empty() {
+        eprintln!(
+            "error: the credentials may not make every call the reclaim needs: {}. Nothing was changed; grant \
+             deploy/iam-policy-sweep.json to this identity",
+            missing.join("; ")
+        );
+        return Ok(Exit::BadInput);
+    }
     if config.consent == Consent::DryRun {
         tracing::warn!("without --yes: listing what would be reclaimed, changing nothing");
         return Ok(exit.worst(Exit::Leftovers));
@@ -152,6 +163,42 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
         line.failures = failures;
     }
     Ok(exit)
+}
+
+/// What EC2's dry runs refuse of the reclaim's calls on what each orphan holds: terminating its
+/// instances (the policy is conditioned on each instance's tags, so all of them are asked), and
+/// deleting one of its launch templates and one of its network interfaces. IAM has no dry run:
+/// the instance profiles' deletes are not asked.
+async fn missing_permissions(
+    orphans: &[(usize, Leftovers, AwsClients)],
+    lines: &[ClusterSweep],
+) -> Result<Vec<String>, CommandError> {
+    use crate::aws::ec2::DryRun;
+    let mut missing = Vec::new();
+    for (at, left, aws) in orphans {
+        let mut answers = Vec::new();
+        let ids: Vec<String> = left.instances.iter().map(|i| i.id.clone()).collect();
+        for chunk in ids.chunks(crate::aws::ec2::FILTER_VALUES_MAX) {
+            answers.push(("ec2:TerminateInstances", aws.ec2.terminate_dry_run(chunk).await?));
+        }
+        if let Some(lt) = left.launch_templates.first() {
+            answers.push(("ec2:DeleteLaunchTemplate", aws.ec2.delete_launch_template_dry_run(&lt.id).await?));
+        }
+        if let Some(ni) = left.network_interfaces.first() {
+            answers.push(("ec2:DeleteNetworkInterface", aws.ec2.delete_network_interface_dry_run(&ni.id).await?));
+        }
+        for (action, answer) in answers {
+            match answer {
+                DryRun::Allowed => {}
+                DryRun::Denied(why) => missing
+                    .push(format!("{action} for cluster {} in {} ({why})", lines[*at].cluster, lines[*at].region)),
+                DryRun::Inconclusive(code) => {
+                    tracing::info!(action, code = %code, "EC2's dry run answered neither yes nor no; not counted as missing");
+                }
+            }
+        }
+    }
+    Ok(missing)
 }
 
 /// The verdicts' rules as of now.

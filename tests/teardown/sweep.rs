@@ -274,3 +274,40 @@ async fn without_eks_answering_every_cluster_is_uncertain_and_nothing_is_deleted
     assert!(now.values().all(|s| *s == InstanceState::Running), "{now:?}");
     crate::common::cloud(B).await.terminate(&ids).await.unwrap();
 }
+
+/// Without the permission to terminate, the sweep is refused before its first call (exit 2,
+/// nothing changed), a dry run saying so as well, and names the call and the policy that grants it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_permission_refuses_the_sweep_before_anything_is_deleted() {
+    let gone = crate::common::unique_cluster("sw-noperm");
+    let ids = launch(B, 1, &launch_tags(&gone)).await;
+    let (lt, profile) = class_resources(B, &gone).await;
+    let mut policy: Value = serde_json::from_str(&sweep_policy_text()).unwrap();
+    let statements = policy["Statement"].as_array_mut().unwrap();
+    let before = statements.len();
+    statements.retain(|s| s["Action"].as_array().is_none_or(|a| !a.iter().any(|x| x == "ec2:TerminateInstances")));
+    assert_eq!(statements.len(), before - 2, "the sweep policy grants ec2:TerminateInstances in two statements");
+    let key = crate::common::key_with_policy(crate::common::policy_from(&policy.to_string(), "", B));
+    let dir = tempfile::tempdir().unwrap();
+    for extra in [&["--min-age", "0s"][..], &["--min-age", "0s", "--yes"][..]] {
+        let run = sweep(dir.path(), &key, &[&gone], extra).await;
+        assert_eq!(run.code, 2, "{extra:?}: {}", run.dump());
+        assert!(
+            run.stderr.contains("ec2:TerminateInstances for cluster")
+                && run.stderr.contains("deploy/iam-policy-sweep.json")
+                && run.stderr.contains("Nothing was changed"),
+            "{}",
+            run.dump()
+        );
+        assert_eq!(line(&run, B, &gone)["verdict"], "orphaned", "{}", run.dump());
+        assert_eq!(line(&run, B, &gone)["reclaimed"], false);
+    }
+    let now = live_states(B, &ids).await;
+    assert_eq!(now.len(), 1);
+    assert!(now.values().all(|s| *s == InstanceState::Running), "{now:?}");
+    let cloud = crate::common::cloud(B).await;
+    assert_eq!(cloud.launch_template_id(&format!("karpenter.k8s.aws/{gone}")).await.unwrap(), Some(lt.clone()));
+    assert!(cloud.delete_instance_profile(&profile).await.unwrap(), "the profile was left");
+    cloud.delete_launch_template(&lt).await.unwrap();
+    cloud.terminate(&ids).await.unwrap();
+}
