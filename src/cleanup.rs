@@ -559,11 +559,7 @@ impl Verdict {
     /// The plan's line for a cleaner `--release` covers that the drain leaves running: what
     /// it holds stays, and how to release it anyway.
     pub(crate) fn not_released_line(&self) -> String {
-        let flag = match self.cleaner {
-            Cleaner::LoadBalancerController => Some(Releasable::LoadBalancers),
-            Cleaner::EbsCsi => Some(Releasable::Volumes),
-            Cleaner::EfsCsi => None,
-        };
+        let flag = [Releasable::LoadBalancers, Releasable::Volumes].into_iter().find(|r| r.cleaner() == self.cleaner);
         let anyway = flag.map(|f| format!("; --release {}=all releases them anyway", f.flag())).unwrap_or_default();
         format!(
             "release: nothing of the {} object(s) {} holds: it keeps running through the drain and deletes their {} in AWS itself when they go{anyway}",

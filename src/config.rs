@@ -69,10 +69,8 @@ impl SweepConfig {
         for c in a.clusters.iter().chain(&a.exclude_clusters) {
             validate_cluster(c)?;
         }
-        if let Some(acct) = &a.account
-            && (acct.len() != 12 || !acct.bytes().all(|b| b.is_ascii_digit()))
-        {
-            return Err(ConfigError::BadAccount(acct.clone()));
+        if let Some(acct) = &a.account {
+            validate_account(acct)?;
         }
         if a.max_instances == Some(0) {
             return Err(ConfigError::ZeroMaxInstances);
@@ -204,10 +202,8 @@ impl Target {
         };
         validate_cluster(&a.cluster)?;
         validate_region(&region)?;
-        if let Some(acct) = &a.account
-            && (acct.len() != 12 || !acct.bytes().all(|b| b.is_ascii_digit()))
-        {
-            return Err(ConfigError::BadAccount(acct.clone()));
+        if let Some(acct) = &a.account {
+            validate_account(acct)?;
         }
         Ok(Target {
             cluster: a.cluster.clone(),
@@ -329,6 +325,11 @@ fn validate_cluster(name: &str) -> Result<(), ConfigError> {
         && name.starts_with(|c: char| c.is_ascii_alphanumeric())
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
     if ok { Ok(()) } else { Err(ConfigError::BadCluster(name.to_string())) }
+}
+
+fn validate_account(account: &str) -> Result<(), ConfigError> {
+    let ok = account.len() == 12 && account.bytes().all(|b| b.is_ascii_digit());
+    if ok { Ok(()) } else { Err(ConfigError::BadAccount(account.to_string())) }
 }
 
 fn validate_region(region: &str) -> Result<(), ConfigError> {

@@ -116,7 +116,7 @@ pub(crate) fn group(found: Vec<Found>) -> BTreeMap<(String, String), Group> {
 }
 
 /// The group of resources no tag attributes to a cluster.
-pub(crate) const UNNAMED: &str = "(no cluster tag)";
+const UNNAMED: &str = "(no cluster tag)";
 
 /// The resources of one cluster in one region.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

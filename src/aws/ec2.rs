@@ -263,43 +263,24 @@ impl Ec2 {
         Ok(all.into_iter().filter(|i| scope.admits(i, cluster)).collect())
     }
 
-    /// The live instances tagged for NodeClaim `claim` of `cluster` (`karpenter.sh/nodeclaim`,
-    /// which Karpenter's tagging controller writes once the claim has named its instance). Only
-    /// this cluster's Karpenter's ([`InstanceInfo::is_karpenters`]).
-    pub async fn live_instances_of_nodeclaim(&self, cluster: &str, claim: &str) -> Result<Vec<InstanceInfo>, AwsError> {
-        let filters = vec![
-            tag_filter(karpenter::TAG_EKS_CLUSTER, cluster),
-            tag_filter(karpenter::TAG_NODECLAIM, claim),
-            live_state_filter(),
-        ];
+    /// The live instances of `cluster`'s Karpenter ([`InstanceInfo::is_karpenters`]) that carry
+    /// every tag of `tags`: those tagged for a NodeClaim (`karpenter.sh/nodeclaim`, which
+    /// Karpenter's tagging controller writes once the claim has named its instance), or those
+    /// launched for a NodePool and EC2NodeClass (the tags Karpenter launches with, the candidates
+    /// for a claim that names no instance: [`crate::evidence::launch_of_claim`] decides). EC2
+    /// reads `*` and `?` in a filter value as wildcards, so every tag is checked again here.
+    pub async fn live_instances_tagged(
+        &self,
+        cluster: &str,
+        tags: &[(&str, &str)],
+    ) -> Result<Vec<InstanceInfo>, AwsError> {
+        let mut filters = vec![tag_filter(karpenter::TAG_EKS_CLUSTER, cluster), live_state_filter()];
+        filters.extend(tags.iter().map(|(k, v)| tag_filter(k, v)));
         let all = self.describe(Some(filters)).await?;
         Ok(all
             .into_iter()
             .filter(|i| {
-                i.tag(karpenter::TAG_NODECLAIM) == Some(claim) && i.state.is_live() && i.is_karpenters(cluster).is_ok()
-            })
-            .collect())
-    }
-
-    /// The live instances of `cluster` launched for NodePool `pool` from EC2NodeClass `class`, by
-    /// the tags Karpenter launches with (the claim's own tag comes later): the candidates for a
-    /// claim that names no instance ([`crate::evidence::launch_of_claim`] decides). Only this
-    /// cluster's Karpenter's ([`InstanceInfo::is_karpenters`]).
-    pub async fn live_launches(&self, cluster: &str, pool: &str, class: &str) -> Result<Vec<InstanceInfo>, AwsError> {
-        let filters = vec![
-            tag_filter(karpenter::TAG_EKS_CLUSTER, cluster),
-            tag_filter(karpenter::TAG_NODEPOOL, pool),
-            tag_filter(karpenter::TAG_NODECLASS, class),
-            live_state_filter(),
-        ];
-        let all = self.describe(Some(filters)).await?;
-        Ok(all
-            .into_iter()
-            .filter(|i| {
-                i.tag(karpenter::TAG_NODEPOOL) == Some(pool)
-                    && i.tag(karpenter::TAG_NODECLASS) == Some(class)
-                    && i.state.is_live()
-                    && i.is_karpenters(cluster).is_ok()
+                tags.iter().all(|(k, v)| i.tag(k) == Some(*v)) && i.state.is_live() && i.is_karpenters(cluster).is_ok()
             })
             .collect())
     }

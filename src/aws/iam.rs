@@ -64,39 +64,20 @@ impl Iam {
         cluster: &str,
     ) -> Result<Vec<InstanceProfileInfo>, AwsError> {
         let prefix = karpenter::instance_profile_path_prefix(region, cluster);
-        let mut candidates: Vec<InstanceProfileInfo> = Vec::new();
+        let mut candidates: Vec<(InstanceProfileInfo, String)> = Vec::new();
         for path_prefix in [prefix.as_str(), "/"] {
             for p in self.profiles_under(path_prefix).await? {
                 let name = p.instance_profile_name();
                 let Some(evidence) = karpenter::instance_profile_location(name, p.path(), cluster, region) else {
                     continue;
                 };
-                if candidates.iter().any(|o| o.name == name) {
+                if candidates.iter().any(|(o, _)| o.name == name) {
                     continue;
                 }
-                candidates.push(profile_info(&p, evidence));
+                candidates.push((profile_info(&p, evidence), cluster.to_string()));
             }
         }
-        let mut out = Vec::new();
-        for mut profile in candidates {
-            let Some(tags) = self.instance_profile_tags(&profile.name).await? else {
-                continue; // deleted since it was listed
-            };
-            let missing = karpenter::missing_instance_profile_tags(&tags, cluster, region);
-            if !missing.is_empty() {
-                tracing::info!(
-                    instance_profile = %profile.name,
-                    path = %profile.path,
-                    missing = %missing.join(", "),
-                    "an instance profile where this cluster's Karpenter keeps its own lacks Karpenter's tags: not this tool's to report or delete"
-                );
-                continue;
-            }
-            profile.nodeclass = tags.get(karpenter::TAG_NODECLASS).cloned().unwrap_or_default();
-            profile.tags = tags;
-            out.push(profile);
-        }
-        Ok(out)
+        self.tagged_as_karpenters(candidates, region).await
     }
 
     /// Every instance profile Karpenter made for any cluster in `region`, each with the cluster
@@ -127,10 +108,31 @@ impl Iam {
                 candidates.push((profile_info(&p, evidence), cluster));
             }
         }
+        self.tagged_as_karpenters(candidates, region).await
+    }
+
+    /// Of `candidates` (each with the cluster its location names), those that carry every tag
+    /// Karpenter's own IAM policy requires to delete one for that cluster, read with
+    /// `ListInstanceProfileTags` (`ListInstanceProfiles` returns no tags). One that lacks a tag is
+    /// logged and left alone: it is reported by no one and deleted by no one.
+    async fn tagged_as_karpenters(
+        &self,
+        candidates: Vec<(InstanceProfileInfo, String)>,
+        region: &str,
+    ) -> Result<Vec<InstanceProfileInfo>, AwsError> {
         let mut out = Vec::new();
         for (mut profile, cluster) in candidates {
-            let Some(tags) = self.instance_profile_tags(&profile.name).await? else { continue };
-            if !karpenter::missing_instance_profile_tags(&tags, &cluster, region).is_empty() {
+            let Some(tags) = self.instance_profile_tags(&profile.name).await? else {
+                continue; // deleted since it was listed
+            };
+            let missing = karpenter::missing_instance_profile_tags(&tags, &cluster, region);
+            if !missing.is_empty() {
+                tracing::info!(
+                    instance_profile = %profile.name,
+                    path = %profile.path,
+                    missing = %missing.join(", "),
+                    "an instance profile where a cluster's Karpenter keeps its own lacks Karpenter's tags: not this tool's to report or delete"
+                );
                 continue;
             }
             profile.nodeclass = tags.get(karpenter::TAG_NODECLASS).cloned().unwrap_or_default();

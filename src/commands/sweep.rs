@@ -11,7 +11,7 @@ use super::{CommandError, fail};
 use crate::aws::{AwsClients, EksLookup, InstanceInfo};
 use crate::config::{Consent, SweepConfig};
 use crate::exit::Exit;
-use crate::sweep::{EksAnswer, Found, Group, Kind, RanOnEks, Rules, UNNAMED, Verdict};
+use crate::sweep::{EksAnswer, Found, Group, Kind, RanOnEks, Rules, Verdict};
 use crate::verify::{self, Leftovers};
 
 /// One cluster's line of the sweep, as the table and the report show it.
@@ -212,7 +212,7 @@ fn wanted(config: &SweepConfig, cluster: &str) -> bool {
     let names: Vec<&str> = cluster.split(" | ").collect();
     let named = config.clusters.is_empty() || names.iter().any(|n| config.clusters.contains(*n));
     let excluded = names.iter().any(|n| config.exclude.contains(*n));
-    (named || cluster == UNNAMED && config.clusters.is_empty()) && !excluded
+    named && !excluded
 }
 
 /// Whether the user data of one of the group's instances, or else of its launch templates, names

@@ -412,7 +412,12 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     if provider.is_none()
         && let Some(c) = claim_name.as_deref().filter(|_| claim_exists)
     {
-        let found = ctx.aws.ec2.live_instances_of_nodeclaim(&ctx.cluster, c).await.map_err(TaskError::from)?;
+        let found = ctx
+            .aws
+            .ec2
+            .live_instances_tagged(&ctx.cluster, &[(karpenter::TAG_NODECLAIM, c)])
+            .await
+            .map_err(TaskError::from)?;
         match found.as_slice() {
             [] => {
                 if let Some(obj) = &claim_read {
@@ -526,29 +531,14 @@ async fn launch_of_claim(
         created: obj.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second()),
     };
     let (Some(pool), Some(class)) = (pool, class) else { return Ok(Ok(None)) };
-    let live = ctx.aws.ec2.live_launches(&ctx.cluster, pool, class).await.map_err(TaskError::from)?;
+    let launch_tags = [(karpenter::TAG_NODEPOOL, pool), (karpenter::TAG_NODECLASS, class)];
+    let live = ctx.aws.ec2.live_instances_tagged(&ctx.cluster, &launch_tags).await.map_err(TaskError::from)?;
     if live.is_empty() {
         return Ok(Ok(None));
     }
     // every instance a Node or a NodeClaim names is theirs, whatever its tags say
-    let lp = kube::api::ListParams::default();
-    let nodes = Api::<Node>::all(ctx.kube.client.clone())
-        .list(&lp)
-        .await
-        .map_err(|e| KubeError::api("list Nodes".to_string(), e))?;
-    let claims = Api::<DynamicObject>::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource())
-        .list(&lp)
-        .await
-        .map_err(|e| KubeError::api("list NodeClaims".to_string(), e))?;
-    let named_ids: Vec<String> = nodes
-        .items
-        .iter()
-        .filter_map(|n| n.spec.as_ref()?.provider_id.as_deref())
-        .chain(claims.items.iter().filter_map(|c| c.data.pointer("/status/providerID")?.as_str()))
-        .filter_map(|p| ProviderId::parse(p).ok())
-        .map(|p| p.instance_id)
-        .collect();
-    let named: std::collections::BTreeSet<&str> = named_ids.iter().map(String::as_str).collect();
+    let holders = super::inventory::cluster_holders(&ctx.kube.client).await?;
+    let named: std::collections::BTreeSet<&str> = holders.instances.keys().map(String::as_str).collect();
     let launched: Vec<crate::evidence::Launched<'_>> = live
         .iter()
         .map(|i| crate::evidence::Launched {
