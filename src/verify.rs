@@ -348,29 +348,43 @@ const RECLAIM_POLL: Duration = Duration::from_secs(2);
 
 /// Removes what the leftovers list (never volumes, never the interfaces left alone): terminates
 /// the instances and waits up to [`RECLAIM_TERMINATION_WAIT`] for EC2 to report them
-/// `terminated`, deletes launch templates, instance profiles and the reclaimable detached network
-/// interfaces. Everything listed was selected by the cluster's tags (instance profiles by
-/// location and tags together, interfaces by their owner's evidence), so nothing outside the
-/// cluster is touched.
+/// `terminated`, then deletes the rest ([`reclaim_rest`]). Everything listed was selected by the
+/// cluster's tags (instance profiles by location and tags together, interfaces by their owner's
+/// evidence), so nothing outside the cluster is touched.
 pub async fn reclaim(aws: &AwsClients, leftovers: &Leftovers) -> Result<Vec<String>, AwsError> {
-    let mut failures = Vec::new();
     let ids: Vec<String> = leftovers.instances.iter().map(|i| i.id.clone()).collect();
-    if !ids.is_empty() {
-        let out = aws.ec2.terminate(&ids).await?;
-        failures.extend(out.failed.into_iter().map(|(id, e)| format!("{id}: {e}")));
-        let still_live = wait_terminated(aws, &out.accepted, RECLAIM_TERMINATION_WAIT).await?;
-        failures.extend(still_live.into_iter().map(|id| {
-            format!(
-                "{id}: not terminated {} after TerminateInstances",
-                humantime::format_duration(RECLAIM_TERMINATION_WAIT)
-            )
-        }));
+    let mut failures: Vec<String> = reclaim_instances(aws, &ids).await?.into_iter().map(|(_, f)| f).collect();
+    failures.extend(reclaim_rest(aws, leftovers).await);
+    Ok(failures)
+}
+
+/// Terminates `ids` at the pace EC2 allows and waits up to [`RECLAIM_TERMINATION_WAIT`] for them
+/// to reach `terminated`: each instance that did not, with why.
+pub(crate) async fn reclaim_instances(aws: &AwsClients, ids: &[String]) -> Result<Vec<(String, String)>, AwsError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
     }
-    for lt in &leftovers.launch_templates {
-        if let Err(e) = aws.ec2.delete_launch_template(&lt.id).await {
-            failures.push(format!("{}: {e}", lt.name));
-        }
-    }
+    let out = aws.ec2.terminate_paced(ids).await?;
+    let mut failures: Vec<(String, String)> =
+        out.failed.into_iter().map(|(id, e)| (id.clone(), format!("{id}: {e}"))).collect();
+    let still_live = wait_terminated(aws, &out.accepted, RECLAIM_TERMINATION_WAIT).await?;
+    failures.extend(still_live.into_iter().map(|id| {
+        let why = format!(
+            "{id}: not terminated {} after TerminateInstances",
+            humantime::format_duration(RECLAIM_TERMINATION_WAIT)
+        );
+        (id, why)
+    }));
+    Ok(failures)
+}
+
+/// Deletes what is left once the instances are gone, in Karpenter's own order (its EC2NodeClass
+/// finalizer, 1.0 to 1.14: instance profiles, then launch templates) with the detached interfaces
+/// between them. The launch templates go last on purpose: their user data is what shows that the
+/// cluster ran on EKS ([`crate::sweep::eks_endpoint_in`]), so a sweep stopped anywhere before the
+/// end still finds that evidence when it runs again.
+pub(crate) async fn reclaim_rest(aws: &AwsClients, leftovers: &Leftovers) -> Vec<String> {
+    let mut failures = Vec::new();
     for p in &leftovers.instance_profiles {
         if let Err(e) = aws.iam.delete_instance_profile(p).await {
             failures.push(format!("{}: {e}", p.name));
@@ -381,7 +395,12 @@ pub async fn reclaim(aws: &AwsClients, leftovers: &Leftovers) -> Result<Vec<Stri
             failures.push(format!("{}: {e}", ni.id));
         }
     }
-    Ok(failures)
+    for lt in &leftovers.launch_templates {
+        if let Err(e) = aws.ec2.delete_launch_template(&lt.id).await {
+            failures.push(format!("{}: {e}", lt.name));
+        }
+    }
+    failures
 }
 
 /// Waits until EC2 reports none of `ids` live (an id EC2 no longer knows counts as gone), or

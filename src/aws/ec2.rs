@@ -2,11 +2,13 @@
 //! and the detached network interfaces and volumes that verification reports.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName};
 use futures::{StreamExt, TryStreamExt, stream};
 
 use super::AwsError;
+use super::pacing::{Clock, Pace, TerminatePacer, WallClock};
 use crate::karpenter;
 
 /// Ids per `TerminateInstances` call: AWS takes up to 1,000; 500 keeps one bad id's fallback
@@ -229,16 +231,73 @@ pub struct TerminateOutcome {
     pub failed: Vec<(String, String)>,
 }
 
+/// How many refusals for throttling in a row [`paced_terminations`] takes before it gives up. Each
+/// comes after the SDK's own retries and empties the model, so the next call waits for a second of
+/// refill and is as small as a call gets: eight in a row mean the account's bucket is being spent
+/// by someone else as fast as it refills.
+const THROTTLED_IN_A_ROW: usize = 8;
+
+/// Sends `ids` to `send` in calls the pacer allows, sleeping on `clock` while the bucket refills.
+/// A throttled call is sent again once the (emptied) model allows; any other error ends it.
+async fn paced_terminations<C, F, Fut>(
+    pacer: &Mutex<TerminatePacer>,
+    ids: &[String],
+    clock: &C,
+    mut send: F,
+) -> Result<TerminateOutcome, AwsError>
+where
+    C: Clock,
+    F: FnMut(Vec<String>) -> Fut,
+    Fut: Future<Output = Result<TerminateOutcome, AwsError>>,
+{
+    // a panic elsewhere while the model was held leaves a model still worth using
+    let model = || pacer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut outcome = TerminateOutcome::default();
+    let mut rest = ids;
+    let mut throttled = 0;
+    while !rest.is_empty() {
+        let pace = model().next(rest.len(), TERMINATE_BATCH, clock.now());
+        let n = match pace {
+            Pace::After(wait) => {
+                clock.sleep(wait).await;
+                continue;
+            }
+            Pace::Now(n) => n.clamp(1, rest.len()),
+        };
+        let (call, later) = rest.split_at(n);
+        match send(call.to_vec()).await {
+            Ok(out) => {
+                model().spent(n, clock.now());
+                throttled = 0;
+                outcome.accepted.extend(out.accepted);
+                outcome.not_found.extend(out.not_found);
+                outcome.failed.extend(out.failed);
+                rest = later;
+            }
+            Err(e) if e.is_throttling() && throttled + 1 < THROTTLED_IN_A_ROW => {
+                model().refused(clock.now());
+                throttled += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(outcome)
+}
+
 /// The EC2 client of one region.
 #[derive(Clone, Debug)]
 pub struct Ec2 {
     client: aws_sdk_ec2::Client,
     endpoint: String,
+    /// The region's `TerminateInstances` bucket as [`Ec2::terminate_paced`] models it, shared by
+    /// every clone: a sweep reclaims cluster after cluster in one region from the same bucket.
+    pacer: Arc<Mutex<TerminatePacer>>,
 }
 
 impl Ec2 {
     pub(crate) fn new(client: aws_sdk_ec2::Client, endpoint: String) -> Ec2 {
-        Ec2 { client, endpoint }
+        let pacer = Arc::new(Mutex::new(TerminatePacer::new(WallClock.now())));
+        Ec2 { client, endpoint, pacer }
     }
 
     fn err<E, R>(&self, op: &'static str, e: aws_sdk_ec2::error::SdkError<E, R>) -> AwsError
@@ -382,6 +441,13 @@ impl Ec2 {
             }
         }
         Ok(outcome)
+    }
+
+    /// Terminates any number of instances at the pace EC2's resource bucket allows (see
+    /// [`super::pacing`]): what the engine's batcher does for a run, for the reclaims of `verify`
+    /// and `sweep`, which may hold thousands of instances of a region at once.
+    pub(crate) async fn terminate_paced(&self, ids: &[String]) -> Result<TerminateOutcome, AwsError> {
+        paced_terminations(&self.pacer, ids, &WallClock, |chunk| async move { self.terminate(&chunk).await }).await
     }
 
     async fn terminate_call(&self, ids: &[String]) -> Result<Vec<String>, AwsError> {
@@ -719,4 +785,127 @@ fn is_not_found(code: &str) -> bool {
         || code.starts_with("InvalidLaunchTemplateId")
         || code.starts_with("InvalidLaunchTemplateName")
         || code == "InvalidNetworkInterfaceID.NotFound"
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::{Cell, RefCell};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::aws::pacing::{TERMINATE_BUCKET, TERMINATE_REFILL_PER_SEC};
+
+    /// Time that passes only when the code under test sleeps.
+    struct TestClock(Cell<Instant>);
+
+    impl Clock for TestClock {
+        fn now(&self) -> Instant {
+            self.0.get()
+        }
+        fn sleep(&self, d: Duration) -> impl Future<Output = ()> {
+            self.0.set(self.0.get() + d);
+            std::future::ready(())
+        }
+    }
+
+    /// EC2's resource bucket for `TerminateInstances`: a call for more instances than it holds is
+    /// refused whole, as EC2 does. `others` is what other spenders take at the start.
+    struct Bucket {
+        tokens: f64,
+        at: Instant,
+        sent: Vec<String>,
+        calls: usize,
+        refused: usize,
+    }
+
+    impl Bucket {
+        fn new(at: Instant, others: f64) -> Bucket {
+            Bucket { tokens: TERMINATE_BUCKET - others, at, sent: Vec::new(), calls: 0, refused: 0 }
+        }
+        fn call(&mut self, ids: Vec<String>, now: Instant) -> Result<TerminateOutcome, AwsError> {
+            self.calls += 1;
+            let elapsed = now.duration_since(self.at).as_secs_f64();
+            self.tokens = (self.tokens + elapsed * TERMINATE_REFILL_PER_SEC).min(TERMINATE_BUCKET);
+            self.at = now;
+            if (ids.len() as f64) > self.tokens {
+                self.refused += 1;
+                return Err(throttled());
+            }
+            self.tokens -= ids.len() as f64;
+            self.sent.extend(ids.iter().cloned());
+            Ok(TerminateOutcome { accepted: ids, ..TerminateOutcome::default() })
+        }
+    }
+
+    fn throttled() -> AwsError {
+        AwsError::Api {
+            service: "ec2",
+            operation: "TerminateInstances",
+            code: "RequestLimitExceeded".into(),
+            message: "Request limit exceeded.".into(),
+        }
+    }
+
+    fn ids(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("i-{i:017x}")).collect()
+    }
+
+    async fn run(
+        bucket: &RefCell<Bucket>,
+        clock: &TestClock,
+        pacer: &Mutex<TerminatePacer>,
+        n: usize,
+    ) -> Result<TerminateOutcome, AwsError> {
+        paced_terminations(pacer, &ids(n), clock, |call| {
+            let answer = bucket.borrow_mut().call(call, clock.now());
+            async move { answer }
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn five_thousand_instances_go_at_the_buckets_pace_without_one_refusal() {
+        let t0 = Instant::now();
+        let clock = TestClock(Cell::new(t0));
+        let bucket = RefCell::new(Bucket::new(t0, 0.0));
+        let pacer = Mutex::new(TerminatePacer::new(t0));
+        let out = run(&bucket, &clock, &pacer, 5000).await.expect("every call accepted");
+        let b = bucket.borrow();
+        assert_eq!(out.accepted.len(), 5000);
+        assert_eq!(b.sent, ids(5000), "each instance sent once, in order");
+        assert_eq!(b.refused, 0);
+        // EC2's floor: 1,000 at once, the other 4,000 at 20 a second
+        let took = clock.now().duration_since(t0).as_secs_f64();
+        assert!((200.0..=201.0).contains(&took), "took {took} s");
+    }
+
+    #[tokio::test]
+    async fn a_bucket_another_spender_emptied_costs_one_refusal_and_then_the_pace_holds() {
+        let t0 = Instant::now();
+        let clock = TestClock(Cell::new(t0));
+        // someone terminated 900 instances just before: the model believes the bucket full
+        let bucket = RefCell::new(Bucket::new(t0, 900.0));
+        let pacer = Mutex::new(TerminatePacer::new(t0));
+        let out = run(&bucket, &clock, &pacer, 1200).await.expect("every call accepted in the end");
+        let b = bucket.borrow();
+        assert_eq!(out.accepted.len(), 1200);
+        assert_eq!(b.sent, ids(1200), "a refused call is sent again, nothing twice");
+        assert_eq!(b.refused, 1);
+    }
+
+    #[tokio::test]
+    async fn throttling_that_never_ends_gives_up_after_a_bounded_number_of_calls() {
+        let t0 = Instant::now();
+        let clock = TestClock(Cell::new(t0));
+        let calls = Cell::new(0);
+        let pacer = Mutex::new(TerminatePacer::new(t0));
+        let err = paced_terminations(&pacer, &ids(10), &clock, |_| {
+            calls.set(calls.get() + 1);
+            async { Err(throttled()) }
+        })
+        .await
+        .expect_err("a bucket that never refills is an error");
+        assert!(err.is_throttling());
+        assert_eq!(calls.get(), THROTTLED_IN_A_ROW);
+    }
 }

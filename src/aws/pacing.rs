@@ -86,6 +86,24 @@ impl TerminatePacer {
     }
 }
 
+/// The time the pacer's users read and wait on: the wall clock, or a test's own.
+pub(crate) trait Clock {
+    fn now(&self) -> Instant;
+    fn sleep(&self, d: Duration) -> impl Future<Output = ()>;
+}
+
+/// The process's clock.
+pub(crate) struct WallClock;
+
+impl Clock for WallClock {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+    fn sleep(&self, d: Duration) -> impl Future<Output = ()> {
+        tokio::time::sleep(d)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

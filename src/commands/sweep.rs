@@ -153,14 +153,25 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
         tracing::warn!("without --yes: listing what would be reclaimed, changing nothing");
         return Ok(exit.worst(Exit::Leftovers));
     }
-    for (at, left, aws) in &orphans {
-        let failures = verify::reclaim(aws, left).await?;
-        let line = &mut out[*at];
-        line.reclaimed = true;
-        if !failures.is_empty() {
-            exit = exit.worst(Exit::Leftovers);
+    // Region by region: every orphan's instances first, in one paced stream of terminations and
+    // one wait (cluster by cluster, each would wait out its own instances' shutdown), then each
+    // orphan's launch templates, profiles and interfaces.
+    for region in &config.regions {
+        let here: Vec<&(usize, Leftovers, AwsClients)> =
+            orphans.iter().filter(|(at, _, _)| out[*at].region == *region).collect();
+        let Some((_, _, aws)) = here.first() else { continue };
+        let ids: Vec<String> = here.iter().flat_map(|(_, l, _)| l.instances.iter().map(|i| i.id.clone())).collect();
+        let mut failed: BTreeMap<String, String> = verify::reclaim_instances(aws, &ids).await?.into_iter().collect();
+        for (at, left, aws) in &here {
+            let mut failures: Vec<String> = left.instances.iter().filter_map(|i| failed.remove(&i.id)).collect();
+            failures.extend(verify::reclaim_rest(aws, left).await);
+            let line = &mut out[*at];
+            line.reclaimed = true;
+            if !failures.is_empty() {
+                exit = exit.worst(Exit::Leftovers);
+            }
+            line.failures = failures;
         }
-        line.failures = failures;
     }
     Ok(exit)
 }

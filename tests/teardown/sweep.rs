@@ -49,12 +49,19 @@ fn eks_user_data(region: &str) -> String {
     )
 }
 
+/// `tags` on a resource of `kind` when it is created.
+fn tag_spec(
+    kind: aws_sdk_ec2::types::ResourceType,
+    tags: &BTreeMap<String, String>,
+) -> aws_sdk_ec2::types::TagSpecification {
+    let tags = tags.iter().map(|(k, v)| aws_sdk_ec2::types::Tag::builder().key(k).value(v).build());
+    aws_sdk_ec2::types::TagSpecification::builder().resource_type(kind).set_tags(Some(tags.collect())).build()
+}
+
 /// `count` instances of `tags` in `region`, bootstrapped with `user_data`: their ids.
 async fn launch_with(region: &str, count: i32, tags: &BTreeMap<String, String>, user_data: &str) -> Vec<String> {
     use base64::Engine as _;
     let ec2 = aws_sdk_ec2::Client::new(&sandbox_sim::localstack::config_as(region, "test").await);
-    let tag_list: Vec<aws_sdk_ec2::types::Tag> =
-        tags.iter().map(|(k, v)| aws_sdk_ec2::types::Tag::builder().key(k).value(v).build()).collect();
     let out = ec2
         .run_instances()
         .image_id(sandbox_sim::naming::IMAGE_ID)
@@ -62,12 +69,7 @@ async fn launch_with(region: &str, count: i32, tags: &BTreeMap<String, String>, 
         .min_count(count)
         .max_count(count)
         .user_data(base64::engine::general_purpose::STANDARD.encode(user_data))
-        .tag_specifications(
-            aws_sdk_ec2::types::TagSpecification::builder()
-                .resource_type(aws_sdk_ec2::types::ResourceType::Instance)
-                .set_tags(Some(tag_list))
-                .build(),
-        )
+        .tag_specifications(tag_spec(aws_sdk_ec2::types::ResourceType::Instance, tags))
         .send()
         .await
         .unwrap();
@@ -85,10 +87,7 @@ async fn class_resources(region: &str, cluster: &str) -> (String, String) {
     let cloud = crate::common::cloud(region).await;
     let mut lt_tags = launch_tags(cluster);
     lt_tags.remove(karpenter_teardown::karpenter::TAG_NODEPOOL);
-    let lt = cloud
-        .create_launch_template(&format!("karpenter.k8s.aws/{cluster}"), sandbox_sim::naming::IMAGE_ID, &lt_tags)
-        .await
-        .unwrap();
+    let lt = eks_launch_template(region, &format!("karpenter.k8s.aws/{cluster}"), &lt_tags).await;
     let profile = format!("{cluster}_1234567");
     let profile_tags = BTreeMap::from([
         (karpenter_teardown::karpenter::cluster_tag_key(cluster), "owned".to_string()),
@@ -101,6 +100,26 @@ async fn class_resources(region: &str, cluster: &str) -> (String, String) {
         .await
         .unwrap();
     (lt, profile)
+}
+
+/// A launch template as Karpenter writes one for an EKS cluster: its user data names the
+/// cluster's endpoint. Its id.
+async fn eks_launch_template(region: &str, name: &str, tags: &BTreeMap<String, String>) -> String {
+    use base64::Engine as _;
+    let ec2 = aws_sdk_ec2::Client::new(&sandbox_sim::localstack::config_as(region, "test").await);
+    let data = aws_sdk_ec2::types::RequestLaunchTemplateData::builder()
+        .image_id(sandbox_sim::naming::IMAGE_ID)
+        .user_data(base64::engine::general_purpose::STANDARD.encode(eks_user_data(region)))
+        .build();
+    let out = ec2
+        .create_launch_template()
+        .launch_template_name(name)
+        .launch_template_data(data)
+        .tag_specifications(tag_spec(aws_sdk_ec2::types::ResourceType::LaunchTemplate, tags))
+        .send()
+        .await
+        .unwrap();
+    out.launch_template().and_then(|l| l.launch_template_id()).unwrap().to_string()
 }
 
 /// The report's line of `cluster` in `region`.
@@ -310,4 +329,68 @@ async fn a_missing_permission_refuses_the_sweep_before_anything_is_deleted() {
     assert!(cloud.delete_instance_profile(&profile).await.unwrap(), "the profile was left");
     cloud.delete_launch_template(&lt).await.unwrap();
     cloud.terminate(&ids).await.unwrap();
+}
+
+/// A sweep killed (SIGKILL) in the middle of its reclaim, its instances terminated and the
+/// instance profile's delete on the wire, is finished by the next sweep: what is left still
+/// proves the cluster an EKS cluster's (the launch templates, whose user data names the EKS
+/// endpoint, are deleted last), so it is orphaned again, reclaimed, and a third sweep finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_killed_in_the_middle_of_its_reclaim_is_finished_by_the_next_one() {
+    const HELD: &str = "DeleteInstanceProfile";
+    let gone = crate::common::unique_cluster("sw-killed");
+    let ids = launch(B, 2, &launch_tags(&gone)).await;
+    let (lt, profile) = class_resources(B, &gone).await;
+    let policy = || crate::common::policy_from(&sweep_policy_text(), "", B);
+    let (first, second) = (crate::common::key_with_policy(policy()), crate::common::key_with_policy(policy()));
+    let proxy = crate::common::ec2_proxy_control();
+    proxy.hold(&first, HELD);
+    let dir = tempfile::tempdir().unwrap();
+
+    // the first sweep: stopped for good while its profile delete waits at the proxy
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+    cmd.args(["sweep", "--region", B, "--cluster", &gone, "--min-age", "0s", "--yes"])
+        .envs(crate::common::localstack_env())
+        .env("AWS_ACCESS_KEY_ID", &first)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().unwrap();
+    let held = tokio::time::timeout(Duration::from_secs(120), async {
+        while proxy.held(&first, HELD) == 0 {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(status);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
+    })
+    .await;
+    assert!(matches!(held, Ok(Ok(()))), "the first sweep never reached {HELD}: {held:?}");
+    child.start_kill().unwrap();
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), None, "killed by a signal, not ended by itself");
+    let now = live_states(B, &ids).await;
+    assert_eq!(now.len(), 2);
+    assert!(now.values().all(|s| !s.is_live()), "the instances went first: {now:?}");
+    let cloud = crate::common::cloud(B).await;
+    let lt_name = format!("karpenter.k8s.aws/{gone}");
+    assert_eq!(cloud.launch_template_id(&lt_name).await.unwrap(), Some(lt.clone()), "the template is still there");
+
+    // the next sweep (another identity: the first one's held call is still on the wire)
+    let resumed = sweep(dir.path(), &second, &[&gone], &["--min-age", "0s", "--yes"]).await;
+    assert_eq!(resumed.code, 0, "{}", resumed.dump());
+    assert_eq!(resumed.report["clusters"].as_array().map(Vec::len), Some(1), "{}", resumed.dump());
+    let l = line(&resumed, B, &gone);
+    assert_eq!(l["verdict"], "orphaned", "{}", resumed.dump());
+    assert_eq!(l["reclaimed"], true, "{}", resumed.dump());
+    assert_eq!(l["failures"].as_array().map(Vec::len), Some(0), "{}", resumed.dump());
+    assert_eq!(cloud.launch_template_id(&lt_name).await.unwrap(), None);
+    assert!(!cloud.delete_instance_profile(&profile).await.unwrap(), "the profile is gone");
+
+    // and nothing is left for a third
+    let third = sweep(dir.path(), &second, &[&gone], &["--min-age", "0s", "--yes"]).await;
+    assert_eq!(third.code, 0, "{}", third.dump());
+    assert_eq!(third.report["clusters"].as_array().map(Vec::len), Some(0), "{}", third.dump());
+    proxy.release(&first, HELD);
 }

@@ -116,6 +116,16 @@ struct Shared {
     terminated_unseen: Mutex<Vec<String>>,
     /// How long requests of an action wait before they are answered ([`ProxyControl::delay_action`]).
     delays: Mutex<std::collections::HashMap<String, std::time::Duration>>,
+    /// Requests held until released, by (access key, action) ([`ProxyControl::hold`]): the gate
+    /// (false while held) and how many requests wait at it.
+    holds: Mutex<std::collections::HashMap<(String, String), Gate>>,
+}
+
+/// Where held requests wait ([`ProxyControl::hold`]).
+#[derive(Clone)]
+struct Gate {
+    open: tokio::sync::watch::Sender<bool>,
+    waiting: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -161,6 +171,28 @@ impl ProxyControl {
         lock(&self.shared.delays).insert(action.to_string(), how_long);
     }
 
+    /// Holds every request of `action` signed with `access_key` until [`ProxyControl::release`]:
+    /// one caller stopped at one call (a process to be killed there), while other callers of the
+    /// same proxy go on.
+    pub fn hold(&self, access_key: &str, action: &str) {
+        let gate = Gate { open: tokio::sync::watch::Sender::new(false), waiting: Arc::default() };
+        lock(&self.shared.holds).insert((access_key.to_string(), action.to_string()), gate);
+    }
+
+    /// How many requests [`ProxyControl::hold`] holds now for this caller and action.
+    pub fn held(&self, access_key: &str, action: &str) -> u64 {
+        lock(&self.shared.holds)
+            .get(&(access_key.to_string(), action.to_string()))
+            .map_or(0, |g| g.waiting.load(Ordering::SeqCst))
+    }
+
+    /// Lets the held requests of this caller and action go on (to the upstream), and holds no more.
+    pub fn release(&self, access_key: &str, action: &str) {
+        if let Some(gate) = lock(&self.shared.holds).remove(&(access_key.to_string(), action.to_string())) {
+            gate.open.send_replace(true);
+        }
+    }
+
     /// The instances a `TerminateInstances` named while they were hidden from `DescribeInstances`
     /// (sent without a look at their tags), so far.
     pub fn terminated_unseen(&self) -> Vec<String> {
@@ -204,6 +236,7 @@ impl Ec2Proxy {
             unauthorized: Mutex::default(),
             hidden: Mutex::default(),
             delays: Mutex::default(),
+            holds: Mutex::default(),
             terminated_unseen: Mutex::default(),
         });
         let app = Router::new().fallback(handle).with_state(shared.clone());
@@ -407,6 +440,15 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let delay = lock(&shared.delays).get(&action).copied().unwrap_or_default();
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
+    }
+    let key = parts.headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(Caller::of).map(|c| c.key);
+    let gate = key.and_then(|k| lock(&shared.holds).get(&(k, action.clone())).cloned());
+    if let Some(gate) = gate {
+        gate.waiting.fetch_add(1, Ordering::SeqCst);
+        let mut open = gate.open.subscribe();
+        // a gate dropped without release (the proxy going away) lets the request go on as well
+        let _ = open.wait_for(|o| *o).await;
+        gate.waiting.fetch_sub(1, Ordering::SeqCst);
     }
     if is_ec2 {
         if let Some(r) = shared.limits.check(&text, std::time::Instant::now()) {
@@ -612,6 +654,7 @@ mod tests {
             unauthorized: Mutex::default(),
             hidden: Mutex::default(),
             delays: Mutex::default(),
+            holds: Mutex::default(),
             terminated_unseen: Mutex::default(),
         };
         let (mut t, mut i) = (0, 0);
