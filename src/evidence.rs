@@ -87,6 +87,22 @@ pub(crate) fn node_is_claims(claim: Facts<'_>, node: Facts<'_>) -> Result<(), Mi
 /// clocks (the API server's, EC2's) are synchronised but not equal, and both count whole seconds.
 pub(crate) const LAUNCH_CLOCK_SKEW_SECS: i64 = 5;
 
+/// How long EC2 may take to show a launch in `DescribeInstances`, counted from the claim's
+/// creation (Karpenter launches within seconds of it). Karpenter's own garbage collection of
+/// instances that no NodeClaim names leaves each alone for its first 30 s for the same reason
+/// (`nodeclaim/garbagecollection`, 1.0 to 1.14).
+pub(crate) const LAUNCH_SHOWS_WITHIN_SECS: i64 = 30;
+
+/// How long to wait before a claim that names no instance, created at `created` (seconds since
+/// the epoch), is looked up in EC2, at `now`: until it is [`LAUNCH_SHOWS_WITHIN_SECS`] old, and a
+/// second more for the whole seconds both clocks count. `None` once it is old enough. A claim
+/// without a creation time waits the whole allowance: its age is not known.
+pub(crate) fn until_a_launch_shows(created: Option<i64>, now: i64) -> Option<std::time::Duration> {
+    let age = created.map_or(0, |c| now.saturating_sub(c));
+    let left = LAUNCH_SHOWS_WITHIN_SECS + 1 - age;
+    (left > 0).then(|| std::time::Duration::from_secs(left.unsigned_abs()))
+}
+
 /// What a claim that names no instance says of its launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Launch<'a> {
@@ -249,5 +265,17 @@ mod tests {
         let a = pid("i-0aaa");
         let elsewhere = ProviderId { zone: String::new(), instance_id: "i-0aaa".into() };
         assert_eq!(node_is_claims(facts(Some(&a), Some("web")), facts(Some(&elsewhere), Some("web"))), Ok(()));
+    }
+
+    #[test]
+    fn a_new_claim_is_looked_up_only_once_ec2_has_had_its_time_to_show_a_launch() {
+        let now = 1_800_000_000;
+        assert_eq!(until_a_launch_shows(Some(now - 3), now), Some(std::time::Duration::from_secs(28)));
+        assert_eq!(until_a_launch_shows(Some(now - 30), now), Some(std::time::Duration::from_secs(1)));
+        assert_eq!(until_a_launch_shows(Some(now - 31), now), None);
+        assert_eq!(until_a_launch_shows(Some(now - 3600), now), None);
+        // a clock ahead of the API server's: the claim looks younger, never older
+        assert_eq!(until_a_launch_shows(Some(now + 2), now), Some(std::time::Duration::from_secs(33)));
+        assert_eq!(until_a_launch_shows(None, now), Some(std::time::Duration::from_secs(31)));
     }
 }

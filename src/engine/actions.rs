@@ -412,6 +412,18 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
     if provider.is_none()
         && let Some(c) = claim_name.as_deref().filter(|_| claim_exists)
     {
+        // EC2's describe shows a launch late: a claim younger than EC2's allowance is looked up
+        // only once it is old enough for its instance, if any, to show
+        let created = claim_read.as_ref().and_then(|o| o.metadata.creation_timestamp.as_ref()).map(|t| t.0.as_second());
+        if let Some(wait) = crate::evidence::until_a_launch_shows(created, unix_now()) {
+            tracing::info!(
+                seconds = wait.as_secs(),
+                "the NodeClaim names no instance and is new; giving EC2 its time to show one"
+            );
+            if !pause(ctx, wait).await {
+                return Ok(TaskOutcome::Interrupted);
+            }
+        }
         let found = ctx
             .aws
             .ec2
@@ -512,6 +524,11 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         }
     }
     Ok(TaskOutcome::Done(what.join("; ")))
+}
+
+/// Seconds since the epoch, as the API server's timestamps count them.
+fn unix_now() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
 }
 
 /// The instance of a launch in flight for claim `name` (`obj`), which names none: EC2's live

@@ -271,3 +271,52 @@ async fn an_instance_describe_does_not_show_is_not_terminated_until_its_tags_are
     assert!(states.values().all(|s| *s == InstanceState::Terminated), "terminated once shown: {states:?}");
     b.server.shutdown().await;
 }
+
+/// A launch EC2 shows late: the claim names no instance, and EC2's describe does not show the
+/// instance launched for it for a while. The claim is looked up only once EC2 has had its time
+/// to show a launch (30 s from the claim's creation): the instance is found by its launch's tags,
+/// terminated, and only then is the claim released; the run ends clean, nothing left in EC2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_ec2_shows_late_is_found_before_its_claim_is_released() {
+    let spec = small_world("e2e-ev-shownlate", 2);
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let n = &world.nodes[0];
+    let claims = forget_instance(&b, n).await;
+    b.cloud.terminate(std::slice::from_ref(&n.instance_id)).await.unwrap();
+    // launched since the claim was made (EC2 and the API server count whole seconds)
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let tags = sandbox_sim::naming::launch_tags(&world.cluster, &n.pool, &n.class);
+    let late: Vec<String> = b
+        .cloud
+        .launch_tagged(sandbox_sim::naming::IMAGE_ID, "m5.large", None, 1, &tags)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
+    assert_eq!(late.len(), 1);
+    // hidden from every DescribeInstances for 20 s: longer than the run takes to reach the claim
+    crate::common::ec2_proxy_control().hide_instances(&late, std::time::Duration::from_secs(20));
+
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
+    assert_eq!(run.code, 0, "{}", run.dump());
+    let released: Vec<(String, String)> = run.report["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["object"] == n.nodeclaim.as_str() && s["action"] == "discharge-finalizers")
+        .map(|s| (s["result"].as_str().unwrap().to_string(), s["detail"].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(released.len(), 1, "{}", run.dump());
+    assert_eq!(released[0].0, "done", "{released:?}");
+    assert!(
+        released[0].1.contains(&format!("instance {} terminated", late[0]))
+            && released[0].1.contains("found by its launch's tags"),
+        "{released:?}"
+    );
+    assert!(claims.get_opt(&n.nodeclaim).await.unwrap().is_none(), "the claim was released");
+    let ended = states(&b.aws, &late).await;
+    assert_eq!(ended.get(&late[0]), Some(&InstanceState::Terminated), "{}", run.dump());
+    b.server.shutdown().await;
+}
