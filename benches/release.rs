@@ -47,11 +47,6 @@ struct Args {
     bench: bool,
 }
 
-fn fresh_account() -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    format!("{:012}", (nanos / 1000) % 1_000_000_000_000)
-}
-
 fn object<T: serde::de::DeserializeOwned>(v: Value) -> anyhow::Result<T> {
     Ok(serde_json::from_value(v)?)
 }
@@ -68,7 +63,7 @@ async fn main() -> anyhow::Result<()> {
     if !args.bin.exists() {
         bail!("{} is missing: cargo build --release --bin karpenter-teardown", args.bin.display());
     }
-    let account = fresh_account();
+    let account = localstack::fresh_account();
     let config = localstack::config_as(REGION, &account).await;
     let cloud = Cloud::from_config(&config);
     cloud.ping().await.context("LocalStack does not answer: localstack/up")?;

@@ -260,15 +260,6 @@ fn require_localstack() -> anyhow::Result<()> {
     })
 }
 
-/// A LocalStack account of its own for one run: LocalStack takes a 12-digit access key id as
-/// the account, and each account has its own EC2 state. Every run then starts from an empty
-/// account instead of paying for the instances of the runs before it (LocalStack's
-/// DescribeInstances slows down with every instance it holds, terminated ones included).
-fn fresh_account() -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    format!("{:012}", (nanos / 1000) % 1_000_000_000_000)
-}
-
 /// Workloads per namespace: large clusters spread their workloads over many namespaces.
 const WORKLOADS_PER_NAMESPACE: usize = 25;
 
@@ -402,7 +393,7 @@ fn bed_ticks(server: &Server) -> Vec<(String, u64)> {
 
 async fn run_one(args: &Args, bin: &Path, size: usize, contender: Contender) -> anyhow::Result<Measured> {
     let dir = tempfile::tempdir()?;
-    let account = fresh_account();
+    let account = localstack::fresh_account();
     let mut s = spec(args, size);
     if args.bed == Bed::Real {
         // the real server holds Karpenter's own CRDs to their schemas and CEL rules

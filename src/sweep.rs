@@ -329,6 +329,27 @@ fn kind_name(kind: Kind) -> &'static str {
     }
 }
 
+/// Tags whose values differ from one machine of a pool to the next: an IAM condition on them
+/// would be unusual, and asking EC2 once per value would ask once per instance.
+const PER_MACHINE_TAGS: [&str; 2] = ["Name", karpenter::TAG_NODECLAIM];
+
+/// One instance for each kind EC2's dry run could answer differently for, under a policy
+/// conditioned on resource tags, the zone or the instance type: instances whose tags agree (all
+/// but the per-machine ones) in one zone and of one type are asked about once. Asking about all
+/// of them would spend EC2's `TerminateInstances` resource bucket (1,000 instances, 20 a second)
+/// on dry runs before the first real termination: 5,000 orphans would be throttled outright.
+pub(crate) fn dry_run_sample(instances: &[crate::aws::InstanceInfo]) -> Vec<&crate::aws::InstanceInfo> {
+    let mut seen = BTreeSet::new();
+    instances
+        .iter()
+        .filter(|i| {
+            let tags: Vec<(&String, &String)> =
+                i.tags.iter().filter(|(k, _)| !PER_MACHINE_TAGS.contains(&k.as_str())).collect();
+            seen.insert((i.zone.as_str(), i.instance_type.as_deref(), tags))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,5 +500,35 @@ mod tests {
         // the cluster the tags agree on is judged on its own resources
         let a = &groups[&("eu-west-1".to_string(), "a".to_string())];
         assert!(matches!(verdict("a", "eu-west-1", a, &EksAnswer::NotFound, RULES, &SHOWN), Verdict::Orphaned(_)));
+    }
+
+    #[test]
+    fn a_dry_run_asks_once_per_kind_of_instance_not_once_per_instance() {
+        use crate::aws::{InstanceInfo, InstanceState};
+        let instance = |id: &str, zone: &str, kind: &str, pool: &str| InstanceInfo {
+            id: id.into(),
+            state: InstanceState::Running,
+            zone: zone.into(),
+            tags: [
+                ("Name", format!("node-{id}")),
+                (karpenter::TAG_NODECLAIM, format!("claim-{id}")),
+                (karpenter::TAG_NODEPOOL, pool.to_string()),
+                (karpenter::TAG_EKS_CLUSTER, "c".to_string()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+            managed_by: None,
+            launched: None,
+            instance_type: Some(kind.into()),
+        };
+        let mut all: Vec<InstanceInfo> =
+            (0..100).map(|n| instance(&format!("i-{n}"), "eu-west-3a", "m5.large", "default")).collect();
+        all.push(instance("i-zone", "eu-west-3b", "m5.large", "default"));
+        all.push(instance("i-type", "eu-west-3a", "c5.large", "default"));
+        all.push(instance("i-pool", "eu-west-3a", "m5.large", "gpu"));
+        let asked: Vec<&str> = dry_run_sample(&all).iter().map(|i| i.id.as_str()).collect();
+        assert_eq!(asked.len(), 4, "{asked:?}");
+        assert_eq!(asked, ["i-0", "i-zone", "i-type", "i-pool"]);
     }
 }

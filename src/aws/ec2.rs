@@ -462,8 +462,11 @@ impl Ec2 {
     }
 
     /// Asks EC2 whether these credentials may terminate `ids` (`DryRun`: nothing is terminated).
+    /// EC2 may count a dry run's instances against its resource bucket (it does not say), so the
+    /// model counts them too.
     pub(crate) async fn terminate_dry_run(&self, ids: &[String]) -> Result<DryRun, AwsError> {
         let answer = self.client.terminate_instances().set_instance_ids(Some(ids.to_vec())).dry_run(true).send().await;
+        self.pacer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).spent(ids.len(), WallClock.now());
         DryRun::judge(answer.map(|_| ()).map_err(|e| self.err("TerminateInstances", e)))
     }
 

@@ -177,7 +177,7 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
 }
 
 /// What EC2's dry runs refuse of the reclaim's calls on what each orphan holds: terminating its
-/// instances (the policy is conditioned on each instance's tags, so all of them are asked), and
+/// instances (one of each kind a policy could tell apart, `sweep::dry_run_sample`), and
 /// deleting one of its launch templates and one of its network interfaces. IAM has no dry run:
 /// the instance profiles' deletes are not asked.
 async fn missing_permissions(
@@ -188,7 +188,7 @@ async fn missing_permissions(
     let mut missing = Vec::new();
     for (at, left, aws) in orphans {
         let mut answers = Vec::new();
-        let ids: Vec<String> = left.instances.iter().map(|i| i.id.clone()).collect();
+        let ids: Vec<String> = crate::sweep::dry_run_sample(&left.instances).iter().map(|i| i.id.clone()).collect();
         for chunk in ids.chunks(crate::aws::ec2::FILTER_VALUES_MAX) {
             answers.push(("ec2:TerminateInstances", aws.ec2.terminate_dry_run(chunk).await?));
         }

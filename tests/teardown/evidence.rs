@@ -138,6 +138,26 @@ async fn forget_instance(b: &Bed, n: &sandbox_sim::world::GeneratedNode) -> Api<
     claims
 }
 
+/// A launch in flight when the controller went: `n`'s claim made to name no instance and no
+/// node, its instance ended, and `count` instances launched since with the launch's tags only
+/// (Karpenter's tagging controller names the claim later). The claims' API and the new ids.
+async fn in_flight_launch(
+    b: &Bed,
+    world: &sandbox_sim::World,
+    n: &sandbox_sim::world::GeneratedNode,
+    count: i32,
+) -> (Api<DynamicObject>, Vec<String>) {
+    let claims = forget_instance(b, n).await;
+    b.cloud.terminate(std::slice::from_ref(&n.instance_id)).await.unwrap();
+    // launched since the claim was made (EC2 and the API server count whole seconds)
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let tags = sandbox_sim::naming::launch_tags(&world.cluster, &n.pool, &n.class);
+    let launched = b.cloud.launch_tagged(sandbox_sim::naming::IMAGE_ID, "m5.large", None, count, &tags).await.unwrap();
+    let ids: Vec<String> = launched.into_iter().map(|i| i.id).collect();
+    assert_eq!(ids.len(), count as usize);
+    (claims, ids)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nodeclaim_that_names_no_instance_is_released_only_after_the_instance_tagged_for_it() {
     let spec = small_world("e2e-ev-claimtag", 3);
@@ -176,14 +196,7 @@ async fn a_nodeclaim_whose_launch_was_in_flight_is_released_only_after_the_insta
     let b = bed(&spec.cluster).await;
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let n = &world.nodes[0];
-    let claims = forget_instance(&b, n).await;
-    b.cloud.terminate(std::slice::from_ref(&n.instance_id)).await.unwrap();
-    // launched since the claim was made (EC2 and the API server count whole seconds)
-    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
-    let tags = sandbox_sim::naming::launch_tags(&world.cluster, &n.pool, &n.class);
-    let launch = |count| b.cloud.launch_tagged(sandbox_sim::naming::IMAGE_ID, "m5.large", None, count, &tags);
-    let twins: Vec<String> = launch(2).await.unwrap().into_iter().map(|i| i.id).collect();
-    assert_eq!(twins.len(), 2);
+    let (claims, twins) = in_flight_launch(&b, &world, n, 2).await;
 
     // two fit: the claim keeps its finalizer and both instances run
     let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
@@ -282,20 +295,7 @@ async fn a_launch_ec2_shows_late_is_found_before_its_claim_is_released() {
     let b = bed(&spec.cluster).await;
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let n = &world.nodes[0];
-    let claims = forget_instance(&b, n).await;
-    b.cloud.terminate(std::slice::from_ref(&n.instance_id)).await.unwrap();
-    // launched since the claim was made (EC2 and the API server count whole seconds)
-    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
-    let tags = sandbox_sim::naming::launch_tags(&world.cluster, &n.pool, &n.class);
-    let late: Vec<String> = b
-        .cloud
-        .launch_tagged(sandbox_sim::naming::IMAGE_ID, "m5.large", None, 1, &tags)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|i| i.id)
-        .collect();
-    assert_eq!(late.len(), 1);
+    let (claims, late) = in_flight_launch(&b, &world, n, 1).await;
     // hidden from every DescribeInstances for 20 s: longer than the run takes to reach the claim
     crate::common::ec2_proxy_control().hide_instances(&late, std::time::Duration::from_secs(20));
 

@@ -49,15 +49,6 @@ fn eks_user_data(region: &str) -> String {
     )
 }
 
-/// `tags` on a resource of `kind` when it is created.
-fn tag_spec(
-    kind: aws_sdk_ec2::types::ResourceType,
-    tags: &BTreeMap<String, String>,
-) -> aws_sdk_ec2::types::TagSpecification {
-    let tags = tags.iter().map(|(k, v)| aws_sdk_ec2::types::Tag::builder().key(k).value(v).build());
-    aws_sdk_ec2::types::TagSpecification::builder().resource_type(kind).set_tags(Some(tags.collect())).build()
-}
-
 /// `count` instances of `tags` in `region`, bootstrapped with `user_data`: their ids.
 async fn launch_with(region: &str, count: i32, tags: &BTreeMap<String, String>, user_data: &str) -> Vec<String> {
     use base64::Engine as _;
@@ -69,7 +60,7 @@ async fn launch_with(region: &str, count: i32, tags: &BTreeMap<String, String>, 
         .min_count(count)
         .max_count(count)
         .user_data(base64::engine::general_purpose::STANDARD.encode(user_data))
-        .tag_specifications(tag_spec(aws_sdk_ec2::types::ResourceType::Instance, tags))
+        .tag_specifications(sandbox_sim::cloud::tag_spec(aws_sdk_ec2::types::ResourceType::Instance, tags))
         .send()
         .await
         .unwrap();
@@ -89,12 +80,7 @@ async fn class_resources(region: &str, cluster: &str) -> (String, String) {
     lt_tags.remove(karpenter_teardown::karpenter::TAG_NODEPOOL);
     let lt = eks_launch_template(region, &format!("karpenter.k8s.aws/{cluster}"), &lt_tags).await;
     let profile = format!("{cluster}_1234567");
-    let profile_tags = BTreeMap::from([
-        (karpenter_teardown::karpenter::cluster_tag_key(cluster), "owned".to_string()),
-        ("topology.kubernetes.io/region".to_string(), region.to_string()),
-        (karpenter_teardown::karpenter::TAG_NODECLASS.to_string(), "default".to_string()),
-        (karpenter_teardown::karpenter::TAG_EKS_CLUSTER.to_string(), cluster.to_string()),
-    ]);
+    let profile_tags = sandbox_sim::karpenter::instance_profile_tags(cluster, region, "default");
     cloud
         .create_instance_profile(&profile, &format!("/karpenter/{region}/{cluster}/uid-1/"), &profile_tags)
         .await
@@ -115,7 +101,7 @@ async fn eks_launch_template(region: &str, name: &str, tags: &BTreeMap<String, S
         .create_launch_template()
         .launch_template_name(name)
         .launch_template_data(data)
-        .tag_specifications(tag_spec(aws_sdk_ec2::types::ResourceType::LaunchTemplate, tags))
+        .tag_specifications(sandbox_sim::cloud::tag_spec(aws_sdk_ec2::types::ResourceType::LaunchTemplate, tags))
         .send()
         .await
         .unwrap();

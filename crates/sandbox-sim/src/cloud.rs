@@ -448,7 +448,8 @@ impl Cloud {
     }
 }
 
-fn tag_spec(kind: ResourceType, tags: &BTreeMap<String, String>) -> TagSpecification {
+/// `tags` on a resource of `kind` as it is created.
+pub fn tag_spec(kind: ResourceType, tags: &BTreeMap<String, String>) -> TagSpecification {
     TagSpecification::builder()
         .resource_type(kind)
         .set_tags(Some(tags.iter().map(|(k, v)| Tag::builder().key(k).value(v).build()).collect()))

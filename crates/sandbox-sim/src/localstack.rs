@@ -38,6 +38,15 @@ pub fn child_env(region: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// A LocalStack account of its own for one benchmark run: LocalStack takes a 12-digit access key
+/// id as the account, and each account has its own EC2 state. Every run then starts from an empty
+/// account instead of paying for the instances of the runs before it (LocalStack's
+/// DescribeInstances slows down with every instance it holds, terminated ones included).
+pub fn fresh_account() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{:012}", (nanos / 1000) % 1_000_000_000_000)
+}
+
 /// The SDK configuration for LocalStack in `region` as the account `access_key` names (LocalStack
 /// takes a 12-digit access key as the account id; "test" is its default account).
 pub async fn config_as(region: &str, access_key: &str) -> aws_config::SdkConfig {
