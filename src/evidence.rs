@@ -96,9 +96,10 @@ pub(crate) const LAUNCH_SHOWS_WITHIN_SECS: i64 = 30;
 /// How long to wait before a claim that names no instance, created at `created` (seconds since
 /// the epoch), is looked up in EC2, at `now`: until it is [`LAUNCH_SHOWS_WITHIN_SECS`] old, and a
 /// second more for the whole seconds both clocks count. `None` once it is old enough. A claim
-/// without a creation time waits the whole allowance: its age is not known.
+/// without a creation time, or one that looks made in the future (the API server's clock ahead of
+/// ours), waits the whole allowance and no longer: its age is not known.
 pub(crate) fn until_a_launch_shows(created: Option<i64>, now: i64) -> Option<std::time::Duration> {
-    let age = created.map_or(0, |c| now.saturating_sub(c));
+    let age = created.map_or(0, |c| now.saturating_sub(c).max(0));
     let left = LAUNCH_SHOWS_WITHIN_SECS + 1 - age;
     (left > 0).then(|| std::time::Duration::from_secs(left.unsigned_abs()))
 }
@@ -274,8 +275,9 @@ mod tests {
         assert_eq!(until_a_launch_shows(Some(now - 30), now), Some(std::time::Duration::from_secs(1)));
         assert_eq!(until_a_launch_shows(Some(now - 31), now), None);
         assert_eq!(until_a_launch_shows(Some(now - 3600), now), None);
-        // a clock ahead of the API server's: the claim looks younger, never older
-        assert_eq!(until_a_launch_shows(Some(now + 2), now), Some(std::time::Duration::from_secs(33)));
+        // the API server's clock ahead of ours: the whole allowance, however far ahead
+        assert_eq!(until_a_launch_shows(Some(now + 2), now), Some(std::time::Duration::from_secs(31)));
+        assert_eq!(until_a_launch_shows(Some(now + 3600), now), Some(std::time::Duration::from_secs(31)));
         assert_eq!(until_a_launch_shows(None, now), Some(std::time::Duration::from_secs(31)));
     }
 }

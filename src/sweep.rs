@@ -329,25 +329,42 @@ fn kind_name(kind: Kind) -> &'static str {
     }
 }
 
-/// Tags whose values differ from one machine of a pool to the next: an IAM condition on them
-/// would be unusual, and asking EC2 once per value would ask once per instance.
+/// Tags whose values differ from one machine of a pool to the next: an IAM condition on their
+/// values would be unusual, and asking EC2 once per value would ask once per instance. Whether
+/// they are there is kept (a `Null` condition reads just that: a launch in flight has no
+/// `karpenter.sh/nodeclaim` yet).
 const PER_MACHINE_TAGS: [&str; 2] = ["Name", karpenter::TAG_NODECLAIM];
 
-/// One instance for each kind EC2's dry run could answer differently for, under a policy
-/// conditioned on resource tags, the zone or the instance type: instances whose tags agree (all
-/// but the per-machine ones) in one zone and of one type are asked about once. Asking about all
-/// of them would spend EC2's `TerminateInstances` resource bucket (1,000 instances, 20 a second)
-/// on dry runs before the first real termination: 5,000 orphans would be throttled outright.
-pub(crate) fn dry_run_sample(instances: &[crate::aws::InstanceInfo]) -> Vec<&crate::aws::InstanceInfo> {
+/// One instance for each kind EC2's dry run could answer differently for under a policy
+/// conditioned on resource tags, the zone, the instance type or the market: instances with the
+/// same tags (the per-machine ones by their presence only), in one zone, of one type, Spot or
+/// on demand alike, are asked about once. Asking about all of them would spend EC2's
+/// `TerminateInstances` resource bucket (1,000 instances, 20 a second) on dry runs before the
+/// first real termination: 5,000 orphans would be throttled outright.
+pub(crate) fn dry_run_sample<'a, T>(instances: &'a [T], kind: impl Fn(&'a T) -> InstanceKind<'a>) -> Vec<&'a T> {
     let mut seen = BTreeSet::new();
     instances
         .iter()
         .filter(|i| {
-            let tags: Vec<(&String, &String)> =
-                i.tags.iter().filter(|(k, _)| !PER_MACHINE_TAGS.contains(&k.as_str())).collect();
-            seen.insert((i.zone.as_str(), i.instance_type.as_deref(), tags))
+            let k = kind(i);
+            let tags: Vec<(&str, &str)> = k
+                .tags
+                .iter()
+                .map(|(k, v)| (k.as_str(), if PER_MACHINE_TAGS.contains(&k.as_str()) { "" } else { v.as_str() }))
+                .collect();
+            seen.insert((k.zone, k.instance_type, k.market, tags))
         })
         .collect()
+}
+
+/// What an IAM policy could tell instances apart by ([`dry_run_sample`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InstanceKind<'a> {
+    pub(crate) zone: &'a str,
+    pub(crate) instance_type: Option<&'a str>,
+    /// `spot`, or `None` on demand.
+    pub(crate) market: Option<&'a str>,
+    pub(crate) tags: &'a BTreeMap<String, String>,
 }
 
 #[cfg(test)]
@@ -504,11 +521,18 @@ mod tests {
 
     #[test]
     fn a_dry_run_asks_once_per_kind_of_instance_not_once_per_instance() {
-        use crate::aws::{InstanceInfo, InstanceState};
-        let instance = |id: &str, zone: &str, kind: &str, pool: &str| InstanceInfo {
+        struct I {
+            id: String,
+            zone: &'static str,
+            kind: &'static str,
+            market: Option<&'static str>,
+            tags: BTreeMap<String, String>,
+        }
+        let instance = |id: &str, zone: &'static str, kind: &'static str, pool: &str| I {
             id: id.into(),
-            state: InstanceState::Running,
-            zone: zone.into(),
+            zone,
+            kind,
+            market: None,
             tags: [
                 ("Name", format!("node-{id}")),
                 (karpenter::TAG_NODECLAIM, format!("claim-{id}")),
@@ -518,17 +542,24 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect(),
-            managed_by: None,
-            launched: None,
-            instance_type: Some(kind.into()),
         };
-        let mut all: Vec<InstanceInfo> =
+        let mut all: Vec<I> =
             (0..100).map(|n| instance(&format!("i-{n}"), "eu-west-3a", "m5.large", "default")).collect();
         all.push(instance("i-zone", "eu-west-3b", "m5.large", "default"));
         all.push(instance("i-type", "eu-west-3a", "c5.large", "default"));
         all.push(instance("i-pool", "eu-west-3a", "m5.large", "gpu"));
-        let asked: Vec<&str> = dry_run_sample(&all).iter().map(|i| i.id.as_str()).collect();
-        assert_eq!(asked.len(), 4, "{asked:?}");
-        assert_eq!(asked, ["i-0", "i-zone", "i-type", "i-pool"]);
+        let mut spot = instance("i-spot", "eu-west-3a", "m5.large", "default");
+        spot.market = Some("spot");
+        all.push(spot);
+        // a launch in flight: no claim tag yet, which a `Null` condition tells apart
+        let mut in_flight = instance("i-inflight", "eu-west-3a", "m5.large", "default");
+        in_flight.tags.remove(karpenter::TAG_NODECLAIM);
+        all.push(in_flight);
+        fn kind(i: &I) -> InstanceKind<'_> {
+            InstanceKind { zone: i.zone, instance_type: Some(i.kind), market: i.market, tags: &i.tags }
+        }
+        let asked: Vec<&str> = dry_run_sample(&all, kind).iter().map(|i| i.id.as_str()).collect();
+        assert_eq!(asked.len(), 6, "{asked:?}");
+        assert_eq!(asked, ["i-0", "i-zone", "i-type", "i-pool", "i-spot", "i-inflight"]);
     }
 }

@@ -98,6 +98,10 @@ pub struct InstanceInfo {
     /// Its instance type (not part of the report).
     #[serde(skip)]
     pub instance_type: Option<String>,
+    /// `spot` for a Spot instance, `None` on demand (EC2's `InstanceLifecycle`; not part of the
+    /// report).
+    #[serde(skip)]
+    pub market: Option<String>,
 }
 
 impl InstanceInfo {
@@ -117,6 +121,7 @@ impl InstanceInfo {
                 .map(|o| o.principal().unwrap_or("an AWS service").to_string()),
             launched: i.launch_time().map(|t| t.secs()),
             instance_type: i.instance_type().map(|t| t.as_str().to_string()),
+            market: i.instance_lifecycle().map(|l| l.as_str().to_string()),
         }
     }
 

@@ -1,7 +1,8 @@
 //! `sweep`: the driver of [`crate::sweep`]. Reads each region's Karpenter instances, launch
 //! templates and instance profiles, asks EKS about each cluster their tags name, prints one
-//! verdict per cluster, and with `--yes` reclaims the orphans through [`verify::reclaim`] (the
-//! same calls, in the same order, as `verify --reclaim`).
+//! verdict per cluster, and with `--yes` reclaims the orphans with `verify --reclaim`'s calls
+//! ([`verify::reclaim_instances`], [`verify::reclaim_rest`]): a region's instances all at once,
+//! then each orphan's templates, profiles and interfaces.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -161,7 +162,20 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
             orphans.iter().filter(|(at, _, _)| out[*at].region == *region).collect();
         let Some((_, _, aws)) = here.first() else { continue };
         let ids: Vec<String> = here.iter().flat_map(|(_, l, _)| l.instances.iter().map(|i| i.id.clone())).collect();
-        let mut failed: BTreeMap<String, String> = verify::reclaim_instances(aws, &ids).await?.into_iter().collect();
+        let mut failed: BTreeMap<String, String> = match verify::reclaim_instances(aws, &ids).await {
+            Ok(failed) => failed.into_iter().collect(),
+            // the region's terminations stopped (throttled past the pacer's patience, or a read
+            // failed while waiting): nothing more is done here, each orphan says why, and the
+            // other regions, with buckets of their own, go on; running the sweep again resumes
+            Err(e) => {
+                tracing::error!(%region, error = %e, "the region's terminations stopped");
+                for (at, _, _) in &here {
+                    out[*at].failures = vec![format!("terminations in {region} stopped: {e}; run the sweep again")];
+                }
+                exit = exit.worst(Exit::Failure);
+                continue;
+            }
+        };
         for (at, left, aws) in &here {
             let mut failures: Vec<String> = left.instances.iter().filter_map(|i| failed.remove(&i.id)).collect();
             failures.extend(verify::reclaim_rest(aws, left).await);
@@ -188,7 +202,8 @@ async fn missing_permissions(
     let mut missing = Vec::new();
     for (at, left, aws) in orphans {
         let mut answers = Vec::new();
-        let ids: Vec<String> = crate::sweep::dry_run_sample(&left.instances).iter().map(|i| i.id.clone()).collect();
+        let sample = crate::sweep::dry_run_sample(&left.instances, kind_of);
+        let ids: Vec<String> = sample.iter().map(|i| i.id.clone()).collect();
         for chunk in ids.chunks(crate::aws::ec2::FILTER_VALUES_MAX) {
             answers.push(("ec2:TerminateInstances", aws.ec2.terminate_dry_run(chunk).await?));
         }
@@ -210,6 +225,16 @@ async fn missing_permissions(
         }
     }
     Ok(missing)
+}
+
+/// What an IAM policy could tell `i` apart from other instances by.
+fn kind_of(i: &InstanceInfo) -> crate::sweep::InstanceKind<'_> {
+    crate::sweep::InstanceKind {
+        zone: &i.zone,
+        instance_type: i.instance_type.as_deref(),
+        market: i.market.as_deref(),
+        tags: &i.tags,
+    }
 }
 
 /// The verdicts' rules as of now.

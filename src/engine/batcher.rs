@@ -382,6 +382,7 @@ mod tests {
             managed_by: managed_by.map(str::to_string),
             launched: None,
             instance_type: None,
+            market: None,
         }
     }
 

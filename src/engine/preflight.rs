@@ -392,6 +392,7 @@ mod tests {
             managed_by: None,
             launched: None,
             instance_type: None,
+            market: None,
         }
     }
 

@@ -296,8 +296,14 @@ async fn a_launch_ec2_shows_late_is_found_before_its_claim_is_released() {
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let n = &world.nodes[0];
     let (claims, late) = in_flight_launch(&b, &world, n, 1).await;
-    // hidden from every DescribeInstances for 20 s: longer than the run takes to reach the claim
-    crate::common::ec2_proxy_control().hide_instances(&late, std::time::Duration::from_secs(20));
+    // hidden from every DescribeInstances until the claim is 29 s old: a look at the claim
+    // before the allowance (30 s) has passed cannot see it
+    let claim = claims.get(&n.nodeclaim).await.unwrap();
+    let created = claim.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second()).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let hidden_for = created + 29 - now;
+    assert!(hidden_for > 15, "the world took {} s to make", now - created);
+    crate::common::ec2_proxy_control().hide_instances(&late, std::time::Duration::from_secs(hidden_for as u64));
 
     let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{}", run.dump());

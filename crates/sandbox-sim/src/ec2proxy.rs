@@ -121,8 +121,8 @@ struct Shared {
     holds: Mutex<std::collections::HashMap<(String, String), Gate>>,
 }
 
-/// Where held requests wait ([`ProxyControl::hold`]).
-#[derive(Clone)]
+/// Where held requests wait ([`ProxyControl::hold`]). Only the map holds the sender: a request
+/// waits on a receiver, so a gate dropped or replaced lets its requests go.
 struct Gate {
     open: tokio::sync::watch::Sender<bool>,
     waiting: Arc<AtomicU64>,
@@ -442,13 +442,13 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         tokio::time::sleep(delay).await;
     }
     let key = parts.headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(Caller::of).map(|c| c.key);
-    let gate = key.and_then(|k| lock(&shared.holds).get(&(k, action.clone())).cloned());
-    if let Some(gate) = gate {
-        gate.waiting.fetch_add(1, Ordering::SeqCst);
-        let mut open = gate.open.subscribe();
-        // a gate dropped without release (the proxy going away) lets the request go on as well
+    let gate = key
+        .and_then(|k| lock(&shared.holds).get(&(k, action.clone())).map(|g| (g.open.subscribe(), g.waiting.clone())));
+    if let Some((mut open, waiting)) = gate {
+        waiting.fetch_add(1, Ordering::SeqCst);
+        // released, or the gate dropped (replaced, or the proxy going away): the request goes on
         let _ = open.wait_for(|o| *o).await;
-        gate.waiting.fetch_sub(1, Ordering::SeqCst);
+        waiting.fetch_sub(1, Ordering::SeqCst);
     }
     if is_ec2 {
         if let Some(r) = shared.limits.check(&text, std::time::Instant::now()) {
