@@ -309,6 +309,19 @@ pub(crate) fn policy_of(on_deadline: OnDeadline) -> DrainPolicy {
 /// Fences the machine's node, evicts its pods in Karpenter's order respecting
 /// PodDisruptionBudgets, waits for them by watch, and applies the deadline policy.
 pub async fn drain(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) -> Outcome {
+    let outcome = Box::pin(drain_machine(ctx, machine, params, task)).await?;
+    // a Node that had no claim may have one now: that machine is the plan's to run, and this
+    // drain waits for it (then finds the node gone)
+    if let (TaskOutcome::Done(_), Some(node)) = (&outcome, machine.strip_prefix("node/")) {
+        let late = Box::pin(super::machine_node::claims_found_for_node(ctx, node)).await?;
+        if !late.is_empty() {
+            return Ok(TaskOutcome::FoundLate(late));
+        }
+    }
+    Ok(outcome)
+}
+
+async fn drain_machine(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef) -> Outcome {
     // Only a NodeClaim that names no node (or is gone) means there is nothing to drain; an error
     // reading it must never be taken for that, or the instance would be terminated undrained.
     // Every machine drains at once (5,000 at the largest clusters) and a future is as large as

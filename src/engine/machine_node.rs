@@ -7,6 +7,7 @@ use kube::core::DynamicObject;
 use serde_json::Value;
 
 use super::context::Ctx;
+use super::task::LateMachine;
 use crate::k8s::{self, KubeError};
 use crate::karpenter::{self, ProviderId};
 
@@ -45,6 +46,33 @@ pub(crate) async fn node_of_claim(
     }
     let nodes = karpenter_nodes(client).await?;
     Ok(claim_node(claim, &nodes).map(|n| (n, None)))
+}
+
+/// The NodeClaims the run has no tasks for that `node`'s machine now runs as: a Node the
+/// inventory found with no NodeClaim (`node/<name>`: a controller stopped between registering it
+/// and naming it on its claim) that a NodeClaim names by the evidence rule since (the controller
+/// finished the registration during the run). The drain that finds one hands it to the executor.
+pub(crate) async fn claims_found_for_node(ctx: &Ctx, node: &str) -> Result<Vec<LateMachine>, KubeError> {
+    let api: Api<Node> = Api::all(ctx.kube.client.clone());
+    let Some(read) = api.get_opt(node).await.map_err(|e| KubeError::api(format!("read Node {node}"), e))? else {
+        return Ok(Vec::new());
+    };
+    let seen = [NodeSeen::of(read)];
+    let ar = k8s::nodeclaim_resource();
+    let claims = k8s::list_kind(&ctx.kube.client, &ar, Some).await.map_err(|e| k8s::list_error(&ar, e))?;
+    Ok(claims
+        .iter()
+        .filter(|c| claim_node(c, &seen).is_some_and(|n| n == node))
+        .filter_map(|c| c.metadata.name.clone())
+        .filter(|name| !ctx.knows(name))
+        .map(|name| LateMachine {
+            why: format!(
+                "NodeClaim {name} names node {node}, which had no NodeClaim when the run took its inventory: its \
+                 registration finished during the run (a controller that was not fenced)"
+            ),
+            name,
+        })
+        .collect())
 }
 
 /// Of a Node what the evidence rule reads.

@@ -500,3 +500,100 @@ async fn a_plan_without_verify_ends_unverified_and_a_skip_policy_says_what_it_by
     assert!(left.values().all(|st| *st == InstanceState::Terminated), "the plan did its work: {left:?}");
     b.server.shutdown().await;
 }
+
+/// The drain of a node whose claim changed: a Node the inventory found with no NodeClaim (a
+/// controller stopped between registering it and naming it on its claim) is named by a NodeClaim
+/// made while it drains (the registration finished). The drain hands that claim to the executor,
+/// which runs the plan's machine steps for it, marked as found late by the drain, and waits for
+/// them; the run ends clean with the claim released and its instance terminated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_names_a_node_during_its_drain_joins_the_plan() {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use kube::api::{Patch, PatchParams, PostParams};
+    let spec = small_world("plans-late-claim", 2);
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let n = &world.nodes[0];
+    let claims: Api<DynamicObject> = Api::all_with(b.client.clone(), &k8s::nodeclaim_resource());
+    let old = claims.get(&n.nodeclaim).await.unwrap();
+    let finalizers = serde_json::json!({"metadata": {"finalizers": null}});
+    claims.patch(&n.nodeclaim, &PatchParams::default(), &Patch::Merge(&finalizers)).await.unwrap();
+    claims.delete(&n.nodeclaim, &Default::default()).await.unwrap();
+    // one pod of the node is held by a budget until the claim is made
+    let pods: Api<Pod> = Api::all(b.client.clone());
+    let on_node = ListParams::default().fields(&format!("spec.nodeName={}", n.node));
+    let held = pods
+        .list(&on_node)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|p| p.metadata.owner_references.iter().flatten().all(|o| o.kind != "DaemonSet"));
+    let held = held.expect("a workload pod on the node");
+    let ns = held.metadata.namespace.clone().unwrap();
+    let held_name = held.metadata.name.clone().unwrap();
+    let ns_pods: Api<Pod> = Api::namespaced(b.client.clone(), &ns);
+    let label = serde_json::json!({"metadata": {"labels": {"held": "until-claimed"}}});
+    ns_pods.patch(&held_name, &PatchParams::default(), &Patch::Merge(&label)).await.unwrap();
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(b.client.clone(), &ns);
+    let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "held-until-claimed"},
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"held": "until-claimed"}}},
+    }))
+    .unwrap();
+    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+
+    let late_claim = format!("{}-registered", n.nodeclaim);
+    let register = async {
+        // the drain has moved everything but the held pod
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = pods.list(&on_node).await.unwrap().items;
+            let others = left.iter().filter(|p| p.metadata.name.as_deref() != Some(held_name.as_str())).count();
+            let movable = left
+                .iter()
+                .filter(|p| p.metadata.owner_references.iter().flatten().all(|o| o.kind != "DaemonSet"))
+                .count();
+            if movable == 1 && others + 1 == left.len() {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the drain never reached the held pod: {left:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let claim = serde_json::json!({
+            "apiVersion": "karpenter.sh/v1",
+            "kind": "NodeClaim",
+            "metadata": {
+                "name": late_claim,
+                "labels": old.metadata.labels,
+                "finalizers": ["karpenter.sh/termination"],
+            },
+            "spec": old.data["spec"],
+        });
+        let claim: DynamicObject = serde_json::from_value(claim).unwrap();
+        claims.create(&PostParams::default(), &claim).await.unwrap();
+        let status = serde_json::json!({"status": {"providerID": n.provider_id, "nodeName": n.node}});
+        claims.patch_status(&late_claim, &PatchParams::default(), &Patch::Merge(&status)).await.unwrap();
+        pdbs.delete("held-until-claimed", &Default::default()).await.unwrap();
+    };
+    let (run, ()) = tokio::join!(teardown(&b, &world.cluster, Consent::Yes, &[]), register);
+    assert_eq!(run.code, 0, "{}", explain(&run));
+    assert_eq!(run.report["outcome"], "clean");
+    let late: Vec<&Value> =
+        run.report["steps"].as_array().into_iter().flatten().filter(|t| t["object"] == late_claim.as_str()).collect();
+    let mut steps: Vec<&str> = late.iter().filter_map(|t| t["step"].as_str()).collect();
+    steps.sort();
+    assert_eq!(steps, ["discharge-finalizers", "drain"], "{}", explain(&run));
+    for t in &late {
+        let why = t["found_late"].as_str().unwrap_or_default();
+        assert!(
+            why.contains("its registration finished during the run")
+                && why.contains(&format!("drain[node/{}]", n.node)),
+            "{t}"
+        );
+    }
+    assert!(claims.get_opt(&late_claim).await.unwrap().is_none(), "the claim found late was released");
+    let ended = states(&b.aws, std::slice::from_ref(&n.instance_id)).await;
+    assert_eq!(ended.get(&n.instance_id), Some(&InstanceState::Terminated));
+    b.server.shutdown().await;
+}
