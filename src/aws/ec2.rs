@@ -242,6 +242,11 @@ pub struct TerminateOutcome {
 /// by someone else as fast as it refills.
 const THROTTLED_IN_A_ROW: usize = 8;
 
+/// The pacer's model, locked: a panic elsewhere while it was held leaves a model still worth using.
+fn model_of(pacer: &Mutex<TerminatePacer>) -> std::sync::MutexGuard<'_, TerminatePacer> {
+    pacer.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Sends `ids` to `send` in calls the pacer allows, sleeping on `clock` while the bucket refills.
 /// A throttled call is sent again once the (emptied) model allows; any other error ends it.
 async fn paced_terminations<C, F, Fut>(
@@ -255,8 +260,7 @@ where
     F: FnMut(Vec<String>) -> Fut,
     Fut: Future<Output = Result<TerminateOutcome, AwsError>>,
 {
-    // a panic elsewhere while the model was held leaves a model still worth using
-    let model = || pacer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let model = || model_of(pacer);
     let mut outcome = TerminateOutcome::default();
     let mut rest = ids;
     let mut throttled = 0;
@@ -471,7 +475,7 @@ impl Ec2 {
     /// model counts them too.
     pub(crate) async fn terminate_dry_run(&self, ids: &[String]) -> Result<DryRun, AwsError> {
         let answer = self.client.terminate_instances().set_instance_ids(Some(ids.to_vec())).dry_run(true).send().await;
-        self.pacer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).spent(ids.len(), WallClock.now());
+        model_of(&self.pacer).spent(ids.len(), WallClock.now());
         DryRun::judge(answer.map(|_| ()).map_err(|e| self.err("TerminateInstances", e)))
     }
 
@@ -858,44 +862,37 @@ mod tests {
         (0..n).map(|i| format!("i-{i:017x}")).collect()
     }
 
-    async fn run(
-        bucket: &RefCell<Bucket>,
-        clock: &TestClock,
-        pacer: &Mutex<TerminatePacer>,
-        n: usize,
-    ) -> Result<TerminateOutcome, AwsError> {
-        paced_terminations(pacer, &ids(n), clock, |call| {
+    /// `n` instances paced into EC2's bucket, of which `others` took as much just before: the
+    /// outcome, the bucket afterwards, and the seconds it took.
+    async fn run(n: usize, others: f64) -> (Result<TerminateOutcome, AwsError>, Bucket, f64) {
+        let t0 = Instant::now();
+        let clock = TestClock(Cell::new(t0));
+        let bucket = RefCell::new(Bucket::new(t0, others));
+        let pacer = Mutex::new(TerminatePacer::new(t0));
+        let out = paced_terminations(&pacer, &ids(n), &clock, |call| {
             let answer = bucket.borrow_mut().call(call, clock.now());
             async move { answer }
         })
-        .await
+        .await;
+        (out, bucket.into_inner(), clock.now().duration_since(t0).as_secs_f64())
     }
 
     #[tokio::test]
     async fn five_thousand_instances_go_at_the_buckets_pace_without_one_refusal() {
-        let t0 = Instant::now();
-        let clock = TestClock(Cell::new(t0));
-        let bucket = RefCell::new(Bucket::new(t0, 0.0));
-        let pacer = Mutex::new(TerminatePacer::new(t0));
-        let out = run(&bucket, &clock, &pacer, 5000).await.expect("every call accepted");
-        let b = bucket.borrow();
+        let (out, b, took) = run(5000, 0.0).await;
+        let out = out.expect("every call accepted");
         assert_eq!(out.accepted.len(), 5000);
         assert_eq!(b.sent, ids(5000), "each instance sent once, in order");
         assert_eq!(b.refused, 0);
         // EC2's floor: 1,000 at once, the other 4,000 at 20 a second
-        let took = clock.now().duration_since(t0).as_secs_f64();
         assert!((200.0..=201.0).contains(&took), "took {took} s");
     }
 
     #[tokio::test]
     async fn a_bucket_another_spender_emptied_costs_one_refusal_and_then_the_pace_holds() {
-        let t0 = Instant::now();
-        let clock = TestClock(Cell::new(t0));
         // someone terminated 900 instances just before: the model believes the bucket full
-        let bucket = RefCell::new(Bucket::new(t0, 900.0));
-        let pacer = Mutex::new(TerminatePacer::new(t0));
-        let out = run(&bucket, &clock, &pacer, 1200).await.expect("every call accepted in the end");
-        let b = bucket.borrow();
+        let (out, b, _) = run(1200, 900.0).await;
+        let out = out.expect("every call accepted in the end");
         assert_eq!(out.accepted.len(), 1200);
         assert_eq!(b.sent, ids(1200), "a refused call is sent again, nothing twice");
         assert_eq!(b.refused, 1);
