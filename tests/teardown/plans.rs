@@ -245,6 +245,143 @@ async fn a_budget_holding_a_machine_found_late_blocks_its_drain_with_the_plans_e
     b.server.shutdown().await;
 }
 
+/// Machines launched once the run has taken its inventory (here by the test, as an unfenced
+/// controller or a launch in flight would) are drained together, as the inventory's are: their
+/// drains are tasks of the plan's drain step, run at its concurrency, each held by its own budget
+/// until the plan's deadline and then blocked by its escalation. Run one after the other, three
+/// drains of 15 s would take 45 s and never overlap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drains_of_machines_found_late_run_together_under_the_plans_deadline() {
+    // evicted pods take 8 s to stop: the inventory's drains last long enough for the machines
+    // below to be launched after the inventory, before the classes' deletion looks for users
+    let spec = sandbox_sim::WorldSpec { grace_periods: vec![(8, 1)], ..small_world("plans-late-together", 2) };
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let text = std::fs::read_to_string(format!("{MANIFEST}/plans/default.toml")).unwrap();
+    assert!(text.contains("deadline = \"10m\""), "the drain's deadline in plans/default.toml changed");
+    let plan = plan_file(&b, "drain-15s.toml", &text.replace("deadline = \"10m\"", "deadline = \"15s\""));
+    const LATE: usize = 3;
+
+    let launch_late = async {
+        // the cordon step follows the inventory: once a node of the world is cordoned, a machine
+        // launched now is one the run has not seen
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(b.client.clone());
+        let cordoned = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let any = nodes.list(&ListParams::default()).await.unwrap().items.iter().any(|n| {
+                    world.nodes.iter().any(|w| Some(&w.node) == n.metadata.name.as_ref())
+                        && n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)
+                });
+                if any {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        assert!(cordoned.is_ok(), "the run never cordoned a node");
+        let pool = &world.nodes[0].pool;
+        let launched = futures::future::join_all(
+            (0..LATE).map(|_| sandbox_sim::world::launch_machine(&world, &b.client, &b.cloud, pool, 20)),
+        )
+        .await;
+        let machines: Vec<sandbox_sim::world::GeneratedNode> = launched.into_iter().map(Result::unwrap).collect();
+        for (i, m) in machines.iter().enumerate() {
+            pinned_behind_a_closed_budget(&b.client, &format!("pinned-{i}"), &m.node).await;
+        }
+        machines
+    };
+    let args = ["--plan", plan.to_str().unwrap()];
+    let (run, machines) = tokio::join!(teardown(&b, &world.cluster, Consent::Yes, &args), launch_late);
+    assert_eq!(machines.len(), LATE);
+    assert_eq!(run.code, 5, "blocked: {}", explain(&run));
+    let late = late_tasks(&run);
+    let drains: Vec<&Value> = machines
+        .iter()
+        .map(|m| {
+            assert!(late.contains_key(&m.nodeclaim), "{} is not listed as found late: {}", m.nodeclaim, explain(&run));
+            let mut of_machine = run.report["steps"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|t| t["step"] == "drain" && t["object"] == m.nodeclaim.as_str());
+            let drain = of_machine.next().unwrap_or_else(|| panic!("no drain of {}: {}", m.nodeclaim, explain(&run)));
+            assert!(of_machine.next().is_none(), "one drain task per machine: {}", explain(&run));
+            drain
+        })
+        .collect();
+    assert_eq!(drains.len(), LATE);
+    for t in &drains {
+        assert_eq!(t["result"], "blocked", "{t}");
+        assert!(t["found_late"].is_string(), "{t}");
+        let detail = t["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("after 15s") && detail.contains("(PDB "),
+            "held by its budget at the plan's deadline: {t}"
+        );
+    }
+    let at = |t: &Value, field: &str| humantime::parse_rfc3339_weak(t[field].as_str().unwrap()).unwrap();
+    let last_start = drains.iter().map(|t| at(t, "started")).max().unwrap();
+    let first_end = drains.iter().map(|t| at(t, "finished")).min().unwrap();
+    assert!(last_start < first_end, "the late machines' drains ran one after another: {drains:#?}");
+    // blocked, so not released: each late machine's claim and running instance stay
+    let ids: Vec<String> = machines.iter().map(|m| m.instance_id.clone()).collect();
+    let state = states(&b.aws, &ids).await;
+    assert_eq!(state.len(), LATE);
+    assert!(state.values().all(|s| *s == InstanceState::Running), "{state:?}");
+    let claims = Api::<DynamicObject>::all_with(b.client.clone(), &k8s::nodeclaim_resource());
+    for m in &machines {
+        assert!(claims.get_opt(&m.nodeclaim).await.unwrap().is_some(), "{} was released", m.nodeclaim);
+    }
+    b.server.shutdown().await;
+}
+
+/// A one-replica Deployment `name` in `default`, pinned to `node`, whose PodDisruptionBudget
+/// allows no eviction; returns once its pod runs there.
+async fn pinned_behind_a_closed_budget(client: &kube::Client, name: &str, node: &str) {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    let pp = kube::api::PostParams::default();
+    let deployment: Deployment = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": node},
+                    "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.9"}]
+                }
+            }
+        }
+    }))
+    .unwrap();
+    Api::<Deployment>::namespaced(client.clone(), "default").create(&pp, &deployment).await.unwrap();
+    let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": name}}}
+    }))
+    .unwrap();
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), "default").create(&pp, &pdb).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let lp = ListParams::default().labels(&format!("app={name}"));
+    let running = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let items = pods.list(&lp).await.unwrap().items;
+            if items.iter().any(|p| {
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+                    && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            }) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(running.is_ok(), "the pod of {name} never ran on {node}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_fence_karpenter_launches_nothing_under_the_same_pressure() {
     let (b, world, sim) = growing_world("plans-fence").await;

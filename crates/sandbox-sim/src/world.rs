@@ -671,6 +671,43 @@ pub(crate) async fn launch_karpenter_node(
     })
 }
 
+/// Launches one more node of `pool` in a generated world, as its controller would: what a run
+/// already under way did not inventory (a controller that was not fenced, a launch in flight).
+/// Its Node has room for `pods` pods besides the DaemonSet's.
+pub async fn launch_machine(
+    world: &World,
+    client: &Client,
+    aws: &Cloud,
+    pool: &str,
+    pods: u32,
+) -> Result<GeneratedNode, SimError> {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &objects::nodepool_resource());
+    let obj = api.get(pool).await.map_err(SimError::kube(format!("reading NodePool {pool}")))?;
+    let uid = obj.uid().ok_or_else(|| SimError::Malformed { what: format!("NodePool {pool}"), field: "uid" })?;
+    let class = obj
+        .data
+        .pointer("/spec/template/spec/nodeClassRef/name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| SimError::Malformed {
+            what: format!("NodePool {pool}"),
+            field: "spec.template.spec.nodeClassRef.name",
+        })?
+        .to_string();
+    let zone = world.nodes.first().map_or_else(|| format!("{}a", world.region), |n| n.zone.clone());
+    let salt = naming::stable_hash(&[&naming::random_suffix(8)]) & 0x00ff_ffff;
+    let node_name = ip_node_name(&world.region, salt, 0);
+    let launch = NodeLaunch {
+        cluster: &world.cluster,
+        region: &world.region,
+        version: world.version,
+        pool: PoolRef { name: pool, uid: &uid, class: &class },
+        zone: &zone,
+        node_name: &node_name,
+        pods: pods + 1,
+    };
+    launch_karpenter_node(client, aws, &launch).await
+}
+
 async fn create_spare_nodes(spec: &WorldSpec, client: &Client) -> Result<(), SimError> {
     let api: Api<Node> = Api::all(client.clone());
     for i in 0..spec.spare_nodes {
