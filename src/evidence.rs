@@ -168,6 +168,27 @@ pub(crate) fn launch_of_claim(
     fits.pop().map_or(LaunchMatch::Nothing, LaunchMatch::One)
 }
 
+/// How long the deletion of an EC2NodeClass waits, at `now`, when this run released a NodeClaim
+/// of it as never launched (the last at `released`): another whole allowance for EC2 to show
+/// that launch after all. A launch EC2 shows later than its allowance is then seen while the
+/// class, its launch templates (the evidence a reclaim from AWS alone needs) and its instance
+/// profile are still there.
+pub(crate) fn until_the_class_may_go(released: std::time::Instant, now: std::time::Instant) -> std::time::Duration {
+    let allowance = std::time::Duration::from_secs(LAUNCH_SHOWS_WITHIN_SECS.unsigned_abs() + 1);
+    (released + allowance).saturating_duration_since(now)
+}
+
+/// The live instances among `live` launched from EC2NodeClass `class` (its tag) that no Node or
+/// NodeClaim names (`named`): each may be the launch of a claim released as never launched, and
+/// the class stays while one runs. An instance without the class tag is not the class's.
+pub(crate) fn unclaimed_launches<'a>(
+    live: &[Launched<'a>],
+    class: &str,
+    named: &std::collections::BTreeSet<&str>,
+) -> Vec<&'a str> {
+    live.iter().filter(|i| i.nodeclass == Some(class) && !named.contains(i.id)).map(|i| i.id).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,5 +300,30 @@ mod tests {
         assert_eq!(until_a_launch_shows(Some(now + 2), now), Some(std::time::Duration::from_secs(31)));
         assert_eq!(until_a_launch_shows(Some(now + 3600), now), Some(std::time::Duration::from_secs(31)));
         assert_eq!(until_a_launch_shows(None, now), Some(std::time::Duration::from_secs(31)));
+    }
+
+    #[test]
+    fn a_class_whose_claim_was_released_unlaunched_waits_a_whole_allowance_after_the_release() {
+        let released = std::time::Instant::now();
+        let s = std::time::Duration::from_secs;
+        assert_eq!(until_the_class_may_go(released, released), s(31));
+        assert_eq!(until_the_class_may_go(released, released + s(30)), s(1));
+        assert_eq!(until_the_class_may_go(released, released + s(31)), s(0));
+        assert_eq!(until_the_class_may_go(released, released + s(600)), s(0));
+    }
+
+    #[test]
+    fn a_class_stays_while_an_instance_launched_from_it_is_named_by_nothing() {
+        let named: std::collections::BTreeSet<&str> = ["i-1"].into();
+        let live = [
+            launched("i-1", "web", "default", Some("web-a"), 10),
+            launched("i-2", "web", "default", None, 20),
+            launched("i-3", "batch", "gpu", None, 20),
+            Launched { id: "i-4", nodepool: Some("web"), nodeclass: None, nodeclaim: None, launched: Some(20) },
+        ];
+        assert_eq!(unclaimed_launches(&live, "default", &named), ["i-2"]);
+        assert_eq!(unclaimed_launches(&live, "gpu", &named), ["i-3"]);
+        assert!(unclaimed_launches(&live, "other", &named).is_empty());
+        assert!(unclaimed_launches(&live[..1], "default", &named).is_empty(), "a named instance is its holder's");
     }
 }

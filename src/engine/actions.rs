@@ -508,6 +508,13 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         }
     } else {
         what.push("no instance (never launched)".into());
+        // EC2 may show its launch later still: its class waits for a second look before it goes
+        if let (Some(c), Some(class)) = (
+            claim_name.as_deref().filter(|_| claim_exists),
+            claim_read.as_ref().and_then(|o| o.data.pointer("/spec/nodeClassRef/name")).and_then(Value::as_str),
+        ) {
+            ctx.note_unseen_launch(class, c);
+        }
         if let Some(n) = &node_name {
             release_node(ctx, &nodes, n, node_uid.as_deref(), false, &mut what).await?;
         }
@@ -556,16 +563,7 @@ async fn launch_of_claim(
     // every instance a Node or a NodeClaim names is theirs, whatever its tags say
     let holders = super::inventory::cluster_holders(&ctx.kube.client).await?;
     let named: std::collections::BTreeSet<&str> = holders.instances.keys().map(String::as_str).collect();
-    let launched: Vec<crate::evidence::Launched<'_>> = live
-        .iter()
-        .map(|i| crate::evidence::Launched {
-            id: &i.id,
-            nodepool: i.tag(karpenter::TAG_NODEPOOL),
-            nodeclass: i.tag(karpenter::TAG_NODECLASS),
-            nodeclaim: i.tag(karpenter::TAG_NODECLAIM),
-            launched: i.launched,
-        })
-        .collect();
+    let launched: Vec<crate::evidence::Launched<'_>> = live.iter().map(launched_of).collect();
     Ok(match crate::evidence::launch_of_claim(launch, &launched, &named) {
         crate::evidence::LaunchMatch::One(id) => {
             let zone = live.iter().find(|i| i.id == id).map(|i| i.zone.clone()).unwrap_or_default();
@@ -719,6 +717,9 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
                 return Ok(TaskOutcome::Interrupted);
             }
         }
+        if let Some(stop) = unseen_launch_shown(ctx, &name).await? {
+            return Ok(stop);
+        }
         delete_if_present(&api, &name).await?;
         let uid = class.metadata.uid.clone().unwrap_or_default();
         // A class with spec.instanceProfile runs on a profile the user manages: status names it
@@ -747,6 +748,61 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
         done.push(format!("{name} ({removed} launch template(s)/instance profile(s))"));
     }
     Ok(TaskOutcome::Done(format!("EC2NodeClass(es) deleted: {}", done.join(", "))))
+}
+
+/// When this run released a NodeClaim of `class` as never launched, the class goes only once EC2
+/// has had a second allowance to show that launch: an instance launched from the class that no
+/// Node or NodeClaim names keeps the class, its launch templates and its instance profile
+/// (blocked, naming it), so that verification and `verify --reclaim` still have the evidence
+/// they need. `None`: the class may go.
+async fn unseen_launch_shown(ctx: &Ctx, class: &str) -> Result<Option<TaskOutcome>, TaskError> {
+    let Some((claims, released)) = ctx.unseen_launches(class) else { return Ok(None) };
+    let wait = crate::evidence::until_the_class_may_go(released.into_std(), std::time::Instant::now());
+    if !wait.is_zero() {
+        tracing::info!(
+            seconds = wait.as_secs(),
+            "a NodeClaim of the class was released with no instance found; giving EC2 its time to show one"
+        );
+        if !pause(ctx, wait).await {
+            return Ok(Some(TaskOutcome::Interrupted));
+        }
+    }
+    let live = ctx
+        .aws
+        .ec2
+        .live_instances_tagged(&ctx.cluster, &[(karpenter::TAG_NODECLASS, class)])
+        .await
+        .map_err(TaskError::from)?;
+    if live.is_empty() {
+        return Ok(None);
+    }
+    let holders = super::inventory::cluster_holders(&ctx.kube.client).await?;
+    let named: BTreeSet<&str> = holders.instances.keys().map(String::as_str).collect();
+    let launched: Vec<crate::evidence::Launched<'_>> = live.iter().map(launched_of).collect();
+    let unclaimed = crate::evidence::unclaimed_launches(&launched, class, &named);
+    if unclaimed.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(TaskOutcome::Blocked(format!(
+        "EC2NodeClass {class} kept, with its launch templates and instance profile: EC2 now shows {} instance(s) \
+         launched from it that no Node or NodeClaim names ({}), after NodeClaim(s) {} of it were released with no \
+         instance found. `verify --reclaim` terminates them (the class's launch templates are its evidence); then \
+         run again",
+        unclaimed.len(),
+        unclaimed.join(", "),
+        claims.join(", ")
+    ))))
+}
+
+/// What `evidence` weighs of one live instance.
+fn launched_of(i: &crate::aws::InstanceInfo) -> crate::evidence::Launched<'_> {
+    crate::evidence::Launched {
+        id: &i.id,
+        nodepool: i.tag(karpenter::TAG_NODEPOOL),
+        nodeclass: i.tag(karpenter::TAG_NODECLASS),
+        nodeclaim: i.tag(karpenter::TAG_NODECLAIM),
+        launched: i.launched,
+    }
 }
 
 /// The NodeClaims of `claimed` the graph has no tasks for: launched during the run, by a

@@ -481,6 +481,7 @@ impl Launch<'_> {
             controller_gone_at: std::sync::OnceLock::new(),
             abandoned: Mutex::new(HashSet::new()),
             drain_clocks: Mutex::new(HashMap::new()),
+            unseen_launches: Mutex::default(),
         });
 
         let (exit, steps) = execute(graph, &settings.plan, ctx.clone()).await;

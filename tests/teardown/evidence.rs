@@ -158,6 +158,24 @@ async fn in_flight_launch(
     (claims, ids)
 }
 
+/// [`in_flight_launch`] of one instance that every `DescribeInstances` through the EC2 proxy
+/// misses until the claim is `shows_at` seconds old; at least 15 s of that are still to come.
+async fn launch_shown_late(
+    b: &Bed,
+    world: &sandbox_sim::World,
+    n: &sandbox_sim::world::GeneratedNode,
+    shows_at: i64,
+) -> (Api<DynamicObject>, Vec<String>) {
+    let (claims, late) = in_flight_launch(b, world, n, 1).await;
+    let claim = claims.get(&n.nodeclaim).await.unwrap();
+    let created = claim.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second()).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let hidden_for = created + shows_at - now;
+    assert!(hidden_for > 15, "the world took {} s to make", now - created);
+    crate::common::ec2_proxy_control().hide_instances(&late, std::time::Duration::from_secs(hidden_for as u64));
+    (claims, late)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nodeclaim_that_names_no_instance_is_released_only_after_the_instance_tagged_for_it() {
     let spec = small_world("e2e-ev-claimtag", 3);
@@ -295,15 +313,9 @@ async fn a_launch_ec2_shows_late_is_found_before_its_claim_is_released() {
     let b = bed(&spec.cluster).await;
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let n = &world.nodes[0];
-    let (claims, late) = in_flight_launch(&b, &world, n, 1).await;
     // hidden from every DescribeInstances until the claim is 29 s old: a look at the claim
     // before the allowance (30 s) has passed cannot see it
-    let claim = claims.get(&n.nodeclaim).await.unwrap();
-    let created = claim.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second()).unwrap();
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
-    let hidden_for = created + 29 - now;
-    assert!(hidden_for > 15, "the world took {} s to make", now - created);
-    crate::common::ec2_proxy_control().hide_instances(&late, std::time::Duration::from_secs(hidden_for as u64));
+    let (claims, late) = launch_shown_late(&b, &world, n, 29).await;
 
     let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 0, "{}", run.dump());
@@ -324,5 +336,51 @@ async fn a_launch_ec2_shows_late_is_found_before_its_claim_is_released() {
     assert!(claims.get_opt(&n.nodeclaim).await.unwrap().is_none(), "the claim was released");
     let ended = states(&b.aws, &late).await;
     assert_eq!(ended.get(&late[0]), Some(&InstanceState::Terminated), "{}", run.dump());
+    b.server.shutdown().await;
+}
+
+/// A launch EC2 shows later than its allowance: the claim is looked up once 30 s old, nothing
+/// shows, and it is released as never launched; the instance shows a little later. Its class
+/// waits a second allowance after the release and then finds it: the class stays, with its
+/// launch templates and instance profile (the evidence `verify --reclaim` needs), and the run
+/// ends blocked naming the instance, which still runs. Deleted at once, the class took its
+/// templates and profile with it, and the run ended clean with the instance running:
+/// verification's two reads came before EC2 showed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_ec2_shows_after_its_claim_was_released_keeps_its_class() {
+    let spec = small_world("e2e-ev-showntoolate", 2);
+    let b = bed(&spec.cluster).await;
+    let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
+    let n = &world.nodes[0];
+    // hidden until the claim is 45 s old: past the claim's lookup (at 31 s), before its class's
+    // second look (31 s after the release)
+    let (claims, late) = launch_shown_late(&b, &world, n, 45).await;
+
+    let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
+    assert_eq!(run.code, 5, "blocked: {}", run.dump());
+    let steps = run.report["steps"].as_array().unwrap();
+    let released: Vec<&str> = steps
+        .iter()
+        .filter(|s| s["object"] == n.nodeclaim.as_str() && s["action"] == "discharge-finalizers")
+        .filter_map(|s| s["detail"].as_str())
+        .collect();
+    assert_eq!(released.len(), 1, "{}", run.dump());
+    assert!(released[0].contains("never launched"), "nothing showed at the claim's lookup: {released:?}");
+    let of_class: Vec<&serde_json::Value> =
+        steps.iter().filter(|s| s["action"] == "delete-nodeclasses" && s["object"] == n.class.as_str()).collect();
+    assert_eq!(of_class.len(), 1, "{}", run.dump());
+    assert_eq!(of_class[0]["result"], "blocked", "{}", run.dump());
+    let detail = of_class[0]["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains(&late[0]) && detail.contains(&n.nodeclaim), "{detail}");
+    // the class, its launch templates and its instance profile stay; the instance runs
+    let classes = Api::<DynamicObject>::all_with(b.client.clone(), &k8s::nodeclass_resource());
+    assert!(classes.get_opt(&n.class).await.unwrap().is_some(), "the class was deleted");
+    let class = world.node_classes.iter().find(|c| c.name == n.class).unwrap();
+    let templates = b.aws.ec2.launch_templates(&world.cluster).await.unwrap();
+    assert!(templates.iter().any(|t| t.id == class.launch_template_id), "its launch template was deleted");
+    let profiles = b.aws.iam.cluster_instance_profiles(REGION, &world.cluster).await.unwrap();
+    assert!(profiles.iter().any(|p| p.name == class.instance_profile), "its instance profile was deleted");
+    let ended = states(&b.aws, &late).await;
+    assert_eq!(ended.get(&late[0]), Some(&InstanceState::Running), "{}", run.dump());
     b.server.shutdown().await;
 }
