@@ -201,7 +201,7 @@ async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
 /// down again (naming who) if something scaled it back meanwhile.
 pub async fn remove_controller(ctx: &Ctx, params: &Params) -> Outcome {
     let mut detail = Vec::new();
-    match drop_conversion_webhooks(&ctx.kube.client).await? {
+    match drop_conversion_webhooks(&ctx.kube.client).await?.len() {
         0 => {}
         n => detail.push(format!("conversion webhook removed from {n} Karpenter CRD(s)")),
     }
@@ -303,9 +303,9 @@ pub(crate) fn conversion_patch(crd: &CustomResourceDefinition) -> Vec<Value> {
 /// Karpenter 1.0.x CRDs route conversion through the controller's webhook; with the controller
 /// gone any request needing conversion fails and the objects become unreachable. Only v1 is
 /// stored and used from here on, so conversion `None` is safe (Karpenter 1.1 does the same).
-pub async fn drop_conversion_webhooks(client: &kube::Client) -> Result<usize, KubeError> {
+pub(crate) async fn drop_conversion_webhooks(client: &kube::Client) -> Result<Vec<DroppedConversion>, KubeError> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let mut changed = 0;
+    let mut changed = Vec::new();
     for name in crate::karpenter::CRDS {
         let crd = match crds.get_opt(name).await {
             Ok(Some(c)) => c,
@@ -319,13 +319,53 @@ pub async fn drop_conversion_webhooks(client: &kube::Client) -> Result<usize, Ku
         let patch: json_patch::Patch = serde_json::from_value(Value::Array(conversion_patch(&crd)))
             .map_err(|e| KubeError::api("build the CRD patch", kube::Error::SerdeError(e)))?;
         match crds.patch(name, &patch_params(), &Patch::<()>::Json(patch)).await {
-            Ok(_) => changed += 1,
+            Ok(patched) => changed.push(DroppedConversion {
+                crd: name.to_string(),
+                conversion: crd.spec.conversion.clone(),
+                resource_version: patched.metadata.resource_version,
+            }),
             // changed meanwhile: the next run (or the verify step) sees the new state
             Err(e) if matches!(status_code(&e), Some(404 | 409 | 422)) => {}
             Err(e) => return Err(KubeError::api(format!("remove the conversion webhook of CRD {name}"), e)),
         }
     }
     Ok(changed)
+}
+
+/// A CRD whose conversion webhook [`drop_conversion_webhooks`] turned off: what it was, and the
+/// version the change made.
+#[derive(Debug, Clone)]
+pub(crate) struct DroppedConversion {
+    pub(crate) crd: String,
+    pub(crate) conversion:
+        Option<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceConversion>,
+    pub(crate) resource_version: Option<String>,
+}
+
+/// Puts back the conversion [`drop_conversion_webhooks`] turned off, on the CRDs no one changed
+/// since: a run that repaired a 1.0.x CRD to read its objects and was then stopped by a later
+/// check leaves the cluster as it found it. Returns the CRDs it could not put back, with why.
+pub(crate) async fn restore_conversion_webhooks(client: &kube::Client, dropped: &[DroppedConversion]) -> Vec<String> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut failed = Vec::new();
+    for d in dropped {
+        let ops = json!([
+            {"op": "test", "path": "/metadata/resourceVersion", "value": d.resource_version},
+            {"op": "replace", "path": "/spec/conversion", "value": d.conversion},
+        ]);
+        let result = match serde_json::from_value::<json_patch::Patch>(ops) {
+            Ok(patch) => crds.patch(&d.crd, &patch_params(), &Patch::<()>::Json(patch)).await.map(|_| ()),
+            Err(e) => Err(kube::Error::SerdeError(e)),
+        };
+        if let Err(e) = result {
+            let why = match status_code(&e) {
+                Some(422) => "changed since the run changed it".to_string(),
+                _ => e.to_string(),
+            };
+            failed.push(format!("{} ({why})", d.crd));
+        }
+    }
+    failed
 }
 
 // ---------------------------------------------------------------- finalizers

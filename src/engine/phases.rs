@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+use super::actions::DroppedConversion;
 use super::admission;
 use super::inventory::Inventory;
 use super::permissions::{self, KubePermission};
@@ -200,19 +201,23 @@ fn label(s: &StepRecord) -> String {
 
 /// Reaches the API server and reads the inventory; after `helm uninstall` of Karpenter 1.0.x,
 /// with consent and identity proven first, turns the dead conversion webhook off and reads again.
-pub(crate) async fn inventory(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Result<Inventory, Stop> {
+pub(crate) async fn inventory(
+    kube: &Kube,
+    aws: &AwsClients,
+    settings: &RunSettings,
+) -> Result<(Inventory, Vec<DroppedConversion>), Stop> {
     if let Err(e) = crate::k8s::retry_transient(|| kube.check_reachable()).await {
         return Err(Stop::of(&e, e.is_configuration()));
     }
     let started = Instant::now();
-    let inv = match crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await {
-        Ok(i) => i,
+    let (inv, dropped) = match crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await {
+        Ok(i) => (i, Vec::new()),
         // Karpenter 1.0.x after `helm uninstall`: objects stored at v1beta1 are unreachable
         // through the dead conversion webhook. With consent, and once identity is proven from
         // what can still be read, turn the webhook off (as remove-controller would have) and
         // read again; a dry run only says so.
         Err(e @ crate::k8s::KubeError::ConversionWebhook { .. }) => match unstrand(kube, aws, settings).await? {
-            Some(inv) => inv,
+            Some(repaired) => repaired,
             None => return Err(Stop::failed(e)),
         },
         // a live Karpenter nothing could keep stopped: a guard's refusal, not a failure
@@ -228,12 +233,18 @@ pub(crate) async fn inventory(kube: &Kube, aws: &AwsClients, settings: &RunSetti
         nodeclasses = inv.nodeclasses.len(),
         "inventory read"
     );
-    Ok(inv)
+    Ok((inv, dropped))
 }
 
 /// Proves identity from the nodes and controller alone, then sets the Karpenter CRDs' conversion
-/// to `None` and reads the inventory again. `None` in a dry run (nothing may be written).
-async fn unstrand(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Result<Option<Inventory>, Stop> {
+/// to `None` and reads the inventory again; returns it with what was changed, for the checks that
+/// follow to put back should one of them stop the run. `None` in a dry run (nothing may be
+/// written).
+async fn unstrand(
+    kube: &Kube,
+    aws: &AwsClients,
+    settings: &RunSettings,
+) -> Result<Option<(Inventory, Vec<DroppedConversion>)>, Stop> {
     if settings.dry_run {
         return Ok(None);
     }
@@ -276,10 +287,37 @@ async fn unstrand(kube: &Kube, aws: &AwsClients, settings: &RunSettings) -> Resu
     }
     let changed = super::actions::drop_conversion_webhooks(&kube.client).await.map_err(Stop::failed)?;
     tracing::warn!(
-        crds = changed,
+        crds = changed.len(),
         "the Karpenter CRDs' conversion webhook had no controller behind it; set their conversion to None to reach the objects"
     );
-    crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await.map(Some).map_err(Stop::failed)
+    match crate::k8s::retry_transient(|| Inventory::read(&kube.client)).await {
+        Ok(inv) => Ok(Some((inv, changed))),
+        Err(e) => Err(put_back(kube, &changed, Stop::failed(e)).await),
+    }
+}
+
+/// `stop` once the CRDs' conversion the run turned off is put back: a run stopped by a check
+/// after that repair leaves the cluster as it found it. What cannot be put back is added to
+/// `stop`'s error, with the command that does it.
+async fn put_back(kube: &Kube, dropped: &[DroppedConversion], mut stop: Stop) -> Stop {
+    if dropped.is_empty() {
+        return stop;
+    }
+    let failed = super::actions::restore_conversion_webhooks(&kube.client, dropped).await;
+    if failed.is_empty() {
+        tracing::info!(crds = dropped.len(), "the Karpenter CRDs' conversion webhook put back as it was");
+        stop.error.push_str(&format!(
+            ". The conversion webhook of {} Karpenter CRD(s), turned off to read their objects, was put back as it was",
+            dropped.len()
+        ));
+    } else {
+        stop.error.push_str(&format!(
+            ". The conversion of {} was turned off to read the Karpenter objects and could not be put back: {}",
+            failed.len(),
+            failed.join(", ")
+        ));
+    }
+    stop
 }
 
 /// Gathers the identity evidence and takes the verdict; then holds the run to `--max-nodes`,
@@ -461,7 +499,23 @@ pub(crate) async fn prepare(
     settings: &RunSettings,
     learnt: &mut Learnt,
 ) -> Result<Prepared, (Phase, Stop)> {
-    let inv = inventory(kube, aws, settings).await.map_err(|s| (Phase::Inventory, s))?;
+    let (inv, dropped) = inventory(kube, aws, settings).await.map_err(|s| (Phase::Inventory, s))?;
+    match checks(kube, aws, settings, inv, learnt).await {
+        Ok(prepared) => Ok(prepared),
+        // the 1.0.x repair came before these checks (it is what lets them read the objects):
+        // one that stops the run undoes it
+        Err((phase, stop)) => Err((phase, put_back(kube, &dropped, stop).await)),
+    }
+}
+
+/// The checks after the inventory, up to the last before the first write.
+async fn checks(
+    kube: &Kube,
+    aws: &AwsClients,
+    settings: &RunSettings,
+    inv: Inventory,
+    learnt: &mut Learnt,
+) -> Result<Prepared, (Phase, Stop)> {
     learnt.not_ours = inv.not_ours.clone();
     let evidence = identity(kube, aws, settings, &inv).await.map_err(|s| (Phase::Identity, s))?;
     let graph = settings.plan.expand(&inv.object_sets());

@@ -366,6 +366,7 @@ async fn a_launch_ec2_shows_after_its_claim_was_released_keeps_its_class() {
         .collect();
     assert_eq!(released.len(), 1, "{}", run.dump());
     assert!(released[0].contains("never launched"), "nothing showed at the claim's lookup: {released:?}");
+    assert!(claims.get_opt(&n.nodeclaim).await.unwrap().is_none(), "the claim was released");
     let of_class: Vec<&serde_json::Value> =
         steps.iter().filter(|s| s["action"] == "delete-nodeclasses" && s["object"] == n.class.as_str()).collect();
     assert_eq!(of_class.len(), 1, "{}", run.dump());

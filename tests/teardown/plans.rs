@@ -609,6 +609,42 @@ async fn the_1_0_crd_repair_waits_for_the_gitops_check_on_what_the_owners_list()
     b.server.shutdown().await;
 }
 
+/// Karpenter 1.0.x after `helm uninstall`: the run turns the CRDs' dead conversion webhook off to
+/// read the objects, and a check after that (here the blast radius: two machines, `--max-nodes
+/// 1`) refuses the run: the webhook is put back exactly as it was, and the cluster is as the run
+/// found it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_after_the_1_0_crd_repair_that_refuses_the_run_puts_the_webhook_back() {
+    let s = sandbox_sim::WorldSpec { nodes: 2, ..one_machine_1_0("plans-conv-undo") };
+    let b = bed(&s.cluster).await;
+    let world = generate(&s, &b.client, &b.cloud).await.unwrap();
+    let v1beta1 = legacy_v1beta1_pool(&b.client, &world.node_classes[0].name).await;
+    scale_controller(&b.client, 0).await;
+    wait_controller_pods_gone(&b.client).await;
+    assert!(v1beta1.list(&ListParams::default()).await.is_err(), "the webhook is not dead yet");
+    let crds: Api<CustomResourceDefinition> = Api::all(b.client.clone());
+    let names = ["nodepools.karpenter.sh", "nodeclaims.karpenter.sh", "ec2nodeclasses.karpenter.k8s.aws"];
+    let mut before = Vec::new();
+    for name in names {
+        before.push(serde_json::to_value(crds.get(name).await.unwrap().spec.conversion).unwrap());
+    }
+    assert!(before.iter().all(|c| c["strategy"] == "Webhook"), "{before:?}");
+
+    let run = teardown(&b, &world.cluster, Consent::Yes, &["--max-nodes", "1"]).await;
+    assert_eq!(run.code, 3, "refused by the blast radius: {}", explain(&run));
+    assert!(run.stderr.contains("put back as it was"), "{}", explain(&run));
+    let mut after = Vec::new();
+    for name in names {
+        after.push(serde_json::to_value(crds.get(name).await.unwrap().spec.conversion).unwrap());
+    }
+    assert_eq!(after, before, "the CRDs' conversion was not put back");
+    assert!(v1beta1.list(&ListParams::default()).await.is_err(), "the objects are readable as they were not");
+    assert_eq!(count(&b.client, &k8s::nodeclaim_resource()).await, 2, "nothing was torn down");
+    let state = states(&b.aws, &world.karpenter_instance_ids()).await;
+    assert!(state.values().all(|s| *s == InstanceState::Running), "{state:?}");
+    b.server.shutdown().await;
+}
+
 /// A plan of one's own without `verify` tears down what it says and ends `unverified` (exit 6):
 /// nothing proved what is left, so it is never `clean`. Its dry run says what `skip` bypasses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
