@@ -367,6 +367,83 @@ pub(crate) struct InstanceKind<'a> {
     pub(crate) tags: &'a BTreeMap<String, String>,
 }
 
+/// One instance as its hourly cost needs it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Billed<'a> {
+    pub(crate) instance_type: Option<&'a str>,
+    /// Its zone when it is a Spot instance (Spot prices are per zone); `None` on demand.
+    pub(crate) spot_zone: Option<&'a str>,
+    /// Pending or running: what bills compute (a stopped instance bills its volumes only).
+    pub(crate) running: bool,
+}
+
+/// Which price an instance costs: on demand by type, Spot by type and zone.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct PriceKey {
+    pub(crate) instance_type: String,
+    pub(crate) spot_zone: Option<String>,
+}
+
+impl PriceKey {
+    fn of(b: &Billed<'_>) -> Option<PriceKey> {
+        Some(PriceKey { instance_type: b.instance_type?.to_string(), spot_zone: b.spot_zone.map(str::to_string) })
+    }
+}
+
+/// The prices `instances` need asked for: one per type on demand, one per type and zone on Spot.
+pub(crate) fn price_keys(instances: &[Billed<'_>]) -> BTreeSet<PriceKey> {
+    instances.iter().filter(|b| b.running).filter_map(PriceKey::of).collect()
+}
+
+/// What a cluster's running instances cost an hour, by AWS's prices. Informative only: no
+/// verdict and no exit code depends on it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub(crate) struct HourlyCost {
+    /// The hourly price in US dollars of the running instances that have one.
+    pub(crate) usd: f64,
+    /// How many running instances are in `usd`.
+    pub(crate) priced: usize,
+    /// How many running instances have no price, and why.
+    pub(crate) unpriced: usize,
+    #[serde(skip_serializing_if = "BTreeSet::is_empty")]
+    pub(crate) why_unpriced: BTreeSet<String>,
+}
+
+impl HourlyCost {
+    /// The table's cell: `-` with nothing running, a sum only when every running instance is
+    /// priced, else a lower bound or `unknown`.
+    pub(crate) fn cell(&self) -> String {
+        match (self.priced, self.unpriced) {
+            (0, 0) => "-".into(),
+            (_, 0) => format!("${:.2}/h", self.usd),
+            (0, _) => "unknown".into(),
+            (_, n) => format!(">= ${:.2}/h, {n} unpriced", self.usd),
+        }
+    }
+}
+
+/// Sums `instances`' hourly prices from `prices` (each a price, or why AWS gave none).
+pub(crate) fn hourly_cost(instances: &[Billed<'_>], prices: &BTreeMap<PriceKey, Result<f64, String>>) -> HourlyCost {
+    let mut cost = HourlyCost::default();
+    for b in instances.iter().filter(|b| b.running) {
+        let price = match PriceKey::of(b) {
+            None => Err("EC2 gave no instance type".to_string()),
+            Some(key) => prices.get(&key).cloned().unwrap_or_else(|| Err("not asked".to_string())),
+        };
+        match price {
+            Ok(usd) => {
+                cost.usd += usd;
+                cost.priced += 1;
+            }
+            Err(why) => {
+                cost.unpriced += 1;
+                cost.why_unpriced.insert(why);
+            }
+        }
+    }
+    cost
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -517,6 +594,43 @@ mod tests {
         // the cluster the tags agree on is judged on its own resources
         let a = &groups[&("eu-west-1".to_string(), "a".to_string())];
         assert!(matches!(verdict("a", "eu-west-1", a, &EksAnswer::NotFound, RULES, &SHOWN), Verdict::Orphaned(_)));
+    }
+
+    #[test]
+    fn the_hourly_cost_sums_running_instances_and_says_what_it_could_not_price() {
+        let billed = |t: Option<&'static str>, spot: Option<&'static str>, running: bool| Billed {
+            instance_type: t,
+            spot_zone: spot,
+            running,
+        };
+        let instances = [
+            billed(Some("m5.large"), None, true),
+            billed(Some("m5.large"), None, true),
+            billed(Some("m5.large"), Some("us-west-2a"), true),
+            billed(Some("m5.large"), Some("us-west-2b"), true),
+            billed(Some("c5.xlarge"), None, false),
+            billed(None, None, true),
+        ];
+        let keys = price_keys(&instances);
+        let key = |t: &str, z: Option<&str>| PriceKey { instance_type: t.into(), spot_zone: z.map(str::to_string) };
+        assert_eq!(
+            keys.into_iter().collect::<Vec<_>>(),
+            [key("m5.large", None), key("m5.large", Some("us-west-2a")), key("m5.large", Some("us-west-2b"))],
+            "one price per type on demand, per type and zone on Spot; none for what is stopped"
+        );
+        let mut prices = BTreeMap::new();
+        prices.insert(key("m5.large", None), Ok(0.096));
+        prices.insert(key("m5.large", Some("us-west-2a")), Ok(0.04));
+        prices.insert(key("m5.large", Some("us-west-2b")), Err("no Spot price for us-west-2b".to_string()));
+        let cost = hourly_cost(&instances, &prices);
+        assert_eq!((cost.priced, cost.unpriced), (3, 2));
+        assert!((cost.usd - 0.232).abs() < 1e-9, "{}", cost.usd);
+        assert_eq!(cost.why_unpriced.len(), 2, "{:?}", cost.why_unpriced);
+        assert_eq!(cost.cell(), ">= $0.23/h, 2 unpriced");
+        let all = hourly_cost(&instances[..3], &prices);
+        assert_eq!(all.cell(), "$0.23/h");
+        assert_eq!(hourly_cost(&instances[4..5], &prices).cell(), "-", "nothing running");
+        assert_eq!(hourly_cost(&instances[3..4], &prices).cell(), "unknown");
     }
 
     #[test]

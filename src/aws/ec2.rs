@@ -553,6 +553,31 @@ impl Ec2 {
         Ok(out.user_data().and_then(|v| v.value()).and_then(decode_user_data))
     }
 
+    /// EC2's current spot prices of a Linux `instance_type`, as (zone, time in seconds since the
+    /// epoch, hourly price in USD) per record, as Karpenter asks for them (`UpdateSpotPricing`:
+    /// the Linux product descriptions, from now).
+    pub(crate) async fn spot_prices(&self, instance_type: &str) -> Result<Vec<(String, i64, String)>, AwsError> {
+        let out = self
+            .client
+            .describe_spot_price_history()
+            .instance_types(aws_sdk_ec2::types::InstanceType::from(instance_type))
+            .product_descriptions("Linux/UNIX")
+            .product_descriptions("Linux/UNIX (Amazon VPC)")
+            .start_time(aws_sdk_ec2::primitives::DateTime::from(std::time::SystemTime::now()))
+            .send()
+            .await
+            .map_err(|e| self.err("DescribeSpotPriceHistory", e))?;
+        Ok(out
+            .spot_price_history()
+            .iter()
+            .filter_map(|r| {
+                let zone = r.availability_zone()?.to_string();
+                let at = r.timestamp().map_or(0, |t| t.secs());
+                Some((zone, at, r.spot_price()?.to_string()))
+            })
+            .collect())
+    }
+
     /// The user data of a launch template's latest version, decoded; `None` when it has none or
     /// EC2 no longer knows it.
     pub async fn launch_template_user_data(&self, id: &str) -> Result<Option<String>, AwsError> {

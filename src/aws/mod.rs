@@ -12,6 +12,7 @@ pub mod eks;
 pub mod elb;
 pub(crate) mod iam;
 pub(crate) mod pacing;
+pub(crate) mod pricing;
 
 use aws_config::{BehaviorVersion, Region, retry::RetryConfig};
 use aws_credential_types::provider::ProvideCredentials;
@@ -201,6 +202,7 @@ fn upper(service: &'static str) -> &'static str {
         "sts" => "STS",
         "eks" => "EKS",
         "elasticloadbalancing" => "ELASTIC_LOAD_BALANCING_V2",
+        "pricing" => "PRICING",
         _ => "<SERVICE>",
     }
 }
@@ -216,6 +218,8 @@ pub struct AwsClients {
     pub eks: Eks,
     /// ELBv2 and classic ELB in the cluster's region.
     pub elb: Elb,
+    /// The Price List API, for the region's instances (its own endpoint region).
+    pub pricing: pricing::Pricing,
     /// Every request the clients sent, by `service:Operation`.
     pub calls: AwsCalls,
     sts: aws_sdk_sts::Client,
@@ -260,6 +264,16 @@ impl AwsClients {
         let eks = aws_sdk_eks::config::Builder::from(config).interceptor(calls.clone()).build();
         let elbv2 = aws_sdk_elasticloadbalancingv2::config::Builder::from(config).interceptor(calls.clone()).build();
         let elb = aws_sdk_elasticloadbalancing::config::Builder::from(config).interceptor(calls.clone()).build();
+        // the Price List is served from a few regions only, whatever the instances' region
+        let pricing = pricing::price_list_region(&region).map(|at| {
+            // informative only: a few attempts, not the eight a teardown's calls get
+            let conf = aws_sdk_pricing::config::Builder::from(config)
+                .region(Region::new(at))
+                .retry_config(RetryConfig::standard().with_max_attempts(3))
+                .interceptor(calls.clone())
+                .build();
+            aws_sdk_pricing::Client::from_conf(conf)
+        });
         Ok(AwsClients {
             ec2: Ec2::new(aws_sdk_ec2::Client::from_conf(ec2), endpoint("ec2")),
             iam: Iam::new(aws_sdk_iam::Client::from_conf(iam), endpoint("iam")),
@@ -269,6 +283,7 @@ impl AwsClients {
                 aws_sdk_elasticloadbalancing::Client::from_conf(elb),
                 endpoint("elastic_load_balancing_v2"),
             ),
+            pricing: pricing::Pricing::new(pricing, endpoint("pricing")),
             sts: aws_sdk_sts::Client::from_conf(sts),
             sts_endpoint: endpoint("sts"),
             calls,

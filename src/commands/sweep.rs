@@ -12,7 +12,7 @@ use super::{CommandError, fail};
 use crate::aws::{AwsClients, EksLookup, InstanceInfo};
 use crate::config::{Consent, SweepConfig};
 use crate::exit::Exit;
-use crate::sweep::{EksAnswer, Found, Group, Kind, RanOnEks, Rules, Verdict};
+use crate::sweep::{Billed, EksAnswer, Found, Group, HourlyCost, Kind, PriceKey, RanOnEks, Rules, Verdict};
 use crate::verify::{self, Leftovers};
 
 /// One cluster's line of the sweep, as the table and the report show it.
@@ -27,8 +27,10 @@ pub(crate) struct ClusterSweep {
     pub(crate) instance_profiles: Vec<String>,
     /// Detached network interfaces tagged for an orphan (read only for orphans).
     pub(crate) network_interfaces: Vec<String>,
-    /// Running instances by type.
+    /// Its instances by type (stopped ones too).
     pub(crate) instance_types: BTreeMap<String, usize>,
+    /// What its running instances cost an hour, by AWS's prices (never part of the verdict).
+    pub(crate) hourly_cost: HourlyCost,
     /// The oldest launch or creation among its resources (RFC 3339).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) oldest: Option<String>,
@@ -101,6 +103,7 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
             aws.check_account(account).await?;
         }
         let (found, instances) = read_region(&aws, region).await?;
+        let first_of_region = out.len();
         for ((region, cluster), group) in crate::sweep::group(found) {
             if !wanted(config, &cluster) {
                 continue;
@@ -123,6 +126,8 @@ async fn sweep(config: &SweepConfig, out: &mut Vec<ClusterSweep>) -> Result<Exit
             }
             out.push(line);
         }
+        // after the verdicts, and apart from them: a price never decides anything
+        price_region(&aws, region, &instances, &mut out[first_of_region..]).await;
     }
     let uncertain = out.iter().any(|c| matches!(c.verdict, Verdict::Uncertain(_)));
     let mut exit = if uncertain { Exit::Refused } else { Exit::Clean };
@@ -225,6 +230,77 @@ async fn missing_permissions(
         }
     }
     Ok(missing)
+}
+
+/// Prices the running instances of `lines`, one region's clusters, with AWS's answers: the
+/// Price List for on-demand instances, EC2's Spot price history for Spot ones. A price AWS does
+/// not give (denied, no such product, no endpoint) leaves those instances unpriced, with why.
+async fn price_region(aws: &AwsClients, region: &str, instances: &[InstanceInfo], lines: &mut [ClusterSweep]) {
+    let by_id: BTreeMap<&str, &InstanceInfo> = instances.iter().map(|i| (i.id.as_str(), i)).collect();
+    let billed_of = |line: &ClusterSweep| -> Vec<Billed<'_>> {
+        line.instances.iter().filter_map(|id| by_id.get(id.as_str())).map(|i| billed(i)).collect()
+    };
+    let keys: BTreeSet<PriceKey> = lines.iter().flat_map(|l| crate::sweep::price_keys(&billed_of(l))).collect();
+    let mut prices: BTreeMap<PriceKey, Result<f64, String>> = BTreeMap::new();
+    let mut spot: BTreeMap<String, Result<BTreeMap<String, f64>, String>> = BTreeMap::new();
+    // the Price List refused or unreachable: not asked again for each type (an endpoint out of
+    // reach would cost its timeouts once per type)
+    let mut list_down: Option<String> = None;
+    for key in keys {
+        let price = match &key.spot_zone {
+            None => match &list_down {
+                Some(why) => Err(why.clone()),
+                None => match aws.pricing.on_demand(region, &key.instance_type).await {
+                    Ok(p) => Ok(p),
+                    Err(crate::aws::pricing::Unpriced::Service(why)) => {
+                        list_down = Some(why.clone());
+                        Err(why)
+                    }
+                    Err(e) => Err(e.why().to_string()),
+                },
+            },
+            Some(zone) => {
+                if !spot.contains_key(&key.instance_type) {
+                    let answer = aws.ec2.spot_prices(&key.instance_type).await.map_err(|e| {
+                        if e.is_access_denied() {
+                            "ec2:DescribeSpotPriceHistory is not allowed (deploy/iam-policy-sweep.json grants it)"
+                                .into()
+                        } else {
+                            e.to_string()
+                        }
+                    });
+                    spot.insert(key.instance_type.clone(), answer.map(|r| crate::aws::pricing::newest_by_zone(&r)));
+                }
+                match spot.get(&key.instance_type) {
+                    Some(Ok(zones)) => zones
+                        .get(zone)
+                        .copied()
+                        .ok_or_else(|| format!("EC2 has no Spot price of {} in {zone}", key.instance_type)),
+                    Some(Err(why)) => Err(why.clone()),
+                    None => Err("not asked".into()),
+                }
+            }
+        };
+        prices.insert(key, price);
+    }
+    let reasons: BTreeSet<&String> = prices.values().filter_map(|p| p.as_ref().err()).collect();
+    for why in reasons {
+        tracing::warn!(%region, %why, "some running instances are not priced");
+    }
+    for line in lines.iter_mut() {
+        let cost = crate::sweep::hourly_cost(&billed_of(line), &prices);
+        line.hourly_cost = cost;
+    }
+}
+
+/// What the hourly cost of `i` needs.
+fn billed(i: &InstanceInfo) -> Billed<'_> {
+    use crate::aws::InstanceState;
+    Billed {
+        instance_type: i.instance_type.as_deref(),
+        spot_zone: (i.market.as_deref() == Some("spot")).then_some(i.zone.as_str()),
+        running: matches!(i.state, InstanceState::Pending | InstanceState::Running),
+    }
 }
 
 /// What an IAM policy could tell `i` apart from other instances by.
@@ -386,6 +462,7 @@ fn line_of(region: &str, cluster: &str, group: &Group, verdict: Verdict) -> Clus
         instance_profiles: of(Kind::InstanceProfile),
         network_interfaces: Vec::new(),
         instance_types,
+        hourly_cost: HourlyCost::default(),
         oldest,
         reclaim: Vec::new(),
         reclaimed: false,
@@ -399,12 +476,12 @@ fn print_table(clusters: &[ClusterSweep]) {
         return;
     }
     println!(
-        "{:<14} {:<28} {:<10} {:>9} {:>9} {:>8}  {:<20}  WHY",
-        "REGION", "CLUSTER", "VERDICT", "INSTANCES", "TEMPLATES", "PROFILES", "OLDEST"
+        "{:<14} {:<28} {:<10} {:>9} {:>9} {:>8}  {:<20}  {:>9}  WHY",
+        "REGION", "CLUSTER", "VERDICT", "INSTANCES", "TEMPLATES", "PROFILES", "OLDEST", "COST"
     );
     for c in clusters {
         println!(
-            "{:<14} {:<28} {:<10} {:>9} {:>9} {:>8}  {:<20}  {}",
+            "{:<14} {:<28} {:<10} {:>9} {:>9} {:>8}  {:<20}  {:>9}  {}",
             c.region,
             c.cluster,
             c.verdict.name(),
@@ -412,11 +489,16 @@ fn print_table(clusters: &[ClusterSweep]) {
             c.launch_templates.len(),
             c.instance_profiles.len(),
             c.oldest.as_deref().unwrap_or("-"),
+            c.hourly_cost.cell(),
             c.verdict.why()
         );
         if !c.instance_types.is_empty() {
             let types: Vec<String> = c.instance_types.iter().map(|(t, n)| format!("{n} × {t}")).collect();
             println!("    instances: {}", types.join(", "));
+        }
+        if c.hourly_cost.unpriced > 0 {
+            let why: Vec<&str> = c.hourly_cost.why_unpriced.iter().map(String::as_str).collect();
+            println!("    not priced: {} running instance(s): {}", c.hourly_cost.unpriced, why.join("; "));
         }
         for r in &c.reclaim {
             println!("    {} {r}", if c.reclaimed { "reclaimed:" } else { "would reclaim:" });

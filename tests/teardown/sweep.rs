@@ -51,14 +51,29 @@ fn eks_user_data(region: &str) -> String {
 
 /// `count` instances of `tags` in `region`, bootstrapped with `user_data`: their ids.
 async fn launch_with(region: &str, count: i32, tags: &BTreeMap<String, String>, user_data: &str) -> Vec<String> {
+    launch_of(region, count, aws_sdk_ec2::types::InstanceType::M5Large, None, tags, user_data).await
+}
+
+/// `count` instances of `instance_type` (in `market`, on demand when `None`) of `tags` in
+/// `region`, bootstrapped with `user_data`: their ids.
+async fn launch_of(
+    region: &str,
+    count: i32,
+    instance_type: aws_sdk_ec2::types::InstanceType,
+    market: Option<aws_sdk_ec2::types::MarketType>,
+    tags: &BTreeMap<String, String>,
+    user_data: &str,
+) -> Vec<String> {
     use base64::Engine as _;
     let ec2 = aws_sdk_ec2::Client::new(&sandbox_sim::localstack::config_as(region, "test").await);
+    let market = market.map(|m| aws_sdk_ec2::types::InstanceMarketOptionsRequest::builder().market_type(m).build());
     let out = ec2
         .run_instances()
         .image_id(sandbox_sim::naming::IMAGE_ID)
-        .instance_type(aws_sdk_ec2::types::InstanceType::M5Large)
+        .instance_type(instance_type)
         .min_count(count)
         .max_count(count)
+        .set_instance_market_options(market)
         .user_data(base64::engine::general_purpose::STANDARD.encode(user_data))
         .tag_specifications(sandbox_sim::cloud::tag_spec(aws_sdk_ec2::types::ResourceType::Instance, tags))
         .send()
@@ -253,6 +268,86 @@ async fn only_the_destroyed_clusters_are_reclaimed_each_cluster_with_its_verdict
     assert_eq!(again.code, 0, "{}", again.dump());
     assert_eq!(again.report["clusters"].as_array().map(Vec::len), Some(0), "{}", again.dump());
     cloud.terminate(&untouched).await.unwrap();
+}
+
+/// Each cluster's running instances are priced by AWS's answers, apart from the verdicts: on
+/// demand by the Price List (served by the proxy as AWS serves it; LocalStack has none), Spot by
+/// EC2's Spot price history (LocalStack's), a stopped instance not at all. A type the Price List
+/// does not have, or a policy without the pricing statement, leaves instances unpriced with why,
+/// and changes no verdict and no exit code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_cluster_is_priced_by_aws_and_a_price_aws_does_not_give_is_unknown() {
+    // a region of this test's own: a region-wide sweep sees only what it made there
+    const C: &str = "ca-central-1";
+    let (gone, other) = (crate::common::unique_cluster("sw-cost"), crate::common::unique_cluster("sw-cost-c5"));
+    crate::common::ec2_proxy_control().serve_prices(sandbox_sim::pricelist::PriceList {
+        // m5.large's on-demand Linux price in us-east-1 by the Price List (Karpenter 1.14's
+        // generated table), served here for C
+        products: [((C.to_string(), "m5.large".to_string()), 0.096)].into(),
+    });
+    let mut ids = launch(C, 3, &launch_tags(&gone)).await;
+    let ec2 = aws_sdk_ec2::Client::new(&sandbox_sim::localstack::config_as(C, "test").await);
+    ec2.stop_instances().instance_ids(&ids[2]).send().await.unwrap();
+    use aws_sdk_ec2::types::{InstanceType, MarketType};
+    let (tags, data) = (launch_tags(&gone), eks_user_data(C));
+    ids.extend(launch_of(C, 1, InstanceType::M5Large, Some(MarketType::Spot), &tags, &data).await);
+    assert_eq!(ids.len(), 4);
+    ids.extend(launch_of(C, 1, InstanceType::C5Large, None, &launch_tags(&other), &data).await);
+    assert_eq!(ids.len(), 5);
+
+    let sweep_in_c = |key: String| {
+        let dir = tempfile::tempdir().unwrap();
+        let (gone, other) = (gone.clone(), other.clone());
+        async move {
+            let report = dir.path().join("sweep.json");
+            let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_karpenter-teardown"));
+            cmd.args(["sweep", "--region", C, "--min-age", "0s", "--cluster", &gone, "--cluster", &other, "--report"])
+                .arg(&report)
+                .envs(crate::common::localstack_env())
+                .env("AWS_ACCESS_KEY_ID", key)
+                .env("KARPENTER_TEARDOWN_LOG_FORMAT", "json");
+            run_of(cmd, &report).await
+        }
+    };
+    let shipped = crate::common::key_with_policy(crate::common::policy_from(&sweep_policy_text(), "", C));
+    let priced = sweep_in_c(shipped).await;
+    assert_eq!(priced.code, 4, "a dry run with orphans: {}", priced.dump());
+    assert_eq!(priced.report["clusters"].as_array().map(Vec::len), Some(2), "{}", priced.dump());
+    let cost = |run: &Run, c: &str| line(run, C, c)["hourly_cost"].clone();
+    let g = cost(&priced, &gone);
+    // two on demand at the listed price, one Spot at EC2's (LocalStack's: $0.00001), the
+    // stopped one not at all
+    assert_eq!((g["priced"].as_u64(), g["unpriced"].as_u64()), (Some(3), Some(0)), "{}", priced.dump());
+    let usd = g["usd"].as_f64().unwrap();
+    assert!((usd - (2.0 * 0.096 + 0.00001)).abs() < 1e-9, "{usd}");
+    assert!(priced.stdout.contains("$0.19/h"), "{}", priced.dump());
+    let c5 = cost(&priced, &other);
+    assert_eq!((c5["priced"].as_u64(), c5["unpriced"].as_u64()), (Some(0), Some(1)), "{}", priced.dump());
+    assert!(c5["why_unpriced"][0].as_str().unwrap().contains("no such product"), "{c5}");
+    assert!(priced.stdout.contains("not priced: 1 running instance(s)"), "{}", priced.dump());
+
+    // without the pricing statement: nothing priced, with why; the verdicts and the exit as before
+    let mut policy: Value = serde_json::from_str(&sweep_policy_text()).unwrap();
+    let statements = policy["Statement"].as_array_mut().unwrap();
+    let before = statements.len();
+    statements.retain(|s| s["Sid"] != "PriceRunningInstances");
+    assert_eq!(statements.len(), before - 1);
+    let unpriced =
+        sweep_in_c(crate::common::key_with_policy(crate::common::policy_from(&policy.to_string(), "", C))).await;
+    assert_eq!(unpriced.code, priced.code, "{}", unpriced.dump());
+    for c in [&gone, &other] {
+        assert_eq!(line(&unpriced, C, c)["verdict"], line(&priced, C, c)["verdict"], "{}", unpriced.dump());
+        assert_eq!(line(&unpriced, C, c)["reclaim"], line(&priced, C, c)["reclaim"]);
+    }
+    let g = cost(&unpriced, &gone);
+    assert_eq!((g["priced"].as_u64(), g["unpriced"].as_u64()), (Some(0), Some(3)), "{}", unpriced.dump());
+    let why = g["why_unpriced"].to_string();
+    assert!(
+        why.contains("pricing:GetProducts is not allowed")
+            && why.contains("ec2:DescribeSpotPriceHistory is not allowed"),
+        "{why}"
+    );
+    crate::common::cloud(C).await.terminate(&ids).await.unwrap();
 }
 
 /// With `eks:DescribeCluster` denied, no cluster can be proven absent: every cluster is

@@ -119,6 +119,8 @@ struct Shared {
     /// Requests held until released, by (access key, action) ([`ProxyControl::hold`]): the gate
     /// (false while held) and how many requests wait at it.
     holds: Mutex<std::collections::HashMap<(String, String), Gate>>,
+    /// What the Price List API answers (LocalStack has none): `None` passes its requests on.
+    prices: Mutex<Option<super::pricelist::PriceList>>,
 }
 
 /// Where held requests wait ([`ProxyControl::hold`]). Only the map holds the sender: a request
@@ -169,6 +171,13 @@ impl ProxyControl {
     /// pace, stretched so that a test can act in between.
     pub fn delay_action(&self, action: &str, how_long: std::time::Duration) {
         lock(&self.shared.delays).insert(action.to_string(), how_long);
+    }
+
+    /// Answers the Price List API's `GetProducts` from `list` from now on, as AWS's own endpoint
+    /// would (LocalStack does not emulate it: without a list its requests go on to LocalStack,
+    /// which refuses them).
+    pub fn serve_prices(&self, list: super::pricelist::PriceList) {
+        *lock(&self.shared.prices) = Some(list);
     }
 
     /// Holds every request of `action` signed with `access_key` until [`ProxyControl::release`]:
@@ -237,6 +246,7 @@ impl Ec2Proxy {
             hidden: Mutex::default(),
             delays: Mutex::default(),
             holds: Mutex::default(),
+            prices: Mutex::default(),
             terminated_unseen: Mutex::default(),
         });
         let app = Router::new().fallback(handle).with_state(shared.clone());
@@ -344,6 +354,15 @@ fn ec2_error(status: StatusCode, code: &str, message: &str) -> Response {
     r
 }
 
+/// The error answer of a JSON-protocol service (the Price List API).
+fn json_error(status: StatusCode, code: &str, message: &str) -> Response {
+    let body = serde_json::json!({"__type": code, "Message": message}).to_string();
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert("content-type", HeaderValue::from_static("application/x-amz-json-1.1"));
+    r
+}
+
 /// IAM's error answer (query protocol).
 fn iam_error(status: StatusCode, code: &str, message: &str) -> Response {
     let id = crate::naming::random_suffix(12);
@@ -391,10 +410,10 @@ impl Shared {
             denial.action, denial.resource, denial.action
         );
         lock(&self.unauthorized).push(format!("{} on {}", denial.action, denial.resource));
-        Some(if caller.service == "ec2" {
-            ec2_error(StatusCode::FORBIDDEN, "UnauthorizedOperation", &message)
-        } else {
-            iam_error(StatusCode::FORBIDDEN, "AccessDenied", &message)
+        Some(match caller.service.as_str() {
+            "ec2" => ec2_error(StatusCode::FORBIDDEN, "UnauthorizedOperation", &message),
+            "pricing" => json_error(StatusCode::BAD_REQUEST, "AccessDeniedException", &message),
+            _ => iam_error(StatusCode::FORBIDDEN, "AccessDenied", &message),
         })
     }
 }
@@ -409,13 +428,22 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let query = parts.uri.query().unwrap_or_default();
     // EKS speaks REST-JSON: its operation is the method and path, not an `Action` parameter
     let eks = super::ec2auth::eks_operation(&parts.method, parts.uri.path());
-    let action = super::ec2limits::action_of(&text)
+    // the JSON protocol (the Price List API) names its operation in a header
+    let target = parts
+        .headers
+        .get("x-amz-target")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|t| t.rsplit_once('.'))
+        .map(|(_, op)| op.to_string());
+    let action = target
+        .clone()
+        .or_else(|| super::ec2limits::action_of(&text))
         .or_else(|| super::ec2limits::action_of(query))
         .or_else(|| eks.as_ref().map(|(op, _)| op.to_string()))
         .unwrap_or_else(|| "(none)".to_string());
     *lock(&shared.actions).entry(action.clone()).or_default() += 1;
     let mut params: Vec<(String, String)> = Vec::new();
-    if eks.is_none() {
+    if eks.is_none() && target.is_none() {
         params.extend(
             form_urlencoded::parse(text.as_bytes())
                 .chain(form_urlencoded::parse(query.as_bytes()))
@@ -449,6 +477,19 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         // released, or the gate dropped (replaced, or the proxy going away): the request goes on
         let _ = open.wait_for(|o| *o).await;
         waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+    if target.as_deref() == Some("GetProducts") {
+        let list = lock(&shared.prices).clone();
+        if let Some(list) = list {
+            return match list.answer(&text) {
+                Ok(answer) => {
+                    let mut r = Response::new(Body::from(answer.to_string()));
+                    r.headers_mut().insert("content-type", HeaderValue::from_static("application/x-amz-json-1.1"));
+                    r
+                }
+                Err((code, message)) => json_error(StatusCode::BAD_REQUEST, code, &message),
+            };
+        }
     }
     if is_ec2 {
         if let Some(r) = shared.limits.check(&text, std::time::Instant::now()) {
@@ -656,6 +697,7 @@ mod tests {
             delays: Mutex::default(),
             holds: Mutex::default(),
             terminated_unseen: Mutex::default(),
+            prices: Mutex::default(),
         };
         let (mut t, mut i) = (0, 0);
         for _ in 0..10_000 {

@@ -29,6 +29,7 @@ pub mod naming;
 pub mod objects;
 pub mod ops;
 pub mod podcache;
+pub mod pricelist;
 pub mod standin;
 pub mod world;
 
