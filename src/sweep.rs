@@ -371,8 +371,10 @@ pub(crate) struct InstanceKind<'a> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Billed<'a> {
     pub(crate) instance_type: Option<&'a str>,
-    /// Its zone when it is a Spot instance (Spot prices are per zone); `None` on demand.
-    pub(crate) spot_zone: Option<&'a str>,
+    /// EC2's `InstanceLifecycle`: `spot`, `capacity-block`, or `None` on demand.
+    pub(crate) market: Option<&'a str>,
+    /// Its zone (Spot prices are per zone).
+    pub(crate) zone: &'a str,
     /// Pending or running: what bills compute (a stopped instance bills its volumes only).
     pub(crate) running: bool,
 }
@@ -385,14 +387,21 @@ pub(crate) struct PriceKey {
 }
 
 impl PriceKey {
-    fn of(b: &Billed<'_>) -> Option<PriceKey> {
-        Some(PriceKey { instance_type: b.instance_type?.to_string(), spot_zone: b.spot_zone.map(str::to_string) })
+    /// The price `b` costs, or why it has none to ask for.
+    fn of(b: &Billed<'_>) -> Result<PriceKey, String> {
+        let instance_type = b.instance_type.ok_or("EC2 gave no instance type")?.to_string();
+        match b.market {
+            None => Ok(PriceKey { instance_type, spot_zone: None }),
+            Some("spot") => Ok(PriceKey { instance_type, spot_zone: Some(b.zone.to_string()) }),
+            // a Capacity Block is paid for up front, per reservation, not by the hour used
+            Some(other) => Err(format!("a {other} instance has no hourly price")),
+        }
     }
 }
 
 /// The prices `instances` need asked for: one per type on demand, one per type and zone on Spot.
 pub(crate) fn price_keys(instances: &[Billed<'_>]) -> BTreeSet<PriceKey> {
-    instances.iter().filter(|b| b.running).filter_map(PriceKey::of).collect()
+    instances.iter().filter(|b| b.running).filter_map(|b| PriceKey::of(b).ok()).collect()
 }
 
 /// What a cluster's running instances cost an hour, by AWS's prices. Informative only: no
@@ -426,10 +435,8 @@ impl HourlyCost {
 pub(crate) fn hourly_cost(instances: &[Billed<'_>], prices: &BTreeMap<PriceKey, Result<f64, String>>) -> HourlyCost {
     let mut cost = HourlyCost::default();
     for b in instances.iter().filter(|b| b.running) {
-        let price = match PriceKey::of(b) {
-            None => Err("EC2 gave no instance type".to_string()),
-            Some(key) => prices.get(&key).cloned().unwrap_or_else(|| Err("not asked".to_string())),
-        };
+        let price =
+            PriceKey::of(b).and_then(|key| prices.get(&key).cloned().unwrap_or_else(|| Err("not asked".to_string())));
         match price {
             Ok(usd) => {
                 cost.usd += usd;
@@ -600,7 +607,8 @@ mod tests {
     fn the_hourly_cost_sums_running_instances_and_says_what_it_could_not_price() {
         let billed = |t: Option<&'static str>, spot: Option<&'static str>, running: bool| Billed {
             instance_type: t,
-            spot_zone: spot,
+            market: spot.map(|_| "spot"),
+            zone: spot.unwrap_or("us-west-2a"),
             running,
         };
         let instances = [
@@ -610,6 +618,7 @@ mod tests {
             billed(Some("m5.large"), Some("us-west-2b"), true),
             billed(Some("c5.xlarge"), None, false),
             billed(None, None, true),
+            Billed { market: Some("capacity-block"), ..billed(Some("p5.48xlarge"), None, true) },
         ];
         let keys = price_keys(&instances);
         let key = |t: &str, z: Option<&str>| PriceKey { instance_type: t.into(), spot_zone: z.map(str::to_string) };
@@ -623,10 +632,11 @@ mod tests {
         prices.insert(key("m5.large", Some("us-west-2a")), Ok(0.04));
         prices.insert(key("m5.large", Some("us-west-2b")), Err("no Spot price for us-west-2b".to_string()));
         let cost = hourly_cost(&instances, &prices);
-        assert_eq!((cost.priced, cost.unpriced), (3, 2));
+        assert_eq!((cost.priced, cost.unpriced), (3, 3));
         assert!((cost.usd - 0.232).abs() < 1e-9, "{}", cost.usd);
-        assert_eq!(cost.why_unpriced.len(), 2, "{:?}", cost.why_unpriced);
-        assert_eq!(cost.cell(), ">= $0.23/h, 2 unpriced");
+        assert_eq!(cost.why_unpriced.len(), 3, "{:?}", cost.why_unpriced);
+        assert!(cost.why_unpriced.iter().any(|w| w.contains("capacity-block")), "{:?}", cost.why_unpriced);
+        assert_eq!(cost.cell(), ">= $0.23/h, 3 unpriced");
         let all = hourly_cost(&instances[..3], &prices);
         assert_eq!(all.cell(), "$0.23/h");
         assert_eq!(hourly_cost(&instances[4..5], &prices).cell(), "-", "nothing running");

@@ -266,12 +266,20 @@ impl AwsClients {
         let elb = aws_sdk_elasticloadbalancing::config::Builder::from(config).interceptor(calls.clone()).build();
         // the Price List is served from a few regions only, whatever the instances' region
         let pricing = pricing::price_list_region(&region).map(|at| {
-            // informative only: a few attempts, not the eight a teardown's calls get
-            let conf = aws_sdk_pricing::config::Builder::from(config)
-                .region(Region::new(at))
-                .retry_config(RetryConfig::standard().with_max_attempts(3))
-                .interceptor(calls.clone())
+            // informative only: a slow or silent endpoint must not hold a sweep up, so each
+            // attempt is bounded, and the attempts are the SDK's default (a user's
+            // AWS_MAX_ATTEMPTS still wins), not the eight a teardown's calls get
+            let timeouts = aws_config::timeout::TimeoutConfig::builder()
+                .connect_timeout(std::time::Duration::from_secs(3))
+                .operation_attempt_timeout(std::time::Duration::from_secs(10))
+                .operation_timeout(std::time::Duration::from_secs(30))
                 .build();
+            let mut conf =
+                aws_sdk_pricing::config::Builder::from(config).region(Region::new(at)).timeout_config(timeouts);
+            if std::env::var_os("AWS_MAX_ATTEMPTS").is_none() && std::env::var_os("AWS_RETRY_MODE").is_none() {
+                conf = conf.retry_config(RetryConfig::standard());
+            }
+            let conf = conf.interceptor(calls.clone()).build();
             aws_sdk_pricing::Client::from_conf(conf)
         });
         Ok(AwsClients {

@@ -109,6 +109,13 @@ impl Pricing {
                 e.to_string()
             })
         })?;
+        // one product is asked for: more than a page of them is no single price either
+        if out.next_token().is_some_and(|t| !t.is_empty()) {
+            return Err(Unpriced::Product(format!(
+                "the Price List lists more than {} products",
+                out.price_list().len()
+            )));
+        }
         on_demand_price(out.price_list()).map_err(Unpriced::Product)
     }
 }

@@ -245,7 +245,7 @@ async fn price_region(aws: &AwsClients, region: &str, instances: &[InstanceInfo]
     let mut spot: BTreeMap<String, Result<BTreeMap<String, f64>, String>> = BTreeMap::new();
     // the Price List refused or unreachable: not asked again for each type (an endpoint out of
     // reach would cost its timeouts once per type)
-    let mut list_down: Option<String> = None;
+    let (mut list_down, mut spot_down): (Option<String>, Option<String>) = (None, None);
     for key in keys {
         let price = match &key.spot_zone {
             None => match &list_down {
@@ -261,14 +261,20 @@ async fn price_region(aws: &AwsClients, region: &str, instances: &[InstanceInfo]
             },
             Some(zone) => {
                 if !spot.contains_key(&key.instance_type) {
-                    let answer = aws.ec2.spot_prices(&key.instance_type).await.map_err(|e| {
-                        if e.is_access_denied() {
-                            "ec2:DescribeSpotPriceHistory is not allowed (deploy/iam-policy-sweep.json grants it)"
-                                .into()
-                        } else {
-                            e.to_string()
-                        }
-                    });
+                    // refused or unreachable, EC2 says the same of every type: asked once
+                    let answer = match &spot_down {
+                        Some(why) => Err(why.clone()),
+                        None => aws.ec2.spot_prices(&key.instance_type).await.map_err(|e| {
+                            let why = if e.is_access_denied() {
+                                "ec2:DescribeSpotPriceHistory is not allowed (deploy/iam-policy-sweep.json grants it)"
+                                    .to_string()
+                            } else {
+                                e.to_string()
+                            };
+                            spot_down = Some(why.clone());
+                            why
+                        }),
+                    };
                     spot.insert(key.instance_type.clone(), answer.map(|r| crate::aws::pricing::newest_by_zone(&r)));
                 }
                 match spot.get(&key.instance_type) {
@@ -298,7 +304,8 @@ fn billed(i: &InstanceInfo) -> Billed<'_> {
     use crate::aws::InstanceState;
     Billed {
         instance_type: i.instance_type.as_deref(),
-        spot_zone: (i.market.as_deref() == Some("spot")).then_some(i.zone.as_str()),
+        market: i.market.as_deref(),
+        zone: &i.zone,
         running: matches!(i.state, InstanceState::Pending | InstanceState::Running),
     }
 }

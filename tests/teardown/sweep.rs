@@ -280,11 +280,11 @@ async fn each_cluster_is_priced_by_aws_and_a_price_aws_does_not_give_is_unknown(
     // a region of this test's own: a region-wide sweep sees only what it made there
     const C: &str = "ca-central-1";
     let (gone, other) = (crate::common::unique_cluster("sw-cost"), crate::common::unique_cluster("sw-cost-c5"));
-    crate::common::ec2_proxy_control().serve_prices(sandbox_sim::pricelist::PriceList {
+    crate::common::ec2_proxy_control().serve_prices(Some(sandbox_sim::pricelist::PriceList {
         // m5.large's on-demand Linux price in us-east-1 by the Price List (Karpenter 1.14's
         // generated table), served here for C
         products: [((C.to_string(), "m5.large".to_string()), 0.096)].into(),
-    });
+    }));
     let mut ids = launch(C, 3, &launch_tags(&gone)).await;
     let ec2 = aws_sdk_ec2::Client::new(&sandbox_sim::localstack::config_as(C, "test").await);
     ec2.stop_instances().instance_ids(&ids[2]).send().await.unwrap();
@@ -347,6 +347,7 @@ async fn each_cluster_is_priced_by_aws_and_a_price_aws_does_not_give_is_unknown(
             && why.contains("ec2:DescribeSpotPriceHistory is not allowed"),
         "{why}"
     );
+    crate::common::ec2_proxy_control().serve_prices(None);
     crate::common::cloud(C).await.terminate(&ids).await.unwrap();
 }
 

@@ -174,10 +174,10 @@ impl ProxyControl {
     }
 
     /// Answers the Price List API's `GetProducts` from `list` from now on, as AWS's own endpoint
-    /// would (LocalStack does not emulate it: without a list its requests go on to LocalStack,
-    /// which refuses them).
-    pub fn serve_prices(&self, list: super::pricelist::PriceList) {
-        *lock(&self.shared.prices) = Some(list);
+    /// would (LocalStack does not emulate it: without a list, `None`, its requests go on to
+    /// LocalStack, which refuses them).
+    pub fn serve_prices(&self, list: Option<super::pricelist::PriceList>) {
+        *lock(&self.shared.prices) = list;
     }
 
     /// Holds every request of `action` signed with `access_key` until [`ProxyControl::release`]:
