@@ -168,25 +168,80 @@ pub(crate) fn launch_of_claim(
     fits.pop().map_or(LaunchMatch::Nothing, LaunchMatch::One)
 }
 
-/// How long the deletion of an EC2NodeClass waits, at `now`, when this run released a NodeClaim
-/// of it as never launched (the last at `released`): another whole allowance for EC2 to show
-/// that launch after all. A launch EC2 shows later than its allowance is then seen while the
-/// class, its launch templates (the evidence a reclaim from AWS alone needs) and its instance
-/// profile are still there.
-pub(crate) fn until_the_class_may_go(released: std::time::Instant, now: std::time::Instant) -> std::time::Duration {
-    let allowance = std::time::Duration::from_secs(LAUNCH_SHOWS_WITHIN_SECS.unsigned_abs() + 1);
-    (released + allowance).saturating_duration_since(now)
+/// The annotations an EC2NodeClass carries for each NodeClaim of it released with no instance
+/// found: `unseen-launch.karpenter-teardown.io/<hash of the claim's name>`, the claim as
+/// [`UnseenLaunch`]. Written on the class before the claim goes, it keeps what the class's
+/// deletion must look for across a killed run; it goes with the class.
+pub(crate) const UNSEEN_LAUNCH_PREFIX: &str = "unseen-launch.karpenter-teardown.io/";
+
+/// A NodeClaim released with no instance found, as its class remembers it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct UnseenLaunch {
+    pub(crate) claim: String,
+    pub(crate) nodepool: Option<String>,
+    /// Its creation, in seconds since the epoch (0 when unknown: every launch is then a
+    /// candidate).
+    pub(crate) created: i64,
 }
 
-/// The live instances among `live` launched from EC2NodeClass `class` (its tag) that no Node or
-/// NodeClaim names (`named`): each may be the launch of a claim released as never launched, and
-/// the class stays while one runs. An instance without the class tag is not the class's.
-pub(crate) fn unclaimed_launches<'a>(
-    live: &[Launched<'a>],
+/// The annotation key of `claim`'s [`UnseenLaunch`] (FNV-1a of the name: an annotation's name
+/// is at most 63 characters, a claim's may be more).
+pub(crate) fn unseen_launch_key(claim: &str) -> String {
+    let hash = claim.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    format!("{UNSEEN_LAUNCH_PREFIX}{hash:016x}")
+}
+
+/// The [`UnseenLaunch`]es among a class's annotations; one that does not parse counts as a
+/// launch of unknown pool and age (fails closed).
+pub(crate) fn unseen_launches<'a>(
+    annotations: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Vec<UnseenLaunch> {
+    annotations
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(UNSEEN_LAUNCH_PREFIX))
+        .map(|(k, v)| {
+            serde_json::from_str(v).unwrap_or_else(|_| UnseenLaunch {
+                claim: format!("(unreadable {k})"),
+                nodepool: None,
+                created: 0,
+            })
+        })
+        .collect()
+}
+
+/// How long the deletion of an EC2NodeClass waits, at `now`, for a second look at EC2 when a
+/// NodeClaim of it was released with no instance found: until the newest such claim is two
+/// allowances old (62 s). A launch EC2 shows later than its first allowance is then seen while
+/// the class, its launch templates (the evidence a reclaim from AWS alone needs) and its
+/// instance profile are still there; a claim already that old waits nothing.
+pub(crate) fn until_the_class_may_go(launches: &[UnseenLaunch], now: i64) -> Option<std::time::Duration> {
+    let newest = launches.iter().map(|l| l.created).max()?;
+    let left = 2 * (LAUNCH_SHOWS_WITHIN_SECS + 1) - now.saturating_sub(newest).max(0);
+    (left > 0).then(|| std::time::Duration::from_secs(left.unsigned_abs()))
+}
+
+/// The live instances (`live`, of the class's cluster and with its tag) that may be the launch of
+/// one of `launches`, claims of `class` released with no instance found, none of which `named`
+/// (every Node's and NodeClaim's instance) may hold: by [`launch_of_claim`]'s rule, but with a
+/// missing pool or creation time matching more, never less. Each with the claim it may be.
+pub(crate) fn launches_shown(
+    launches: &[UnseenLaunch],
     class: &str,
+    live: &[Launched<'_>],
     named: &std::collections::BTreeSet<&str>,
-) -> Vec<&'a str> {
-    live.iter().filter(|i| i.nodeclass == Some(class) && !named.contains(i.id)).map(|i| i.id).collect()
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for l in launches {
+        for i in live.iter().filter(|i| !named.contains(i.id) && i.nodeclass == Some(class)) {
+            let pool_fits = l.nodepool.is_none() || i.nodepool == l.nodepool.as_deref();
+            let claim_fits = i.nodeclaim.is_none_or(|c| c == l.claim);
+            let time_fits = i.launched.is_none_or(|t| t >= l.created - LAUNCH_CLOCK_SKEW_SECS);
+            if pool_fits && claim_fits && time_fits {
+                out.push((i.id.to_string(), l.claim.clone()));
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -302,28 +357,68 @@ mod tests {
         assert_eq!(until_a_launch_shows(None, now), Some(std::time::Duration::from_secs(31)));
     }
 
-    #[test]
-    fn a_class_whose_claim_was_released_unlaunched_waits_a_whole_allowance_after_the_release() {
-        let released = std::time::Instant::now();
-        let s = std::time::Duration::from_secs;
-        assert_eq!(until_the_class_may_go(released, released), s(31));
-        assert_eq!(until_the_class_may_go(released, released + s(30)), s(1));
-        assert_eq!(until_the_class_may_go(released, released + s(31)), s(0));
-        assert_eq!(until_the_class_may_go(released, released + s(600)), s(0));
+    fn unseen(claim: &str, pool: Option<&str>, created: i64) -> UnseenLaunch {
+        UnseenLaunch { claim: claim.into(), nodepool: pool.map(str::to_string), created }
     }
 
     #[test]
-    fn a_class_stays_while_an_instance_launched_from_it_is_named_by_nothing() {
+    fn a_class_whose_claim_was_released_unlaunched_waits_until_the_claim_is_two_allowances_old() {
+        let now = 1_800_000_000;
+        let s = std::time::Duration::from_secs;
+        assert_eq!(until_the_class_may_go(&[], now), None, "nothing released unlaunched: no wait");
+        assert_eq!(until_the_class_may_go(&[unseen("a", None, now - 31)], now), Some(s(31)));
+        assert_eq!(until_the_class_may_go(&[unseen("a", None, now - 61)], now), Some(s(1)));
+        assert_eq!(until_the_class_may_go(&[unseen("a", None, now - 62)], now), None);
+        assert_eq!(until_the_class_may_go(&[unseen("a", None, now - 3600)], now), None, "a stale claim waits nothing");
+        // the newest claim decides; one from the future waits the whole of it
+        assert_eq!(
+            until_the_class_may_go(&[unseen("a", None, now - 3600), unseen("b", None, now - 40)], now),
+            Some(s(22))
+        );
+        assert_eq!(until_the_class_may_go(&[unseen("a", None, now + 5)], now), Some(s(62)));
+    }
+
+    #[test]
+    fn a_class_stays_while_an_instance_that_may_be_a_released_claims_launch_runs() {
         let named: std::collections::BTreeSet<&str> = ["i-1"].into();
         let live = [
-            launched("i-1", "web", "default", Some("web-a"), 10),
-            launched("i-2", "web", "default", None, 20),
-            launched("i-3", "batch", "gpu", None, 20),
-            Launched { id: "i-4", nodepool: Some("web"), nodeclass: None, nodeclaim: None, launched: Some(20) },
+            launched("i-1", "web", "default", None, 100),
+            launched("i-2", "web", "default", None, 100),
+            launched("i-3", "web", "default", None, 10),
+            launched("i-4", "batch", "default", None, 100),
+            launched("i-5", "web", "default", Some("web-other"), 100),
+            launched("i-6", "web", "gpu", None, 100),
         ];
-        assert_eq!(unclaimed_launches(&live, "default", &named), ["i-2"]);
-        assert_eq!(unclaimed_launches(&live, "gpu", &named), ["i-3"]);
-        assert!(unclaimed_launches(&live, "other", &named).is_empty());
-        assert!(unclaimed_launches(&live[..1], "default", &named).is_empty(), "a named instance is its holder's");
+        let claim = [unseen("web-a", Some("web"), 90)];
+        assert_eq!(
+            launches_shown(&claim, "default", &live, &named),
+            [("i-2".to_string(), "web-a".to_string())],
+            "named, launched before the claim, another pool, another claim's, another class: not its launch"
+        );
+        // what is not known matches more, never less
+        let unknown = [unseen("web-a", None, 0)];
+        let shown: Vec<String> =
+            launches_shown(&unknown, "default", &live, &named).into_iter().map(|(i, _)| i).collect();
+        assert_eq!(shown, ["i-2", "i-3", "i-4"]);
+        assert!(launches_shown(&[], "default", &live, &named).is_empty());
+    }
+
+    #[test]
+    fn an_unseen_launch_is_kept_under_a_short_key_and_read_back_failing_closed() {
+        let key = unseen_launch_key(&"x".repeat(200));
+        assert!(key.starts_with(UNSEEN_LAUNCH_PREFIX) && key.len() - UNSEEN_LAUNCH_PREFIX.len() == 16, "{key}");
+        assert_eq!(key, unseen_launch_key(&"x".repeat(200)), "the same claim, the same key");
+        assert_ne!(unseen_launch_key("web-a"), unseen_launch_key("web-b"));
+        let record = unseen("web-a", Some("web"), 90);
+        let annotations: std::collections::BTreeMap<String, String> = [
+            (unseen_launch_key("web-a"), serde_json::to_string(&record).unwrap()),
+            (format!("{UNSEEN_LAUNCH_PREFIX}garbled"), "{".into()),
+            ("other".into(), "x".into()),
+        ]
+        .into();
+        let read = unseen_launches(&annotations);
+        assert_eq!(read.len(), 2);
+        assert!(read.contains(&record));
+        assert!(read.iter().any(|l| l.created == 0 && l.nodepool.is_none()), "{read:?}");
     }
 }

@@ -18,9 +18,9 @@ use super::context::Ctx;
 use super::drain::Release;
 use super::events::EngineEvent;
 use super::inventory::{Inventory, Machine, claim_owner, find_controllers, list_dynamic, pool_owner};
-use super::machine_node::{claim_node, karpenter_nodes, node_of, node_of_claim};
+use super::machine_node::{claim_node, karpenter_nodes_to_fence, node_of_claim, node_read_of};
 use super::task::{LateMachine, Outcome, TaskError, TaskOutcome};
-use crate::k8s::nodes::cordon_node;
+use crate::k8s::nodes::cordon_read_node;
 use crate::k8s::objects::{
     FinalizerRemoval, delete_and_remove_finalizer, delete_if_present, last_manager_in, patch_params, remove_finalizer,
 };
@@ -137,7 +137,7 @@ pub async fn fence(ctx: &Ctx) -> Outcome {
 /// node it lands on, which multiplies evictions and the makespan on a large cluster.
 pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> Outcome {
     let nodes = match machine {
-        Some(m) => match node_of(ctx, m).await? {
+        Some(m) => match node_read_of(ctx, m).await? {
             Some(n) => vec![n],
             None => return Ok(TaskOutcome::Skipped("no node".into())),
         },
@@ -146,10 +146,10 @@ pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> Outcom
     let api: Api<Node> = Api::all(ctx.kube.client.clone());
     let total = nodes.len();
     let mut results = stream::iter(nodes)
-        .map(|node| {
+        .map(|(node, read)| {
             let api = &api;
             async move {
-                let out = cordon_node(api, &node, false).await;
+                let out = cordon_read_node(api, &node, false, read).await;
                 (node, out)
             }
         })
@@ -178,18 +178,25 @@ pub async fn cordon(ctx: &Ctx, machine: Option<&str>, params: &Params) -> Outcom
 }
 
 /// The nodes of the inventoried machines that still exist as NodeClaims (or bare nodes), read
-/// with two lists instead of one read per machine.
-async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<String>, KubeError> {
+/// with two lists instead of one read per machine, each with what its cordon starts from.
+async fn inventoried_nodes(ctx: &Ctx) -> Result<Vec<(String, Option<Node>)>, KubeError> {
     let claims = list_dynamic(&ctx.kube.client, &k8s::nodeclaim_resource()).await?;
-    let nodes = karpenter_nodes(&ctx.kube.client).await?;
+    let listed = karpenter_nodes_to_fence(&ctx.kube.client).await?;
+    let seen: Vec<_> = listed.iter().map(|(s, _)| s.clone()).collect();
+    let mut reads: HashMap<String, Node> =
+        listed.into_iter().map(|(_, n)| (n.metadata.name.clone().unwrap_or_default(), n)).collect();
     let by_claim: HashMap<String, String> =
-        claims.iter().filter_map(|c| Some((c.metadata.name.clone()?, claim_node(c, &nodes)?))).collect();
+        claims.iter().filter_map(|c| Some((c.metadata.name.clone()?, claim_node(c, &seen)?))).collect();
     Ok(ctx
         .inventoried
         .iter()
         .filter_map(|m| match m.strip_prefix("node/") {
             Some(n) => Some(n.to_string()),
             None => by_claim.get(m).cloned(),
+        })
+        .map(|n| {
+            let read = reads.remove(&n);
+            (n, read)
         })
         .collect())
 }
@@ -304,8 +311,18 @@ pub(crate) fn conversion_patch(crd: &CustomResourceDefinition) -> Vec<Value> {
 /// gone any request needing conversion fails and the objects become unreachable. Only v1 is
 /// stored and used from here on, so conversion `None` is safe (Karpenter 1.1 does the same).
 pub(crate) async fn drop_conversion_webhooks(client: &kube::Client) -> Result<Vec<DroppedConversion>, KubeError> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let mut changed = Vec::new();
+    drop_conversion_webhooks_into(client, &mut changed).await?;
+    Ok(changed)
+}
+
+/// [`drop_conversion_webhooks`], adding each CRD to `changed` as it is changed: a failure on a
+/// later CRD leaves the earlier ones there, to be put back.
+pub(crate) async fn drop_conversion_webhooks_into(
+    client: &kube::Client,
+    changed: &mut Vec<DroppedConversion>,
+) -> Result<(), KubeError> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for name in crate::karpenter::CRDS {
         let crd = match crds.get_opt(name).await {
             Ok(Some(c)) => c,
@@ -329,7 +346,7 @@ pub(crate) async fn drop_conversion_webhooks(client: &kube::Client) -> Result<Ve
             Err(e) => return Err(KubeError::api(format!("remove the conversion webhook of CRD {name}"), e)),
         }
     }
-    Ok(changed)
+    Ok(())
 }
 
 /// A CRD whose conversion webhook [`drop_conversion_webhooks`] turned off: what it was, and the
@@ -353,14 +370,25 @@ pub(crate) async fn restore_conversion_webhooks(client: &kube::Client, dropped: 
             {"op": "test", "path": "/metadata/resourceVersion", "value": d.resource_version},
             {"op": "replace", "path": "/spec/conversion", "value": d.conversion},
         ]);
-        let result = match serde_json::from_value::<json_patch::Patch>(ops) {
-            Ok(patch) => crds.patch(&d.crd, &patch_params(), &Patch::<()>::Json(patch)).await.map(|_| ()),
-            Err(e) => Err(kube::Error::SerdeError(e)),
+        let patch = match serde_json::from_value::<json_patch::Patch>(ops) {
+            Ok(p) => p,
+            Err(e) => {
+                failed.push(format!("{} ({e})", d.crd));
+                continue;
+            }
         };
-        if let Err(e) = result {
-            let why = match status_code(&e) {
-                Some(422) => "changed since the run changed it".to_string(),
-                _ => e.to_string(),
+        let put = || async {
+            crds.patch(&d.crd, &patch_params(), &Patch::<()>::Json(patch.clone()))
+                .await
+                .map(|_| ())
+                .map_err(|e| KubeError::api(format!("put back the conversion of CRD {}", d.crd), e))
+        };
+        if let Err(e) = crate::k8s::retry_transient(put).await {
+            let why = match &e {
+                KubeError::Api { source, .. } if matches!(status_code(source), Some(409 | 422)) => {
+                    "changed since the run changed it".to_string()
+                }
+                other => other.to_string(),
             };
             failed.push(format!("{} ({why})", d.crd));
         }
@@ -548,12 +576,10 @@ pub async fn discharge_finalizers(ctx: &Ctx, machine: &str, params: &Params) -> 
         }
     } else {
         what.push("no instance (never launched)".into());
-        // EC2 may show its launch later still: its class waits for a second look before it goes
-        if let (Some(c), Some(class)) = (
-            claim_name.as_deref().filter(|_| claim_exists),
-            claim_read.as_ref().and_then(|o| o.data.pointer("/spec/nodeClassRef/name")).and_then(Value::as_str),
-        ) {
-            ctx.note_unseen_launch(class, c);
+        // EC2 may show its launch later still: its class, told so before the claim goes (and so
+        // across a killed run), takes a second look before it goes
+        if let Some(obj) = claim_read.as_ref().filter(|_| claim_exists) {
+            remember_unseen_launch(ctx, obj).await?;
         }
         if let Some(n) = &node_name {
             release_node(ctx, &nodes, n, node_uid.as_deref(), false, &mut what).await?;
@@ -790,15 +816,59 @@ pub async fn delete_nodeclasses(ctx: &Ctx, object: Option<&str>, params: &Params
     Ok(TaskOutcome::Done(format!("EC2NodeClass(es) deleted: {}", done.join(", "))))
 }
 
-/// When this run released a NodeClaim of `class` as never launched, the class goes only once EC2
-/// has had a second allowance to show that launch: an instance launched from the class that no
-/// Node or NodeClaim names keeps the class, its launch templates and its instance profile
-/// (blocked, naming it), so that verification and `verify --reclaim` still have the evidence
-/// they need. `None`: the class may go.
+/// Tells the claim's EC2NodeClass that the claim `obj` is released with no instance found
+/// ([`crate::evidence::UnseenLaunch`], an annotation: the class's deletion takes a second look
+/// for its launch, also in a run resumed after this one was killed). A class that is gone needs
+/// no telling; a claim that names none is every class's (its schema requires one, so a missing
+/// one is a claim the tool cannot place).
+async fn remember_unseen_launch(ctx: &Ctx, obj: &DynamicObject) -> Result<(), TaskError> {
+    let name = obj.metadata.name.clone().unwrap_or_default();
+    let record = crate::evidence::UnseenLaunch {
+        claim: name.clone(),
+        nodepool: obj.metadata.labels.as_ref().and_then(|l| l.get(karpenter::LABEL_NODEPOOL)).cloned(),
+        created: obj.metadata.creation_timestamp.as_ref().map_or(0, |t| t.0.as_second()),
+    };
+    let ar = k8s::nodeclass_resource();
+    let classes = match obj.data.pointer("/spec/nodeClassRef/name").and_then(Value::as_str) {
+        Some(c) => vec![c.to_string()],
+        None => list_dynamic(&ctx.kube.client, &ar).await?.into_iter().filter_map(|c| c.metadata.name).collect(),
+    };
+    let value = serde_json::to_string(&record)
+        .map_err(|e| KubeError::api("write the unseen launch", kube::Error::SerdeError(e)))?;
+    let patch = json!({"metadata": {"annotations": {crate::evidence::unseen_launch_key(&name): value}}});
+    let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &ar);
+    for class in classes {
+        match api.patch(&class, &patch_params(), &Patch::Merge(&patch)).await {
+            Ok(_) => {}
+            Err(e) if status_code(&e) == Some(404) => {}
+            Err(e) => {
+                return Err(KubeError::api(
+                    format!("note on EC2NodeClass {class} that NodeClaim {name} had no instance"),
+                    e,
+                )
+                .into());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// When a NodeClaim of `class` was released with no instance found (its annotations say so),
+/// the class goes only once EC2 has had a second allowance to show that launch: an instance
+/// that may be it (`evidence::launches_shown`) keeps the class, its launch templates and its
+/// instance profile (blocked, naming it), so that verification and `verify --reclaim` still have
+/// the evidence they need. `None`: the class may go.
 async fn unseen_launch_shown(ctx: &Ctx, class: &str) -> Result<Option<TaskOutcome>, TaskError> {
-    let Some((claims, released)) = ctx.unseen_launches(class) else { return Ok(None) };
-    let wait = crate::evidence::until_the_class_may_go(released.into_std(), std::time::Instant::now());
-    if !wait.is_zero() {
+    let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclass_resource());
+    let Some(read) = api.get_opt(class).await.map_err(|e| KubeError::api(format!("read EC2NodeClass {class}"), e))?
+    else {
+        return Ok(None);
+    };
+    let launches = crate::evidence::unseen_launches(read.metadata.annotations.iter().flatten());
+    if launches.is_empty() {
+        return Ok(None);
+    }
+    if let Some(wait) = crate::evidence::until_the_class_may_go(&launches, unix_now()) {
         tracing::info!(
             seconds = wait.as_secs(),
             "a NodeClaim of the class was released with no instance found; giving EC2 its time to show one"
@@ -819,18 +889,17 @@ async fn unseen_launch_shown(ctx: &Ctx, class: &str) -> Result<Option<TaskOutcom
     let holders = super::inventory::cluster_holders(&ctx.kube.client).await?;
     let named: BTreeSet<&str> = holders.instances.keys().map(String::as_str).collect();
     let launched: Vec<crate::evidence::Launched<'_>> = live.iter().map(launched_of).collect();
-    let unclaimed = crate::evidence::unclaimed_launches(&launched, class, &named);
-    if unclaimed.is_empty() {
+    let shown = crate::evidence::launches_shown(&launches, class, &launched, &named);
+    if shown.is_empty() {
         return Ok(None);
     }
+    let pairs: Vec<String> = shown.iter().map(|(i, c)| format!("{i} (NodeClaim {c}'s?)")).collect();
     Ok(Some(TaskOutcome::Blocked(format!(
         "EC2NodeClass {class} kept, with its launch templates and instance profile: EC2 now shows {} instance(s) \
-         launched from it that no Node or NodeClaim names ({}), after NodeClaim(s) {} of it were released with no \
-         instance found. `verify --reclaim` terminates them (the class's launch templates are its evidence); then \
-         run again",
-        unclaimed.len(),
-        unclaimed.join(", "),
-        claims.join(", ")
+         that may be the launch of a NodeClaim released with no instance found, and no Node or NodeClaim names: {}. \
+         `verify --reclaim` terminates them (the class's launch templates are its evidence); then run again",
+        pairs.len(),
+        pairs.join(", ")
     ))))
 }
 

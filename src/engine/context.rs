@@ -81,10 +81,6 @@ pub struct Ctx {
     /// When each drain's deadline clock started (`step/node`), kept across the attempts of its
     /// task: a drain restarted after a transient error keeps its first deadline.
     pub(crate) drain_clocks: Mutex<HashMap<String, tokio::time::Instant>>,
-    /// Per EC2NodeClass, the NodeClaims this run released as never launched (no instance found
-    /// for them) and when the last was: the class goes only once EC2 has had its time to show
-    /// a launch of theirs after all (`actions::unseen_launch_shown`).
-    pub(crate) unseen_launches: Mutex<BTreeMap<String, (Vec<String>, tokio::time::Instant)>>,
 }
 
 impl Ctx {
@@ -122,20 +118,6 @@ impl Ctx {
     /// Keeps the first start of the drain `key`'s deadline clock.
     pub(crate) fn keep_drain_clock(&self, key: &str, since: tokio::time::Instant) {
         self.drain_clocks.lock().unwrap_or_else(|p| p.into_inner()).entry(key.to_string()).or_insert(since);
-    }
-
-    /// Records that NodeClaim `claim` of class `class` was released with no instance found.
-    pub(crate) fn note_unseen_launch(&self, class: &str, claim: &str) {
-        let mut all = self.unseen_launches.lock().unwrap_or_else(|p| p.into_inner());
-        let now = tokio::time::Instant::now();
-        let entry = all.entry(class.to_string()).or_insert_with(|| (Vec::new(), now));
-        entry.0.push(claim.to_string());
-        entry.1 = now;
-    }
-
-    /// The NodeClaims of `class` released as never launched, and when the last was.
-    pub(crate) fn unseen_launches(&self, class: &str) -> Option<(Vec<String>, tokio::time::Instant)> {
-        self.unseen_launches.lock().unwrap_or_else(|p| p.into_inner()).get(class).cloned()
     }
 
     /// Reports pods that went down with their node: each is named, and the run is not clean.

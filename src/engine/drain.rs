@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use super::budgets::{self, Admission};
 use super::context::Ctx;
 use super::events::{EngineEvent, TaskRef, Waiting};
-use super::machine_node::node_of;
+use super::machine_node::node_read_of;
 use super::task::{Outcome, TaskError, TaskOutcome};
 use crate::config::DrainPolicy;
 use crate::k8s::nodes::{CordonOutcome, LIFTER_NOT_RECORDED, cordon_node, cordon_read_node};
@@ -327,13 +327,14 @@ async fn drain_machine(ctx: &Ctx, machine: &str, params: &Params, task: &TaskRef
     // Every machine drains at once (5,000 at the largest clusters) and a future is as large as
     // its largest await: the requests' futures are boxed, so a drain that waits holds a few
     // hundred bytes instead of kilobytes.
-    let Some(node) = Box::pin(node_of(ctx, machine)).await? else {
+    let Some((node, read)) = Box::pin(node_read_of(ctx, machine)).await? else {
         return Ok(TaskOutcome::Skipped("no node".into()));
     };
     let deadline = ctx.drain.deadline.or(params.deadline).unwrap_or(Duration::from_secs(600));
     let policy = ctx.drain.policy.unwrap_or(policy_of(params.on_deadline));
     let nodes: Api<Node> = Api::all(ctx.kube.client.clone());
-    if Box::pin(cordon_node(&nodes, &node, false)).await?.gone {
+    // from the Node read to prove it the claim's: its patch tests that read's resourceVersion
+    if Box::pin(cordon_read_node(&nodes, &node, false, read)).await?.gone {
         return Ok(TaskOutcome::Done("node already gone".into()));
     }
     ctx.pods.synced().await;

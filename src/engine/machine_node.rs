@@ -11,15 +11,17 @@ use super::task::LateMachine;
 use crate::k8s::{self, KubeError};
 use crate::karpenter::{self, ProviderId};
 
-/// The node of a machine (its NodeClaim's node, see [`claim_node`], or `node/<name>`); `None`
-/// when the NodeClaim is gone or has no node.
-pub(crate) async fn node_of(ctx: &Ctx, machine: &str) -> Result<Option<String>, KubeError> {
+/// The node of a machine (its NodeClaim's node, see [`claim_node`], or `node/<name>`), with the
+/// Node as it was read to prove it the claim's when it was read alone (the cordon starts from
+/// that read instead of reading the Node again); `None` when the NodeClaim is gone or has no
+/// node.
+pub(crate) async fn node_read_of(ctx: &Ctx, machine: &str) -> Result<Option<(String, Option<Node>)>, KubeError> {
     if let Some(n) = machine.strip_prefix("node/") {
-        return Ok(Some(n.to_string()));
+        return Ok(Some((n.to_string(), None)));
     }
     let api: Api<DynamicObject> = Api::all_with(ctx.kube.client.clone(), &k8s::nodeclaim_resource());
     match api.get_opt(machine).await {
-        Ok(Some(c)) => Ok(node_of_claim(&ctx.kube.client, &c).await?.map(|(n, _)| n)),
+        Ok(Some(c)) => node_of_claim(&ctx.kube.client, &c).await,
         Ok(None) => Ok(None),
         Err(e) => Err(KubeError::api(format!("read NodeClaim {machine}"), e)),
     }
@@ -91,6 +93,34 @@ impl NodeSeen {
             name: n.metadata.name.unwrap_or_default(),
         }
     }
+}
+
+/// The Nodes labelled with a NodePool, each as the evidence rule reads it and as a cordon
+/// starts from it: its name, resourceVersion and fence (`spec.unschedulable`, `spec.taints`),
+/// nothing else. A cordon from this read writes only if the Node is unchanged since (its patch
+/// tests the resourceVersion); at thousands of nodes the rest of each Node would be most of
+/// the run's memory.
+pub(crate) async fn karpenter_nodes_to_fence(client: &kube::Client) -> Result<Vec<(NodeSeen, Node)>, KubeError> {
+    let api: Api<Node> = Api::all(client.clone());
+    let trim = |n: Node| {
+        let fence = Node {
+            metadata: kube::api::ObjectMeta {
+                name: n.metadata.name.clone(),
+                resource_version: n.metadata.resource_version.clone(),
+                ..Default::default()
+            },
+            spec: n.spec.as_ref().map(|s| k8s_openapi::api::core::v1::NodeSpec {
+                unschedulable: s.unschedulable,
+                taints: s.taints.clone(),
+                ..Default::default()
+            }),
+            status: None,
+        };
+        Some((NodeSeen::of(n), fence))
+    };
+    k8s::list_pages(&api, &ListParams::default().labels(karpenter::LABEL_NODEPOOL), trim)
+        .await
+        .map_err(|e| KubeError::api("list Karpenter nodes", e))
 }
 
 /// The Nodes labelled with a NodePool (those the inventory takes as Karpenter's).

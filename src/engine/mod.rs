@@ -367,6 +367,16 @@ pub async fn run(
     let ended = match phases::prepare(&kube, &aws, &settings, &mut learnt).await {
         Err((phase, stop)) => Ended::Stopped { phase, stop },
         Ok(_) if settings.dry_run => Ended::DryRun,
+        // interrupted during the checks: nothing more is written, and the 1.0.x CRD repair the
+        // reads needed is put back
+        Ok(prepared) if cancel.is_cancelled() => {
+            let stop = Stop {
+                exit: Exit::Interrupted,
+                error: "interrupted before the first write".into(),
+                blockers: Vec::new(),
+            };
+            Ended::Stopped { phase: Phase::Inventory, stop: phases::put_back(&kube, &prepared.dropped, stop).await }
+        }
         Ok(prepared) => {
             let launch = Launch { kube, aws, settings: &settings, started, cancel, events };
             launch.run(prepared, &mut learnt).await
@@ -389,12 +399,13 @@ impl Launch<'_> {
     /// Pauses the GitOps owners, then runs the task graph with its watches and batcher.
     async fn run(self, prepared: phases::Prepared, learnt: &mut Learnt) -> Ended {
         let Launch { kube, aws, settings, started, cancel, events } = self;
-        let phases::Prepared { inv, graph, owners, release, volume_release, volumes } = prepared;
+        let phases::Prepared { inv, graph, owners, release, volume_release, volumes, dropped } = prepared;
         // owners already paused count too: a sync or reconcile they started may still be applying
         if !learnt.gitops.owners.is_empty() {
             let (record, stop) = pause_gitops(&kube, &owners, &mut learnt.gitops).await;
             learnt.steps.push(record);
             if let Some(stop) = stop {
+                let stop = phases::put_back(&kube, &dropped, stop).await;
                 return Ended::Stopped { phase: Phase::PauseGitops, stop };
             }
         }
@@ -409,6 +420,7 @@ impl Launch<'_> {
                 release::release(&kube, &aws, &settings.cluster, &release, &volume_release, deadline, &cancel).await;
             learnt.steps.push(record);
             if let Some(stop) = stop {
+                let stop = phases::put_back(&kube, &dropped, stop).await;
                 return Ended::Stopped { phase: Phase::Release, stop };
             }
         }
@@ -481,7 +493,6 @@ impl Launch<'_> {
             controller_gone_at: std::sync::OnceLock::new(),
             abandoned: Mutex::new(HashSet::new()),
             drain_clocks: Mutex::new(HashMap::new()),
-            unseen_launches: Mutex::default(),
         });
 
         let (exit, steps) = execute(graph, &settings.plan, ctx.clone()).await;

@@ -174,7 +174,11 @@ pub fn kubernetes_needs(plan: &Plan, delete_pods: bool, pause_gitops: bool) -> B
                 need.extend(conversion_repair_needs());
             }
             // the release check drains what was bound since the drain (`release-check`)
-            Action::DischargeFinalizers => need.extend(release_needs().into_iter().chain(drain_needs())),
+            // and a note on a class of a claim released with no instance found
+            Action::DischargeFinalizers => {
+                need.extend(release_needs().into_iter().chain(drain_needs()));
+                need.insert(p("patch", karpenter::AWS_GROUP, "ec2nodeclasses"));
+            }
             Action::DeleteNodepools => need.extend([p("delete", karpenter::KARPENTER_GROUP, "nodepools")]),
             // a NodeClaim launched during the run is drained and released by the plan's own
             // machine steps, whose needs are their own

@@ -285,7 +285,10 @@ async fn unstrand(
     if let Some(refused) = super::refused_by_admission(&findings, &mut text) {
         return Err(refused.into());
     }
-    let changed = super::actions::drop_conversion_webhooks(&kube.client).await.map_err(Stop::failed)?;
+    let mut changed = Vec::new();
+    if let Err(e) = super::actions::drop_conversion_webhooks_into(&kube.client, &mut changed).await {
+        return Err(put_back(kube, &changed, Stop::failed(e)).await);
+    }
     tracing::warn!(
         crds = changed.len(),
         "the Karpenter CRDs' conversion webhook had no controller behind it; set their conversion to None to reach the objects"
@@ -297,9 +300,10 @@ async fn unstrand(
 }
 
 /// `stop` once the CRDs' conversion the run turned off is put back: a run stopped by a check
-/// after that repair leaves the cluster as it found it. What cannot be put back is added to
-/// `stop`'s error, with the command that does it.
-async fn put_back(kube: &Kube, dropped: &[DroppedConversion], mut stop: Stop) -> Stop {
+/// after that repair (or before its graph's first task) leaves the cluster as it found it. What
+/// cannot be put back is named in `stop`'s error, and the run is then a failure: something it
+/// changed stays changed.
+pub(crate) async fn put_back(kube: &Kube, dropped: &[DroppedConversion], mut stop: Stop) -> Stop {
     if dropped.is_empty() {
         return stop;
     }
@@ -312,10 +316,12 @@ async fn put_back(kube: &Kube, dropped: &[DroppedConversion], mut stop: Stop) ->
         ));
     } else {
         stop.error.push_str(&format!(
-            ". The conversion of {} was turned off to read the Karpenter objects and could not be put back: {}",
+            ". The conversion webhook of {} was turned off to read the Karpenter objects and could not be put back: \
+             {}; the next run works with it off (Karpenter 1.1 and later turn it off too)",
             failed.len(),
             failed.join(", ")
         ));
+        stop.exit = Exit::Failure;
     }
     stop
 }
@@ -489,10 +495,14 @@ pub(crate) struct Prepared {
     pub(crate) volume_release: crate::cleanup::VolumeRelease,
     /// The EBS volumes of the cluster's PersistentVolumes, by id, each with its PV's name.
     pub(crate) volumes: BTreeMap<String, String>,
+    /// The Karpenter 1.0.x CRDs whose dead conversion webhook the inventory turned off to read
+    /// the objects: put back should the run stop before its graph's first task.
+    pub(crate) dropped: Vec<DroppedConversion>,
 }
 
 /// Runs the phases that only read, in order; the first that stops ends the run here, before a
-/// write, whatever consent was given.
+/// write (the one exception, the 1.0.x CRD repair the reads need, is put back), whatever
+/// consent was given.
 pub(crate) async fn prepare(
     kube: &Kube,
     aws: &AwsClients,
@@ -501,7 +511,7 @@ pub(crate) async fn prepare(
 ) -> Result<Prepared, (Phase, Stop)> {
     let (inv, dropped) = inventory(kube, aws, settings).await.map_err(|s| (Phase::Inventory, s))?;
     match checks(kube, aws, settings, inv, learnt).await {
-        Ok(prepared) => Ok(prepared),
+        Ok(prepared) => Ok(Prepared { dropped, ..prepared }),
         // the 1.0.x repair came before these checks (it is what lets them read the objects):
         // one that stops the run undoes it
         Err((phase, stop)) => Err((phase, put_back(kube, &dropped, stop).await)),
@@ -540,6 +550,7 @@ async fn checks(
         release: verdict.release,
         volume_release: verdict.volume_release,
         volumes: verdict.volumes,
+        dropped: Vec::new(),
     })
 }
 

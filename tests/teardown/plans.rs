@@ -280,14 +280,20 @@ async fn the_drains_of_machines_found_late_run_together_under_the_plans_deadline
         })
         .await;
         assert!(cordoned.is_ok(), "the run never cordoned a node");
+        // each machine's pod and its budget first: the pod runs as soon as its node does, so
+        // no drain can find the node empty
+        let names: Vec<String> = (0..LATE).map(|_| sandbox_sim::world::fresh_node_name(&world.region)).collect();
+        for (i, node) in names.iter().enumerate() {
+            pinned_behind_a_closed_budget(&b.client, &format!("pinned-{i}"), node).await;
+        }
         let pool = &world.nodes[0].pool;
         let launched = futures::future::join_all(
-            (0..LATE).map(|_| sandbox_sim::world::launch_machine(&world, &b.client, &b.cloud, pool, 20)),
+            names.iter().map(|n| sandbox_sim::world::launch_machine(&world, &b.client, &b.cloud, pool, n, 20)),
         )
         .await;
         let machines: Vec<sandbox_sim::world::GeneratedNode> = launched.into_iter().map(Result::unwrap).collect();
         for (i, m) in machines.iter().enumerate() {
-            pinned_behind_a_closed_budget(&b.client, &format!("pinned-{i}"), &m.node).await;
+            running_on(&b.client, &format!("pinned-{i}"), &m.node).await;
         }
         machines
     };
@@ -337,7 +343,7 @@ async fn the_drains_of_machines_found_late_run_together_under_the_plans_deadline
 }
 
 /// A one-replica Deployment `name` in `default`, pinned to `node`, whose PodDisruptionBudget
-/// allows no eviction; returns once its pod runs there.
+/// allows no eviction.
 async fn pinned_behind_a_closed_budget(client: &kube::Client, name: &str, node: &str) {
     use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -364,6 +370,10 @@ async fn pinned_behind_a_closed_budget(client: &kube::Client, name: &str, node: 
     }))
     .unwrap();
     Api::<PodDisruptionBudget>::namespaced(client.clone(), "default").create(&pp, &pdb).await.unwrap();
+}
+
+/// Returns once the pod of Deployment `name` in `default` runs on `node`.
+async fn running_on(client: &kube::Client, name: &str, node: &str) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let lp = ListParams::default().labels(&format!("app={name}"));
     let running = tokio::time::timeout(Duration::from_secs(30), async {

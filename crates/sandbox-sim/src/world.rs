@@ -671,14 +671,21 @@ pub(crate) async fn launch_karpenter_node(
     })
 }
 
+/// A name for a node no world has yet, as EKS names nodes (after a private IP).
+pub fn fresh_node_name(region: &str) -> String {
+    let salt = naming::stable_hash(&[&naming::random_suffix(8)]) & 0x00ff_ffff;
+    ip_node_name(region, salt, 0)
+}
+
 /// Launches one more node of `pool` in a generated world, as its controller would: what a run
 /// already under way did not inventory (a controller that was not fenced, a launch in flight).
-/// Its Node has room for `pods` pods besides the DaemonSet's.
+/// Its Node, `node_name`, has room for `pods` pods besides the DaemonSet's.
 pub async fn launch_machine(
     world: &World,
     client: &Client,
     aws: &Cloud,
     pool: &str,
+    node_name: &str,
     pods: u32,
 ) -> Result<GeneratedNode, SimError> {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &objects::nodepool_resource());
@@ -694,15 +701,13 @@ pub async fn launch_machine(
         })?
         .to_string();
     let zone = world.nodes.first().map_or_else(|| format!("{}a", world.region), |n| n.zone.clone());
-    let salt = naming::stable_hash(&[&naming::random_suffix(8)]) & 0x00ff_ffff;
-    let node_name = ip_node_name(&world.region, salt, 0);
     let launch = NodeLaunch {
         cluster: &world.cluster,
         region: &world.region,
         version: world.version,
         pool: PoolRef { name: pool, uid: &uid, class: &class },
         zone: &zone,
-        node_name: &node_name,
+        node_name,
         pods: pods + 1,
     };
     launch_karpenter_node(client, aws, &launch).await
