@@ -340,33 +340,46 @@ async fn a_launch_ec2_shows_late_is_found_before_its_claim_is_released() {
 }
 
 /// A launch EC2 shows later than its allowance: the claim is looked up once 30 s old, nothing
-/// shows, and it is released as never launched; the instance shows a little later. Its class
-/// waits a second allowance after the release and then finds it: the class stays, with its
-/// launch templates and instance profile (the evidence `verify --reclaim` needs), and the run
-/// ends blocked naming the instance, which still runs. Deleted at once, the class took its
-/// templates and profile with it, and the run ended clean with the instance running:
-/// verification's two reads came before EC2 showed it.
+/// shows, and it is released as never launched, its class told so first; the instance shows a
+/// little later. The run is SIGKILLed while the class waits for its second look, and the next
+/// run, which finds no claim left, still takes it: the class stays, with its launch templates and
+/// instance profile (the evidence `verify --reclaim` needs), and the run ends blocked naming the
+/// instance, which still runs. Deleted at once, the class took its templates and profile with
+/// it, and the run ended clean with the instance running: verification's two reads came before
+/// EC2 showed it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_launch_ec2_shows_after_its_claim_was_released_keeps_its_class() {
+async fn a_launch_ec2_shows_after_its_claim_was_released_keeps_its_class_across_a_kill() {
+    use tokio::io::AsyncBufReadExt;
     let spec = small_world("e2e-ev-showntoolate", 2);
     let b = bed(&spec.cluster).await;
     let world = generate(&spec, &b.client, &b.cloud).await.unwrap();
     let n = &world.nodes[0];
-    // hidden until the claim is 45 s old: past the claim's lookup (at 31 s), before its class's
-    // second look (31 s after the release)
-    let (claims, late) = launch_shown_late(&b, &world, n, 45).await;
+    // hidden until the claim is 50 s old: past the claim's lookup (at 31 s), before its class's
+    // second look (at 62 s)
+    let (claims, late) = launch_shown_late(&b, &world, n, 50).await;
+
+    let inv = crate::common::safety::Invocation { args: vec!["--yes"], ..Default::default() };
+    let mut cmd = crate::common::safety::command(&b, "run", &world.cluster, &inv);
+    cmd.stderr(std::process::Stdio::piped()).stdout(std::process::Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    let waiting = loop {
+        let Some(line) = lines.next_line().await.unwrap() else { break false };
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        seen.push(line);
+        if v["message"].as_str().is_some_and(|m| m.contains("released with no instance found")) {
+            break true;
+        }
+    };
+    assert!(waiting, "the class never waited for its second look:\n{}", seen.join("\n"));
+    child.start_kill().unwrap();
+    assert_eq!(child.wait().await.unwrap().code(), None, "killed by the signal");
+    assert!(claims.get_opt(&n.nodeclaim).await.unwrap().is_none(), "the claim was released before the kill");
 
     let run = teardown(&b, &world.cluster, Consent::Yes, &[]).await;
     assert_eq!(run.code, 5, "blocked: {}", run.dump());
     let steps = run.report["steps"].as_array().unwrap();
-    let released: Vec<&str> = steps
-        .iter()
-        .filter(|s| s["object"] == n.nodeclaim.as_str() && s["action"] == "discharge-finalizers")
-        .filter_map(|s| s["detail"].as_str())
-        .collect();
-    assert_eq!(released.len(), 1, "{}", run.dump());
-    assert!(released[0].contains("never launched"), "nothing showed at the claim's lookup: {released:?}");
-    assert!(claims.get_opt(&n.nodeclaim).await.unwrap().is_none(), "the claim was released");
     let of_class: Vec<&serde_json::Value> =
         steps.iter().filter(|s| s["action"] == "delete-nodeclasses" && s["object"] == n.class.as_str()).collect();
     assert_eq!(of_class.len(), 1, "{}", run.dump());
